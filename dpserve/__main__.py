@@ -1,0 +1,5 @@
+import sys
+
+from dpserve.cli import main
+
+sys.exit(main())

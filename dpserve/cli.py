@@ -1,0 +1,105 @@
+"""The `dpserve` command: up, router, model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from dpserve.config import Settings
+from dpserve.policies import POLICY_NAMES
+
+
+def _add_router_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", choices=POLICY_NAMES, help="routing policy (default least_loaded)")
+    parser.add_argument("--host", help="address the router binds (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="router port (default 8000)")
+    parser.add_argument("--max-body-bytes", type=int, dest="max_body_bytes", help="largest request body accepted")
+    parser.add_argument("--probe-interval", type=float, dest="probe_interval_s", help="seconds between probes")
+    parser.add_argument("--retries", type=int, help="other replicas tried before the first byte (default 1)")
+    parser.add_argument("--access-log", action="store_true", default=None, dest="access_log")
+    parser.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    router = commands.add_parser("router", help="run the OpenAI-compatible router in front of replicas")
+    router.add_argument(
+        "--replica", action="append", dest="replicas", metavar="URL", required=True,
+        help="a replica's base URL, e.g. http://127.0.0.1:8100 (repeat for each replica)",
+    )
+    _add_router_flags(router)
+
+    up = commands.add_parser(
+        "up",
+        help="launch one vLLM replica per GPU (or CPU replicas) and the router",
+        description="Everything after `--` is passed to every `vllm serve` replica unchanged.",
+    )
+    up.add_argument("--replicas", type=int, dest="num_replicas", help="replica count (default: one per GPU, else 2)")
+    up.add_argument("--model", help="model path or name (default: the built-in tiny model, built on first use)")
+    up.add_argument("--served-model-name", dest="served_model_name", help="name clients use for the model")
+    up.add_argument("--base-port", type=int, dest="base_port", help="first replica port (default 8100)")
+    up.add_argument("--kv-events-base-port", type=int, dest="kv_events_base_port", help="first KV-event port")
+    up.add_argument("--cache-dir", type=Path, dest="cache_dir", help="where the tiny model is built")
+    up.add_argument("--run-dir", type=Path, dest="run_dir", help="where replica logs go")
+    up.add_argument("--max-model-len", type=int, dest="max_model_len", help="context length (default 4096)")
+    up.add_argument("--start-timeout", type=float, dest="replica_start_timeout_s", help="seconds to wait per replica")
+    _add_router_flags(up)
+
+    model = commands.add_parser("model", help="build models for demos and tests")
+    model_kinds = model.add_subparsers(dest="kind", required=True)
+    tiny = model_kinds.add_parser("tiny", help="build the deterministic tiny Llama that vLLM's CPU backend serves")
+    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_kinds = bench.add_subparsers(dest="bench", required=True)
+    upstream = bench_kinds.add_parser("upstream-client", help="aiohttp vs httpx as the relay's upstream client")
+    upstream.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    names = Settings.__dataclass_fields__
+    return {key: value for key, value in vars(args).items() if key in names and value is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    vllm_args: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, vllm_args = argv[:split], argv[split + 1 :]
+    args = build_parser().parse_args(argv)
+
+    if args.command == "model":
+        from dpserve.models.tiny import build_tiny_model
+
+        print(build_tiny_model(args.dir, seed=args.seed))
+        return 0
+    if args.command == "bench":
+        from dpserve.bench.upstream_client import main as bench_main
+
+        return bench_main(args.args)
+
+    overrides = _overrides(args)
+    if args.command == "router":
+        overrides["replicas"] = tuple(args.replicas)
+        settings = Settings.load(overrides)
+        from dpserve.router.serve import serve_router
+
+        serve_router(settings)
+        return 0
+
+    overrides["vllm_args"] = tuple(vllm_args)
+    settings = Settings.load(overrides)
+    from dpserve.replicas.launcher import run_launcher
+
+    return run_launcher(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""One settings object for every dpserve command: defaults < environment (DPSERVE_*) < flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+ENV_PREFIX = "DPSERVE_"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dpserve"
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Router
+    host: str = "127.0.0.1"
+    port: int = 8000
+    replicas: tuple[str, ...] = ()
+    policy: str = "least_loaded"
+    max_body_bytes: int = 16 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 900.0
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 3.0
+    retries: int = 1
+    access_log: bool = False
+    log_level: str = "info"
+    # Launcher (`dpserve up`)
+    num_replicas: int | None = None
+    model: str | None = None
+    served_model_name: str | None = None
+    base_port: int = 8100
+    kv_events_base_port: int = 5557
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    run_dir: Path | None = None
+    replica_start_timeout_s: float = 900.0
+    cpu_kv_cache_gib: int = 1
+    max_model_len: int = 4096
+    vllm_args: tuple[str, ...] = ()
+
+    @classmethod
+    def load(cls, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+        """Build from environment variables and explicit overrides (flags); `None` overrides are unset."""
+        env = os.environ if env is None else env
+        hints = get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _coerce(f.name, hints[f.name], raw)
+        for name, value in (overrides or {}).items():
+            if value is not None:
+                values[name] = value
+        return dataclasses.replace(cls(), **values)
+
+
+def _coerce(name: str, hint: Any, raw: str) -> Any:
+    text = str(hint)
+    try:
+        if "tuple" in text:
+            return tuple(part for part in raw.replace(",", " ").split() if part)
+        if "bool" in text:
+            if raw.lower() in {"1", "true", "yes", "on"}:
+                return True
+            if raw.lower() in {"0", "false", "no", "off"}:
+                return False
+            raise ValueError(raw)
+        if "int" in text and "float" not in text:
+            return int(raw)
+        if "float" in text:
+            return float(raw)
+        if "Path" in text:
+            return Path(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid value") from None
+    return raw

@@ -1,0 +1,184 @@
+"""`dpserve up`: start the replicas, wait until they serve, start the router, keep them all alive."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+
+from dpserve.config import Settings
+from dpserve.gpu.detect import count_nvidia_gpus
+from dpserve.replicas.plan import PlanError, ReplicaPlan, plan_replicas, router_argv
+from dpserve.replicas.process import ManagedProcess, log_tail
+
+log = logging.getLogger("dpserve.up")
+STOP_GRACE_S = 30.0
+
+
+class StartupFailed(RuntimeError):
+    pass
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> str:
+    header = ("REPLICA", "URL", "DEVICE", "STATE", "PID", "LOG")
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+    return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+                     for row in (header, *rows))
+
+
+class Launcher:
+    def __init__(self, settings: Settings, plans: list[ReplicaPlan], run_dir: Path) -> None:
+        self.settings = settings
+        self.plans = plans
+        self.run_dir = run_dir
+        self.replicas = [
+            ManagedProcess(plan.id, plan.argv, plan.env, run_dir / f"{plan.id}.log", plan.cpus) for plan in plans
+        ]
+        self.router = ManagedProcess("router", router_argv(settings, [p.url for p in plans]), {}, None)
+        self.stopping = asyncio.Event()
+        self._started = False
+
+    @property
+    def router_url(self) -> str:
+        host = "127.0.0.1" if self.settings.host in ("0.0.0.0", "::", "") else self.settings.host
+        return f"http://{host}:{self.settings.port}"
+
+    def table(self) -> str:
+        rows = [
+            (plan.id, plan.url, plan.device, proc.state, str(proc.pid or "-"), str(proc.log_path))
+            for plan, proc in zip(self.plans, self.replicas, strict=True)
+        ]
+        rows.append(("router", self.router_url, f"policy={self.settings.policy}", self.router.state,
+                     str(self.router.pid or "-"), "(this terminal)"))
+        return format_table(rows)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stopping.set)
+        try:
+            return await self._run()
+        finally:
+            await self.shutdown()
+
+    async def _run(self) -> int:
+        print(f"dpserve: starting {len(self.plans)} replica(s); logs in {self.run_dir}", flush=True)
+        for proc in self.replicas:
+            await proc.start()
+        async with aiohttp.ClientSession() as session:
+            try:
+                waits = [self._wait_ready(session, plan.url, proc) for plan, proc in zip(self.plans, self.replicas,
+                                                                                         strict=True)]
+                if not await self._unless_stopping(asyncio.gather(*waits)):
+                    return 130
+                await self.router.start()
+                if not await self._unless_stopping(self._wait_ready(session, self.router_url, self.router, "/ready")):
+                    return 130
+            except StartupFailed as exc:
+                print(f"dpserve: {exc}", file=sys.stderr, flush=True)
+                return 1
+            self._started = True
+            print(self.table(), flush=True)
+            print(f"dpserve: router ready at {self.router_url}/v1 (Ctrl-C stops everything)", flush=True)
+            watchers = [
+                asyncio.create_task(proc.supervise(self.stopping, self._on_exit, self._readiness_reporter(session)))
+                for proc in (*self.replicas, self.router)
+            ]
+            await self.stopping.wait()
+            for watcher in watchers:
+                watcher.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+        return 0
+
+    def _on_exit(self, proc: ManagedProcess, exit_code: int | None, backoff: float) -> None:
+        print(f"dpserve: {proc.name} exited (code {exit_code}); restarting in {backoff:.0f}s", flush=True)
+        print(self.table(), flush=True)
+
+    def _readiness_reporter(self, session: aiohttp.ClientSession):  # type: ignore[no-untyped-def]
+        async def report(proc: ManagedProcess) -> None:
+            url = self.router_url if proc is self.router else self.plans[self.replicas.index(proc)].url
+            path = "/ready" if proc is self.router else "/v1/models"
+            try:
+                await self._wait_ready(session, url, proc, path)
+            except StartupFailed as exc:
+                print(f"dpserve: {exc}", flush=True)  # it exited again: the supervisor restarts it
+                return
+            print(f"dpserve: {proc.name} is back (restart #{proc.restarts})", flush=True)
+            print(self.table(), flush=True)
+
+        return report
+
+    async def _unless_stopping(self, work: asyncio.Future | object) -> bool:
+        """Run `work`; False when a stop signal came first."""
+        task = asyncio.ensure_future(work)  # type: ignore[arg-type]
+        stop = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if task.done():
+            task.result()
+            return True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StartupFailed):
+            await task
+        return False
+
+    async def _wait_ready(
+        self, session: aiohttp.ClientSession, url: str, proc: ManagedProcess, path: str = "/v1/models"
+    ) -> None:
+        deadline = time.monotonic() + self.settings.replica_start_timeout_s
+        timeout = aiohttp.ClientTimeout(total=5)
+        while time.monotonic() < deadline:
+            if proc.process is None or proc.process.returncode is not None:
+                code = proc.process.returncode if proc.process else None
+                tail = log_tail(proc.log_path)
+                detail = f":\n{tail}" if tail else ""
+                raise StartupFailed(f"{proc.name} exited during start-up (code {code}){detail}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(url + path, timeout=timeout) as resp:
+                    if resp.status == 200:
+                        proc.state = "ready"
+                        return
+            await asyncio.sleep(1.0)
+        raise StartupFailed(f"{proc.name} was not ready after {self.settings.replica_start_timeout_s:.0f}s")
+
+    async def shutdown(self) -> None:
+        # The router first, so in-flight streams finish while the replicas still serve them.
+        await self.router.stop(STOP_GRACE_S)
+        await asyncio.gather(*(proc.stop(STOP_GRACE_S) for proc in self.replicas))
+        if self._started:
+            print("dpserve: stopped every replica and the router", flush=True)
+
+
+def _resolve_model(settings: Settings) -> tuple[str, str | None]:
+    if settings.model:
+        return settings.model, settings.served_model_name
+    from dpserve.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
+
+    print(f"dpserve: no --model given; using the built-in tiny model (cache: {settings.cache_dir})", flush=True)
+    path = ensure_tiny_model(settings.cache_dir)
+    return str(path), settings.served_model_name or TINY_MODEL_NAME
+
+
+def run_launcher(settings: Settings) -> int:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gpus, why_none = count_nvidia_gpus()
+    if why_none:
+        print(f"dpserve: {why_none}; running vLLM on the CPU", flush=True)
+    model, served_name = _resolve_model(settings)
+    try:
+        plans = plan_replicas(settings, model, served_name, gpus, sorted(os.sched_getaffinity(0)))
+    except PlanError as exc:
+        print(f"dpserve: {exc}", file=sys.stderr)
+        return 2
+    run_dir = settings.run_dir or Path(tempfile.mkdtemp(prefix="dpserve-run-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return asyncio.run(Launcher(settings, plans, run_dir).run())

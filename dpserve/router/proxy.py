@@ -1,0 +1,207 @@
+"""Sending one request to a replica and relaying its answer: retries before the first byte, never after."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from dpserve.policies.base import Policy, RequestFeatures
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.errors import OpenAIError, no_replica
+from dpserve.router.metrics import RouterMetrics
+
+log = logging.getLogger("dpserve.proxy")
+
+SSE_EVENT_END = b"\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
+# Failures before any byte reached the client: the request may safely go to another replica.
+RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+
+
+@dataclass(slots=True)
+class Buffered:
+    """A complete, non-streamed answer."""
+
+    replica_id: str
+    status: int
+    content_type: str
+    body: bytes
+
+
+class Streaming:
+    """An open stream whose first event has arrived. Iterate it to relay the rest; `finish` (idempotent)
+    drops the upstream connection and returns the replica's slot, whether or not iteration ever began."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        status: int,
+        content_type: str,
+        resp: aiohttp.ClientResponse,
+        first: bytes,
+        registry: ReplicaRegistry,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.replica_id = replica_id
+        self.status = status
+        self.content_type = content_type
+        self.completed = False
+        self.broken = False
+        self._resp = resp
+        self._first = first
+        self._registry = registry
+        self._metrics = metrics
+        self._finished = False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._relay()
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        # Closing (not releasing) drops the connection, so the replica aborts the request
+        # when the client went away mid-stream.
+        self._resp.close()
+        self._registry.release(self.replica_id)
+
+    async def _relay(self) -> AsyncIterator[bytes]:
+        """Chunks as they arrive, cut at event boundaries so a broken stream never ends mid-event."""
+        pending = b""
+        content = self._resp.content
+        try:
+            chunk = self._first
+            while chunk:
+                if not pending and chunk.endswith(SSE_EVENT_END):
+                    yield chunk
+                else:
+                    data = pending + chunk
+                    cut = data.rfind(SSE_EVENT_END)
+                    if cut < 0:
+                        pending = data
+                    else:
+                        pending = data[cut + 2 :]
+                        yield data[: cut + 2]
+                chunk = await content.readany()
+            if pending:
+                yield pending
+            self.completed = True
+        except RETRYABLE as exc:
+            # Bytes already reached the client, so no retry: end the stream cleanly with an error.
+            log.warning("stream from replica %s broke mid-response (%s)", self.replica_id, type(exc).__name__)
+            self.broken = True
+            self._metrics.broken_streams.labels(self.replica_id).inc()
+            yield stream_error_event("The replica serving this stream failed mid-response.")
+            yield SSE_DONE
+        finally:
+            self.finish()
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        policy: Policy,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+        retries: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._registry = registry
+        self._policy = policy
+        self._session = session
+        self._metrics = metrics
+        self._retries = retries
+        self._clock = clock
+
+    async def send(
+        self, path: str, features: RequestFeatures, body: bytes, headers: dict[str, str], started: float
+    ) -> Buffered | Streaming:
+        tried: list[str] = []
+        last_failure: Buffered | None = None
+        for attempt in range(self._retries + 1):
+            candidates = self._registry.candidates(features.model, exclude=tried)
+            if not candidates:
+                break
+            replica_id = self._policy.choose(features, candidates).id
+            self._metrics.decisions.labels(self._policy.name, replica_id).inc()
+            tried.append(replica_id)
+            is_last = attempt == self._retries
+            try:
+                outcome = await self._attempt(replica_id, path, features, body, headers, started)
+            except RETRYABLE as exc:
+                reason = type(exc).__name__
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    # Nothing listens there: out of routing until a probe finds it back. Other
+                    # failures (a reused socket the replica had closed, say) prove nothing about it.
+                    self._registry.mark_down(replica_id, reason)
+                log.warning("replica %s failed before the first byte (%s)", replica_id, reason)
+                if not is_last:
+                    self._metrics.retries.labels(reason).inc()
+                continue
+            if outcome.status >= 500 and isinstance(outcome, Buffered) and not is_last:
+                self._metrics.retries.labels(f"http_{outcome.status}").inc()
+                last_failure = outcome
+                continue
+            return outcome
+        if last_failure is not None:
+            return last_failure
+        if not tried:
+            raise no_replica(f"No healthy replica serves the model `{features.model}` right now.")
+        raise OpenAIError(
+            502,
+            "The replica failed before answering and no other replica could take the request.",
+            type="server_error",
+            code="upstream_unavailable",
+        )
+
+    async def _attempt(
+        self,
+        replica_id: str,
+        path: str,
+        features: RequestFeatures,
+        body: bytes,
+        headers: dict[str, str],
+        started: float,
+    ) -> Buffered | Streaming:
+        registry = self._registry
+        url = registry.get(replica_id).url + path
+        registry.acquire(replica_id)
+        handed_over = False
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            resp = await self._session.post(url, data=body, headers=headers)
+            content_type = resp.headers.get("content-type", "application/json")
+            stream = features.stream and resp.status == 200
+            if not stream:
+                payload = await resp.read()
+                self._metrics.first_byte.labels(features.endpoint, "false").observe(self._clock() - started)
+                return Buffered(replica_id, resp.status, content_type, payload)
+            # Wait for the first event before committing to this replica: a replica that dies
+            # before it can still be replaced, since the client has seen nothing yet.
+            first = await resp.content.readany()
+            if not first:
+                raise aiohttp.ServerDisconnectedError("stream closed before the first event")
+            self._metrics.first_byte.labels(features.endpoint, "true").observe(self._clock() - started)
+            handed_over = True
+            return Streaming(replica_id, resp.status, content_type, resp, first, registry, self._metrics)
+        except BaseException:
+            if resp is not None:
+                resp.close()
+            raise
+        finally:
+            if not handed_over:
+                if resp is not None:
+                    resp.release()
+                registry.release(replica_id)
+
+
+def stream_error_event(message: str) -> bytes:
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "stream_broken"}}
+    return b"data: " + orjson.dumps(error) + SSE_EVENT_END

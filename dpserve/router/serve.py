@@ -1,0 +1,26 @@
+"""Running the router app under uvicorn."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from dpserve.config import Settings
+from dpserve.router.app import create_app
+
+
+def serve_router(settings: Settings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        access_log=settings.access_log,
+        log_level=settings.log_level,
+        # Streams in flight get this long to finish when the router is asked to stop.
+        timeout_graceful_shutdown=30,
+    )
