@@ -72,7 +72,9 @@ def vllm_argv(settings: Settings, model: str, served_name: str | None, port: int
         config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://127.0.0.1:{kv_port}",
+            # vLLM binds only for a wildcard host (it connects out for any other), and the
+            # router's subscriber connects to it: so `*`, reached at 127.0.0.1 from here.
+            "endpoint": f"tcp://*:{kv_port}",
             "topic": "kv-events",
         }
         argv += ["--kv-events-config", json.dumps(config)]

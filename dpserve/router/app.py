@@ -24,7 +24,14 @@ from dpserve.config import Settings
 from dpserve.policies import Policy, RequestFeatures, make_policy
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.errors import OpenAIError, bad_request, model_not_found, no_replica, status_type
+from dpserve.router.errors import (
+    OpenAIError,
+    bad_request,
+    model_not_found,
+    no_replica,
+    status_type,
+    upstream_error_body,
+)
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.proxy import Buffered, Dispatcher, Streaming
 from dpserve.router.request_body import PROXIED_ENDPOINTS, Endpoint, parse_body, read_limited, with_model
@@ -178,7 +185,10 @@ def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Callable[[Request]
         if isinstance(outcome, Buffered):
             metrics.requests.labels(endpoint.name, outcome.replica_id, str(outcome.status)).inc()
             metrics.duration.labels(endpoint.name, "false").observe(time.perf_counter() - started)
-            return Response(outcome.body, status_code=outcome.status, headers=headers, media_type=outcome.content_type)
+            body = outcome.body
+            if outcome.status >= 400:
+                body = upstream_error_body(outcome.status, body, endpoint.path)
+            return Response(body, status_code=outcome.status, headers=headers, media_type=outcome.content_type)
         return _RelayResponse(outcome, headers, endpoint, metrics, started)
 
     return handle

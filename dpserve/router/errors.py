@@ -61,3 +61,19 @@ def status_type(status: int) -> str:
         413: "invalid_request_error",
         429: "rate_limit_error",
     }.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def upstream_error_body(status: int, body: bytes, path: str) -> bytes:
+    """A replica's error body, reshaped to OpenAI's `{"error": {...}}` when it is not already
+    (FastAPI's own `{"detail": ...}` for an endpoint the replica does not serve, say)."""
+    try:
+        payload = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        payload = None
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        return body
+    detail = payload.get("detail") if isinstance(payload, dict) else None
+    if not isinstance(detail, str):
+        detail = body[:200].decode("utf-8", "replace").strip() if payload is None and body else None
+    message = f"The replica could not serve {path}" + (f": {detail}" if detail else f" (HTTP {status}).")
+    return OpenAIError(status, message, type=status_type(status)).body()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import prometheus_client
 import uvicorn
 
 from dpserve.config import Settings
@@ -12,6 +13,8 @@ from dpserve.router.app import create_app
 
 def serve_router(settings: Settings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Process-wide switch (hence here, not in the app factory): no `*_created` series per counter.
+    prometheus_client.disable_created_metrics()
     app = create_app(settings)
     uvicorn.run(
         app,

@@ -1,0 +1,35 @@
+"""Shared test plumbing: free loopback ports, process helpers, and ordering of disruptive tests."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Tests that kill or stop the shared replicas run after everything that needs them healthy.
+    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_port_range(count: int, start: int = 20000, stop: int = 60000) -> int:
+    """The first of `count` consecutive ports that are all free on loopback."""
+    for base in range(start, stop, count + 7):
+        if all(_is_free(base + offset) for offset in range(count)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True

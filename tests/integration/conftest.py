@@ -1,0 +1,146 @@
+"""One real fleet per test session: `dpserve up` with 2 vLLM CPU replicas of the tiny model and its router.
+
+Starting vLLM takes about a minute, so every integration test shares this fleet; tests that need
+another policy start their own `dpserve router` over the same replicas (that takes a second)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port, free_port_range
+
+FLEET_START_TIMEOUT_S = 600
+ROUTER_START_TIMEOUT_S = 30
+
+
+@dataclass
+class Fleet:
+    router_url: str
+    replica_urls: list[str]
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+
+@dataclass
+class RouterProcess:
+    url: str
+    process: subprocess.Popen[bytes]
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.5, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def router_status(url: str) -> dict:  # type: ignore[type-arg]
+    return httpx.get(f"{url}/status", timeout=5).json()
+
+
+def healthy_count(url: str) -> int:
+    try:
+        return sum(1 for replica in router_status(url)["replicas"] if replica["healthy"])
+    except httpx.HTTPError:
+        return 0
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    work = tmp_path_factory.mktemp("fleet")
+    router_port = free_port()
+    base_port = free_port_range(2)
+    kv_base_port = free_port_range(2, start=base_port + 100)
+    log_path = work / "dpserve-up.log"
+    command = [
+        sys.executable, "-m", "dpserve", "up",
+        "--replicas", "2",
+        "--port", str(router_port),
+        "--base-port", str(base_port),
+        "--kv-events-base-port", str(kv_base_port),
+        "--cache-dir", str(work / "cache"),
+        "--run-dir", str(work / "run"),
+        "--probe-interval", "0.5",
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    fleet = Fleet(
+        router_url=f"http://127.0.0.1:{router_port}",
+        replica_urls=[f"http://127.0.0.1:{base_port + index}" for index in range(2)],
+        process=process,
+        log_path=log_path,
+    )
+    try:
+        deadline = time.monotonic() + FLEET_START_TIMEOUT_S
+        while healthy_count(fleet.router_url) < 2:
+            if process.poll() is not None:
+                pytest.fail(f"dpserve up exited with {process.returncode}:\n{fleet.log_tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"fleet not ready after {FLEET_START_TIMEOUT_S}s:\n{fleet.log_tail()}")
+            time.sleep(1)
+        yield fleet
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def start_router(
+    replica_urls: list[str], policy: str, *extra: str, expect_healthy: int | None = None
+) -> RouterProcess:
+    port = free_port()
+    command = [sys.executable, "-m", "dpserve", "router", "--policy", policy, "--port", str(port)]
+    for url in replica_urls:
+        command += ["--replica", url]
+    command += ["--probe-interval", "0.2", "--log-level", "warning", *extra]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    router = RouterProcess(f"http://127.0.0.1:{port}", process)
+    try:
+        expected = len(replica_urls) if expect_healthy is None else expect_healthy
+        wait_until(lambda: healthy_count(router.url) == expected, ROUTER_START_TIMEOUT_S, what="router")
+    except AssertionError:
+        stop_router(router)
+        raise
+    return router
+
+
+def stop_router(router: RouterProcess) -> None:
+    router.process.send_signal(signal.SIGTERM)
+    try:
+        router.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        router.process.kill()
+        router.process.wait()
+
+
+@pytest.fixture
+def router_factory(fleet: Fleet) -> Iterator:  # type: ignore[type-arg]
+    started: list[RouterProcess] = []
+
+    def make(policy: str, *extra: str) -> RouterProcess:
+        router = start_router(fleet.replica_urls, policy, *extra)
+        started.append(router)
+        return router
+
+    yield make
+    for router in started:
+        stop_router(router)

@@ -1,0 +1,161 @@
+"""The router against scripted stand-in replicas, for failures real vLLM cannot be made to show on demand:
+a 5xx before the first byte, a stream cut mid-response, replicas serving different models."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+from aiohttp import web
+
+from dpserve.config import Settings
+from dpserve.router.app import create_app
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class ScriptedReplica:
+    model: str = "m"
+    mode: str = "ok"  # ok | http_500 | cut_stream | not_found
+    hits: collections.Counter[str] = field(default_factory=collections.Counter)
+    url: str = ""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/completions", self._completions)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text='vllm:num_requests_running{engine="0"} 0.0\n')
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.hits[self.mode] += 1
+        if self.mode == "http_500":
+            return web.json_response({"error": {"message": "engine dead"}}, status=500)
+        if self.mode == "not_found":
+            return web.json_response({"detail": "Not Found"}, status=404)
+        if not body.get("stream"):
+            return web.json_response({"object": "text_completion", "model": self.model, "choices": [{"text": "hi"}]})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for index in range(5):
+            await response.write(b"data: " + orjson.dumps({"choices": [{"text": str(index)}]}) + b"\n\n")
+            if self.mode == "cut_stream" and index == 2:
+                await response.write(b'data: {"half an ev')  # then the replica "dies" mid-event
+                request.transport.close()  # type: ignore[union-attr]
+                return response
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def running(replicas: list[ScriptedReplica], policy: str = "round_robin",
+                  extra_urls: tuple[str, ...] = ()) -> AsyncIterator[str]:
+    runners = []
+    for replica in replicas:
+        runner = web.AppRunner(replica.app())
+        await runner.setup()
+        port = _free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        replica.url = f"http://127.0.0.1:{port}"
+        runners.append(runner)
+    settings = Settings(replicas=(*[r.url for r in replicas], *extra_urls), policy=policy, probe_interval_s=0.2)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="error"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_a_5xx_before_the_first_byte_is_retried_once_on_another_replica() -> None:
+    broken, good = ScriptedReplica(mode="http_500"), ScriptedReplica()
+    async with running([broken, good]) as url, httpx.AsyncClient() as client:
+        for _ in range(4):
+            response = await client.post(f"{url}/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 200
+            assert response.headers["x-dpserve-replica"] == "r1"
+        metrics = (await client.get(f"{url}/metrics")).text
+    # Round robin offers r0 first every other turn; each 500 from it costs one retry, never a failure.
+    assert broken.hits["http_500"] == 4 and good.hits["ok"] == 4
+    assert 'dpserve_retries_total{reason="http_500"} 4.0' in metrics
+
+
+async def test_when_every_replica_fails_the_client_gets_the_last_error_not_a_hang() -> None:
+    replicas = [ScriptedReplica(mode="http_500"), ScriptedReplica(mode="http_500"), ScriptedReplica(mode="http_500")]
+    async with running(replicas) as url, httpx.AsyncClient() as client:
+        response = await client.post(f"{url}/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 500 and response.json()["error"]["message"] == "engine dead"
+    assert sum(r.hits["http_500"] for r in replicas) == 2  # one try and one retry, no more
+
+
+async def test_a_refused_connection_is_retried_and_the_replica_taken_out() -> None:
+    good = ScriptedReplica()
+    refused = f"http://127.0.0.1:{_free_port()}"
+    async with running([good], extra_urls=(refused,)) as url, httpx.AsyncClient() as client:
+        statuses = [(await client.post(f"{url}/v1/completions", json={"prompt": "x"})).status_code for _ in range(6)]
+        status = (await client.get(f"{url}/status")).json()
+    assert statuses == [200] * 6
+    assert [r["healthy"] for r in status["replicas"]] == [True, False]
+
+
+async def test_a_stream_cut_mid_event_ends_with_an_error_event_and_done() -> None:
+    async with running([ScriptedReplica(mode="cut_stream")]) as url, httpx.AsyncClient() as client:
+        response = await client.post(f"{url}/v1/completions", json={"prompt": "x", "stream": True})
+    events = [event for event in response.text.split("\n\n") if event]
+    assert response.status_code == 200
+    assert [orjson.loads(e[6:])["choices"][0]["text"] for e in events[:3]] == ["0", "1", "2"]
+    assert orjson.loads(events[3][6:])["error"]["code"] == "stream_broken"  # the half event was dropped
+    assert events[4] == "data: [DONE]"
+
+
+async def test_requests_go_only_to_replicas_serving_their_model_and_models_are_merged() -> None:
+    replicas = [ScriptedReplica(model="a"), ScriptedReplica(model="b"), ScriptedReplica(model="a")]
+    async with running(replicas, policy="least_loaded") as url, httpx.AsyncClient() as client:
+        models = (await client.get(f"{url}/v1/models")).json()
+        body = {"model": "b", "prompt": "x"}
+        answers = [await client.post(f"{url}/v1/completions", json=body) for _ in range(6)]
+        served = {answer.headers["x-dpserve-replica"] for answer in answers}
+        missing = await client.post(f"{url}/v1/completions", json={"prompt": "x"})
+    assert [card["id"] for card in models["data"]] == ["a", "b"]
+    assert served == {"r1"}
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
+
+
+async def test_a_replica_error_that_is_not_openai_shaped_is_reshaped() -> None:
+    async with running([ScriptedReplica(mode="not_found")]) as url, httpx.AsyncClient() as client:
+        response = await client.post(f"{url}/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert "Not Found" in error["message"] and error["type"] == "not_found_error"

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from dpserve.cli import build_parser
+from dpserve.config import Settings
+from dpserve.replicas.plan import PlanError, plan_replicas, router_argv, split_cores
+
+
+def test_split_cores_disjoint_and_covering() -> None:
+    assert split_cores([0, 1], 2) == [(0,), (1,)]
+    assert split_cores(range(8), 3) == [(0, 1, 2), (3, 4, 5), (6, 7)]
+    assert split_cores([0, 1], 3) == [(0,), (1,), (0,)]  # more replicas than cores: shared
+
+
+def test_cpu_plan_defaults_to_two_pinned_replicas_with_prefix_caching_and_kv_events() -> None:
+    plans = plan_replicas(Settings(base_port=9100, kv_events_base_port=6000), "/m", "tiny", 0, [0, 1])
+    assert [p.id for p in plans] == ["r0", "r1"]
+    assert [p.url for p in plans] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
+    assert [p.cpus for p in plans] == [(0,), (1,)]
+    assert plans[1].env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and plans[1].device == "cpu:1"
+    argv = plans[1].argv
+    assert argv[:3] == (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+    assert argv[argv.index("--port") + 1] == "9101"
+    assert argv[argv.index("--served-model-name") + 1] == "tiny"
+    assert "--enable-prefix-caching" in argv
+    kv = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert kv["endpoint"] == "tcp://*:6001" and kv["enable_kv_cache_events"] is True
+    assert plans[1].kv_events_endpoint == "tcp://127.0.0.1:6001"
+
+
+def test_gpu_plan_is_one_replica_per_gpu() -> None:
+    plans = plan_replicas(Settings(), "org/model", None, 4, [0, 1])
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["0", "1", "2", "3"]
+    assert [p.device for p in plans] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert all(p.cpus is None for p in plans)
+    assert "--served-model-name" not in plans[0].argv
+    with pytest.raises(PlanError, match="more replicas than the 4 GPUs"):
+        plan_replicas(Settings(num_replicas=5), "org/model", None, 4, [0])
+
+
+def test_extra_vllm_flags_pass_through_and_win() -> None:
+    extra = ("--served-model-name=mine", "--no-enable-prefix-caching", "--max-model-len", "512", "--seed", "3")
+    argv = plan_replicas(Settings(vllm_args=extra), "/m", "tiny", 0, [0, 1])[0].argv
+    assert argv[-len(extra) :] == extra
+    assert "tiny" not in argv and "--enable-prefix-caching" not in argv
+    assert argv.count("--max-model-len") == 1
+
+
+def test_router_argv_is_the_public_router_command() -> None:
+    settings = Settings(policy="round_robin", port=8123, access_log=True)
+    argv = router_argv(settings, ["http://127.0.0.1:9100", "http://127.0.0.1:9101"])
+    assert argv[:4] == (sys.executable, "-m", "dpserve", "router")
+    args = build_parser().parse_args(list(argv[3:]))
+    assert args.replicas == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
+    assert (args.policy, args.port, args.access_log) == ("round_robin", 8123, True)

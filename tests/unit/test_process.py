@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import psutil
+
+from dpserve.replicas.process import BACKOFF_MAX_S, ManagedProcess, next_backoff
+
+# A parent that spawns a child and sleeps: stands in for vLLM's API server and its engine core.
+PARENT_WITH_CHILD = (
+    "import subprocess, sys, time; "
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+)
+
+
+async def _first_child(parent: psutil.Process) -> psutil.Process:
+    for _ in range(100):
+        if parent.children():
+            return parent.children()[0]
+        await asyncio.sleep(0.1)
+    raise AssertionError("the child never started")
+
+
+def test_backoff_doubles_up_to_a_cap_and_resets_after_a_stable_run() -> None:
+    backoff = None
+    seen = []
+    for _ in range(8):
+        backoff = next_backoff(backoff, ran_for_s=2)
+        seen.append(backoff)
+    assert seen[:4] == [1, 2, 4, 8] and seen[-1] == BACKOFF_MAX_S
+    assert next_backoff(BACKOFF_MAX_S, ran_for_s=3600) == 1
+
+
+async def test_stop_kills_the_whole_process_group(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc = ManagedProcess("p", [sys.executable, "-c", PARENT_WITH_CHILD], {}, tmp_path / "p.log")
+    await proc.start()
+    parent = psutil.Process(proc.pid)  # type: ignore[arg-type]
+    child = await _first_child(parent)
+    await proc.stop(grace_s=5)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    assert proc.state == "stopped"
+
+
+async def test_supervise_restarts_a_killed_process_and_cleans_its_orphans(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc = ManagedProcess("p", [sys.executable, "-c", PARENT_WITH_CHILD], {}, tmp_path / "p.log")
+    await proc.start()
+    stopping = asyncio.Event()
+    exits: list[int | None] = []
+    supervisor = asyncio.create_task(proc.supervise(stopping, lambda p, code, backoff: exits.append(code)))
+    parent = psutil.Process(proc.pid)  # type: ignore[arg-type]
+    orphan = await _first_child(parent)
+    parent.kill()  # the leader dies, its child would linger without the group kill
+    for _ in range(100):
+        if proc.restarts:
+            break
+        await asyncio.sleep(0.1)
+    assert proc.restarts == 1 and exits == [-9]
+    assert proc.pid != parent.pid
+    assert not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE
+    stopping.set()
+    await proc.stop(grace_s=5)
+    await asyncio.wait_for(supervisor, 5)
