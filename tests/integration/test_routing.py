@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 SHORT = {"prompt": "Hello there", "max_tokens": 2}
 # Thousands of tokens take the tiny model many seconds on one core: "long" for as long as a test needs.
-LONG = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+LONG = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
 
 
 def served_by(router_url: str, body: dict, count: int) -> list[str]:  # type: ignore[type-arg]
@@ -35,15 +36,14 @@ def replica_running(replica_url: str) -> float:
 
 
 @contextlib.contextmanager
-def open_stream(url: str, body: dict) -> Iterator[httpx.Response]:  # type: ignore[type-arg]
+def open_stream(url: str, body: dict) -> Iterator[tuple[httpx.Response, Iterator[bytes]]]:  # type: ignore[type-arg]
     """A streaming request held open (its first chunk read) until the block ends, then dropped."""
     with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body) as response:
         assert response.status_code == 200
         # Keep the iterator referenced: a dropped one is closed, and that closes the stream.
         chunks = response.iter_raw()
         next(chunks)
-        yield response
-        del chunks
+        yield response, chunks
 
 
 def test_round_robin_spreads_over_both_replicas(router_factory) -> None:  # type: ignore[no-untyped-def]
@@ -54,7 +54,7 @@ def test_round_robin_spreads_over_both_replicas(router_factory) -> None:  # type
 
 def test_least_loaded_steers_away_from_a_replica_holding_long_requests(fleet, router_factory) -> None:  # type: ignore[no-untyped-def]
     router = router_factory("least_loaded")
-    with open_stream(f"{router.url}/v1/completions", LONG) as first:
+    with open_stream(f"{router.url}/v1/completions", LONG) as (first, _):
         busy = first.headers["x-dpserve-replica"]
         busy_url = fleet.replica_urls[int(busy[1:])]
         # A second long request straight to the same replica: the router only sees it in scraped metrics.
@@ -72,11 +72,20 @@ def test_least_loaded_steers_away_from_a_replica_holding_long_requests(fleet, ro
 
 def test_client_disconnect_aborts_the_replica_request(fleet, router_factory) -> None:  # type: ignore[no-untyped-def]
     router = router_factory("round_robin")
-    with open_stream(f"{router.url}/v1/completions", LONG) as response:
+    with open_stream(f"{router.url}/v1/completions", LONG) as (response, chunks):
         replica_url = fleet.replica_urls[int(response.headers["x-dpserve-replica"][1:])]
+        # Read for a second to learn how fast this replica generates.
+        events, started = 0, time.monotonic()
+        while time.monotonic() - started < 1.0:
+            events += next(chunks).count(b"data: ")
+        rate = events / (time.monotonic() - started)
         assert replica_running(replica_url) >= 1
-    # The stream had thousands of tokens to go: only an abort frees the replica this fast.
-    wait_until(lambda: replica_running(replica_url) == 0, timeout_s=10, what="the replica to abort")
+    closed = time.monotonic()
+    wait_until(lambda: replica_running(replica_url) == 0, timeout_s=10, interval_s=0.1, what="the replica to abort")
+    freed_after = time.monotonic() - closed
+    left_to_generate = (LONG["max_tokens"] - events) / rate
+    # Only an abort frees the replica long before the stream could have finished on its own.
+    assert freed_after < left_to_generate / 2, f"freed after {freed_after:.1f}s; {left_to_generate:.1f}s were left"
     wait_until(
         lambda: all(r["in_flight"] == 0 for r in router_status(router.url)["replicas"]),
         timeout_s=5,
