@@ -28,7 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     router = commands.add_parser("router", help="run the OpenAI-compatible router in front of replicas")
     router.add_argument(
-        "--replica", action="append", dest="replicas", metavar="URL", required=True,
+        "--replica",
+        action="append",
+        dest="replicas",
+        metavar="URL",
+        required=True,
         help="a replica's base URL, e.g. http://127.0.0.1:8100 (repeat for each replica)",
     )
     _add_router_flags(router)

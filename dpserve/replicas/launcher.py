@@ -10,7 +10,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -31,8 +31,10 @@ class StartupFailed(RuntimeError):
 def format_table(rows: Sequence[Sequence[str]]) -> str:
     header = ("REPLICA", "URL", "DEVICE", "STATE", "PID", "LOG")
     widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
-    return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-                     for row in (header, *rows))
+    return "\n".join(
+        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in (header, *rows)
+    )
 
 
 class Launcher:
@@ -57,8 +59,16 @@ class Launcher:
             (plan.id, plan.url, plan.device, proc.state, str(proc.pid or "-"), str(proc.log_path))
             for plan, proc in zip(self.plans, self.replicas, strict=True)
         ]
-        rows.append(("router", self.router_url, f"policy={self.settings.policy}", self.router.state,
-                     str(self.router.pid or "-"), "(this terminal)"))
+        rows.append(
+            (
+                "router",
+                self.router_url,
+                f"policy={self.settings.policy}",
+                self.router.state,
+                str(self.router.pid or "-"),
+                "(this terminal)",
+            )
+        )
         return format_table(rows)
 
     async def run(self) -> int:
@@ -76,8 +86,10 @@ class Launcher:
             await proc.start()
         async with aiohttp.ClientSession() as session:
             try:
-                waits = [self._wait_ready(session, plan.url, proc) for plan, proc in zip(self.plans, self.replicas,
-                                                                                         strict=True)]
+                waits = [
+                    self._wait_ready(session, plan.url, proc)
+                    for plan, proc in zip(self.plans, self.replicas, strict=True)
+                ]
                 if not await self._unless_stopping(asyncio.gather(*waits)):
                     return 130
                 await self.router.start()
@@ -103,7 +115,7 @@ class Launcher:
         print(f"dpserve: {proc.name} exited (code {exit_code}); restarting in {backoff:.0f}s", flush=True)
         print(self.table(), flush=True)
 
-    def _readiness_reporter(self, session: aiohttp.ClientSession):  # type: ignore[no-untyped-def]
+    def _readiness_reporter(self, session: aiohttp.ClientSession) -> Callable[[ManagedProcess], Awaitable[None]]:
         async def report(proc: ManagedProcess) -> None:
             url = self.router_url if proc is self.router else self.plans[self.replicas.index(proc)].url
             path = "/ready" if proc is self.router else "/v1/models"
@@ -117,9 +129,9 @@ class Launcher:
 
         return report
 
-    async def _unless_stopping(self, work: asyncio.Future | object) -> bool:
+    async def _unless_stopping(self, work: Awaitable[object]) -> bool:
         """Run `work`; False when a stop signal came first."""
-        task = asyncio.ensure_future(work)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(work)
         stop = asyncio.ensure_future(self.stopping.wait())
         await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()

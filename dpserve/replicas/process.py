@@ -7,7 +7,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 BACKOFF_START_S = 1.0
@@ -90,7 +90,7 @@ class ManagedProcess:
         self,
         stopping: asyncio.Event,
         on_restart: Callable[[ManagedProcess, int | None, float], None],
-        after_start: Callable[[ManagedProcess], object] | None = None,
+        after_start: Callable[[ManagedProcess], Awaitable[None]] | None = None,
     ) -> None:
         """Restart the process whenever it exits, until `stopping` is set."""
         backoff: float | None = None
@@ -111,9 +111,7 @@ class ManagedProcess:
             self.restarts += 1
             await self.start()
             if after_start is not None:
-                result = after_start(self)
-                if asyncio.iscoroutine(result):
-                    await result
+                await after_start(self)
 
 
 def log_tail(path: Path | None, lines: int = 30) -> str:

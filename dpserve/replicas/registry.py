@@ -86,9 +86,7 @@ class ReplicaRegistry:
     def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[ReplicaSnapshot]:
         excluded = set(exclude)
         return [
-            r.snapshot()
-            for r in self._replicas.values()
-            if r.healthy and model in r.models and r.id not in excluded
+            r.snapshot() for r in self._replicas.values() if r.healthy and model in r.models and r.id not in excluded
         ]
 
     def acquire(self, replica_id: str) -> None:

@@ -135,9 +135,7 @@ def create_app(
 
 
 def _replica_status(replica: Any) -> dict[str, Any]:
-    hit_rate = (
-        replica.prefix_cache_hits / replica.prefix_cache_queries if replica.prefix_cache_queries else None
-    )
+    hit_rate = replica.prefix_cache_hits / replica.prefix_cache_queries if replica.prefix_cache_queries else None
     return {
         "id": replica.id,
         "url": replica.url,

@@ -42,9 +42,7 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 
 def model_not_found(model: str) -> OpenAIError:
-    return OpenAIError(
-        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-    )
+    return OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
 def no_replica(message: str) -> OpenAIError:

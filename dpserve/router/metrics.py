@@ -93,7 +93,8 @@ class _ReplicaStateCollector(Collector):
                 "dpserve_replica_waiting_requests", "Requests queued on the replica (scraped).", labels=["replica"]
             ),
             "kv_usage": GaugeMetricFamily(
-                "dpserve_replica_kv_cache_usage_ratio", "KV-cache usage of the replica, 0..1 (scraped).",
+                "dpserve_replica_kv_cache_usage_ratio",
+                "KV-cache usage of the replica, 0..1 (scraped).",
                 labels=["replica"],
             ),
         }

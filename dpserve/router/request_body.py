@@ -35,9 +35,7 @@ class ParsedBody:
     stream: bool
 
 
-async def read_limited(
-    headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int
-) -> bytes:
+async def read_limited(headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int) -> bytes:
     """The whole body, refusing early (413) when it is, or announces it will be, over `limit` bytes."""
     declared = headers.get("content-length")
     if declared is not None:

@@ -10,9 +10,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -40,7 +41,9 @@ class RouterProcess:
     process: subprocess.Popen[bytes]
 
 
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.5, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+def wait_until(
+    predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.5, what: str = "condition"
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -49,7 +52,7 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.5, what: str =
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def router_status(url: str) -> dict:  # type: ignore[type-arg]
+def router_status(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/status", timeout=5).json()
 
 
@@ -68,14 +71,24 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     kv_base_port = free_port_range(2, start=base_port + 100)
     log_path = work / "dpserve-up.log"
     command = [
-        sys.executable, "-m", "dpserve", "up",
-        "--replicas", "2",
-        "--port", str(router_port),
-        "--base-port", str(base_port),
-        "--kv-events-base-port", str(kv_base_port),
-        "--cache-dir", str(work / "cache"),
-        "--run-dir", str(work / "run"),
-        "--probe-interval", "0.5",
+        sys.executable,
+        "-m",
+        "dpserve",
+        "up",
+        "--replicas",
+        "2",
+        "--port",
+        str(router_port),
+        "--base-port",
+        str(base_port),
+        "--kv-events-base-port",
+        str(kv_base_port),
+        "--cache-dir",
+        str(work / "cache"),
+        "--run-dir",
+        str(work / "run"),
+        "--probe-interval",
+        "0.5",
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
@@ -104,9 +117,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 process.wait()
 
 
-def start_router(
-    replica_urls: list[str], policy: str, *extra: str, expect_healthy: int | None = None
-) -> RouterProcess:
+def start_router(replica_urls: list[str], policy: str, *extra: str, expect_healthy: int | None = None) -> RouterProcess:
     port = free_port()
     command = [sys.executable, "-m", "dpserve", "router", "--policy", policy, "--port", str(port)]
     for url in replica_urls:
@@ -132,8 +143,11 @@ def stop_router(router: RouterProcess) -> None:
         router.process.wait()
 
 
+RouterFactory = Callable[..., RouterProcess]
+
+
 @pytest.fixture
-def router_factory(fleet: Fleet) -> Iterator:  # type: ignore[type-arg]
+def router_factory(fleet: Fleet) -> Iterator[RouterFactory]:
     started: list[RouterProcess] = []
 
     def make(policy: str, *extra: str) -> RouterProcess:

@@ -66,21 +66,32 @@ def test_killed_replica_fails_no_request_and_is_restarted_and_readmitted(fleet: 
         wait_until(lambda: len(traffic.served) >= 10, timeout_s=60, what="traffic to flow")
         killed_at = time.monotonic()
         victim.send_signal(signal.SIGKILL)
-        wait_until(lambda: sum(1 for t, _ in traffic.served if t > killed_at + 1) >= 20, timeout_s=60,
-                   what="requests after the kill")
+        wait_until(
+            lambda: sum(1 for t, _ in traffic.served if t > killed_at + 1) >= 20,
+            timeout_s=60,
+            what="requests after the kill",
+        )
     after = [replica for t, replica in traffic.served if t > killed_at + 1]
-    print(f"\nfailover: {len(traffic.served)} requests, {len(traffic.failures)} failed; after the kill all went to "
-          f"{collections.Counter(after)}")
+    print(
+        f"\nfailover: {len(traffic.served)} requests, {len(traffic.failures)} failed; after the kill all went to "
+        f"{collections.Counter(after)}"
+    )
     assert traffic.failures == []
     assert set(after) == {"r1"}
 
     # The launcher restarts it and the router takes it back once it answers its probes.
-    wait_until(lambda: router_status(fleet.router_url)["replicas"][0]["healthy"], timeout_s=300, interval_s=2,
-               what="the killed replica to be restarted and re-admitted")
+    wait_until(
+        lambda: router_status(fleet.router_url)["replicas"][0]["healthy"],
+        timeout_s=300,
+        interval_s=2,
+        what="the killed replica to be restarted and re-admitted",
+    )
     assert replica_process(fleet, victim_url).pid != victim.pid
     with httpx.Client(timeout=60) as client:
-        served = {client.post(f"{fleet.router_url}/v1/completions", json=REQUEST).headers["x-dpserve-replica"]
-                  for _ in range(20)}
+        served = {
+            client.post(f"{fleet.router_url}/v1/completions", json=REQUEST).headers["x-dpserve-replica"]
+            for _ in range(20)
+        }
     assert "r0" in served
     assert "r0 exited" in fleet.log_tail(20000) and "r0 is back" in fleet.log_tail(20000)
 

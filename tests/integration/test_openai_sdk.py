@@ -8,12 +8,13 @@ import openai
 import pytest
 
 from dpserve.models.tiny import TINY_MODEL_NAME
+from tests.integration.conftest import Fleet
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def client(fleet) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+def client(fleet: Fleet) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{fleet.router_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -34,7 +35,7 @@ def test_chat_completion(client: openai.OpenAI) -> None:
     assert completion.choices[0].message.role == "assistant"
 
 
-def test_completion_without_model_defaults_to_the_only_model(fleet) -> None:  # type: ignore[no-untyped-def]
+def test_completion_without_model_defaults_to_the_only_model(fleet: Fleet) -> None:
     import httpx
 
     response = httpx.post(f"{fleet.router_url}/v1/completions", json={"prompt": "Once upon", "max_tokens": 4})
@@ -74,9 +75,7 @@ def test_chat_stream_is_relayed_chunk_by_chunk(client: openai.OpenAI) -> None:
 
 
 def test_completion_stream(client: openai.OpenAI) -> None:
-    chunks = list(
-        client.completions.create(model=TINY_MODEL_NAME, prompt="The sea", max_tokens=12, stream=True)
-    )
+    chunks = list(client.completions.create(model=TINY_MODEL_NAME, prompt="The sea", max_tokens=12, stream=True))
     assert chunks and all(chunk.object == "text_completion" for chunk in chunks)
     assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
 

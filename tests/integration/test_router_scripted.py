@@ -61,7 +61,8 @@ class ScriptedReplica:
             await response.write(b"data: " + orjson.dumps({"choices": [{"text": str(index)}]}) + b"\n\n")
             if self.mode == "cut_stream" and index == 2:
                 await response.write(b'data: {"half an ev')  # then the replica "dies" mid-event
-                request.transport.close()  # type: ignore[union-attr]
+                assert request.transport is not None
+                request.transport.close()
                 return response
         await response.write(b"data: [DONE]\n\n")
         return response
@@ -74,8 +75,9 @@ def _free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def running(replicas: list[ScriptedReplica], policy: str = "round_robin",
-                  extra_urls: tuple[str, ...] = ()) -> AsyncIterator[str]:
+async def running(
+    replicas: list[ScriptedReplica], policy: str = "round_robin", extra_urls: tuple[str, ...] = ()
+) -> AsyncIterator[str]:
     runners = []
     for replica in replicas:
         runner = web.AppRunner(replica.app())

@@ -6,12 +6,20 @@ import collections
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from dpserve.replicas.prometheus_text import parse_samples
-from tests.integration.conftest import router_status, start_router, stop_router, wait_until
+from tests.integration.conftest import (
+    Fleet,
+    RouterFactory,
+    router_status,
+    start_router,
+    stop_router,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +28,7 @@ SHORT = {"prompt": "Hello there", "max_tokens": 2}
 LONG = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
 
 
-def served_by(router_url: str, body: dict, count: int) -> list[str]:  # type: ignore[type-arg]
+def served_by(router_url: str, body: dict[str, Any], count: int) -> list[str]:
     replicas = []
     with httpx.Client(timeout=60) as client:
         for _ in range(count):
@@ -36,7 +44,7 @@ def replica_running(replica_url: str) -> float:
 
 
 @contextlib.contextmanager
-def open_stream(url: str, body: dict) -> Iterator[tuple[httpx.Response, Iterator[bytes]]]:  # type: ignore[type-arg]
+def open_stream(url: str, body: dict[str, Any]) -> Iterator[tuple[httpx.Response, Iterator[bytes]]]:
     """A streaming request held open (its first chunk read) until the block ends, then dropped."""
     with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body) as response:
         assert response.status_code == 200
@@ -46,13 +54,15 @@ def open_stream(url: str, body: dict) -> Iterator[tuple[httpx.Response, Iterator
         yield response, chunks
 
 
-def test_round_robin_spreads_over_both_replicas(router_factory) -> None:  # type: ignore[no-untyped-def]
+def test_round_robin_spreads_over_both_replicas(router_factory: RouterFactory) -> None:
     router = router_factory("round_robin")
     counts = collections.Counter(served_by(router.url, SHORT, 10))
     assert counts == {"r0": 5, "r1": 5}
 
 
-def test_least_loaded_steers_away_from_a_replica_holding_long_requests(fleet, router_factory) -> None:  # type: ignore[no-untyped-def]
+def test_least_loaded_steers_away_from_a_replica_holding_long_requests(
+    fleet: Fleet, router_factory: RouterFactory
+) -> None:
     router = router_factory("least_loaded")
     with open_stream(f"{router.url}/v1/completions", LONG) as (first, _):
         busy = first.headers["x-dpserve-replica"]
@@ -70,7 +80,7 @@ def test_least_loaded_steers_away_from_a_replica_holding_long_requests(fleet, ro
     assert busy not in chosen, f"{busy} held 2 long requests yet got {chosen.count(busy)} of 8 new ones"
 
 
-def test_client_disconnect_aborts_the_replica_request(fleet, router_factory) -> None:  # type: ignore[no-untyped-def]
+def test_client_disconnect_aborts_the_replica_request(fleet: Fleet, router_factory: RouterFactory) -> None:
     router = router_factory("round_robin")
     with open_stream(f"{router.url}/v1/completions", LONG) as (response, chunks):
         replica_url = fleet.replica_urls[int(response.headers["x-dpserve-replica"][1:])]
@@ -83,7 +93,7 @@ def test_client_disconnect_aborts_the_replica_request(fleet, router_factory) -> 
     closed = time.monotonic()
     wait_until(lambda: replica_running(replica_url) == 0, timeout_s=10, interval_s=0.1, what="the replica to abort")
     freed_after = time.monotonic() - closed
-    left_to_generate = (LONG["max_tokens"] - events) / rate
+    left_to_generate = (int(LONG["max_tokens"]) - events) / rate
     # Only an abort frees the replica long before the stream could have finished on its own.
     assert freed_after < left_to_generate / 2, f"freed after {freed_after:.1f}s; {left_to_generate:.1f}s were left"
     wait_until(
@@ -108,7 +118,7 @@ def test_client_disconnect_aborts_the_replica_request(fleet, router_factory) -> 
         (b'{"model": "gpt-nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
     ],
 )
-def test_bad_input_gets_an_openai_style_4xx(fleet, body: bytes, status: int, param: str | None) -> None:  # type: ignore[no-untyped-def]
+def test_bad_input_gets_an_openai_style_4xx(fleet: Fleet, body: bytes, status: int, param: str | None) -> None:
     response = httpx.post(
         f"{fleet.router_url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
     )
@@ -117,7 +127,7 @@ def test_bad_input_gets_an_openai_style_4xx(fleet, body: bytes, status: int, par
     assert error["message"] and error["type"] and error["param"] == param
 
 
-def test_oversized_body_is_413_and_the_router_keeps_serving(fleet, router_factory) -> None:  # type: ignore[no-untyped-def]
+def test_oversized_body_is_413_and_the_router_keeps_serving(fleet: Fleet, router_factory: RouterFactory) -> None:
     router = router_factory("round_robin", "--max-body-bytes", "4096")
     big = {"prompt": "x" * 10_000, "max_tokens": 1}
     response = httpx.post(f"{router.url}/v1/completions", json=big)
@@ -126,7 +136,7 @@ def test_oversized_body_is_413_and_the_router_keeps_serving(fleet, router_factor
     assert served_by(router.url, SHORT, 1)
 
 
-def test_models_and_requests_still_answer_with_a_replica_down(fleet) -> None:  # type: ignore[no-untyped-def]
+def test_models_and_requests_still_answer_with_a_replica_down(fleet: Fleet) -> None:
     nothing_listens = "http://127.0.0.1:9"  # the discard port: connections are refused
     router = start_router([fleet.replica_urls[0], nothing_listens], "round_robin", expect_healthy=1)
     try:

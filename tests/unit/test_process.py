@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
 import psutil
 
@@ -32,23 +33,25 @@ def test_backoff_doubles_up_to_a_cap_and_resets_after_a_stable_run() -> None:
     assert next_backoff(BACKOFF_MAX_S, ran_for_s=3600) == 1
 
 
-async def test_stop_kills_the_whole_process_group(tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
     proc = ManagedProcess("p", [sys.executable, "-c", PARENT_WITH_CHILD], {}, tmp_path / "p.log")
     await proc.start()
-    parent = psutil.Process(proc.pid)  # type: ignore[arg-type]
+    assert proc.pid is not None
+    parent = psutil.Process(proc.pid)
     child = await _first_child(parent)
     await proc.stop(grace_s=5)
     assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
     assert proc.state == "stopped"
 
 
-async def test_supervise_restarts_a_killed_process_and_cleans_its_orphans(tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_supervise_restarts_a_killed_process_and_cleans_its_orphans(tmp_path: Path) -> None:
     proc = ManagedProcess("p", [sys.executable, "-c", PARENT_WITH_CHILD], {}, tmp_path / "p.log")
     await proc.start()
     stopping = asyncio.Event()
     exits: list[int | None] = []
     supervisor = asyncio.create_task(proc.supervise(stopping, lambda p, code, backoff: exits.append(code)))
-    parent = psutil.Process(proc.pid)  # type: ignore[arg-type]
+    assert proc.pid is not None
+    parent = psutil.Process(proc.pid)
     orphan = await _first_child(parent)
     parent.kill()  # the leader dies, its child would linger without the group kill
     for _ in range(100):

@@ -25,7 +25,8 @@ def test_reads_vllm_samples_summed_over_engines() -> None:
     assert samples.total("vllm:num_requests_waiting") == 4.0  # not the _by_reason series
     assert samples.total("vllm:kv_cache_usage_perc") == 0.25
     assert samples.total("vllm:prefix_cache_hits_total") == 512.0
-    assert samples.first_labels("vllm:cache_config_info")["block_size"] == "128"  # type: ignore[index]
+    labels = samples.first_labels("vllm:cache_config_info")
+    assert labels is not None and labels["block_size"] == "128" and labels["engine"] == "0"
 
 
 def test_skips_unwanted_and_absent_metrics() -> None:

@@ -1,18 +1,28 @@
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import orjson
 import pytest
 
 from dpserve.router.errors import OpenAIError
-from dpserve.router.request_body import CHAT, COMPLETIONS, EMBEDDINGS, parse_body, read_limited, with_model
+from dpserve.router.request_body import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    Endpoint,
+    parse_body,
+    read_limited,
+    with_model,
+)
 
 
-async def _chunks(*parts: bytes):  # type: ignore[no-untyped-def]
+async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
     for part in parts:
         yield part
 
 
-def _error(raw: bytes, endpoint=CHAT) -> OpenAIError:  # type: ignore[no-untyped-def]
+def _error(raw: bytes, endpoint: Endpoint = CHAT) -> OpenAIError:
     with pytest.raises(OpenAIError) as caught:
         parse_body(raw, endpoint)
     return caught.value
