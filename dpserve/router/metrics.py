@@ -31,7 +31,8 @@ class RouterMetrics:
         )
         self.first_byte = Histogram(
             "dpserve_time_to_first_byte_seconds",
-            "Time from request to the first body byte from the replica (TTFT for streams).",
+            "Time from request to the replica's first response: its first event for streams (TTFT), "
+            "its headers otherwise.",
             ["endpoint", "stream"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,

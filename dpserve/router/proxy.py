@@ -180,9 +180,8 @@ class Dispatcher:
             content_type = resp.headers.get("content-type", "application/json")
             stream = features.stream and resp.status == 200
             if not stream:
-                payload = await resp.read()
                 self._metrics.first_byte.labels(features.endpoint, "false").observe(self._clock() - started)
-                return Buffered(replica_id, resp.status, content_type, payload)
+                return Buffered(replica_id, resp.status, content_type, await resp.read())
             # Wait for the first event before committing to this replica: a replica that dies
             # before it can still be replaced, since the client has seen nothing yet.
             first = await resp.content.readany()
