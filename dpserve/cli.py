@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
-    upstream = bench_kinds.add_parser("upstream-client", help="aiohttp vs httpx as the relay's upstream client")
-    upstream.add_argument("args", nargs=argparse.REMAINDER)
+    # Its own flags are parsed by the benchmark (`dpserve bench upstream-client --help`).
+    bench_kinds.add_parser("upstream-client", help="aiohttp vs httpx as the relay's upstream client", add_help=False)
     return parser
 
 
@@ -77,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         split = argv.index("--")
         argv, vllm_args = argv[:split], argv[split + 1 :]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     if args.command == "model":
         from dpserve.models.tiny import build_tiny_model
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from dpserve.bench.upstream_client import main as bench_main
 
-        return bench_main(args.args)
+        return bench_main(rest)
 
     overrides = _overrides(args)
     if args.command == "router":

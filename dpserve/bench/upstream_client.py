@@ -1,0 +1,673 @@
+"""Benchmark: which HTTP client should the router use on its hot path?
+
+Starts, each in its own process on loopback:
+  * a fast fake OpenAI backend (aiohttp.web): ``POST /v1/completions`` answers a small fixed
+    JSON completion, or 32 SSE chunks plus ``data: [DONE]`` when ``"stream": true``;
+  * minimal FastAPI relays on uvicorn (uvloop, httptools, no access log) that forward the body
+    to the backend through one shared client: ``httpx.AsyncClient`` or ``aiohttp.ClientSession``;
+  * a load generator: ``wrk`` (with a Lua script for the POST body) when it is on PATH,
+    otherwise a closed-loop aiohttp generator.
+
+For every target (backend directly, each relay) and mode (JSON, SSE) it measures C connections
+(throughput) and 1 connection (added latency), prints a table and writes it as CSV.
+
+    python -m dpserve.bench.upstream_client [--duration S] [--connections C] [--out DIR]
+
+Every process shares the machine's cores, so the figures compare clients against each other
+on the same box; they are not absolute capacities.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import ctypes
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+HOST = "127.0.0.1"  # loopback only: nothing here should be reachable from outside
+PATH = "/v1/completions"
+N_STREAM_CHUNKS = 32
+READY_TIMEOUT_S = 30.0
+
+# Targets: the backend itself (the ceiling), then one relay per client under test.
+# "aiohttp-chunked" (streaming relayed with iter_chunked instead of iter_any) is opt-in.
+DEFAULT_TARGETS = ("direct", "httpx", "aiohttp")
+RELAY_KINDS = ("httpx", "aiohttp", "aiohttp-chunked")
+MODES = ("json", "sse")
+
+COMPLETION = {
+    "id": "cmpl-bench",
+    "object": "text_completion",
+    "created": 0,
+    "model": "bench",
+    "choices": [{"index": 0, "text": " hello world", "logprobs": None, "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+}
+COMPLETION_BYTES = orjson.dumps(COMPLETION)
+
+
+def _sse_chunk(i: int) -> bytes:
+    # Shaped like a vLLM completion chunk so relays handle realistic sizes (~170 bytes each).
+    chunk = {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 0,
+        "model": "bench",
+        "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None, "finish_reason": None}],
+    }
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+SSE_CHUNKS = [_sse_chunk(i) for i in range(N_STREAM_CHUNKS)]
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_BODY = b"".join(SSE_CHUNKS) + SSE_DONE
+
+# Request bodies: no quotes or backslashes beyond JSON's, so they embed as Lua string literals.
+REQUEST_BODIES = {
+    "json": b'{"model":"bench","prompt":"Hello, my name is","max_tokens":32,"stream":false}',
+    "sse": b'{"model":"bench","prompt":"Hello, my name is","max_tokens":32,"stream":true}',
+}
+FORWARD_HEADERS = {"content-type": "application/json"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Child-process plumbing
+
+
+def _watch_parent() -> None:
+    """Exit when the parent dies, even by SIGKILL, so no server outlives the benchmark."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _listen_socket() -> socket.socket:
+    # The child binds port 0 itself and reports the port: no race for a "free" port.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((HOST, 0))
+    sock.listen(4096)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _announce_port(sock: socket.socket) -> None:
+    sys.stdout.write(f"PORT {sock.getsockname()[1]}\n")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# The fake backend
+
+
+def run_backend() -> None:
+    import uvloop
+    from aiohttp import web
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        if not body.get("stream"):
+            return web.Response(body=COMPLETION_BYTES, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        # One write per event, as a token-by-token engine would do.
+        try:
+            await resp.prepare(request)
+            for chunk in SSE_CHUNKS:
+                await resp.write(chunk)
+            await resp.write(SSE_DONE)
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the load generator hung up at the end of a run: not worth a traceback
+        return resp
+
+    async def serve() -> None:
+        app = web.Application()
+        app.router.add_post(PATH, completions)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        sock = _listen_socket()
+        await web.SockSite(runner, sock).start()
+        _announce_port(sock)
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
+
+
+# ---------------------------------------------------------------------------------------------
+# The relays: deliberately minimal, so the difference is the client and nothing else
+
+
+def build_relay_app(kind: str, backend_url: str) -> Any:
+    # No `from __future__ import annotations` in this module: FastAPI must see the real
+    # `Request` class on these locally defined endpoints, not a string it cannot resolve.
+    from fastapi import FastAPI, Request, Response
+    from fastapi.responses import StreamingResponse
+    from starlette.background import BackgroundTask
+
+    url = backend_url + PATH
+    state: dict[str, Any] = {}
+
+    if kind == "httpx":
+        import httpx
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+            # Generous limits so the pool itself is not what we measure as a cap.
+            limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096, keepalive_expiry=60)
+            async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60.0)) as client:
+                state["client"] = client
+                yield
+
+        app = FastAPI(lifespan=lifespan)
+
+        @app.post(PATH)
+        async def relay_httpx(request: Request) -> Response:
+            client: httpx.AsyncClient = state["client"]
+            body = await request.body()
+            stream = bool(orjson.loads(body).get("stream"))  # the router parses the body anyway
+            upstream = await client.send(
+                client.build_request("POST", url, content=body, headers=FORWARD_HEADERS), stream=True
+            )
+            media = upstream.headers.get("content-type")
+            if not stream:
+                content = await upstream.aread()
+                await upstream.aclose()
+                return Response(content, status_code=upstream.status_code, media_type=media)
+            # aiter_raw: relay bytes untouched, no decoding work.
+            return StreamingResponse(
+                upstream.aiter_raw(),
+                status_code=upstream.status_code,
+                media_type=media,
+                background=BackgroundTask(upstream.aclose),
+            )
+
+        return app
+
+    if kind in ("aiohttp", "aiohttp-chunked"):
+        import aiohttp
+
+        use_iter_any = kind == "aiohttp"
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+            # limit=0: no connection cap; sessions must be created inside the running loop.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+            timeout = aiohttp.ClientTimeout(total=60)
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+                state["session"] = session
+                yield
+
+        app = FastAPI(lifespan=lifespan)
+
+        @app.post(PATH)
+        async def relay_aiohttp(request: Request) -> Response:
+            session: aiohttp.ClientSession = state["session"]
+            body = await request.body()
+            stream = bool(orjson.loads(body).get("stream"))
+            upstream = await session.post(url, data=body, headers=FORWARD_HEADERS)
+            media = upstream.headers.get("content-type")
+            if not stream:
+                async with upstream:
+                    content = await upstream.read()
+                return Response(content, status_code=upstream.status, media_type=media)
+
+            async def chunks() -> AsyncIterator[bytes]:
+                try:
+                    it = upstream.content.iter_any() if use_iter_any else upstream.content.iter_chunked(1024)
+                    async for chunk in it:
+                        yield chunk
+                finally:
+                    upstream.release()
+
+            return StreamingResponse(chunks(), status_code=upstream.status, media_type=media)
+
+        return app
+
+    raise ValueError(f"unknown relay kind {kind!r}")
+
+
+def run_relay(kind: str, backend_url: str) -> None:
+    import uvicorn
+
+    app = build_relay_app(kind, backend_url)
+    config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    sock = _listen_socket()
+    _announce_port(sock)  # the socket already listens, so connections queue until uvicorn accepts
+    server.run(sockets=[sock])
+
+
+# ---------------------------------------------------------------------------------------------
+# Load generation
+
+
+@dataclass
+class Result:
+    target: str
+    mode: str
+    connections: int
+    requests: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    loadgen: str
+    load1: float  # 1-minute load average when the run started: other work on the box skews figures
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds > 0 else 0.0
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    idx = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[idx]
+
+
+def run_pyloadgen(url: str, mode: str, connections: int, duration: float) -> None:
+    """Closed loop: each of C workers sends the next request when the previous one is done."""
+    import aiohttp
+    import uvloop
+
+    body = REQUEST_BODIES[mode]
+    latencies: list[float] = []
+    errors = 0
+
+    async def worker(session: aiohttp.ClientSession, deadline: float) -> None:
+        nonlocal errors
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            try:
+                async with session.post(url, data=body, headers=FORWARD_HEADERS) as resp:
+                    data = await resp.read()
+                ok = resp.status == 200 and (data.endswith(SSE_DONE) if mode == "sse" else bool(data))
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                ok = False
+            if ok:
+                latencies.append(time.perf_counter() - t0)
+            else:
+                errors += 1
+
+    async def drive() -> float:
+        connector = aiohttp.TCPConnector(limit=connections)  # one connection per worker, like wrk
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as s:
+            start = time.perf_counter()
+            await asyncio.gather(*(worker(s, start + duration) for _ in range(connections)))
+            return time.perf_counter() - start
+
+    elapsed = uvloop.run(drive())
+    latencies.sort()
+    out = {
+        "requests": len(latencies),
+        "seconds": elapsed,
+        "p50_ms": _percentile(latencies, 50) * 1000,
+        "p99_ms": _percentile(latencies, 99) * 1000,
+        "errors": errors,
+    }
+    sys.stdout.write("RESULT " + json.dumps(out) + "\n")
+
+
+WRK_LUA = """\
+wrk.method = "POST"
+wrk.body = '{body}'
+wrk.headers["Content-Type"] = "application/json"
+
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'RESULT {{"requests": %d, "seconds": %f, "p50_ms": %f, "p99_ms": %f, "errors": %d}}\\n',
+    summary.requests, summary.duration / 1e6, latency:percentile(50) / 1e3,
+    latency:percentile(99) / 1e3, e.connect + e.read + e.write + e.status + e.timeout))
+end
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The orchestrator
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGTERM the child if we die, even by SIGKILL (wrk included)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+class Processes:
+    """Every subprocess we start, so that all of them die with us (also on Ctrl-C / SIGTERM)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, args: list[str], **kw: Any) -> subprocess.Popen[str]:
+        # New session: a terminal Ctrl-C reaches only us, and we stop the children in order.
+        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        proc = subprocess.Popen(args, text=True, start_new_session=True, preexec_fn=preexec, **kw)
+        self.procs = [p for p in self.procs if p.poll() is None]  # forget finished load generators
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        # Newest first: load generator, then relays, then the backend, so that no relay logs
+        # a failed upstream request because its backend went away under it.
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+            try:
+                proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+
+def _self_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dpserve.bench.upstream_client", *args]
+
+
+def _child_env() -> dict[str, str]:
+    # Children import dpserve the same way we did, wherever we run from.
+    env = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _start_server(procs: Processes, args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    proc = procs.start(_self_cmd(*args), stdout=subprocess.PIPE, env=_child_env())
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout=READY_TIMEOUT_S):
+        raise RuntimeError(f"{args} did not report a port within {READY_TIMEOUT_S} s")
+    line = proc.stdout.readline()
+    sel.close()
+    if not line.startswith("PORT "):
+        raise RuntimeError(f"{args} failed to start (rc={proc.poll()}): {line!r}")
+    return proc, f"http://{HOST}:{int(line.split()[1])}"
+
+
+def _post(url: str, body: bytes, timeout: float = 10.0) -> bytes:
+    req = urllib.request.Request(url + PATH, data=body, headers=FORWARD_HEADERS, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read()
+
+
+def _check_target(name: str, url: str) -> None:
+    """Relays must return exactly what the backend sends; also waits until the app is ready."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        try:
+            got_json = _post(url, REQUEST_BODIES["json"])
+            break
+        except urllib.error.HTTPError:
+            raise  # the app answered: retrying will not help
+        except OSError:  # not accepting yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    got_sse = _post(url, REQUEST_BODIES["sse"])
+    if orjson.loads(got_json) != COMPLETION or got_sse != SSE_BODY:
+        raise RuntimeError(f"{name} relayed a wrong answer")
+
+
+def _measure(
+    procs: Processes,
+    loadgen: str,
+    lua_dir: Path,
+    target: str,
+    url: str,
+    mode: str,
+    connections: int,
+    duration: float,
+    wrk_threads: int,
+) -> Result:
+    if loadgen == "wrk":
+        script = lua_dir / f"{mode}.lua"
+        threads = max(1, min(wrk_threads, connections))
+        args = [
+            "wrk",
+            f"-t{threads}",
+            f"-c{connections}",
+            f"-d{max(1, round(duration))}s",  # wrk takes whole seconds
+            "--timeout",
+            "30s",
+            "-s",
+            str(script),
+            url + PATH,
+        ]
+        env = None
+    else:
+        args = _self_cmd("_loadgen", url + PATH, mode, str(connections), str(duration))
+        env = _child_env()
+    load1 = os.getloadavg()[0]
+    proc = procs.start(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    out, err = proc.communicate(timeout=duration + 120)
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT ") :])
+            return Result(
+                target,
+                mode,
+                connections,
+                r["requests"],
+                r["seconds"],
+                r["p50_ms"],
+                r["p99_ms"],
+                r["errors"],
+                loadgen,
+                load1,
+            )
+    raise RuntimeError(f"load generator gave no result (rc={proc.returncode}): {out[-500:]} {err[-500:]}")
+
+
+COLUMNS = ["target", "mode", "connections", "req_s", "p50_ms", "p99_ms", "errors", "p50_added_ms", "loadgen", "load1"]
+
+
+def _rows(results: list[Result]) -> list[dict[str, Any]]:
+    # Added latency: a relay's 1-connection p50 minus the backend's, same mode.
+    base = {r.mode: r.p50_ms for r in results if r.target == "direct" and r.connections == 1}
+    rows = []
+    for r in results:
+        added = r.p50_ms - base[r.mode] if r.connections == 1 and r.target != "direct" and r.mode in base else None
+        rows.append(
+            {
+                "target": r.target,
+                "mode": r.mode,
+                "connections": r.connections,
+                "req_s": round(r.rps),
+                "p50_ms": round(r.p50_ms, 2),
+                "p99_ms": round(r.p99_ms, 2),
+                "errors": r.errors,
+                "p50_added_ms": "" if added is None else round(added, 2),
+                "loadgen": r.loadgen,
+                "load1": round(r.load1, 2),
+            }
+        )
+    return rows
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    widths = {c: max(len(c), *(len(str(row[c])) for row in rows)) for c in COLUMNS}
+    print("  ".join(c.rjust(widths[c]) for c in COLUMNS))
+    for row in rows:
+        print("  ".join(str(row[c]).rjust(widths[c]) for c in COLUMNS))
+
+
+def _raise_on_sigterm(signum: int, _frame: Any) -> None:
+    # Turn SIGTERM into an exception so the finally-block stops every child.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _iter_runs(targets: list[str], connections: int) -> Iterator[tuple[str, str, int]]:
+    for mode in MODES:
+        for conns in (connections, 1):
+            for target in targets:
+                if target == "aiohttp-chunked" and mode != "sse":
+                    continue  # identical to "aiohttp" without streaming
+                yield target, mode, conns
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="dpserve bench upstream-client",
+        description="Compare httpx and aiohttp as the router's upstream client behind FastAPI/uvicorn.",
+    )
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement (default 10)")
+    p.add_argument("--connections", type=int, default=32, help="concurrent connections (default 32)")
+    p.add_argument("--out", default="out/bench", help="output directory (default out/bench)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds of unrecorded load before each run")
+    p.add_argument(
+        "--loadgen",
+        choices=["auto", "wrk", "python"],
+        default="auto",
+        help="auto: wrk when on PATH, else the aiohttp closed-loop generator",
+    )
+    p.add_argument(
+        "--wrk-threads",
+        type=int,
+        default=1,
+        help="wrk threads (default 1: leave the cores to the servers under test)",
+    )
+    p.add_argument(
+        "--targets",
+        default=",".join(DEFAULT_TARGETS),
+        help=f"comma list of direct,{','.join(RELAY_KINDS)} (default %(default)s)",
+    )
+    args = p.parse_args(argv)
+    args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = set(args.targets) - {"direct", *RELAY_KINDS}
+    if unknown:
+        p.error(f"unknown targets: {sorted(unknown)}")
+    if args.connections < 1 or args.duration <= 0:
+        p.error("--connections must be >= 1 and --duration > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Hidden roles: the same module is the backend, the relays and the Python load generator.
+    if argv and argv[0] == "_backend":
+        _watch_parent()
+        run_backend()
+        return 0
+    if argv and argv[0] == "_relay":
+        _watch_parent()
+        run_relay(argv[1], argv[2])
+        return 0
+    if argv and argv[0] == "_loadgen":
+        _watch_parent()
+        run_pyloadgen(argv[1], argv[2], int(argv[3]), float(argv[4]))
+        return 0
+
+    args = parse_args(argv)
+    loadgen = args.loadgen
+    if loadgen == "auto":
+        loadgen = "wrk" if shutil.which("wrk") else "python"
+    elif loadgen == "wrk" and not shutil.which("wrk"):
+        print("wrk is not on PATH", file=sys.stderr)
+        return 2
+
+    procs = Processes()
+    old_term = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    results: list[Result] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="dpserve-bench-") as tmp:
+            lua_dir = Path(tmp)
+            for mode, body in REQUEST_BODIES.items():
+                (lua_dir / f"{mode}.lua").write_text(WRK_LUA.format(body=body.decode()))
+
+            _, backend_url = _start_server(procs, ["_backend"])
+            urls = {"direct": backend_url}
+            for target in args.targets:
+                if target != "direct":
+                    urls[target] = _start_server(procs, ["_relay", target, backend_url])[1]
+            for target in args.targets:
+                _check_target(target, urls[target])
+
+            print(
+                f"# {os.cpu_count()} CPUs shared by backend, relay and load generator ({loadgen}); "
+                f"{args.duration:g} s per run; load average before: {os.getloadavg()[0]:.2f}"
+                " (anything else running skews the figures)",
+                flush=True,
+            )
+            for target, mode, conns in _iter_runs(args.targets, args.connections):
+                if args.warmup > 0:
+                    _measure(
+                        procs,
+                        loadgen,
+                        lua_dir,
+                        target,
+                        urls[target],
+                        mode,
+                        conns,
+                        args.warmup,
+                        args.wrk_threads,
+                    )
+                r = _measure(
+                    procs,
+                    loadgen,
+                    lua_dir,
+                    target,
+                    urls[target],
+                    mode,
+                    conns,
+                    args.duration,
+                    args.wrk_threads,
+                )
+                results.append(r)
+                print(
+                    f"  {target:>15} {mode:>4} c={conns:<3} {r.rps:9.0f} req/s  p50 {r.p50_ms:7.2f} ms  "
+                    f"p99 {r.p99_ms:7.2f} ms  errors {r.errors}",
+                    flush=True,
+                )
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        procs.stop_all()
+        signal.signal(signal.SIGTERM, old_term)
+
+    rows = _rows(results)
+    print()
+    _print_table(rows)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_file = out_dir / "upstream_client.csv"
+    with out_file.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"\nwrote {out_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
