@@ -7,10 +7,11 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -170,6 +171,18 @@ class Launcher:
             print("dpserve: stopped every replica and the router", flush=True)
 
 
+def busy_ports(ports: Iterable[int], host: str = "127.0.0.1") -> list[int]:
+    """Ports something already listens on: found in milliseconds, rather than after a replica's minute-long start."""
+    busy = []
+    for port in ports:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
 def _resolve_model(settings: Settings) -> tuple[str, str | None]:
     if settings.model:
         return settings.model, settings.served_model_name
@@ -190,6 +203,15 @@ def run_launcher(settings: Settings) -> int:
         plans = plan_replicas(settings, model, served_name, gpus, sorted(os.sched_getaffinity(0)))
     except PlanError as exc:
         print(f"dpserve: {exc}", file=sys.stderr)
+        return 2
+    ports = [settings.port, *(p.port for p in plans), *(p.kv_events_port for p in plans)]
+    taken = busy_ports(ports)
+    if taken:
+        print(
+            f"dpserve: port(s) {', '.join(map(str, taken))} already in use; "
+            "pick others with --port, --base-port or --kv-events-base-port",
+            file=sys.stderr,
+        )
         return 2
     run_dir = settings.run_dir or Path(tempfile.mkdtemp(prefix="dpserve-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)

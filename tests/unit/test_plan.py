@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 import pytest
 
 from dpserve.cli import build_parser
 from dpserve.config import Settings
+from dpserve.replicas.launcher import busy_ports
 from dpserve.replicas.plan import PlanError, plan_replicas, router_argv, split_cores
 
 
@@ -57,3 +59,12 @@ def test_router_argv_is_the_public_router_command() -> None:
     args = build_parser().parse_args(list(argv[3:]))
     assert args.replicas == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
     assert (args.policy, args.port, args.access_log) == ("round_robin", 8123, True)
+
+
+def test_busy_ports_finds_a_port_something_listens_on() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        taken = listener.getsockname()[1]
+        assert busy_ports([taken]) == [taken]
+    assert busy_ports([taken]) == []
