@@ -68,8 +68,7 @@ class ReplicaMonitor:
                     raise ProbeFailed(f"/health answered {resp.status}")
             # A replica coming back may have been restarted with another model: re-read its models.
             if not replica.healthy or not replica.models or tick % self._models_every == 0:
-                replica.model_cards = await self._model_cards(replica)
-                replica.models = tuple(str(card["id"]) for card in replica.model_cards)
+                replica.set_model_cards(await self._model_cards(replica))
             await self._scrape(replica)
         except (aiohttp.ClientError, TimeoutError, ProbeFailed, ValueError) as exc:
             if replica.healthy:

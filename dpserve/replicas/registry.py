@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +14,10 @@ from dpserve.policies.base import ReplicaSnapshot
 class Replica:
     id: str
     url: str
-    models: tuple[str, ...] = ()
     model_cards: tuple[dict[str, Any], ...] = ()
     """The replica's own /v1/models entries, kept so the router can list them while it is down."""
+    models: tuple[str, ...] = ()
+    """The cards' ids: what routing checks on every request. Set both through `set_model_cards`."""
     block_size: int | None = None
     healthy: bool = False
     in_flight: int = 0
@@ -29,6 +30,10 @@ class Replica:
     last_error: str | None = None
     last_scrape: float | None = None
     served_total: int = 0
+
+    def set_model_cards(self, cards: tuple[dict[str, Any], ...]) -> None:
+        self.model_cards = cards
+        self.models = tuple(str(card["id"]) for card in cards)
 
     def snapshot(self) -> ReplicaSnapshot:
         return ReplicaSnapshot(
@@ -54,7 +59,7 @@ class ReplicaRegistry:
             rid: Replica(id=rid, url=url.rstrip("/")) for rid, url in zip(replica_ids(len(urls)), urls, strict=True)
         }
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Replica]:
         return iter(self._replicas.values())
 
     def __len__(self) -> int:
