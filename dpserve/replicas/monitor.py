@@ -75,6 +75,11 @@ class ReplicaMonitor:
                 log.warning("replica %s is down: %s", replica.id, _describe(exc))
             self._registry.mark_down(replica.id, _describe(exc))
             return
+        except Exception as exc:
+            # Whatever a replica answers, the probe loop must live on: it is what re-admits replicas.
+            log.exception("probing replica %s failed unexpectedly", replica.id)
+            self._registry.mark_down(replica.id, _describe(exc))
+            return
         if not replica.healthy:
             log.info("replica %s is healthy (models: %s)", replica.id, ", ".join(replica.models))
         replica.healthy = True
