@@ -183,10 +183,11 @@ def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Callable[[Request]
         if isinstance(outcome, Buffered):
             metrics.requests.labels(endpoint.name, outcome.replica_id, str(outcome.status)).inc()
             metrics.duration.labels(endpoint.name, "false").observe(time.perf_counter() - started)
-            body = outcome.body
+            body, media_type = outcome.body, outcome.content_type
             if outcome.status >= 400:
-                body = upstream_error_body(outcome.status, body, endpoint.path)
-            return Response(body, status_code=outcome.status, headers=headers, media_type=outcome.content_type)
+                # Always OpenAI-shaped JSON by now, whatever the replica's own content type was.
+                body, media_type = upstream_error_body(outcome.status, body, endpoint.path), "application/json"
+            return Response(body, status_code=outcome.status, headers=headers, media_type=media_type)
         return _RelayResponse(outcome, headers, endpoint, metrics, started)
 
     return handle

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 @dataclass
 class ScriptedReplica:
     model: str = "m"
-    mode: str = "ok"  # ok | http_500 | cut_stream | not_found
+    mode: str = "ok"  # ok | http_500 | cut_stream | not_found | text_502
     hits: collections.Counter[str] = field(default_factory=collections.Counter)
     url: str = ""
 
@@ -53,6 +53,8 @@ class ScriptedReplica:
             return web.json_response({"error": {"message": "engine dead"}}, status=500)
         if self.mode == "not_found":
             return web.json_response({"detail": "Not Found"}, status=404)
+        if self.mode == "text_502":
+            return web.Response(text="upstream proxy exploded", status=502, content_type="text/plain")
         if not body.get("stream"):
             return web.json_response({"object": "text_completion", "model": self.model, "choices": [{"text": "hi"}]})
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -161,3 +163,11 @@ async def test_a_replica_error_that_is_not_openai_shaped_is_reshaped() -> None:
     assert response.status_code == 404
     error = response.json()["error"]
     assert "Not Found" in error["message"] and error["type"] == "not_found_error"
+
+
+async def test_a_plain_text_replica_error_reaches_the_client_as_openai_json() -> None:
+    async with running([ScriptedReplica(mode="text_502")]) as url, httpx.AsyncClient() as client:
+        response = await client.post(f"{url}/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 502
+    assert response.headers["content-type"] == "application/json"
+    assert "upstream proxy exploded" in response.json()["error"]["message"]
