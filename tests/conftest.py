@@ -6,6 +6,8 @@ import socket
 
 import pytest
 
+from dpserve.replicas.launcher import busy_ports
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Tests that kill or stop the shared replicas run after everything that needs them healthy.
@@ -21,15 +23,6 @@ def free_port() -> int:
 def free_port_range(count: int, start: int = 20000, stop: int = 60000) -> int:
     """The first of `count` consecutive ports that are all free on loopback."""
     for base in range(start, stop, count + 7):
-        if all(_is_free(base + offset) for offset in range(count)):
+        if not busy_ports(range(base, base + count)):
             return base
     raise RuntimeError("no free port range")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True

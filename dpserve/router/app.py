@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from dpserve.config import Settings
 from dpserve.policies import Policy, RequestFeatures, make_policy
 from dpserve.replicas.monitor import ReplicaMonitor
-from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.errors import (
     OpenAIError,
     bad_request,
@@ -134,7 +134,7 @@ def create_app(
     return app
 
 
-def _replica_status(replica: Any) -> dict[str, Any]:
+def _replica_status(replica: Replica) -> dict[str, Any]:
     hit_rate = replica.prefix_cache_hits / replica.prefix_cache_queries if replica.prefix_cache_queries else None
     return {
         "id": replica.id,

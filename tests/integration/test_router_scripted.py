@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -18,6 +17,7 @@ from aiohttp import web
 
 from dpserve.config import Settings
 from dpserve.router.app import create_app
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -70,12 +70,6 @@ class ScriptedReplica:
         return response
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.asynccontextmanager
 async def running(
     replicas: list[ScriptedReplica], policy: str = "round_robin", extra_urls: tuple[str, ...] = ()
@@ -84,12 +78,12 @@ async def running(
     for replica in replicas:
         runner = web.AppRunner(replica.app())
         await runner.setup()
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         replica.url = f"http://127.0.0.1:{port}"
         runners.append(runner)
     settings = Settings(replicas=(*[r.url for r in replicas], *extra_urls), policy=policy, probe_interval_s=0.2)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="error"))
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -126,7 +120,7 @@ async def test_when_every_replica_fails_the_client_gets_the_last_error_not_a_han
 
 async def test_a_refused_connection_is_retried_and_the_replica_taken_out() -> None:
     good = ScriptedReplica()
-    refused = f"http://127.0.0.1:{_free_port()}"
+    refused = f"http://127.0.0.1:{free_port()}"
     async with running([good], extra_urls=(refused,)) as url, httpx.AsyncClient() as client:
         statuses = [(await client.post(f"{url}/v1/completions", json={"prompt": "x"})).status_code for _ in range(6)]
         status = (await client.get(f"{url}/status")).json()
