@@ -1,4 +1,4 @@
-"""The `dpserve` command: up, router, model."""
+"""The `dpserve` command: up, router, sim, model, bench."""
 
 from __future__ import annotations
 
@@ -53,6 +53,52 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--start-timeout", type=float, dest="replica_start_timeout_s", help="seconds to wait per replica")
     _add_router_flags(up)
 
+    up.add_argument(
+        "--sim",
+        type=int,
+        dest="sim_replicas",
+        metavar="N",
+        help="start N simulator replicas (dpserve sim) instead of vLLM",
+    )
+
+    sim = commands.add_parser(
+        "sim",
+        help="run one simulated vLLM replica (same API, metrics and KV events; no model)",
+        description="A vLLM-compatible simulator replica for scale tests and router benchmarks.",
+    )
+    sim.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    sim.add_argument("--port", type=int, help="port (default 8000)")
+    sim.add_argument("--model", help="served model name (default dpserve-tiny)")
+    sim.add_argument("--max-model-len", type=int, dest="max_model_len", help="context length (default 4096)")
+    sim.add_argument("--block-size", type=int, dest="sim_block_size", help="tokens per KV block (default 16)")
+    sim.add_argument("--num-blocks", type=int, dest="sim_num_blocks", help="KV-cache capacity in blocks (default 8192)")
+    sim.add_argument("--max-num-seqs", type=int, dest="sim_max_num_seqs", help="batch limit (default 256)")
+    sim.add_argument(
+        "--prefill-ms-per-token", type=float, dest="sim_prefill_ms_per_token", help="per uncached token (default 0.1)"
+    )
+    sim.add_argument(
+        "--decode-ms-per-token", type=float, dest="sim_decode_ms_per_token", help="per output token (default 10)"
+    )
+    sim.add_argument(
+        "--batch-slowdown",
+        type=float,
+        dest="sim_batch_slowdown",
+        help="extra time per other running request, as a fraction (default 0.02)",
+    )
+    sim.add_argument(
+        "--jitter", type=float, dest="sim_jitter", help="relative random spread of every wait (0.1 = ±10%%)"
+    )
+    sim.add_argument("--seed", type=int, dest="sim_seed", help="seed for jitter and generated tokens (default 0)")
+    sim.add_argument("--speed", type=float, dest="sim_speed", help="time scale: 2 = twice as fast, 0 = no waits at all")
+    sim.add_argument(
+        "--tokenizer", choices=("tiny", "fast"), dest="sim_tokenizer", help="tiny model's BPE or fast hash"
+    )
+    sim.add_argument(
+        "--kv-events", dest="sim_kv_events", metavar="ENDPOINT", help="publish KV events, e.g. tcp://*:5557"
+    )
+    sim.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+    sim.add_argument("--access-log", action="store_true", default=None, dest="access_log")
+
     model = commands.add_parser("model", help="build models for demos and tests")
     model_kinds = model.add_subparsers(dest="kind", required=True)
     tiny = model_kinds.add_parser("tiny", help="build the deterministic tiny Llama that vLLM's CPU backend serves")
@@ -93,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(rest)
 
     overrides = _overrides(args)
+    if args.command == "sim":
+        from dpserve.sim.server import serve_sim
+
+        serve_sim(Settings.load(overrides))
+        return 0
     if args.command == "router":
         overrides["replicas"] = tuple(args.replicas)
         settings = Settings.load(overrides)

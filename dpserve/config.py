@@ -44,6 +44,21 @@ class Settings:
     cpu_kv_cache_gib: int = 1
     max_model_len: int = 4096
     vllm_args: tuple[str, ...] = ()
+    sim_replicas: int = 0
+    """`dpserve up --sim N`: N simulator replicas instead of vLLM."""
+    # Simulator (`dpserve sim`)
+    sim_block_size: int = 16
+    sim_num_blocks: int = 8192
+    sim_max_num_seqs: int = 256
+    sim_prefill_ms_per_token: float = 0.1
+    sim_decode_ms_per_token: float = 10.0
+    sim_batch_slowdown: float = 0.02
+    sim_jitter: float = 0.0
+    sim_seed: int = 0
+    sim_speed: float = 1.0
+    sim_tokenizer: str = "tiny"
+    sim_kv_events: str | None = None
+    """ZMQ endpoint the sim publishes KV events on, e.g. tcp://127.0.0.1:5557 (none: no events)."""
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Settings:

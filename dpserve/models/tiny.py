@@ -123,7 +123,7 @@ found, what you could not find, and what you would do next if you had more time 
 """
 
 
-def _train_tokenizer() -> Tokenizer:
+def train_tokenizer() -> Tokenizer:
     """Train a byte-level BPE on the embedded corpus (no download, deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -161,7 +161,7 @@ def _save_tokenizer(target: Path) -> tuple[int, int, int, int]:
     from transformers import PreTrainedTokenizerFast
 
     hf_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(),
+        tokenizer_object=train_tokenizer(),
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,

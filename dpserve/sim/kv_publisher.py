@@ -1,0 +1,72 @@
+"""KV-cache events on ZMQ in vLLM 0.32's wire format, so a subscriber cannot tell a sim from vLLM.
+
+Each batch is one multipart message: [topic, sequence number (8 bytes, big-endian, from 0), payload],
+the payload a msgpack array [timestamp, [event, ...], data_parallel_rank], each event a map tagged by
+"type" with the fields vLLM's own events carry (block hashes are unsigned 64-bit ints, as vLLM sends
+them by default).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from dpserve.sim.cache import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+MEDIUM = "GPU"
+SEND_HWM = 100_000
+
+
+def event_to_wire(event: KvEvent) -> dict[str, Any]:
+    if isinstance(event, BlockStored):
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": None,
+            "medium": MEDIUM,
+            "lora_name": None,
+            "extra_keys": [None] * len(event.block_hashes),
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+        }
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": MEDIUM, "group_idx": 0}
+    if isinstance(event, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+def encode_batch(events: Sequence[KvEvent], timestamp: float, data_parallel_rank: int = 0) -> bytes:
+    return msgspec.msgpack.encode([timestamp, [event_to_wire(event) for event in events], data_parallel_rank])
+
+
+class KvEventPublisher:
+    """A ZMQ PUB socket. PUB never blocks a sender: with no subscriber, or one too slow, batches are
+    dropped, and the sequence numbers let a subscriber see the gap (as with vLLM)."""
+
+    def __init__(self, endpoint: str, topic: str = "kv-events") -> None:
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.PUB)
+        self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(endpoint)
+        self._topic = topic.encode()
+        self._seq = 0
+
+    def publish(self, events: Sequence[KvEvent]) -> None:
+        payload = encode_batch(events, time.time())
+        try:
+            self._socket.send_multipart((self._topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # dropped at the high-water mark; the sequence number still advances
+        self._seq += 1
+
+    def close(self) -> None:
+        self._socket.close(linger=0)

@@ -1,0 +1,165 @@
+"""The simulator's /metrics: vLLM 0.32's own metric names, types, label sets and histogram buckets
+(prometheus_client, as vLLM uses), for the subset a router or a dashboard reads."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dpserve.sim.cache import PrefixCache
+from dpserve.sim.engine import EngineObserver, GenerationRequest, RequestStats, SimEngine
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+TTFT_BUCKETS += (40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+LATENCY_BUCKETS += (480.0, 960.0, 1920.0, 7680.0)
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+# vLLM labels cache_config_info with every CacheConfig field; the sim fills the ones it models and
+# gives the rest vLLM's defaults, so the label set is the same.
+CACHE_CONFIG_DEFAULTS = {
+    "_block_size_resolved": "True",
+    "cache_dtype": "auto",
+    "cache_hit_alignment_tokens": "None",
+    "enable_mamba_shared_prefix_checkpoint": "False",
+    "enable_prefix_caching": "True",
+    "gpu_memory_utilization": "0.92",
+    "hash_block_size": "None",
+    "is_attention_free": "False",
+    "kv_cache_dtype_skip_layers": "[]",
+    "kv_cache_layout": "None",
+    "kv_cache_memory_bytes": "None",
+    "kv_offloading_backend": "native",
+    "kv_offloading_size": "None",
+    "kv_sharing_fast_prefill": "False",
+    "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto",
+    "mamba_cache_mode": "none",
+    "mamba_page_size_padded": "None",
+    "mamba_ssm_cache_dtype": "auto",
+    "num_cpu_blocks": "None",
+    "num_gpu_blocks_override": "None",
+    "prefix_cache_retention_interval": "0",
+    "prefix_caching_hash_algo": "sha256",
+    "prefix_match_unit": "None",
+    "replayssm_buffer_len": "16",
+    "skip_page_size_padded": "None",
+    "sliding_window": "None",
+    "swa_bounded_replay": "True",
+    "use_kda_recoverssm": "False",
+    "use_replayssm": "False",
+    "user_specified_block_size": "True",
+}
+
+
+class SimMetrics(EngineObserver):
+    """Updated by the engine as requests move; gauges that are state (queue, KV usage) are read at scrape."""
+
+    def __init__(self, model_name: str, cache: PrefixCache, max_num_seqs: int) -> None:
+        self.registry = CollectorRegistry()
+        labels = ("model_name", "engine")
+        values = (model_name, "0")
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=reg)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+
+        self._running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self._running = self._running.labels(*values)
+        self._waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self._waiting = self._waiting.labels(*values)
+        kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        kv_usage.labels(*values).set_function(lambda: cache.usage)
+        self.queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.queries = self.queries.labels(*values)
+        self.hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.hits = self.hits.labels(*values)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(*values)
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.generation_tokens = self.generation_tokens.labels(*values)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            (*labels, "finished_reason"),
+            registry=reg,
+        )
+        self.success = {reason: success.labels(model_name, "0", reason) for reason in FINISHED_REASONS}
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        ).labels(*values)
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        ).labels(*values)
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS
+        ).labels(*values)
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            LATENCY_BUCKETS,
+        ).labels(*values)
+        info = {
+            **CACHE_CONFIG_DEFAULTS,
+            "block_size": str(cache.block_size),
+            "effective_attention_block_size": str(cache.block_size),
+            "num_gpu_blocks": str(cache.capacity),
+            "kv_cache_size_tokens": str(cache.capacity * cache.block_size),
+            "kv_cache_max_concurrency": str(float(max_num_seqs)),
+            "engine": "0",
+        }
+        config = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", tuple(info), registry=reg)
+        config.labels(**info).set(1)
+
+    def watch(self, engine: SimEngine) -> None:
+        """Read the engine's queue state at scrape time rather than on every change."""
+        self._running.set_function(lambda: engine.running)
+        self._waiting.set_function(lambda: engine.waiting)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # EngineObserver
+    def on_admitted(self, request: GenerationRequest, stats: RequestStats) -> None:
+        self.queries.inc(len(request.prompt_ids))
+        self.hits.inc(stats.cached_tokens)
+        self.prompt_tokens.inc(len(request.prompt_ids))
+        self.queue_time.observe(stats.admitted - stats.arrived)
+
+    def on_token(self, stats: RequestStats, gap_s: float | None) -> None:
+        if gap_s is None:
+            self.ttft.observe(stats.first_token - stats.arrived)
+        else:
+            self.itl.observe(gap_s)
+
+    def on_finished(self, request: GenerationRequest, stats: RequestStats, reason: str) -> None:
+        self.generation_tokens.inc(stats.output_tokens)
+        self.success[reason].inc()
+        self.e2e.observe(stats.finished - stats.arrived)

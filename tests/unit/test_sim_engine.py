@@ -1,0 +1,102 @@
+"""The simulator's engine: batch limit and FIFO queue, KV events, metrics, and its latency model."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from dpserve.replicas.prometheus_text import parse_samples
+from dpserve.sim.cache import BlockStored, KvEvent, PrefixCache
+from dpserve.sim.engine import GenerationRequest, LatencyModel, RequestStats, RequestTooLarge, SimEngine
+from dpserve.sim.metrics import SimMetrics
+
+
+def request(prompt: list[int], max_tokens: int = 4) -> GenerationRequest:
+    return GenerationRequest(prompt, max_tokens, "length")
+
+
+def test_latency_factor_grows_with_batch_and_scales_with_speed() -> None:
+    rng = random.Random(0)
+    model = LatencyModel(batch_slowdown=0.5, speed=1.0)
+    assert model.factor(1, rng) == 1.0
+    assert model.factor(3, rng) == 2.0
+    assert LatencyModel(batch_slowdown=0.5, speed=2.0).factor(3, rng) == 1.0
+    assert LatencyModel(speed=0).factor(100, rng) == 0.0
+    jittered = [LatencyModel(jitter=0.1).factor(1, rng) for _ in range(200)]
+    assert 0.9 <= min(jittered) < max(jittered) <= 1.1
+
+
+async def test_batch_limit_queues_first_come_first_served() -> None:
+    cache = PrefixCache(64, 4)
+    engine = SimEngine(cache, LatencyModel(decode_s_per_token=0.001), max_num_seqs=1)
+    first = engine.generate(request([1, 2, 3]), [5] * 50, RequestStats(0.0), streamed=True)
+    assert await first.__anext__() == 5
+    assert engine.running == 1
+
+    second_tokens: list[int] = []
+
+    async def second() -> None:
+        async for token in engine.generate(request([7, 8, 9]), [6, 6], RequestStats(0.0), streamed=True):
+            second_tokens.append(token)
+
+    task = asyncio.create_task(second())
+    await asyncio.sleep(0.02)
+    assert engine.waiting == 1 and not second_tokens
+    await first.aclose()  # the client went away: its blocks and its slot are freed
+    await asyncio.wait_for(task, 2)
+    assert second_tokens == [6, 6]
+    assert engine.running == 0 and engine.waiting == 0 and cache.blocks_in_use == 0
+
+
+async def test_speed_zero_answers_without_waiting_and_publishes_events() -> None:
+    published: list[KvEvent] = []
+    cache = PrefixCache(64, 4)
+    engine = SimEngine(
+        cache,
+        LatencyModel(prefill_s_per_token=10.0, decode_s_per_token=10.0, speed=0),
+        8,
+        publish=published.extend,
+    )
+    tokens = [t async for t in engine.generate(request(list(range(9))), [1, 2, 3], RequestStats(0.0), False)]
+    assert tokens == [1, 2, 3]
+    assert [type(e) for e in published] == [BlockStored]
+
+
+async def test_prefill_time_counts_only_uncached_tokens() -> None:
+    cache = PrefixCache(256, 16)
+    engine = SimEngine(cache, LatencyModel(prefill_s_per_token=0.0002, decode_s_per_token=0.0), 8)
+    prompt = list(range(1000))
+    cold, warm = RequestStats(0.0), RequestStats(0.0)
+    loop = asyncio.get_running_loop()
+    for stats in (cold, warm):
+        stats.arrived = loop.time()
+        async for _ in engine.generate(request(prompt, 1), [1], stats, False):
+            pass
+    assert warm.cached_tokens == 992
+    assert cold.first_token - cold.arrived >= 0.19
+    assert warm.first_token - warm.arrived < 0.1
+
+
+def test_a_request_larger_than_the_cache_is_refused_up_front() -> None:
+    engine = SimEngine(PrefixCache(2, 4), LatencyModel(), 8)
+    with pytest.raises(RequestTooLarge):
+        engine.check_fits(request(list(range(8)), 4))
+
+
+async def test_metrics_count_queries_hits_and_finished_requests() -> None:
+    cache = PrefixCache(64, 4)
+    metrics = SimMetrics("m", cache, 8)
+    engine = SimEngine(cache, LatencyModel(speed=0), 8, observer=metrics)
+    metrics.watch(engine)
+    for _ in range(2):
+        async for _ in engine.generate(request(list(range(9)), 2), [1, 2], RequestStats(0.0), False):
+            pass
+    samples = parse_samples(
+        metrics.render().decode(),
+        {"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total"},
+    )
+    assert samples.total("vllm:prefix_cache_queries_total") == 18
+    assert samples.total("vllm:prefix_cache_hits_total") == 8
+    assert samples.total("vllm:request_success_total") == 2
