@@ -18,7 +18,7 @@ import aiohttp
 
 from dpserve.config import Settings
 from dpserve.gpu.detect import count_nvidia_gpus
-from dpserve.replicas.plan import PlanError, ReplicaPlan, plan_replicas, router_argv
+from dpserve.replicas.plan import PlanError, ReplicaPlan, plan_replicas, plan_sims, router_argv
 from dpserve.replicas.process import ManagedProcess, log_tail
 
 log = logging.getLogger("dpserve.up")
@@ -193,14 +193,22 @@ def _resolve_model(settings: Settings) -> tuple[str, str | None]:
     return str(path), settings.served_model_name or TINY_MODEL_NAME
 
 
-def run_launcher(settings: Settings) -> int:
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _plan(settings: Settings) -> list[ReplicaPlan]:
+    if settings.sim_replicas:
+        from dpserve.models.tiny import TINY_MODEL_NAME
+
+        return plan_sims(settings, settings.served_model_name or settings.model or TINY_MODEL_NAME)
     gpus, why_none = count_nvidia_gpus()
     if why_none:
         print(f"dpserve: {why_none}; running vLLM on the CPU", flush=True)
     model, served_name = _resolve_model(settings)
+    return plan_replicas(settings, model, served_name, gpus, sorted(os.sched_getaffinity(0)))
+
+
+def run_launcher(settings: Settings) -> int:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        plans = plan_replicas(settings, model, served_name, gpus, sorted(os.sched_getaffinity(0)))
+        plans = _plan(settings)
     except PlanError as exc:
         print(f"dpserve: {exc}", file=sys.stderr)
         return 2

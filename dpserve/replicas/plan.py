@@ -80,7 +80,29 @@ def vllm_argv(settings: Settings, model: str, served_name: str | None, port: int
         argv += ["--kv-events-config", json.dumps(config)]
     if not _has_flag(extra, "--max-model-len"):
         argv += ["--max-model-len", str(settings.max_model_len)]
+    # usage.prompt_tokens_details.cached_tokens: what a client (and the policy benchmark) reads per request.
+    if not _has_flag(extra, "--enable-prompt-tokens-details"):
+        argv.append("--enable-prompt-tokens-details")
     return (*argv, *extra)
+
+
+def sim_argv(settings: Settings, served_name: str, port: int, kv_port: int) -> tuple[str, ...]:
+    """One `dpserve sim`; everything after `--` on `dpserve up` goes to every sim, as it would to vLLM."""
+    argv = [sys.executable, "-m", "dpserve", "sim", "--port", str(port), "--model", served_name]
+    argv += ["--max-model-len", str(settings.max_model_len), "--log-level", "warning"]
+    argv += ["--kv-events", f"tcp://127.0.0.1:{kv_port}"]
+    return (*argv, *settings.vllm_args)
+
+
+def plan_sims(settings: Settings, served_name: str) -> list[ReplicaPlan]:
+    if settings.sim_replicas < 1:
+        raise PlanError("--sim must be at least 1")
+    plans = []
+    for index, rid in enumerate(replica_ids(settings.sim_replicas)):
+        port = settings.base_port + index
+        kv_port = settings.kv_events_base_port + index
+        plans.append(ReplicaPlan(rid, port, kv_port, "sim", {}, None, sim_argv(settings, served_name, port, kv_port)))
+    return plans
 
 
 def plan_replicas(

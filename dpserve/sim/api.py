@@ -250,7 +250,9 @@ class SimApi:
         last = len(output) - 1
         index = 0
         async for token in self.engine.generate(request, output, stats, True):
-            yield _event(fmt.chunk(self.tokenizer.piece(token), prompt.finish_reason if index == last else None))
+            finishing = index == last
+            finish_reason = prompt.finish_reason if finishing else None
+            yield _event(fmt.chunk(self.tokenizer.piece(token), finish_reason, finishing and not prompt.include_usage))
             index += 1
         if prompt.include_usage:
             yield _event(fmt.usage_chunk(usage(len(prompt.ids), stats.output_tokens, stats.cached_tokens)))

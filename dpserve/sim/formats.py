@@ -30,7 +30,9 @@ class ResponseFormat(Protocol):
         """The chunk streamed before any token, if the endpoint sends one."""
         ...
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]: ...
+    def chunk(self, text: str, finish_reason: str | None, fingerprint: bool) -> dict[str, Any]:
+        """One token; `fingerprint` on the stream's last chunk (vLLM puts it there, or on the usage chunk)."""
+        ...
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -76,7 +78,7 @@ class CompletionFormat(_Base):
     def opening(self) -> dict[str, Any] | None:
         return None
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None, fingerprint: bool) -> dict[str, Any]:
         choice = {
             "index": 0,
             "text": text,
@@ -86,13 +88,11 @@ class CompletionFormat(_Base):
             "prompt_token_ids": None,
             "token_ids": None,
         }
-        body = {**self._head("text_completion"), "choices": [choice]}
-        if finish_reason is not None:
-            body["system_fingerprint"] = SYSTEM_FINGERPRINT
-        return body
+        return _fingerprinted({**self._head("text_completion"), "choices": [choice]}, fingerprint)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head("text_completion"), "choices": [], "usage": _stream_usage(usage)}
+        body = {**self._head("text_completion"), "choices": [], "usage": _stream_usage(usage, with_created=False)}
+        return _fingerprinted(body, True)
 
 
 class ChatFormat(_Base):
@@ -140,7 +140,7 @@ class ChatFormat(_Base):
             "prompt_text": None,
         }
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None, fingerprint: bool) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": 0,
             "delta": {"content": text},
@@ -150,20 +150,24 @@ class ChatFormat(_Base):
         if finish_reason is not None:
             choice["stop_reason"] = None
         choice["token_ids"] = None
-        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        return _fingerprinted({**self._head("chat.completion.chunk"), "choices": [choice]}, fingerprint)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return {
-            **self._head("chat.completion.chunk"),
-            "choices": [],
-            "usage": _stream_usage(usage),
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-        }
+        body = {**self._head("chat.completion.chunk"), "choices": [], "usage": _stream_usage(usage, with_created=True)}
+        return _fingerprinted(body, True)
 
 
-def _stream_usage(whole: dict[str, Any]) -> dict[str, Any]:
-    # vLLM's streamed usage leaves out the fields that are null.
-    details = {"cached_tokens": whole["prompt_tokens_details"]["cached_tokens"], "created_cache_tokens": 0}
+def _fingerprinted(body: dict[str, Any], fingerprint: bool) -> dict[str, Any]:
+    if fingerprint:
+        body["system_fingerprint"] = SYSTEM_FINGERPRINT
+    return body
+
+
+def _stream_usage(whole: dict[str, Any], with_created: bool) -> dict[str, Any]:
+    # vLLM's streamed usage leaves out the fields that are null (chat reports created_cache_tokens as 0).
+    details: dict[str, Any] = {"cached_tokens": whole["prompt_tokens_details"]["cached_tokens"]}
+    if with_created:
+        details["created_cache_tokens"] = 0
     return {
         "prompt_tokens": whole["prompt_tokens"],
         "total_tokens": whole["total_tokens"],

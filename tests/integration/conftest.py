@@ -5,6 +5,7 @@ another policy start their own `dpserve router` over the same replicas (that tak
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -28,6 +29,7 @@ ROUTER_START_TIMEOUT_S = 30
 class Fleet:
     router_url: str
     replica_urls: list[str]
+    kv_event_endpoints: list[str]
     process: subprocess.Popen[bytes]
     log_path: Path
 
@@ -63,49 +65,33 @@ def healthy_count(url: str) -> int:
         return 0
 
 
-@pytest.fixture(scope="session")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    work = tmp_path_factory.mktemp("fleet")
+@contextlib.contextmanager
+def running_fleet(work: Path, count: int, up_args: list[str], timeout_s: float) -> Iterator[Fleet]:
+    """`dpserve up` with `count` replicas on free loopback ports, stopped (SIGTERM) when the block ends."""
     router_port = free_port()
-    base_port = free_port_range(2)
-    kv_base_port = free_port_range(2, start=base_port + 100)
+    base_port = free_port_range(count)
+    kv_base_port = free_port_range(count, start=base_port + count + 100)
     log_path = work / "dpserve-up.log"
-    command = [
-        sys.executable,
-        "-m",
-        "dpserve",
-        "up",
-        "--replicas",
-        "2",
-        "--port",
-        str(router_port),
-        "--base-port",
-        str(base_port),
-        "--kv-events-base-port",
-        str(kv_base_port),
-        "--cache-dir",
-        str(work / "cache"),
-        "--run-dir",
-        str(work / "run"),
-        "--probe-interval",
-        "0.5",
-    ]
+    command = [sys.executable, "-m", "dpserve", "up", "--port", str(router_port), "--base-port", str(base_port)]
+    command += ["--kv-events-base-port", str(kv_base_port), "--run-dir", str(work / "run"), "--probe-interval", "0.5"]
+    command += up_args
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     fleet = Fleet(
         router_url=f"http://127.0.0.1:{router_port}",
-        replica_urls=[f"http://127.0.0.1:{base_port + index}" for index in range(2)],
+        replica_urls=[f"http://127.0.0.1:{base_port + index}" for index in range(count)],
+        kv_event_endpoints=[f"tcp://127.0.0.1:{kv_base_port + index}" for index in range(count)],
         process=process,
         log_path=log_path,
     )
     try:
-        deadline = time.monotonic() + FLEET_START_TIMEOUT_S
-        while healthy_count(fleet.router_url) < 2:
+        deadline = time.monotonic() + timeout_s
+        while healthy_count(fleet.router_url) < count:
             if process.poll() is not None:
                 pytest.fail(f"dpserve up exited with {process.returncode}:\n{fleet.log_tail()}")
             if time.monotonic() > deadline:
-                pytest.fail(f"fleet not ready after {FLEET_START_TIMEOUT_S}s:\n{fleet.log_tail()}")
-            time.sleep(1)
+                pytest.fail(f"fleet not ready after {timeout_s}s:\n{fleet.log_tail()}")
+            time.sleep(0.5)
         yield fleet
     finally:
         if process.poll() is None:
@@ -115,6 +101,50 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    work = tmp_path_factory.mktemp("fleet")
+    with running_fleet(
+        work, 2, ["--replicas", "2", "--cache-dir", str(work / "cache")], FLEET_START_TIMEOUT_S
+    ) as fleet:
+        yield fleet
+
+
+@dataclass
+class SimProcess:
+    url: str
+    kv_events: str
+    process: subprocess.Popen[bytes]
+
+
+@contextlib.contextmanager
+def running_sim(*args: str) -> Iterator[SimProcess]:
+    """One `dpserve sim` on free loopback ports, publishing KV events, until the block ends."""
+    port, kv_port = free_port(), free_port()
+    kv_events = f"tcp://127.0.0.1:{kv_port}"
+    command = [sys.executable, "-m", "dpserve", "sim", "--port", str(port), "--kv-events", kv_events, *args]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sim = SimProcess(f"http://127.0.0.1:{port}", kv_events, process)
+    try:
+        wait_until(lambda: _answers(f"{sim.url}/health") or process.poll() is not None, 30, 0.1, "sim")
+        assert process.poll() is None, process.stderr.read().decode() if process.stderr else "sim exited"
+        yield sim
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def start_router(replica_urls: list[str], policy: str, *extra: str, expect_healthy: int | None = None) -> RouterProcess:

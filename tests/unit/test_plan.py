@@ -9,7 +9,7 @@ import pytest
 from dpserve.cli import build_parser
 from dpserve.config import Settings
 from dpserve.replicas.launcher import busy_ports
-from dpserve.replicas.plan import PlanError, plan_replicas, router_argv, split_cores
+from dpserve.replicas.plan import PlanError, plan_replicas, plan_sims, router_argv, split_cores
 
 
 def test_split_cores_disjoint_and_covering() -> None:
@@ -50,6 +50,19 @@ def test_extra_vllm_flags_pass_through_and_win() -> None:
     assert argv[-len(extra) :] == extra
     assert "tiny" not in argv and "--enable-prefix-caching" not in argv
     assert argv.count("--max-model-len") == 1
+
+
+def test_sim_plan_runs_dpserve_sim_with_kv_events_and_passes_extra_flags() -> None:
+    settings = Settings(sim_replicas=3, base_port=9100, kv_events_base_port=6000, vllm_args=("--speed", "0"))
+    plans = plan_sims(settings, "tiny")
+    assert [p.url for p in plans] == [f"http://127.0.0.1:{9100 + i}" for i in range(3)]
+    assert all(p.device == "sim" and p.cpus is None for p in plans)
+    argv = plans[2].argv
+    assert argv[:4] == (sys.executable, "-m", "dpserve", "sim")
+    args = build_parser().parse_args(list(argv[3:]))
+    assert (args.port, args.model, args.sim_kv_events, args.sim_speed) == (9102, "tiny", "tcp://127.0.0.1:6002", 0.0)
+    with pytest.raises(PlanError):
+        plan_sims(Settings(sim_replicas=0), "tiny")
 
 
 def test_router_argv_is_the_public_router_command() -> None:
