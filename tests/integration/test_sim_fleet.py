@@ -1,0 +1,130 @@
+"""16 simulator replicas behind the router (`dpserve up --sim 16`): every request served, none lost, load
+spread over all of them, and each sim's metrics and KV events reaching the outside."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import orjson
+import pytest
+import zmq
+
+from dpserve.replicas.prometheus_text import parse_samples
+from tests.integration.conftest import Fleet, router_status, running_fleet
+
+pytestmark = pytest.mark.integration
+
+SIMS = 16
+REQUESTS = 480
+CONCURRENCY = 64
+
+
+@pytest.fixture(scope="module")
+def sim_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    work: Path = tmp_path_factory.mktemp("sim-fleet")
+    args = ["--sim", str(SIMS), "--", "--decode-ms-per-token", "2", "--max-num-seqs", "8"]
+    with running_fleet(work, SIMS, args, timeout_s=120) as fleet:
+        yield fleet
+
+
+def body_for(index: int) -> tuple[str, dict[str, Any]]:
+    # Eight shared system prompts, so prefixes repeat; alternating endpoints and streaming.
+    system = f"System prompt number {index % 8}. " * 20
+    if index % 2:
+        return "/v1/completions", {"prompt": system + f"question {index}", "max_tokens": 6, "stream": index % 4 == 1}
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": f"question {index}"}]
+    return "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "stream": index % 4 == 0}
+
+
+async def send_all(router_url: str) -> tuple[collections.Counter[str], list[str]]:
+    served: collections.Counter[str] = collections.Counter()
+    failures: list[str] = []
+    gate = asyncio.Semaphore(CONCURRENCY)
+    limits = httpx.Limits(max_connections=CONCURRENCY)
+
+    async with httpx.AsyncClient(base_url=router_url, timeout=60, limits=limits) as client:
+
+        async def one(index: int) -> None:
+            path, body = body_for(index)
+            async with gate:
+                response = await client.post(path, json={"model": "dpserve-tiny", **body})
+            if response.status_code != 200:
+                failures.append(f"{index}: {response.status_code} {response.text[:200]}")
+                return
+            if body["stream"]:
+                frames = [f for f in response.text.split("\n\n") if f]
+                tokens = [orjson.loads(f[6:]) for f in frames[:-1] if orjson.loads(f[6:])["choices"]]
+                finished = tokens[-1]["choices"][0]["finish_reason"] if tokens else None
+                if frames[-1] != "data: [DONE]" or finished != "length":
+                    failures.append(f"{index}: broken stream {response.text[-200:]!r}")
+                    return
+            elif response.json()["usage"]["completion_tokens"] != 6:
+                failures.append(f"{index}: wrong usage {response.text[:200]}")
+                return
+            served[response.headers["x-dpserve-replica"]] += 1
+
+        await asyncio.gather(*(one(index) for index in range(REQUESTS)))
+    return served, failures
+
+
+def replica_counter(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return parse_samples(text, {name}).total(name) or 0.0
+
+
+def test_sixteen_sims_behind_the_router_serve_everything(sim_fleet: Fleet) -> None:
+    status = router_status(sim_fleet.router_url)
+    assert len(status["replicas"]) == SIMS
+    assert all(r["healthy"] and r["block_size"] == 16 for r in status["replicas"])
+    before = sum(replica_counter(url, "vllm:request_success_total") for url in sim_fleet.replica_urls)
+
+    started = time.monotonic()
+    served, failures = asyncio.run(send_all(sim_fleet.router_url))
+    elapsed = time.monotonic() - started
+    print(f"{REQUESTS} requests over {SIMS} sims in {elapsed:.1f}s; per replica: {dict(sorted(served.items()))}")
+
+    assert failures == []
+    assert sum(served.values()) == REQUESTS
+    assert set(served) == {f"r{i}" for i in range(SIMS)}, "least_loaded left a replica idle"
+    after = sum(replica_counter(url, "vllm:request_success_total") for url in sim_fleet.replica_urls)
+    assert after - before == REQUESTS, "the sims finished a different number of requests than the router sent"
+    hits = sum(replica_counter(url, "vllm:prefix_cache_hits_total") for url in sim_fleet.replica_urls)
+    assert hits > 0, "repeated system prompts never hit a sim's prefix cache"
+
+
+def test_every_sim_publishes_kv_events_where_dpserve_up_says(sim_fleet: Fleet) -> None:
+    context = zmq.Context.instance()
+    sockets = []
+    for endpoint in sim_fleet.kv_event_endpoints:
+        socket = context.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(endpoint)
+        sockets.append(socket)
+    try:
+        time.sleep(0.5)  # ZMQ's slow joiner
+        with httpx.Client(timeout=30) as client:
+            # Direct to each sim, a prompt of its own: each must store new blocks and say so.
+            for index, url in enumerate(sim_fleet.replica_urls):
+                prompt = f"A prompt only replica {index} ever sees, long enough to fill blocks. " * 6
+                response = client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                assert response.status_code == 200
+        stored = collections.Counter()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(stored) < SIMS:
+            for index, socket in enumerate(sockets):
+                while socket.poll(0):
+                    _, _, payload = socket.recv_multipart()
+                    events = msgspec.msgpack.decode(payload)[1]
+                    stored[index] += sum(1 for event in events if event["type"] == "BlockStored")
+            time.sleep(0.05)
+    finally:
+        for socket in sockets:
+            socket.close(linger=0)
+    assert set(stored) == set(range(SIMS))
