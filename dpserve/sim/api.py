@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from jinja2 import TemplateError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -154,7 +155,14 @@ class SimApi:
             content = message.get("content")
             if not (content is None or isinstance(content, str) or _is_text_parts(content)):
                 raise SimError(400, f"`messages[{index}].content` must be a string or text parts.", "messages")
-        text = self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        # A message without content (an assistant turn that only called tools) renders as empty text.
+        messages = [
+            message if message.get("content") is not None else {**message, "content": ""} for message in messages
+        ]
+        try:
+            text = self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        except TemplateError as exc:
+            raise SimError(400, f"The chat template cannot render these messages: {exc}", "messages") from None
         # The template writes BOS itself: no special tokens added on top, as vLLM does for chat.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -168,7 +176,7 @@ class SimApi:
             if max(prompt) >= self.tokenizer.vocab_size:
                 raise SimError(400, f"Token id {max(prompt)} is out of vocabulary.", "prompt")
             return list(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1:
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             raise SimError(400, "The simulator serves one prompt per request.", "prompt")
         raise SimError(400, "`prompt` must be a string or an array of token ids.", "prompt")
 

@@ -95,12 +95,7 @@ def running_fleet(work: Path, count: int, up_args: list[str], timeout_s: float) 
         yield fleet
     finally:
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process, 90)
 
 
 @pytest.fixture(scope="session")
@@ -132,12 +127,7 @@ def running_sim(*args: str) -> Iterator[SimProcess]:
         assert process.poll() is None, process.stderr.read().decode() if process.stderr else "sim exited"
         yield sim
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 10)
 
 
 def _answers(url: str) -> bool:
@@ -165,12 +155,17 @@ def start_router(replica_urls: list[str], policy: str, *extra: str, expect_healt
 
 
 def stop_router(router: RouterProcess) -> None:
-    router.process.send_signal(signal.SIGTERM)
+    stop_process(router.process, 30)
+
+
+def stop_process(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after `grace_s`."""
+    process.send_signal(signal.SIGTERM)
     try:
-        router.process.wait(timeout=30)
+        process.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        router.process.kill()
-        router.process.wait()
+        process.kill()
+        process.wait()
 
 
 RouterFactory = Callable[..., RouterProcess]

@@ -1,0 +1,100 @@
+"""The simulator's HTTP surface in-process: bad input is a 4xx in vLLM's error shape, never a 500."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+from starlette.testclient import TestClient
+
+from dpserve.config import Settings
+from dpserve.sim.server import build_simulator
+from dpserve.sim.tokenizer import FastTokenizer, TinyTokenizer
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    settings = Settings(sim_speed=0, sim_num_blocks=64, sim_block_size=16, max_model_len=2048)
+    with TestClient(build_simulator(settings).app()) as test_client:
+        yield test_client
+
+
+BAD_BODIES: list[tuple[str, Any]] = [
+    ("/v1/completions", b"{not json"),
+    ("/v1/completions", b"[1, 2]"),
+    ("/v1/completions", {}),
+    ("/v1/completions", {"prompt": {"a": 1}}),
+    ("/v1/completions", {"prompt": [1, -2]}),
+    ("/v1/completions", {"prompt": [10**9]}),
+    ("/v1/completions", {"prompt": ["a", "b"]}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "3"}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1500}),  # fits the context, not the 64-block cache
+    ("/v1/completions", {"prompt": "hi", "n": 2}),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": [1]}),
+    ("/v1/completions", {"prompt": "hi", "model": "other"}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": "hello"}),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("/tokenize", {"prompt": None}),
+    ("/tokenize", {"messages": [1]}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), BAD_BODIES)
+def test_bad_input_is_a_clear_4xx(client: TestClient, path: str, body: Any) -> None:
+    content = body if isinstance(body, bytes) else orjson.dumps(body)
+    response = client.post(path, content=content, headers={"content-type": "application/json"})
+    assert 400 <= response.status_code < 500, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["code"] == response.status_code and error["type"]
+
+
+def test_served_after_bad_input_and_null_content_is_empty_text(client: TestClient) -> None:
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "?"},
+    ]
+    response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_stream_ends_with_done_and_counts_tokens(client: TestClient) -> None:
+    body = {"prompt": "Hello", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        text = response.read().decode()
+    frames = [frame for frame in text.split("\n\n") if frame]
+    assert frames[-1] == "data: [DONE]"
+    chunks = [orjson.loads(frame[6:]) for frame in frames[:-1]]
+    assert len(chunks) == 6 and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_without_max_tokens_the_model_stops_by_itself(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"prompt": "Hello"})
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and 1 <= response.json()["usage"]["completion_tokens"] <= 64
+
+
+def test_repeat_reports_cached_tokens_and_reset_clears_them(client: TestClient) -> None:
+    body = {"prompt": "The same long prompt, again and again. " * 10, "max_tokens": 1}
+    client.post("/v1/completions", json=body)
+    assert client.post("/v1/completions", json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert client.post("/reset_prefix_cache").status_code == 200
+    assert client.post("/v1/completions", json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_tokenizers_are_deterministic_across_instances() -> None:
+    text = "Deterministic: the same text, the same ids, in every process."
+    assert TinyTokenizer().encode(text) == TinyTokenizer().encode(text)
+    assert FastTokenizer().encode(text) == FastTokenizer().encode(text)
+    assert FastTokenizer().encode(text)[0] == FastTokenizer.BOS_ID
