@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     # Its own flags are parsed by the benchmark (`dpserve bench upstream-client --help`).
     bench_kinds.add_parser("upstream-client", help="aiohttp vs httpx as the relay's upstream client", add_help=False)
+    bench_kinds.add_parser("sim", help="what simulator replicas cost: start-up, memory, CPU, req/s", add_help=False)
     return parser
 
 
@@ -134,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         print(build_tiny_model(args.dir, seed=args.seed))
         return 0
     if args.command == "bench":
+        if args.bench == "sim":
+            from dpserve.bench.sim_cost import main as sim_cost_main
+
+            return sim_cost_main(rest)
         from dpserve.bench.upstream_client import main as bench_main
 
         return bench_main(rest)
