@@ -7,7 +7,6 @@ One prompt and one choice per request: a batch of prompts or `n` > 1 is refused 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from dpserve.sim.engine import GenerationRequest, RequestStats, RequestTooLarge, SimEngine
-from dpserve.sim.formats import ChatFormat, CompletionFormat, ResponseFormat, usage
+from dpserve.sim.formats import ChatFormat, CompletionFormat, ResponseFormat, new_id, usage
 from dpserve.sim.metrics import SimMetrics
 from dpserve.sim.tokenizer import SimTokenizer
 
@@ -44,7 +43,7 @@ class SimError(Exception):
         self.param = param
 
     def response(self) -> Response:
-        kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed"}.get(self.status, "BadRequest")
+        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "BadRequest")
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
         return Response(orjson.dumps(body), status_code=self.status, media_type=JSON)
 
@@ -56,10 +55,6 @@ class Prompt:
     finish_reason: str
     stream: bool
     include_usage: bool
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{os.urandom(8).hex()}"
 
 
 class SimApi:
@@ -113,7 +108,7 @@ class SimApi:
             "max_model_len": self.model.max_model_len,
             "permission": [
                 {
-                    "id": _new_id("modelperm"),
+                    "id": new_id("modelperm"),
                     "object": "model_permission",
                     "created": self.created,
                     "allow_create_engine": False,

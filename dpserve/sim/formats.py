@@ -9,6 +9,11 @@ from typing import Any, Protocol
 SYSTEM_FINGERPRINT = "vllm-0.32.0-dpserve-sim"
 
 
+def new_id(prefix: str) -> str:
+    """vLLM's id shape: a prefix and 16 hex digits."""
+    return f"{prefix}-{os.urandom(8).hex()}"
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -42,7 +47,7 @@ class _Base:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self.id = f"{self.prefix}-{os.urandom(8).hex()}"
+        self.id = new_id(self.prefix)
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
