@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import random
@@ -10,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -21,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from dpserve.config import Settings
+from dpserve.disconnect import ClientGone, until_disconnect
 from dpserve.policies import Policy, RequestFeatures, make_policy
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import Replica, ReplicaRegistry
@@ -37,7 +37,6 @@ from dpserve.router.proxy import Buffered, Dispatcher, Streaming
 from dpserve.router.request_body import PROXIED_ENDPOINTS, Endpoint, parse_body, read_limited, with_model
 
 log = logging.getLogger("dpserve.router")
-T = TypeVar("T")
 
 REPLICA_HEADER = "x-dpserve-replica"
 REQUEST_ID_HEADER = "x-request-id"
@@ -52,10 +51,6 @@ class RouterState:
     metrics: RouterMetrics
     dispatcher: Dispatcher | None = None
     started_at: float = 0.0
-
-
-class ClientGone(Exception):
-    """The client disconnected before the answer was ready."""
 
 
 def create_app(
@@ -166,9 +161,12 @@ def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Callable[[Request]
             features = RequestFeatures(endpoint.name, model, parsed.stream)
             upstream_headers = {"content-type": "application/json", REQUEST_ID_HEADER: request_id}
             assert state.dispatcher is not None, "the app's lifespan has not started"
-            outcome = await _until_disconnect(
+            # A client that leaves cancels the upstream request, so the replica aborts it instead of
+            # computing it for no one.
+            outcome = await until_disconnect(
                 request.receive,
                 state.dispatcher.send(endpoint.path, features, with_model(parsed, model), upstream_headers, started),
+                _finish_if_streaming,
             )
         except OpenAIError as err:
             metrics.rejected.labels(str(err.status)).inc()
@@ -208,28 +206,10 @@ def _resolve_model(registry: ReplicaRegistry, requested: str | None) -> str:
     raise model_not_found(requested)
 
 
-async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """`work`'s result, unless the client disconnects first: then `work` is cancelled, which drops
-    the upstream connection so the replica aborts the request instead of computing it for no one."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        outcome = await task
-        if isinstance(outcome, Streaming):
-            outcome.finish()
-    raise ClientGone
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+def _finish_if_streaming(outcome: Buffered | Streaming) -> None:
+    # A stream that opened just as the client left: drop it so the replica aborts the request.
+    if isinstance(outcome, Streaming):
+        outcome.finish()
 
 
 class _RelayResponse(StreamingResponse):

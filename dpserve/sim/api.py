@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from dpserve.disconnect import ClientGone, until_disconnect
 from dpserve.sim.engine import GenerationRequest, RequestStats, RequestTooLarge, SimEngine
 from dpserve.sim.formats import ChatFormat, CompletionFormat, ResponseFormat, new_id, usage
 from dpserve.sim.metrics import SimMetrics
@@ -87,9 +88,12 @@ class SimApi:
             if not isinstance(body, dict):
                 return SimError(400, "Request body must be a JSON object.").response()
             try:
-                return await handler(body)
+                # A client that leaves before a whole answer is ready aborts its request, as in vLLM.
+                return await until_disconnect(request.receive, handler(body))
             except SimError as err:
                 return err.response()
+            except ClientGone:
+                return Response(b"", status_code=499)
 
         return endpoint
 

@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from dpserve.replicas.prometheus_text import parse_samples
-from tests.integration.conftest import Fleet, router_status, running_fleet
+from tests.integration.conftest import Fleet, router_status, running_fleet, running_sim, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,11 @@ async def send_all(router_url: str) -> tuple[collections.Counter[str], list[str]
         async def one(index: int) -> None:
             path, body = body_for(index)
             async with gate:
-                response = await client.post(path, json={"model": "dpserve-tiny", **body})
+                try:
+                    response = await client.post(path, json={"model": "dpserve-tiny", **body})
+                except httpx.TransportError as exc:
+                    failures.append(f"{index} {path} stream={body['stream']}: {exc!r}")
+                    return
             if response.status_code != 200:
                 failures.append(f"{index}: {response.status_code} {response.text[:200]}")
                 return
@@ -128,3 +132,14 @@ def test_every_sim_publishes_kv_events_where_dpserve_up_says(sim_fleet: Fleet) -
         for socket in sockets:
             socket.close(linger=0)
     assert set(stored) == set(range(SIMS))
+
+
+def test_a_client_that_leaves_aborts_its_request_on_the_sim() -> None:
+    with running_sim("--decode-ms-per-token", "20") as sim:
+        body = {"prompt": "Write a long answer", "max_tokens": 500}  # 10 s of decoding
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{sim.url}/v1/completions", json=body, timeout=0.5)
+        wait_until(lambda: replica_counter(sim.url, "vllm:num_requests_running") == 0, 3, 0.1, "the abort")
+        text = httpx.get(f"{sim.url}/metrics", timeout=5).text
+        success = parse_samples(text, {"vllm:request_success_total"}).by_name["vllm:request_success_total"]
+        assert {labels["finished_reason"]: value for labels, value in success if value} == {"abort": 1.0}
