@@ -98,3 +98,14 @@ def test_tokenizers_are_deterministic_across_instances() -> None:
     assert TinyTokenizer().encode(text) == TinyTokenizer().encode(text)
     assert FastTokenizer().encode(text) == FastTokenizer().encode(text)
     assert FastTokenizer().encode(text)[0] == FastTokenizer.BOS_ID
+
+
+def test_fast_tokenizer_serves_chat_and_tokenize() -> None:
+    settings = Settings(sim_speed=0, sim_tokenizer="fast")
+    with TestClient(build_simulator(settings).app()) as fast:
+        chat = fast.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        )
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 4
+        ids = fast.post("/tokenize", json={"prompt": "hello world"}).json()["tokens"]
+        assert ids == FastTokenizer().encode("hello world") and len(ids) == 4
