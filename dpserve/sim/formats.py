@@ -53,6 +53,20 @@ class _Base:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def _whole(self, obj: str, choice: dict[str, Any], usage: dict[str, Any], *null_fields: str) -> dict[str, Any]:
+        """A non-streamed body: vLLM's top-level keys, with the endpoint's own extra ones set to null."""
+        return {
+            **self._head(obj),
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "usage": usage,
+            **dict.fromkeys(null_fields),
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
 
 class CompletionFormat(_Base):
     prefix = "cmpl"
@@ -69,16 +83,7 @@ class CompletionFormat(_Base):
             "prompt_token_ids": None,
             "routed_experts": None,
         }
-        return {
-            **self._head("text_completion"),
-            "choices": [choice],
-            "service_tier": None,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": usage,
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "metrics": None,
-        }
+        return self._whole("text_completion", choice, usage)
 
     def opening(self) -> dict[str, Any] | None:
         return None
@@ -122,19 +127,7 @@ class ChatFormat(_Base):
             "token_ids": None,
             "routed_experts": None,
         }
-        return {
-            **self._head("chat.completion"),
-            "choices": [choice],
-            "service_tier": None,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": usage,
-            "prompt_logprobs": None,
-            "prompt_token_ids": None,
-            "prompt_text": None,
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "metrics": None,
-        }
+        return self._whole("chat.completion", choice, usage, "prompt_logprobs", "prompt_token_ids", "prompt_text")
 
     def opening(self) -> dict[str, Any] | None:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
