@@ -128,11 +128,18 @@ def test_streams_have_the_same_chunk_format(targets: dict[str, Target], path: st
         responses = both(targets, "POST", path, json=body)
         streams = {name: sse_events(response) for name, response in responses.items()}
         sim, vllm = streams["sim"], streams["vllm"]
-        assert len(sim) == len(vllm)
-        # Every chunk the same shape: the opening one, tokens, the finishing one, the usage chunk.
-        for index, (sim_chunk, vllm_chunk) in enumerate(zip(sim, vllm, strict=True)):
-            assert shape(sim_chunk) == shape(vllm_chunk), (include_usage, index, sim_chunk, vllm_chunk)
+        # One chunk per token (chat opens with a role chunk). vLLM's completions skip a token whose text
+        # is still an incomplete UTF-8 sequence (its random model writes some): it may send fewer.
+        opening = 1 if "chat" in path else 0
+        assert len(sim) == opening + 4 + include_usage
+        assert opening + include_usage < len(vllm) <= len(sim)
         finishing = -2 if include_usage else -1
+        # The opening chunk, every token chunk, the finishing one and the usage chunk: the same shapes.
+        assert shape(sim[0]) == shape(vllm[0])
+        vllm_tokens = {str(shape(c)) for c in vllm[opening:finishing]}
+        assert vllm_tokens in ({str(shape(c)) for c in sim[opening:finishing]}, set())
+        assert shape(sim[finishing]) == shape(vllm[finishing])
+        assert shape(sim[-1]) == shape(vllm[-1])
         assert sim[finishing]["choices"][0]["finish_reason"] == vllm[finishing]["choices"][0]["finish_reason"]
         if include_usage:
             assert sim[-1]["choices"] == vllm[-1]["choices"] == []
