@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 HASH_SEED = b"dpserve-sim"
 
@@ -71,8 +71,6 @@ class Allocation:
     private_blocks: int
     """Blocks of its own: the partial last prompt block and its reserved decode blocks."""
     hit_tokens: int
-    stored: list[int] = field(default_factory=list)
-    """Hashes of the blocks this request put into the cache."""
 
 
 class NoRoom(Exception):
@@ -83,20 +81,14 @@ class TooLarge(ValueError):
     """The request needs more blocks than the whole cache has: it can never run."""
 
 
-@dataclass(slots=True)
-class _Block:
-    parent: int | None
-    token_ids: tuple[int, ...]
-    refs: int = 0
-
-
 class PrefixCache:
     def __init__(self, capacity_blocks: int, block_size: int) -> None:
         if capacity_blocks < 1 or block_size < 1:
             raise ValueError("capacity and block size must be positive")
         self.capacity = capacity_blocks
         self.block_size = block_size
-        self._blocks: dict[int, _Block] = {}
+        self._refs: dict[int, int] = {}
+        """Every cached block's hash and how many running requests hold it."""
         self._evictable: OrderedDict[int, None] = OrderedDict()
         """Cached blocks no request references, least recently freed first."""
         self._private_in_use = 0
@@ -105,7 +97,7 @@ class PrefixCache:
     # What the metrics read.
     @property
     def blocks_in_use(self) -> int:
-        return len(self._blocks) - len(self._evictable) + self._private_in_use
+        return len(self._refs) - len(self._evictable) + self._private_in_use
 
     @property
     def usage(self) -> float:
@@ -114,13 +106,13 @@ class PrefixCache:
 
     @property
     def cached_blocks(self) -> int:
-        return len(self._blocks)
+        return len(self._refs)
 
     def contains(self, block_hash_value: int) -> bool:
-        return block_hash_value in self._blocks
+        return block_hash_value in self._refs
 
     def cached_hashes(self) -> set[int]:
-        return set(self._blocks)
+        return set(self._refs)
 
     def take_events(self) -> list[KvEvent]:
         events, self._events = self._events, []
@@ -142,7 +134,7 @@ class PrefixCache:
         # The block holding the last prompt token is always computed, as in vLLM.
         limit = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)
         count = 0
-        while count < limit and hashes[count] in self._blocks:
+        while count < limit and hashes[count] in self._refs:
             count += 1
         return count
 
@@ -151,7 +143,7 @@ class PrefixCache:
         total = self.check_fits(len(prompt) + max_new_tokens)
         hashes = full_block_hashes(prompt, self.block_size)
         hits = self.hit_blocks(hashes, len(prompt))
-        present = [h in self._blocks for h in hashes]
+        present = [h in self._refs for h in hashes]
         revived = sum(1 for h, is_present in zip(hashes, present, strict=True) if is_present and h in self._evictable)
         needed = total - sum(present)
         if needed > self.capacity - self.blocks_in_use - revived:
@@ -159,10 +151,9 @@ class PrefixCache:
         # Reference what is cached first, so making room for the new blocks cannot evict them.
         for h, is_present in zip(hashes, present, strict=True):
             if is_present:
-                block = self._blocks[h]
-                if block.refs == 0:
+                if self._refs[h] == 0:
                     del self._evictable[h]
-                block.refs += 1
+                self._refs[h] += 1
         allocation = Allocation(list(hashes), total - len(hashes), hits * self.block_size)
         run_start: int | None = None
         for index, is_present in enumerate(present):
@@ -171,10 +162,7 @@ class PrefixCache:
                 run_start = None
                 continue
             self._make_room(1)
-            start = index * self.block_size
-            parent = hashes[index - 1] if index else None
-            self._blocks[hashes[index]] = _Block(parent, tuple(prompt[start : start + self.block_size]), refs=1)
-            allocation.stored.append(hashes[index])
+            self._refs[hashes[index]] = 1
             run_start = index if run_start is None else run_start
         self._flush_run(run_start, len(hashes), hashes, prompt)
         self._make_room(allocation.private_blocks)
@@ -185,9 +173,8 @@ class PrefixCache:
         self._private_in_use -= allocation.private_blocks
         # Last block first: the shared front of a prompt is evicted last.
         for h in reversed(allocation.cached_hashes):
-            block = self._blocks[h]
-            block.refs -= 1
-            if block.refs == 0:
+            self._refs[h] -= 1
+            if self._refs[h] == 0:
                 self._evictable[h] = None
         allocation.cached_hashes = []
         allocation.private_blocks = 0
@@ -196,18 +183,18 @@ class PrefixCache:
         """Drop every unreferenced cached block, as vLLM's /reset_prefix_cache; False while any is in use."""
         if self.blocks_in_use:
             return False
-        self._blocks.clear()
+        self._refs.clear()
         self._evictable.clear()
         self._events.append(AllBlocksCleared())
         return True
 
     def _make_room(self, count: int) -> None:
         """Evict least recently freed cached blocks until `count` more blocks fit."""
-        overflow = len(self._blocks) + self._private_in_use + count - self.capacity
+        overflow = len(self._refs) + self._private_in_use + count - self.capacity
         evicted: list[int] = []
         while overflow > 0:
             h, _ = self._evictable.popitem(last=False)
-            del self._blocks[h]
+            del self._refs[h]
             evicted.append(h)
             overflow -= 1
         if evicted:

@@ -81,30 +81,26 @@ class SimMetrics(EngineObserver):
         values = (model_name, "0")
         reg = self.registry
 
+        # Each helper registers a family and returns this engine's one series of it.
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=reg)
+            return Gauge(name, doc, labels, registry=reg).labels(*values)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=reg)
+            return Counter(name, doc, labels, registry=reg).labels(*values)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(*values)
 
         self._running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self._running = self._running.labels(*values)
         self._waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self._waiting = self._waiting.labels(*values)
         kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        kv_usage.labels(*values).set_function(lambda: cache.usage)
+        kv_usage.set_function(lambda: cache.usage)
         self.queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        self.queries = self.queries.labels(*values)
         self.hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.hits = self.hits.labels(*values)
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(*values)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.generation_tokens = self.generation_tokens.labels(*values)
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -114,18 +110,18 @@ class SimMetrics(EngineObserver):
         self.success = {reason: success.labels(model_name, "0", reason) for reason in FINISHED_REASONS}
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
-        ).labels(*values)
+        )
         self.itl = histogram(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
-        ).labels(*values)
+        )
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS
-        ).labels(*values)
+        )
         self.queue_time = histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
             LATENCY_BUCKETS,
-        ).labels(*values)
+        )
         info = {
             **CACHE_CONFIG_DEFAULTS,
             "block_size": str(cache.block_size),

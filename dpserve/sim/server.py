@@ -25,7 +25,6 @@ log = logging.getLogger("dpserve.sim")
 @dataclass
 class Simulator:
     api: SimApi
-    engine: SimEngine
     publisher: KvEventPublisher | None
 
     def app(self) -> Starlette:
@@ -71,7 +70,7 @@ def build_simulator(settings: Settings) -> Simulator:
     metrics.watch(engine)
     model = SimModel(name=name, max_model_len=settings.max_model_len, root=f"dpserve-sim/{name}")
     api = SimApi(model, make_tokenizer(settings.sim_tokenizer), engine, metrics)
-    return Simulator(api, engine, publisher)
+    return Simulator(api, publisher)
 
 
 def serve_sim(settings: Settings) -> None:
