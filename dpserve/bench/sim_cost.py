@@ -27,6 +27,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from dpserve.bench.stats import percentile
+
 BODIES = {
     "json": b'{"model": "dpserve-tiny", "prompt": "Hello from the benchmark", "max_tokens": 16}',
     "sse": b'{"model": "dpserve-tiny", "prompt": "Hello from the benchmark", "max_tokens": 64, "stream": true}',
@@ -93,12 +95,6 @@ def cpu_seconds(processes: list[psutil.Process]) -> float:
         times = process.cpu_times()
         total += times.user + times.system
     return total
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, round(q / 100 * (len(sorted_values) - 1)))]
 
 
 async def drive(urls: list[str], mode: str, connections: int, duration_s: float) -> tuple[list[float], int]:

@@ -42,6 +42,8 @@ from typing import Any
 
 import orjson
 
+from dpserve.bench.stats import percentile
+
 HOST = "127.0.0.1"  # loopback only: nothing here should be reachable from outside
 PATH = "/v1/completions"
 N_STREAM_CHUNKS = 32
@@ -283,13 +285,6 @@ class Result:
         return self.requests / self.seconds if self.seconds > 0 else 0.0
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    idx = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
-    return sorted_values[idx]
-
-
 def run_pyloadgen(url: str, mode: str, connections: int, duration: float) -> None:
     """Closed loop: each of C workers sends the next request when the previous one is done."""
     import aiohttp
@@ -326,8 +321,8 @@ def run_pyloadgen(url: str, mode: str, connections: int, duration: float) -> Non
     out = {
         "requests": len(latencies),
         "seconds": elapsed,
-        "p50_ms": _percentile(latencies, 50) * 1000,
-        "p99_ms": _percentile(latencies, 99) * 1000,
+        "p50_ms": percentile(latencies, 50) * 1000,
+        "p99_ms": percentile(latencies, 99) * 1000,
         "errors": errors,
     }
     sys.stdout.write("RESULT " + json.dumps(out) + "\n")
