@@ -12,7 +12,21 @@ from dpserve.policies import POLICY_NAMES
 
 
 def _add_router_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", choices=POLICY_NAMES, help="routing policy (default least_loaded)")
+    parser.add_argument(
+        "--policy",
+        choices=POLICY_NAMES,
+        help="routing policy (default: kv_aware when replicas publish KV events, else least_loaded)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR|remote",
+        help="token ids for kv_aware: a model directory with tokenizer.json, or `remote` (replica's /tokenize)",
+    )
+    parser.add_argument("--kv-load-weight", type=float, dest="kv_load_weight", help="kv_aware: cost per request (0.1)")
+    parser.add_argument("--kv-cache-weight", type=float, dest="kv_cache_weight", help="kv_aware: cost of full KV (0.2)")
+    parser.add_argument("--kv-temperature", type=float, dest="kv_temperature", help="kv_aware: softmax temperature")
+    parser.add_argument("--balance-abs", type=int, dest="balance_abs", help="affinity guard: extra requests (4)")
+    parser.add_argument("--balance-rel", type=float, dest="balance_rel", help="affinity guard: load ratio (1.5)")
     parser.add_argument("--host", help="address the router binds (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="router port (default 8000)")
     parser.add_argument("--max-body-bytes", type=int, dest="max_body_bytes", help="largest request body accepted")
@@ -34,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         required=True,
         help="a replica's base URL, e.g. http://127.0.0.1:8100 (repeat for each replica)",
+    )
+    router.add_argument(
+        "--kv-events",
+        action="append",
+        dest="kv_events",
+        metavar="REPLICA_URL=tcp://HOST:PORT",
+        help="subscribe to a replica's KV-cache events (ZMQ), e.g. http://127.0.0.1:8100=tcp://127.0.0.1:5557",
     )
     _add_router_flags(router)
 
@@ -151,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "router":
         overrides["replicas"] = tuple(args.replicas)
+        overrides["kv_events"] = tuple(args.kv_events or ())
         settings = Settings.load(overrides)
         from dpserve.router.serve import serve_router
 

@@ -23,7 +23,24 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     replicas: tuple[str, ...] = ()
-    policy: str = "least_loaded"
+    policy: str | None = None
+    """None: kv_aware when replicas publish KV events (`kv_events`), else least_loaded."""
+    kv_events: tuple[str, ...] = ()
+    """`REPLICA_URL=tcp://HOST:PORT` per replica that publishes KV-cache events."""
+    tokenizer: str | None = None
+    """Where KV-aware routing gets token ids: a model directory with tokenizer.json (loaded in the
+    router), or "remote" (the replica's /tokenize). None: the model directory when the router is
+    given one, else remote."""
+    kv_index_max_entries: int = 2_000_000
+    prefix_index_max_chunks: int = 500_000
+    token_cache_entries: int = 4096
+    kv_load_weight: float = 0.1
+    kv_cache_weight: float = 0.2
+    kv_temperature: float = 0.0
+    balance_abs: int = 4
+    balance_rel: float = 1.5
+    prefix_min_match: float = 0.5
+    session_load_factor: float = 1.25
     max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 900.0
@@ -59,6 +76,12 @@ class Settings:
     sim_tokenizer: str = "tiny"
     sim_kv_events: str | None = None
     """ZMQ endpoint the sim publishes KV events on, e.g. tcp://127.0.0.1:5557 (none: no events)."""
+
+    @property
+    def routing_policy(self) -> str:
+        if self.policy:
+            return self.policy
+        return "kv_aware" if self.kv_events else "least_loaded"
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Settings:

@@ -24,6 +24,7 @@ from dpserve.kvindex.events import (
     EngineHash,
     KvEvent,
 )
+from dpserve.kvindex.matching import leading_matches
 
 ROOT_KEY = 0
 
@@ -176,18 +177,7 @@ class KvIndex:
 
     def match(self, keys: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         """For each replica, how many of the prompt's leading blocks (`keys`, in order) it holds."""
-        depth = dict.fromkeys(replicas, 0)
-        active = list(depth)
-        for position, key in enumerate(keys):
-            holders = self._holders.get(key)
-            if not holders:
-                break
-            active = [rid for rid in active if rid in holders]
-            if not active:
-                break
-            for rid in active:
-                depth[rid] = position + 1
-        return depth
+        return leading_matches(keys, replicas, self._holders.get)
 
     def block_size(self, replica: str) -> int | None:
         """The block size the replica's events carry (None until its first store)."""

@@ -4,25 +4,55 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from dpserve.policies.base import Policy, ReplicaSnapshot, RequestFeatures
+from dpserve.policies.balance import BalanceGuard
+from dpserve.policies.base import Decision, Need, Policy, PrefixMatch, PrefixSource, ReplicaSnapshot, RequestFeatures
+from dpserve.policies.kv_aware import KvAware, KvAwareWeights
 from dpserve.policies.least_loaded import LeastLoaded
+from dpserve.policies.prefix import PrefixAffinity
 from dpserve.policies.round_robin import RoundRobin
+from dpserve.policies.session import SessionAffinity
 
-_FACTORIES: dict[str, Callable[[random.Random], Policy]] = {
-    "round_robin": lambda rng: RoundRobin(),
-    "least_loaded": lambda rng: LeastLoaded(rng),
+
+@dataclass(frozen=True, slots=True)
+class PolicyTuning:
+    """The knobs of the affinity policies (from Settings; defaults documented in each policy)."""
+
+    kv_weights: KvAwareWeights = field(default_factory=KvAwareWeights)
+    guard: BalanceGuard = field(default_factory=BalanceGuard)
+    prefix_min_match: float = 0.5
+    session_load_factor: float = 1.25
+
+
+_FACTORIES: dict[str, Callable[[random.Random, PolicyTuning], Policy]] = {
+    "round_robin": lambda rng, tuning: RoundRobin(),
+    "least_loaded": lambda rng, tuning: LeastLoaded(rng),
+    "kv_aware": lambda rng, tuning: KvAware(rng, tuning.kv_weights, tuning.guard),
+    "prefix": lambda rng, tuning: PrefixAffinity(rng, tuning.prefix_min_match, tuning.guard),
+    "session": lambda rng, tuning: SessionAffinity(rng, tuning.session_load_factor),
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 
 
-def make_policy(name: str, rng: random.Random | None = None) -> Policy:
+def make_policy(name: str, rng: random.Random | None = None, tuning: PolicyTuning | None = None) -> Policy:
     try:
         factory = _FACTORIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}") from None
-    return factory(rng or random.Random())
+    return factory(rng or random.Random(), tuning or PolicyTuning())
 
 
-__all__ = ["POLICY_NAMES", "Policy", "ReplicaSnapshot", "RequestFeatures", "make_policy"]
+__all__ = [
+    "POLICY_NAMES",
+    "Decision",
+    "Need",
+    "Policy",
+    "PolicyTuning",
+    "PrefixMatch",
+    "PrefixSource",
+    "ReplicaSnapshot",
+    "RequestFeatures",
+    "make_policy",
+]

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dpserve.policies.base import ReplicaSnapshot, RequestFeatures
+from dpserve.policies.base import Decision, ReplicaSnapshot, RequestFeatures
 
 
 class RoundRobin:
     name = "round_robin"
+    needs = frozenset()
 
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaSnapshot]) -> ReplicaSnapshot:
+    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaSnapshot]) -> Decision:
         chosen = candidates[self._turn % len(candidates)]
         self._turn += 1
-        return chosen
+        return Decision(chosen.id, "turn")

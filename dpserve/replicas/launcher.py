@@ -18,7 +18,7 @@ import aiohttp
 
 from dpserve.config import Settings
 from dpserve.gpu.detect import count_nvidia_gpus
-from dpserve.replicas.plan import PlanError, ReplicaPlan, plan_replicas, plan_sims, router_argv
+from dpserve.replicas.plan import PlanError, ReplicaPlan, events_known, plan_replicas, plan_sims, router_argv
 from dpserve.replicas.process import ManagedProcess, log_tail
 
 log = logging.getLogger("dpserve.up")
@@ -39,14 +39,16 @@ def format_table(rows: Sequence[Sequence[str]]) -> str:
 
 
 class Launcher:
-    def __init__(self, settings: Settings, plans: list[ReplicaPlan], run_dir: Path) -> None:
+    def __init__(
+        self, settings: Settings, plans: list[ReplicaPlan], run_dir: Path, tokenizer: str | None = None
+    ) -> None:
         self.settings = settings
         self.plans = plans
         self.run_dir = run_dir
         self.replicas = [
             ManagedProcess(plan.id, plan.argv, plan.env, run_dir / f"{plan.id}.log", plan.cpus) for plan in plans
         ]
-        self.router = ManagedProcess("router", router_argv(settings, [p.url for p in plans]), {}, None)
+        self.router = ManagedProcess("router", router_argv(settings, plans, tokenizer), {}, None)
         self.stopping = asyncio.Event()
         self._started = False
 
@@ -64,7 +66,7 @@ class Launcher:
             (
                 "router",
                 self.router_url,
-                f"policy={self.settings.policy}",
+                f"policy={self.settings.policy or ('kv_aware' if events_known(self.settings) else 'least_loaded')}",
                 self.router.state,
                 str(self.router.pid or "-"),
                 "(this terminal)",
@@ -193,22 +195,26 @@ def _resolve_model(settings: Settings) -> tuple[str, str | None]:
     return str(path), settings.served_model_name or TINY_MODEL_NAME
 
 
-def _plan(settings: Settings) -> list[ReplicaPlan]:
+def _plan(settings: Settings) -> tuple[list[ReplicaPlan], str | None]:
+    """The replicas to start, and the model directory whose tokenizer the router can load (if any)."""
     if settings.sim_replicas:
         from dpserve.models.tiny import TINY_MODEL_NAME
 
-        return plan_sims(settings, settings.served_model_name or settings.model or TINY_MODEL_NAME)
+        return plan_sims(settings, settings.served_model_name or settings.model or TINY_MODEL_NAME), None
     gpus, why_none = count_nvidia_gpus()
     if why_none:
         print(f"dpserve: {why_none}; running vLLM on the CPU", flush=True)
     model, served_name = _resolve_model(settings)
-    return plan_replicas(settings, model, served_name, gpus, sorted(os.sched_getaffinity(0)))
+    # Measured (dpserve/bench/README.md): the router's own tokenizer costs far less than a
+    # round trip to a replica's /tokenize, so use it whenever the model's files are here.
+    tokenizer = model if (Path(model) / "tokenizer.json").is_file() else None
+    return plan_replicas(settings, model, served_name, gpus, sorted(os.sched_getaffinity(0))), tokenizer
 
 
 def run_launcher(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        plans = _plan(settings)
+        plans, tokenizer = _plan(settings)
     except PlanError as exc:
         print(f"dpserve: {exc}", file=sys.stderr)
         return 2
@@ -223,4 +229,4 @@ def run_launcher(settings: Settings) -> int:
         return 2
     run_dir = settings.run_dir or Path(tempfile.mkdtemp(prefix="dpserve-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    return asyncio.run(Launcher(settings, plans, run_dir).run())
+    return asyncio.run(Launcher(settings, plans, run_dir, tokenizer).run())

@@ -136,12 +136,25 @@ def plan_replicas(
     return plans
 
 
-def router_argv(settings: Settings, replica_urls: Sequence[str]) -> tuple[str, ...]:
+def events_known(settings: Settings) -> bool:
+    """Whether the launcher knows where each replica publishes KV events (then the router defaults to
+    kv_aware). A user's own --kv-events-config may publish elsewhere, so then none are assumed."""
+    return not _has_flag(settings.vllm_args, "--kv-events-config")
+
+
+def router_argv(settings: Settings, plans: Sequence[ReplicaPlan], tokenizer: str | None = None) -> tuple[str, ...]:
     """The same `dpserve router` command a user (or the router's container) runs by hand."""
     argv = [sys.executable, "-m", "dpserve", "router"]
-    for url in replica_urls:
-        argv += ["--replica", url]
-    argv += ["--policy", settings.policy, "--host", settings.host, "--port", str(settings.port)]
+    for plan in plans:
+        argv += ["--replica", plan.url]
+    if events_known(settings):
+        for plan in plans:
+            argv += ["--kv-events", f"{plan.url}={plan.kv_events_endpoint}"]
+    if settings.policy:
+        argv += ["--policy", settings.policy]
+    if settings.tokenizer or tokenizer:
+        argv += ["--tokenizer", str(settings.tokenizer or tokenizer)]
+    argv += ["--host", settings.host, "--port", str(settings.port)]
     argv += ["--max-body-bytes", str(settings.max_body_bytes), "--probe-interval", str(settings.probe_interval_s)]
     argv += ["--retries", str(settings.retries), "--log-level", settings.log_level]
     if settings.access_log:

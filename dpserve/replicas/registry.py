@@ -68,6 +68,10 @@ class ReplicaRegistry:
     def get(self, replica_id: str) -> Replica:
         return self._replicas[replica_id]
 
+    def by_url(self, url: str) -> Replica | None:
+        url = url.rstrip("/")
+        return next((r for r in self._replicas.values() if r.url == url), None)
+
     def healthy(self) -> list[Replica]:
         return [r for r in self._replicas.values() if r.healthy]
 

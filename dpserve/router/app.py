@@ -9,9 +9,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,7 +23,12 @@ from starlette.types import Receive, Scope, Send
 
 from dpserve.config import Settings
 from dpserve.disconnect import ClientGone, until_disconnect
-from dpserve.policies import Policy, RequestFeatures, make_policy
+from dpserve.kvindex.index import KvIndex
+from dpserve.kvindex.text_prefix import TextPrefixIndex
+from dpserve.policies import Need, Policy, PolicyTuning, make_policy
+from dpserve.policies.balance import BalanceGuard
+from dpserve.policies.kv_aware import KvAwareWeights
+from dpserve.replicas.kv_events import KvEventSubscriber, parse_kv_event_source
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.errors import (
@@ -32,7 +39,9 @@ from dpserve.router.errors import (
     status_type,
     upstream_error_body,
 )
-from dpserve.router.metrics import RouterMetrics
+from dpserve.router.features import FeatureBuilder
+from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
+from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
 from dpserve.router.proxy import Buffered, Dispatcher, Streaming
 from dpserve.router.request_body import PROXIED_ENDPOINTS, Endpoint, parse_body, read_limited, with_model
 
@@ -50,7 +59,41 @@ class RouterState:
     policy: Policy
     metrics: RouterMetrics
     dispatcher: Dispatcher | None = None
+    features: FeatureBuilder | None = None
+    kv_index: KvIndex | None = None
+    subscribers: tuple[KvEventSubscriber, ...] = ()
     started_at: float = 0.0
+
+
+def policy_tuning(settings: Settings) -> PolicyTuning:
+    return PolicyTuning(
+        kv_weights=KvAwareWeights(settings.kv_load_weight, settings.kv_cache_weight, settings.kv_temperature),
+        guard=BalanceGuard(settings.balance_rel, settings.balance_abs),
+        prefix_min_match=settings.prefix_min_match,
+        session_load_factor=settings.session_load_factor,
+    )
+
+
+def kv_event_endpoints(settings: Settings, registry: ReplicaRegistry) -> dict[str, str]:
+    """Replica id -> ZMQ endpoint, from `--kv-events URL=ENDPOINT` (the URL must be a known replica)."""
+    endpoints: dict[str, str] = {}
+    for text in settings.kv_events:
+        url, endpoint = parse_kv_event_source(text)
+        replica = registry.by_url(url)
+        if replica is None:
+            raise ValueError(f"--kv-events names {url}, which is not one of the router's --replica URLs")
+        endpoints[replica.id] = endpoint
+    return endpoints
+
+
+def local_tokenizer(settings: Settings) -> LocalTokenizer | None:
+    """The model's tokenizer in the router, when `--tokenizer` names a directory that has one."""
+    if not settings.tokenizer or settings.tokenizer == "remote":
+        return None
+    path = Path(settings.tokenizer).expanduser()
+    if not LocalTokenizer.available(path):
+        raise ValueError(f"--tokenizer {settings.tokenizer}: no tokenizer.json there (or say `remote`)")
+    return LocalTokenizer(path)
 
 
 def create_app(
@@ -61,8 +104,15 @@ def create_app(
     rng: random.Random | None = None,
 ) -> FastAPI:
     registry = registry or ReplicaRegistry(settings.replicas)
-    policy = policy or make_policy(settings.policy, rng)
+    policy = policy or make_policy(settings.routing_policy, rng, policy_tuning(settings))
     state = RouterState(settings, registry, policy, RouterMetrics(registry, policy.name))
+    endpoints = kv_event_endpoints(settings, registry)
+    if endpoints or Need.KV_PREFIX in policy.needs:
+        state.kv_index = KvIndex(settings.kv_index_max_entries)
+        if not endpoints:
+            log.warning("policy %s has no --kv-events to learn from: it routes on load only", policy.name)
+    text_index = TextPrefixIndex(settings.prefix_index_max_chunks) if Need.TEXT_PREFIX in policy.needs else None
+    local = local_tokenizer(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -78,7 +128,23 @@ def create_app(
         )
         control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
         monitor = ReplicaMonitor(registry, control, settings.probe_interval_s, settings.probe_timeout_s)
-        state.dispatcher = Dispatcher(registry, policy, hot, state.metrics, settings.retries)
+        tokens: TokenCache | None = None
+        if Need.KV_PREFIX in policy.needs:
+            tokenizer: PromptTokenizer = local or RemoteTokenizer(control)
+            tokens = TokenCache(tokenizer, settings.token_cache_entries)
+        state.features = FeatureBuilder(policy, registry, state.metrics, state.kv_index, text_index, tokens)
+        state.dispatcher = Dispatcher(
+            registry, policy, hot, state.metrics, settings.retries, on_routed=state.features.routed
+        )
+        zmq_context = zmq.asyncio.Context()
+        if state.kv_index is not None:
+            state.subscribers = tuple(
+                KvEventSubscriber(state.kv_index, rid, endpoint, zmq_context, time.monotonic)
+                for rid, endpoint in endpoints.items()
+            )
+        state.metrics.registry.register(RoutingStateCollector(state.kv_index, state.subscribers, text_index, tokens))
+        for subscriber in state.subscribers:
+            subscriber.start()
         state.started_at = time.time()
         await monitor.probe_all()
         monitor.start()
@@ -86,6 +152,9 @@ def create_app(
             yield
         finally:
             await monitor.stop()
+            for subscriber in state.subscribers:
+                await subscriber.stop()
+            zmq_context.destroy(linger=0)
             await hot.close()
             await control.close()
 
@@ -158,7 +227,8 @@ def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Callable[[Request]
             raw = await read_limited(request.headers, request.stream(), settings.max_body_bytes)
             parsed = parse_body(raw, endpoint)
             model = _resolve_model(state.registry, parsed.model)
-            features = RequestFeatures(endpoint.name, model, parsed.stream)
+            assert state.features is not None, "the app's lifespan has not started"
+            features = await state.features.build(endpoint.name, model, parsed.stream, parsed.payload, request.headers)
             upstream_headers = {"content-type": "application/json", REQUEST_ID_HEADER: request_id}
             assert state.dispatcher is not None, "the app's lifespan has not started"
             # A client that leaves cancels the upstream request, so the replica aborts it instead of

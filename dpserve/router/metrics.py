@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dpserve.kvindex.index import KvIndex
+from dpserve.kvindex.text_prefix import TextPrefixIndex
+from dpserve.replicas.kv_events import KvEventSubscriber
 from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.prompt_tokens import TokenCache
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+TOKENIZE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
 class RouterMetrics:
@@ -53,6 +59,31 @@ class RouterMetrics:
             "dpserve_routing_decisions",
             "Routing decisions, by policy and chosen replica.",
             ["policy", "replica"],
+            registry=self.registry,
+        )
+        self.decision_reasons = Counter(
+            "dpserve_routing_decision_reasons",
+            "Routing decisions, by policy and the reason for the choice (cache_hit, no_match, balance, ...).",
+            ["policy", "reason"],
+            registry=self.registry,
+        )
+        self.predicted_cached_tokens = Histogram(
+            "dpserve_routing_predicted_cached_tokens",
+            "Prompt tokens the chosen replica was predicted to hold in its prefix cache, per request.",
+            ["source"],
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "dpserve_routing_prompt_tokens",
+            "Prompt tokens of requests routed on KV-cache matches (the denominator of the predicted hit rate).",
+            registry=self.registry,
+        )
+        self.tokenize_seconds = Histogram(
+            "dpserve_routing_tokenize_seconds",
+            "Time to get a request's token ids for KV-aware routing (cache included), by tokenizer.",
+            ["tokenizer"],
+            buckets=TOKENIZE_BUCKETS,
             registry=self.registry,
         )
         self.client_disconnects = Counter(
@@ -98,11 +129,99 @@ class _ReplicaStateCollector(Collector):
                 "KV-cache usage of the replica, 0..1 (scraped).",
                 labels=["replica"],
             ),
+            "hit_ratio": GaugeMetricFamily(
+                "dpserve_replica_prefix_cache_hit_ratio",
+                "Realized prefix-cache hit rate of the replica since it started: "
+                "vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total (scraped).",
+                labels=["replica"],
+            ),
         }
+        hits = queries = 0.0
         for replica in self._replicas:
             gauges["healthy"].add_metric([replica.id], 1.0 if replica.healthy else 0.0)
             gauges["in_flight"].add_metric([replica.id], replica.in_flight)
             gauges["running"].add_metric([replica.id], replica.running)
             gauges["waiting"].add_metric([replica.id], replica.waiting)
             gauges["kv_usage"].add_metric([replica.id], replica.kv_usage)
+            if replica.prefix_cache_queries:
+                ratio = replica.prefix_cache_hits / replica.prefix_cache_queries
+                gauges["hit_ratio"].add_metric([replica.id], ratio)
+            hits += replica.prefix_cache_hits
+            queries += replica.prefix_cache_queries
         yield from gauges.values()
+        fleet = GaugeMetricFamily(
+            "dpserve_prefix_cache_hit_ratio", "Realized prefix-cache hit rate over all replicas (scraped)."
+        )
+        if queries:
+            fleet.add_metric([], hits / queries)
+        yield fleet
+
+
+class RoutingStateCollector(Collector):
+    """The KV index, its event subscribers, the text prefix index and the token cache, read at scrape."""
+
+    def __init__(
+        self,
+        kv_index: KvIndex | None,
+        subscribers: Sequence[KvEventSubscriber],
+        text_index: TextPrefixIndex | None,
+        tokens: TokenCache | None,
+    ) -> None:
+        self._kv_index = kv_index
+        self._subscribers = subscribers
+        self._text_index = text_index
+        self._tokens = tokens
+
+    def collect(self) -> Iterator[Metric]:
+        index = self._kv_index
+        if index is not None:
+            blocks = GaugeMetricFamily(
+                "dpserve_kv_index_blocks", "Blocks the KV index holds for the replica.", labels=["replica"]
+            )
+            events = CounterMetricFamily(
+                "dpserve_kv_events", "KV-cache events received, by replica and type.", labels=["replica", "type"]
+            )
+            gaps = CounterMetricFamily(
+                "dpserve_kv_event_gaps",
+                "Sequence gaps or restarts in a replica's KV events (each clears its entries).",
+                labels=["replica", "kind"],
+            )
+            errors = CounterMetricFamily(
+                "dpserve_kv_event_decode_errors", "KV-event messages that could not be decoded.", labels=["replica"]
+            )
+            for sub in self._subscribers:
+                blocks.add_metric([sub.replica_id], index.blocks(sub.replica_id))
+                for kind, count in sub.stats.by_type.items():
+                    events.add_metric([sub.replica_id, kind], count)
+                gaps.add_metric([sub.replica_id, "gap"], sub.stats.gaps)
+                gaps.add_metric([sub.replica_id, "restart"], sub.stats.restarts)
+                errors.add_metric([sub.replica_id], sub.stats.decode_errors)
+            yield from (blocks, events, gaps, errors)
+            yield GaugeMetricFamily("dpserve_kv_index_entries", "Entries in the KV index.", value=index.entries)
+            yield GaugeMetricFamily(
+                "dpserve_kv_index_max_entries", "The KV index's bound on entries.", value=index.max_entries
+            )
+            yield GaugeMetricFamily(
+                "dpserve_kv_index_bytes", "Estimated memory of the KV index.", value=index.approx_bytes()
+            )
+            stats = index.stats
+            for name, value, doc in (
+                ("duplicate_stores", stats.duplicate_stores, "Stores of a block the replica already held."),
+                ("orphan_blocks", stats.orphan_blocks, "Stored blocks dropped because their parent was unknown."),
+                ("evicted_entries", stats.evicted, "Entries dropped to stay within the bound."),
+                ("unknown_removals", stats.unknown_removals, "Removals of blocks the index did not hold."),
+            ):
+                yield CounterMetricFamily(f"dpserve_kv_index_{name}", doc, value=value)
+        if self._text_index is not None:
+            yield GaugeMetricFamily(
+                "dpserve_prefix_index_chunks",
+                "Text chunks in the approximate prefix index.",
+                value=len(self._text_index),
+            )
+        if self._tokens is not None:
+            lookups = CounterMetricFamily(
+                "dpserve_token_cache_lookups", "Token-cache lookups, by result.", labels=["result"]
+            )
+            lookups.add_metric(["hit"], self._tokens.hits)
+            lookups.add_metric(["miss"], self._tokens.misses)
+            yield lookups

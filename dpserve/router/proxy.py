@@ -112,6 +112,7 @@ class Dispatcher:
         metrics: RouterMetrics,
         retries: int,
         clock: Callable[[], float] = time.perf_counter,
+        on_routed: Callable[[RequestFeatures, str], None] | None = None,
     ) -> None:
         self._registry = registry
         self._policy = policy
@@ -119,6 +120,7 @@ class Dispatcher:
         self._metrics = metrics
         self._retries = retries
         self._clock = clock
+        self._on_routed = on_routed
 
     async def send(
         self, path: str, features: RequestFeatures, body: bytes, headers: dict[str, str], started: float
@@ -129,8 +131,12 @@ class Dispatcher:
             candidates = self._registry.candidates(features.model, exclude=tried)
             if not candidates:
                 break
-            replica_id = self._policy.choose(features, candidates).id
+            decision = self._policy.choose(features, candidates)
+            replica_id = decision.id
             self._metrics.decisions.labels(self._policy.name, replica_id).inc()
+            self._metrics.decision_reasons.labels(self._policy.name, decision.reason).inc()
+            if self._on_routed is not None:
+                self._on_routed(features, replica_id)
             tried.append(replica_id)
             is_last = attempt == self._retries
             try:

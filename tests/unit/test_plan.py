@@ -66,12 +66,21 @@ def test_sim_plan_runs_dpserve_sim_with_kv_events_and_passes_extra_flags() -> No
 
 
 def test_router_argv_is_the_public_router_command() -> None:
-    settings = Settings(policy="round_robin", port=8123, access_log=True)
-    argv = router_argv(settings, ["http://127.0.0.1:9100", "http://127.0.0.1:9101"])
+    settings = Settings(policy="round_robin", port=8123, access_log=True, sim_replicas=2, base_port=9100)
+    argv = router_argv(settings, plan_sims(settings, "tiny"), tokenizer="/models/tiny")
     assert argv[:4] == (sys.executable, "-m", "dpserve", "router")
     args = build_parser().parse_args(list(argv[3:]))
     assert args.replicas == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
-    assert (args.policy, args.port, args.access_log) == ("round_robin", 8123, True)
+    assert (args.policy, args.port, args.access_log, args.tokenizer) == ("round_robin", 8123, True, "/models/tiny")
+    assert args.kv_events == ["http://127.0.0.1:9100=tcp://127.0.0.1:5557", "http://127.0.0.1:9101=tcp://127.0.0.1:5558"]
+
+
+def test_router_argv_leaves_the_policy_default_and_events_to_what_is_known() -> None:
+    settings = Settings(sim_replicas=1, vllm_args=("--kv-events-config", "{}"))
+    args = build_parser().parse_args(list(router_argv(settings, plan_sims(settings, "tiny"))[3:]))
+    assert (args.policy, args.kv_events, args.tokenizer) == (None, None, None)
+    assert Settings().routing_policy == "least_loaded"
+    assert Settings(kv_events=("u=tcp://h:1",)).routing_policy == "kv_aware"
 
 
 def test_busy_ports_finds_a_port_something_listens_on() -> None:

@@ -1,0 +1,96 @@
+"""KV-aware: the replica whose KV cache already holds most of the prompt, weighed against its load.
+
+Cost of sending the request to replica r (lowest wins):
+
+    cost(r) = (1 - cached_blocks(r) / prompt_blocks)      # share of the prompt r must prefill
+            + load_weight * load(r)                       # requests in flight or queued on r
+            + kv_weight * kv_usage(r)                     # how full r's KV cache is (0..1)
+
+`cached_blocks` comes from the KV index (the replicas' own events), `load` is the router's fresh
+in-flight count plus what the replica reports for other clients. With the default load_weight 0.1,
+ten more requests in flight outweigh recomputing the whole prompt. A prompt shorter than one block
+has nothing to reuse and goes by load alone.
+
+Two guards: replicas over the balance limit (see `BalanceGuard`) are not chosen while others are,
+so a popular prefix cannot overload its replica; and an optional softmax temperature spreads choices
+among near-equal costs (0 = always the lowest cost, ties to the lighter load, then at random).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dpserve.policies.balance import BalanceGuard
+from dpserve.policies.base import Decision, Need, ReplicaSnapshot, RequestFeatures
+
+
+@dataclass(frozen=True, slots=True)
+class KvAwareWeights:
+    load_weight: float = 0.1
+    kv_weight: float = 0.2
+    temperature: float = 0.0
+
+
+class KvAware:
+    name = "kv_aware"
+    needs = frozenset({Need.KV_PREFIX})
+
+    def __init__(
+        self,
+        rng: random.Random | None = None,
+        weights: KvAwareWeights | None = None,
+        guard: BalanceGuard | None = None,
+    ) -> None:
+        self._rng = rng or random.Random()
+        self.weights = weights or KvAwareWeights()
+        self.guard = guard or BalanceGuard()
+
+    def cost(self, features: RequestFeatures, replica: ReplicaSnapshot) -> float:
+        w = self.weights
+        prefix = features.prefix
+        uncached = 1.0
+        if prefix is not None and prefix.total_blocks:
+            uncached = 1.0 - prefix.blocks(replica.id) / prefix.total_blocks
+        return uncached + w.load_weight * replica.load + w.kv_weight * replica.kv_usage
+
+    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaSnapshot]) -> Decision:
+        allowed = self.guard.allowed(candidates)
+        costs = [(self.cost(features, c), c) for c in allowed]
+        chosen = self._pick(costs)
+        return Decision(chosen.id, _reason(features, candidates, allowed, chosen))
+
+    def _pick(self, costs: list[tuple[float, ReplicaSnapshot]]) -> ReplicaSnapshot:
+        temperature = self.weights.temperature
+        if temperature > 0 and len(costs) > 1:
+            lowest = min(cost for cost, _ in costs)
+            weights = [math.exp(-(cost - lowest) / temperature) for cost, _ in costs]
+            return self._rng.choices([c for _, c in costs], weights=weights)[0]
+        lowest = min(cost for cost, _ in costs)
+        tied = [c for cost, c in costs if cost <= lowest + 1e-9]
+        if len(tied) > 1:
+            least = min(c.load for c in tied)
+            tied = [c for c in tied if c.load == least]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+
+def _reason(
+    features: RequestFeatures,
+    candidates: Sequence[ReplicaSnapshot],
+    allowed: Sequence[ReplicaSnapshot],
+    chosen: ReplicaSnapshot,
+) -> str:
+    """cache_hit: the best-matching replica; no_match: nothing cached anywhere (load decides);
+    balance: the best match was over the balance limit; load: a better match lost on load."""
+    prefix = features.prefix
+    best = prefix.best if prefix is not None else 0
+    if best == 0:
+        return "no_match"
+    assert prefix is not None
+    if prefix.blocks(chosen.id) == best:
+        return "cache_hit"
+    if max(prefix.blocks(c.id) for c in allowed) < best:
+        return "balance"
+    return "load"

@@ -1,0 +1,73 @@
+"""Session: requests with the same session key go to the same replica (its cache holds the history),
+by consistent hashing with bounded load (Mirrokni, Thorup, Zadimoghaddam 2018).
+
+The key is the `x-session-id` header, else the body's `user`. Each replica owns `virtual_nodes` points
+on a hash ring; a key goes to the first replica clockwise from its own hash whose load is under
+`ceil(load_factor * (total load + 1) / replicas)`, so a hot session spills to its ring neighbour
+instead of overloading one replica, and replicas joining or leaving move only their share of keys.
+Requests without a key go to the least loaded replica.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from dpserve.policies.base import Decision, Need, ReplicaSnapshot, RequestFeatures, least_loaded_of
+
+
+def ring_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    def __init__(self, replica_ids: Sequence[str], virtual_nodes: int) -> None:
+        points = sorted((ring_hash(f"{rid}#{v}"), rid) for rid in replica_ids for v in range(virtual_nodes))
+        self._hashes = [h for h, _ in points]
+        self._owners = [rid for _, rid in points]
+
+    def walk(self, key: str) -> list[str]:
+        """Distinct replicas in ring order, starting at the key's position."""
+        start = bisect.bisect(self._hashes, ring_hash(key))
+        seen: dict[str, None] = {}
+        count = len(self._owners)
+        for step in range(count):
+            seen.setdefault(self._owners[(start + step) % count], None)
+        return list(seen)
+
+
+class SessionAffinity:
+    name = "session"
+    needs = frozenset({Need.SESSION})
+
+    def __init__(self, rng: random.Random | None = None, load_factor: float = 1.25, virtual_nodes: int = 64) -> None:
+        self._rng = rng or random.Random()
+        self.load_factor = load_factor
+        self.virtual_nodes = virtual_nodes
+        # Rings by candidate set: rebuilt only when the set of healthy replicas changes.
+        self._rings: OrderedDict[tuple[str, ...], HashRing] = OrderedDict()
+
+    def ring(self, replica_ids: tuple[str, ...]) -> HashRing:
+        ring = self._rings.get(replica_ids)
+        if ring is None:
+            ring = self._rings[replica_ids] = HashRing(replica_ids, self.virtual_nodes)
+            if len(self._rings) > 16:
+                self._rings.popitem(last=False)
+        return ring
+
+    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaSnapshot]) -> Decision:
+        key = features.session_key
+        if not key:
+            tied = least_loaded_of(candidates)
+            return Decision((tied[0] if len(tied) == 1 else self._rng.choice(tied)).id, "no_key")
+        by_id = {c.id: c for c in candidates}
+        capacity = math.ceil(self.load_factor * (sum(c.load for c in candidates) + 1) / len(candidates))
+        order = self.ring(tuple(sorted(by_id))).walk(key)
+        for position, rid in enumerate(order):
+            if by_id[rid].load < capacity:
+                return Decision(rid, "session" if position == 0 else "overflow")
+        return Decision(order[0], "session")  # unreachable: the least loaded is always under capacity

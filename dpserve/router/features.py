@@ -1,0 +1,114 @@
+"""Turning a request into the features its policy reads: prefix matches and session keys.
+
+Only what the policy declares it needs is computed (`Policy.needs`), so round robin and least loaded
+pay nothing for tokenization. Everything here may read router state (indexes, registry); the policy
+that consumes the result stays a pure function.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dpserve.kvindex.index import KvIndex, block_keys
+from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, TextPrefixIndex, text_keys
+from dpserve.policies.base import Need, Policy, PrefixMatch, PrefixSource, ReplicaSnapshot, RequestFeatures
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.metrics import RouterMetrics
+from dpserve.router.prompt_tokens import TokenCache, prompt_text
+
+SESSION_HEADER = "x-session-id"
+
+
+class FeatureBuilder:
+    def __init__(
+        self,
+        policy: Policy,
+        registry: ReplicaRegistry,
+        metrics: RouterMetrics,
+        kv_index: KvIndex | None = None,
+        text_index: TextPrefixIndex | None = None,
+        tokens: TokenCache | None = None,
+    ) -> None:
+        self._needs = policy.needs
+        self._registry = registry
+        self._metrics = metrics
+        self._kv_index = kv_index
+        self._text_index = text_index
+        self._tokens = tokens
+
+    async def build(
+        self,
+        endpoint: str,
+        model: str,
+        stream: bool,
+        payload: dict[str, Any],
+        headers: Mapping[str, str],
+    ) -> RequestFeatures:
+        if not self._needs or endpoint == "embeddings":
+            return RequestFeatures(endpoint, model, stream)
+        prefix: PrefixMatch | None = None
+        session_key: str | None = None
+        if Need.SESSION in self._needs:
+            session_key = headers.get(SESSION_HEADER) or _user(payload)
+        if Need.KV_PREFIX in self._needs:
+            prefix = await self._kv_prefix(endpoint, model, payload)
+        elif Need.TEXT_PREFIX in self._needs:
+            prefix = self._text_prefix(endpoint, model, payload)
+        return RequestFeatures(endpoint, model, stream, prefix, session_key)
+
+    def routed(self, features: RequestFeatures, replica_id: str) -> None:
+        """Called once the policy chose: the approximate index learns where the text went."""
+        prefix = features.prefix
+        if prefix is None:
+            return
+        if prefix.source is PrefixSource.ROUTED_TEXT and self._text_index is not None:
+            self._text_index.record(prefix.keys, replica_id)
+        predicted = prefix.blocks(replica_id) * prefix.tokens_per_block
+        self._metrics.predicted_cached_tokens.labels(prefix.source.value).observe(predicted)
+
+    async def _kv_prefix(self, endpoint: str, model: str, payload: dict[str, Any]) -> PrefixMatch | None:
+        if self._kv_index is None or self._tokens is None:
+            return None
+        candidates = self._registry.candidates(model)
+        if not candidates:
+            return None
+        block_size = self._block_size(candidates)
+        if block_size is None:
+            return None  # no replica has reported its block size yet: route on load
+        started = time.perf_counter()
+        # Tokenize on the least busy replica when the tokens come from a replica.
+        url = self._registry.get(min(candidates, key=lambda c: c.in_flight).id).url
+        tokens = await self._tokens.tokens(endpoint, payload, model, url)
+        self._metrics.tokenize_seconds.labels(self._tokens.tokenizer.name).observe(time.perf_counter() - started)
+        if tokens is None:
+            return None
+        keys = block_keys(tokens, block_size)
+        matched = self._kv_index.match(keys, [c.id for c in candidates])
+        self._metrics.prompt_tokens.inc(len(tokens))
+        return PrefixMatch(PrefixSource.KV_EVENTS, len(keys), block_size, matched)
+
+    def _text_prefix(self, endpoint: str, model: str, payload: dict[str, Any]) -> PrefixMatch | None:
+        if self._text_index is None:
+            return None
+        text = prompt_text(endpoint, payload)
+        if text is None:
+            return None
+        keys = text_keys(f"{model}\0{text}")
+        candidates = self._registry.candidates(model)
+        matched = self._text_index.match(keys, [c.id for c in candidates])
+        return PrefixMatch(PrefixSource.ROUTED_TEXT, len(keys), CHUNK_CHARS // CHARS_PER_TOKEN, matched, tuple(keys))
+
+    def _block_size(self, candidates: Sequence[ReplicaSnapshot]) -> int | None:
+        assert self._kv_index is not None
+        for candidate in candidates:
+            size = self._registry.get(candidate.id).block_size or self._kv_index.block_size(candidate.id)
+            if size:
+                return size
+        return None
+
+
+def _user(payload: dict[str, Any]) -> str | None:
+    user = payload.get("user")
+    return user if isinstance(user, str) and user else None
