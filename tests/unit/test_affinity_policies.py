@@ -1,0 +1,127 @@
+"""kv_aware, prefix and session: decisions from hand-made features and replica snapshots."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+
+from dpserve.policies import PrefixMatch, PrefixSource, ReplicaSnapshot, RequestFeatures, make_policy
+from dpserve.policies.balance import BalanceGuard
+from dpserve.policies.kv_aware import KvAware, KvAwareWeights
+from dpserve.policies.prefix import PrefixAffinity
+from dpserve.policies.session import SessionAffinity
+
+
+def kv_features(total: int, **matched: int) -> RequestFeatures:
+    return RequestFeatures("chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, total, 16, matched))
+
+
+def text_features(total: int, **matched: int) -> RequestFeatures:
+    return RequestFeatures("chat", "m", False, PrefixMatch(PrefixSource.ROUTED_TEXT, total, 16, matched))
+
+
+def replicas(*loads: int, kv: tuple[float, ...] = ()) -> list[ReplicaSnapshot]:
+    return [ReplicaSnapshot(f"r{i}", in_flight=load, kv_usage=kv[i] if kv else 0.0) for i, load in enumerate(loads)]
+
+
+def test_kv_aware_goes_where_the_prompt_is_cached() -> None:
+    policy = KvAware(random.Random(0))
+    decision = policy.choose(kv_features(10, r1=8), replicas(0, 2, 0))
+    assert (decision.id, decision.reason) == ("r1", "cache_hit")
+
+
+def test_kv_aware_weighs_cache_against_load_by_its_formula() -> None:
+    policy = KvAware(random.Random(0), KvAwareWeights(load_weight=0.1, kv_weight=0.0))
+    # r0: 1 - 8/10 + 0.1 * 3 = 0.5; r1: 1 + 0.1 * 0 = 1.0 -> the cache wins.
+    assert policy.choose(kv_features(10, r0=8), replicas(3, 0)).id == "r0"
+    # r0 with 9 in flight: 0.2 + 0.9 = 1.1 > 1.0 -> load wins, and says so.
+    decision = KvAware(random.Random(0), KvAwareWeights(0.1, 0.0), BalanceGuard(10, 100)).choose(
+        kv_features(10, r0=8), replicas(9, 0)
+    )
+    assert (decision.id, decision.reason) == ("r1", "load")
+    assert policy.cost(kv_features(10, r0=8), replicas(3, 0)[0]) == pytest.approx(0.5)
+
+
+def test_kv_aware_counts_kv_usage() -> None:
+    policy = KvAware(random.Random(0), KvAwareWeights(load_weight=0.1, kv_weight=0.5))
+    assert policy.choose(kv_features(0), replicas(1, 1, kv=(0.9, 0.1))).id == "r1"
+
+
+def test_kv_aware_guard_stops_a_hot_prefix_from_overloading_its_replica() -> None:
+    policy = KvAware(random.Random(0), KvAwareWeights(load_weight=0.0), BalanceGuard(relative=1.5, absolute=4))
+    # Cache says r0, at any load (load_weight 0); the guard says no past 1.5 * 0 + 4 while r1 idles.
+    assert policy.choose(kv_features(10, r0=10), replicas(4, 0)).id == "r0"
+    decision = policy.choose(kv_features(10, r0=10), replicas(5, 0))
+    assert (decision.id, decision.reason) == ("r1", "balance")
+
+
+def test_kv_aware_without_a_match_spreads_by_load_and_breaks_ties_at_random() -> None:
+    policy = KvAware(random.Random(1))
+    assert policy.choose(kv_features(4), replicas(2, 1, 2)).id == "r1"
+    assert policy.choose(RequestFeatures("chat", "m", False), replicas(2, 1, 2)).reason == "no_match"
+    counts = collections.Counter(policy.choose(kv_features(4), replicas(0, 0, 0)).id for _ in range(600))
+    assert set(counts) == {"r0", "r1", "r2"} and min(counts.values()) > 150
+
+
+def test_kv_aware_temperature_samples_lower_costs_more_often() -> None:
+    policy = KvAware(random.Random(2), KvAwareWeights(temperature=0.2))
+    counts = collections.Counter(policy.choose(kv_features(10, r0=5), replicas(0, 0)).id for _ in range(2000))
+    # Costs 0.5 vs 1.0: weights 1 and e^-2.5 = 0.082.
+    assert 0.88 < counts["r0"] / 2000 < 0.96
+
+
+def test_prefix_policy_trusts_only_a_large_match() -> None:
+    policy = PrefixAffinity(random.Random(0), min_match=0.5)
+    assert policy.choose(text_features(10, r1=6), replicas(1, 2)).reason == "cache_hit"
+    assert policy.choose(text_features(10, r1=6), replicas(1, 2)).id == "r1"
+    decision = policy.choose(text_features(10, r1=4), replicas(1, 2))
+    assert (decision.id, decision.reason) == ("r0", "no_match")
+    decision = policy.choose(text_features(10, r1=9), replicas(0, 9))
+    assert (decision.id, decision.reason) == ("r0", "balance")
+
+
+def test_session_keys_stick_to_one_replica_and_spread_over_all() -> None:
+    policy = SessionAffinity(random.Random(0))
+    fleet = replicas(0, 0, 0, 0)
+    first = {
+        f"user-{i}": policy.choose(RequestFeatures("chat", "m", False, session_key=f"user-{i}"), fleet).id
+        for i in range(400)
+    }
+    again = {key: policy.choose(RequestFeatures("chat", "m", False, session_key=key), fleet).id for key in first}
+    assert first == again
+    counts = collections.Counter(first.values())
+    assert set(counts) == {"r0", "r1", "r2", "r3"} and min(counts.values()) > 60
+
+
+def test_session_overflows_to_the_ring_neighbour_past_the_load_bound() -> None:
+    policy = SessionAffinity(random.Random(0), load_factor=1.25)
+    features = RequestFeatures("chat", "m", False, session_key="hot")
+    home = policy.choose(features, replicas(0, 0, 0)).id
+    loads = [0, 0, 0]
+    loads[int(home[1:])] = 6  # capacity = ceil(1.25 * 7 / 3) = 3
+    decision = policy.choose(features, replicas(*loads))
+    assert decision.id != home and decision.reason == "overflow"
+
+
+def test_session_removal_moves_only_that_replicas_keys() -> None:
+    policy = SessionAffinity(random.Random(0))
+    keys = [f"k{i}" for i in range(300)]
+    four = {k: policy.choose(RequestFeatures("chat", "m", False, session_key=k), replicas(0, 0, 0, 0)).id for k in keys}
+    three = {k: policy.choose(RequestFeatures("chat", "m", False, session_key=k), replicas(0, 0, 0)).id for k in keys}
+    moved = [k for k in keys if four[k] != three[k]]
+    assert moved and all(four[k] == "r3" for k in moved)
+
+
+def test_session_without_a_key_goes_to_the_least_loaded() -> None:
+    decision = SessionAffinity(random.Random(0)).choose(RequestFeatures("chat", "m", False), replicas(3, 1))
+    assert (decision.id, decision.reason) == ("r1", "no_key")
+
+
+@pytest.mark.parametrize("name", ["kv_aware", "prefix", "session", "least_loaded", "round_robin"])
+def test_every_policy_chooses_among_the_candidates_only(name: str) -> None:
+    policy = make_policy(name, random.Random(0))
+    features = RequestFeatures("chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, 4, 16, {"gone": 4}), "s")
+    fleet = replicas(1, 0)
+    assert all(policy.choose(features, fleet).id in {"r0", "r1"} for _ in range(20))
