@@ -225,3 +225,8 @@ class RoutingStateCollector(Collector):
             lookups.add_metric(["hit"], self._tokens.hits)
             lookups.add_metric(["miss"], self._tokens.misses)
             yield lookups
+            yield CounterMetricFamily(
+                "dpserve_routing_tokenize_failures",
+                "Requests whose token ids could not be had (they were routed on load alone).",
+                value=getattr(self._tokens.tokenizer, "failures", 0),
+            )

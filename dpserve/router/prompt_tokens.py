@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 log = logging.getLogger("dpserve.tokens")
 
 TokenIds = tuple[int, ...]
+JSON = {"content-type": "application/json"}
 
 
 class PromptTokenizer(Protocol):
@@ -103,6 +104,7 @@ class RemoteTokenizer:
     def __init__(self, session: aiohttp.ClientSession, timeout_s: float = 5.0) -> None:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.failures = 0
 
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
         if endpoint == "chat":
@@ -116,16 +118,17 @@ class RemoteTokenizer:
             body = {"model": model, "prompt": prompt}
         try:
             async with self._session.post(
-                replica_url + "/tokenize", data=orjson.dumps(body), timeout=self._timeout
+                replica_url + "/tokenize", data=orjson.dumps(body), headers=JSON, timeout=self._timeout
             ) as resp:
-                if resp.status != 200:
-                    return None
-                answer = orjson.loads(await resp.read())
+                answer = orjson.loads(await resp.read()) if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
             log.debug("tokenize on %s failed: %s", replica_url, exc)
-            return None
+            answer = None
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        return tuple(tokens) if isinstance(tokens, list) else None
+        if not isinstance(tokens, list):
+            self.failures += 1
+            return None
+        return tuple(tokens)
 
 
 class TokenCache:

@@ -1,0 +1,70 @@
+"""KV-cache-aware routing on real vLLM CPU replicas: a repeated long prompt lands on the replica that
+cached it, learned from the replicas' own KV events."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import httpx
+import pytest
+
+from dpserve.replicas.prometheus_text import parse_samples
+from tests.integration.conftest import Fleet, RouterFactory, wait_until
+
+pytestmark = pytest.mark.integration
+
+WORDS = "router cache block prefix token replica engine queue batch stream model latency".split()
+
+
+def long_prompt(seed: int, words: int = 500) -> str:
+    """Random words: hundreds of tokens for the tiny model (several 128-token CPU blocks)."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def complete(router_url: str, body: dict[str, Any]) -> tuple[str, int]:
+    response = httpx.post(f"{router_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    details = response.json()["usage"].get("prompt_tokens_details") or {}
+    return response.headers["x-dpserve-replica"], int(details.get("cached_tokens") or 0)
+
+
+def metric(router_url: str, name: str, **labels: str) -> float:
+    samples = parse_samples(httpx.get(f"{router_url}/metrics", timeout=5).text, {name})
+    return sum(v for lbl, v in samples.by_name.get(name, []) if all(lbl.get(k) == x for k, x in labels.items()))
+
+
+def check_repeats_follow_the_cache(router_url: str, seeds: range) -> None:
+    for seed in seeds:
+        body = {"prompt": long_prompt(seed), "max_tokens": 2}
+        first, cached = complete(router_url, body)
+        assert cached == 0, "a fresh prompt cannot be cached yet"
+        # The replica publishes the prompt's blocks once it has computed them; wait until the
+        # router's index holds them, so the next decision can use them.
+        wait_until(lambda r=first: metric(router_url, "dpserve_kv_index_blocks", replica=r) > 0, 10, 0.1, "events")
+        for _ in range(4):
+            replica, cached = complete(router_url, body)
+            assert replica == first, f"seed {seed}: repeat went to {replica}, cache is on {first}"
+            assert cached > 0
+
+
+def test_dpserve_up_routes_repeats_to_the_replica_that_cached_them(fleet: Fleet) -> None:
+    status = httpx.get(f"{fleet.router_url}/status", timeout=5).json()
+    assert status["policy"] == "kv_aware"  # the default when `dpserve up` passes KV events
+    before = metric(fleet.router_url, "dpserve_routing_decision_reasons_total", reason="cache_hit")
+    check_repeats_follow_the_cache(fleet.router_url, range(100, 104))
+    assert metric(fleet.router_url, "dpserve_routing_decision_reasons_total", reason="cache_hit") - before >= 16
+    assert metric(fleet.router_url, "dpserve_routing_tokenize_seconds_count", tokenizer="local") > 0
+    assert metric(fleet.router_url, "dpserve_routing_tokenize_failures_total") == 0
+
+
+def test_router_with_kv_events_flags_and_remote_tokens(fleet: Fleet, router_factory: RouterFactory) -> None:
+    sources = [f"{url}={endpoint}" for url, endpoint in zip(fleet.replica_urls, fleet.kv_event_endpoints, strict=True)]
+    extra = [arg for source in sources for arg in ("--kv-events", source)]
+    router = router_factory("kv_aware", *extra, "--tokenizer", "remote")
+    check_repeats_follow_the_cache(router.url, range(200, 203))
+    assert metric(router.url, "dpserve_routing_tokenize_seconds_count", tokenizer="remote") > 0
+    assert metric(router.url, "dpserve_routing_tokenize_failures_total") == 0
+    assert metric(router.url, "dpserve_kv_events_total", type="BlockStored") > 0
+    assert metric(router.url, "dpserve_kv_event_decode_errors_total") == 0
