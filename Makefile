@@ -27,7 +27,7 @@ install: $(STAMP)
 # CPU torch; text models need none of them.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -e '.[$(ENGINE),test]' $(PIP_QUIET)
+	$(PIP) install -e '.[$(ENGINE),test,bench]' $(PIP_QUIET)
 	$(PIP) uninstall -y torchvision torchaudio torchcodec $(PIP_QUIET)
 	$(PY) -c "import dpserve, fastapi, aiohttp, transformers, vllm"
 	touch $@

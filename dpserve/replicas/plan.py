@@ -75,7 +75,8 @@ def vllm_argv(settings: Settings, model: str, served_name: str | None, port: int
             # vLLM binds only for a wildcard host (it connects out for any other), and the
             # router's subscriber connects to it: so `*`, reached at 127.0.0.1 from here.
             "endpoint": f"tcp://*:{kv_port}",
-            "topic": "kv-events",
+            # vLLM's default, empty topic: vllm-router's kv_aware drops any other topic.
+            "topic": "",
         }
         argv += ["--kv-events-config", json.dumps(config)]
     if not _has_flag(extra, "--max-model-len"):

@@ -1,7 +1,7 @@
 """KV-cache events on ZMQ in vLLM 0.32's wire format, so a subscriber cannot tell a sim from vLLM.
 
-Each batch is one multipart message: [topic, sequence number (8 bytes, big-endian, from 0), payload],
-the payload a msgpack array [timestamp, [event, ...], data_parallel_rank], each event a map tagged by
+Each batch is one multipart message: [topic (empty, as vLLM's default), sequence number (8 bytes,
+big-endian, from 0), payload], the payload a msgpack array [timestamp, [event, ...], data_parallel_rank], each event a map tagged by
 "type" with the fields vLLM's own events carry (block hashes are unsigned 64-bit ints, as vLLM sends
 them by default).
 """
@@ -51,7 +51,7 @@ class KvEventPublisher:
     """A ZMQ PUB socket. PUB never blocks a sender: with no subscriber, or one too slow, batches are
     dropped, and the sequence numbers let a subscriber see the gap (as with vLLM)."""
 
-    def __init__(self, endpoint: str, topic: str = "kv-events") -> None:
+    def __init__(self, endpoint: str, topic: str = "") -> None:
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
