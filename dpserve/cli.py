@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     # Its own flags are parsed by the benchmark (`dpserve bench upstream-client --help`).
     bench_kinds.add_parser("upstream-client", help="aiohttp vs httpx as the relay's upstream client", add_help=False)
     bench_kinds.add_parser("sim", help="what simulator replicas cost: start-up, memory, CPU, req/s", add_help=False)
+    bench_kinds.add_parser(
+        "policies", help="hit rate, TTFT and spread per routing policy, vs vllm-router", add_help=False
+    )
     return parser
 
 
@@ -156,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         print(build_tiny_model(args.dir, seed=args.seed))
         return 0
     if args.command == "bench":
+        if args.bench == "policies":
+            from dpserve.bench.policies import main as policies_main
+
+            return policies_main(rest)
         if args.bench == "sim":
             from dpserve.bench.sim_cost import main as sim_cost_main
 

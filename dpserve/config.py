@@ -34,6 +34,8 @@ class Settings:
     kv_index_max_entries: int = 2_000_000
     prefix_index_max_chunks: int = 500_000
     token_cache_entries: int = 4096
+    recent_route_ttl_s: float = 10.0
+    """kv_aware: how long blocks just sent to a replica count as cached there before its events say so."""
     kv_load_weight: float = 0.1
     kv_cache_weight: float = 0.2
     kv_temperature: float = 0.0

@@ -75,7 +75,9 @@ def shared_prefix(groups: int, prompts: int, prefix_words: int, question_words: 
     systems = [f"Group {g}. " + _text(rng, prefix_words) for g in range(groups)]
     requests = []
     for p in range(prompts):
-        for g in range(groups):
+        # Every group once per round, in a new order each round: a fixed order would let round robin
+        # pin each group to one replica whenever the group count is a multiple of the replica count.
+        for g in rng.sample(range(groups), groups):
             messages = [
                 {"role": "system", "content": systems[g]},
                 {"role": "user", "content": f"Question {p}: " + _text(rng, question_words)},

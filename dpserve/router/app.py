@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from dpserve.config import Settings
 from dpserve.disconnect import ClientGone, until_disconnect
 from dpserve.kvindex.index import KvIndex
+from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import TextPrefixIndex
 from dpserve.policies import Need, Policy, PolicyTuning, make_policy
 from dpserve.policies.balance import BalanceGuard
@@ -132,7 +133,8 @@ def create_app(
         if Need.KV_PREFIX in policy.needs:
             tokenizer: PromptTokenizer = local or RemoteTokenizer(control)
             tokens = TokenCache(tokenizer, settings.token_cache_entries)
-        state.features = FeatureBuilder(policy, registry, state.metrics, state.kv_index, text_index, tokens)
+        recent = RecentRoutes(time.monotonic, settings.recent_route_ttl_s) if tokens is not None else None
+        state.features = FeatureBuilder(policy, registry, state.metrics, state.kv_index, text_index, tokens, recent)
         state.dispatcher = Dispatcher(
             registry, policy, hot, state.metrics, settings.retries, on_routed=state.features.routed
         )

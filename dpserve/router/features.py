@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dpserve.kvindex.index import KvIndex, block_keys
+from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, TextPrefixIndex, text_keys
 from dpserve.policies.base import Need, Policy, PrefixMatch, PrefixSource, ReplicaSnapshot, RequestFeatures
 from dpserve.replicas.registry import ReplicaRegistry
@@ -30,6 +31,7 @@ class FeatureBuilder:
         kv_index: KvIndex | None = None,
         text_index: TextPrefixIndex | None = None,
         tokens: TokenCache | None = None,
+        recent: RecentRoutes | None = None,
     ) -> None:
         self._needs = policy.needs
         self._registry = registry
@@ -37,6 +39,7 @@ class FeatureBuilder:
         self._kv_index = kv_index
         self._text_index = text_index
         self._tokens = tokens
+        self._recent = recent
 
     async def build(
         self,
@@ -65,6 +68,8 @@ class FeatureBuilder:
             return
         if prefix.source is PrefixSource.ROUTED_TEXT and self._text_index is not None:
             self._text_index.record(prefix.keys, replica_id)
+        elif prefix.source is PrefixSource.KV_EVENTS and self._recent is not None:
+            self._recent.record(prefix.keys, replica_id)
         predicted = prefix.blocks(replica_id) * prefix.tokens_per_block
         self._metrics.predicted_cached_tokens.labels(prefix.source.value).observe(predicted)
 
@@ -85,9 +90,14 @@ class FeatureBuilder:
         if tokens is None:
             return None
         keys = block_keys(tokens, block_size)
-        matched = self._kv_index.match(keys, [c.id for c in candidates])
+        ids = [c.id for c in candidates]
+        matched = self._kv_index.match(keys, ids)
+        if self._recent is not None:
+            # What was just sent somewhere counts as cached there: its events are a prefill away.
+            pending = self._recent.match(keys, ids)
+            matched = {rid: max(blocks, pending[rid]) for rid, blocks in matched.items()}
         self._metrics.prompt_tokens.inc(len(tokens))
-        return PrefixMatch(PrefixSource.KV_EVENTS, len(keys), block_size, matched)
+        return PrefixMatch(PrefixSource.KV_EVENTS, len(keys), block_size, matched, tuple(keys))
 
     def _text_prefix(self, endpoint: str, model: str, payload: dict[str, Any]) -> PrefixMatch | None:
         if self._text_index is None:

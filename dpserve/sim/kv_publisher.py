@@ -1,9 +1,9 @@
 """KV-cache events on ZMQ in vLLM 0.32's wire format, so a subscriber cannot tell a sim from vLLM.
 
 Each batch is one multipart message: [topic (empty, as vLLM's default), sequence number (8 bytes,
-big-endian, from 0), payload], the payload a msgpack array [timestamp, [event, ...], data_parallel_rank], each event a map tagged by
-"type" with the fields vLLM's own events carry (block hashes are unsigned 64-bit ints, as vLLM sends
-them by default).
+big-endian, from 0), payload], the payload a msgpack array [timestamp, [event, ...], data_parallel_rank],
+each event a map tagged by "type" with the fields vLLM's own events carry (block hashes are unsigned
+64-bit ints, as vLLM sends them by default).
 """
 
 from __future__ import annotations
