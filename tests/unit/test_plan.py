@@ -72,7 +72,10 @@ def test_router_argv_is_the_public_router_command() -> None:
     args = build_parser().parse_args(list(argv[3:]))
     assert args.replicas == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
     assert (args.policy, args.port, args.access_log, args.tokenizer) == ("round_robin", 8123, True, "/models/tiny")
-    assert args.kv_events == ["http://127.0.0.1:9100=tcp://127.0.0.1:5557", "http://127.0.0.1:9101=tcp://127.0.0.1:5558"]
+    assert args.kv_events == [
+        "http://127.0.0.1:9100=tcp://127.0.0.1:5557",
+        "http://127.0.0.1:9101=tcp://127.0.0.1:5558",
+    ]
 
 
 def test_router_argv_leaves_the_policy_default_and_events_to_what_is_known() -> None:
