@@ -22,7 +22,7 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         metavar="DIR|remote",
         help="token ids for kv_aware: a model directory with tokenizer.json, or `remote` (replica's /tokenize)",
     )
-    parser.add_argument("--kv-load-weight", type=float, dest="kv_load_weight", help="kv_aware: cost per request (0.1)")
+    parser.add_argument("--kv-load-weight", type=float, dest="kv_load_weight", help="kv_aware: cost per request (0.05)")
     parser.add_argument("--kv-cache-weight", type=float, dest="kv_cache_weight", help="kv_aware: cost of full KV (0.2)")
     parser.add_argument("--kv-temperature", type=float, dest="kv_temperature", help="kv_aware: softmax temperature")
     parser.add_argument("--balance-abs", type=int, dest="balance_abs", help="affinity guard: extra requests (4)")

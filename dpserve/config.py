@@ -36,7 +36,7 @@ class Settings:
     token_cache_entries: int = 4096
     recent_route_ttl_s: float = 10.0
     """kv_aware: how long blocks just sent to a replica count as cached there before its events say so."""
-    kv_load_weight: float = 0.1
+    kv_load_weight: float = 0.05
     kv_cache_weight: float = 0.2
     kv_temperature: float = 0.0
     balance_abs: int = 4

@@ -91,6 +91,8 @@ class Row:
     max_share: float
     """Requests on the busiest replica over the fair share (1.0 = perfectly even)."""
     per_replica: str
+    reasons: str = ""
+    """dpserve's decision reasons (dpserve_routing_decision_reasons_total) over the run."""
 
 
 # -- processes ---------------------------------------------------------------------------------------
@@ -196,14 +198,16 @@ async def start_fleet(
     return fleet
 
 
-def router_command(contender: Contender, fleet: Fleet, port: int, tokenizer: Path | None) -> list[str]:
+def router_command(
+    contender: Contender, fleet: Fleet, port: int, tokenizer: Path | None, extra: Sequence[str] = ()
+) -> list[str]:
     if contender.router == "dpserve":
         command = [sys.executable, "-m", "dpserve", "router", "--policy", contender.policy, "--port", str(port)]
         for url, endpoint in zip(fleet.urls, fleet.kv_endpoints, strict=True):
             command += ["--replica", url, "--kv-events", f"{url}={endpoint}"]
         if tokenizer is not None:
             command += ["--tokenizer", str(tokenizer)]
-        return [*command, "--log-level", "warning", "--probe-interval", "0.5"]
+        return [*command, "--log-level", "warning", "--probe-interval", "0.5", *extra]
     binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
     command = [binary, "--worker-urls", *fleet.urls, "--policy", contender.policy, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--prometheus-port", str(port + 1), "--log-level", "error"]
@@ -277,6 +281,12 @@ async def replica_counters(session: aiohttp.ClientSession, fleet: Fleet) -> list
     return counters  # type: ignore[return-value]
 
 
+async def decision_reasons(session: aiohttp.ClientSession, router_url: str) -> str:
+    name = "dpserve_routing_decision_reasons_total"
+    samples = parse_samples(await _get_text(session, f"{router_url}/metrics") or "", {name})
+    return " ".join(f"{labels.get('reason')}={int(value)}" for labels, value in samples.by_name.get(name, []))
+
+
 async def reset_caches(session: aiohttp.ClientSession, fleet: Fleet) -> None:
     for url in fleet.urls:
         for _ in range(50):
@@ -301,7 +311,9 @@ async def run_contender(
 ) -> Row:
     await reset_caches(session, fleet)
     port = _port_block(2, random.Random())
-    process = _spawn(router_command(contender, fleet, port, tokenizer), None, dict(os.environ))
+    process = _spawn(
+        router_command(contender, fleet, port, tokenizer, args.dpserve_args.split()), None, dict(os.environ)
+    )
     router_url = f"http://127.0.0.1:{port}"
     try:
         await _wait_ok(session, f"{router_url}/v1/models", 60, process)
@@ -311,6 +323,7 @@ async def run_contender(
             router_url, workload, args.concurrency or (4 if fleet.backend == "vllm" else 16), args.max_tokens
         )
         after = await replica_counters(session, fleet)
+        reasons = await decision_reasons(session, router_url) if contender.router == "dpserve" else ""
     finally:
         _stop(process, 30)
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
@@ -333,6 +346,7 @@ async def run_contender(
         req_per_s=round(len(outcomes) / seconds, 2),
         max_share=round(max(served) / fair, 3) if fair else math.nan,
         per_replica="/".join(str(int(s)) for s in served),
+        reasons=reasons,
     )
 
 
@@ -554,6 +568,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--sim-block-size", type=int, default=16)
     parser.add_argument("--sim-speed", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dpserve-args", default="", help="extra flags for every dpserve router, e.g. tuning")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
     parser.add_argument("--out", type=Path, default=Path("bench-results/policies"))
     return parser.parse_args(list(argv))

@@ -7,8 +7,10 @@ Cost of sending the request to replica r (lowest wins):
             + kv_weight * kv_usage(r)                     # how full r's KV cache is (0..1)
 
 `cached_blocks` comes from the KV index (the replicas' own events), `load` is the router's fresh
-in-flight count plus what the replica reports for other clients. With the default load_weight 0.1,
-ten more requests in flight outweigh recomputing the whole prompt. A prompt shorter than one block
+in-flight count plus what the replica reports for other clients. With the default load_weight 0.05,
+twenty more requests in flight outweigh recomputing the whole prompt (0.1 moved a few requests of a
+hot group off its replica in `dpserve bench policies` and lost hits; the balance guard, not this
+weight, is what keeps one replica from taking all the load). A prompt shorter than one block
 has nothing to reuse and goes by load alone.
 
 Two guards: replicas over the balance limit (see `BalanceGuard`) are not chosen while others are,
@@ -29,7 +31,7 @@ from dpserve.policies.base import Decision, Need, ReplicaSnapshot, RequestFeatur
 
 @dataclass(frozen=True, slots=True)
 class KvAwareWeights:
-    load_weight: float = 0.1
+    load_weight: float = 0.05
     kv_weight: float = 0.2
     temperature: float = 0.0
 

@@ -252,11 +252,13 @@ class SimApi:
         self, request: GenerationRequest, output: list[int], stats: RequestStats, prompt: Prompt, fmt: ResponseFormat
     ) -> AsyncIterator[bytes]:
         opening = fmt.opening()
-        if opening is not None:
-            yield _event(opening)
         last = len(output) - 1
         index = 0
         async for token in self.engine.generate(request, output, stats, True):
+            if index == 0 and opening is not None:
+                # vLLM sends chat's role chunk with the first token, after prefill: so TTFT measured
+                # on the first event means the same on a sim as on vLLM.
+                yield _event(opening)
             finishing = index == last
             finish_reason = prompt.finish_reason if finishing else None
             yield _event(fmt.chunk(self.tokenizer.piece(token), finish_reason, finishing and not prompt.include_usage))
