@@ -391,7 +391,8 @@ def pressure_capacity(workload: Workload, block_size: int, replicas: int, concur
     request_blocks = max(math.ceil((len(r.token_ids) + max_tokens) / block_size) for r in workload.requests)
     groups_per_replica = math.ceil(len(by_group) / replicas)
     in_flight = math.ceil(concurrency / replicas) + 1
-    return groups_per_replica * per_group + in_flight * request_blocks + 2
+    # Each request in flight holds its own blocks beyond the shared prefix (already counted).
+    return groups_per_replica * per_group + in_flight * (request_blocks - per_group + 1) + 1
 
 
 def oracle_for(name: str, workload: Workload, fleet: Fleet, max_tokens: int) -> float:
