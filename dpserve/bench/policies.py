@@ -21,9 +21,9 @@ import math
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -44,6 +44,7 @@ from dpserve.bench.stats import percentile
 from dpserve.kvindex.index import block_keys
 from dpserve.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
 from dpserve.replicas.launcher import busy_ports
+from dpserve.replicas.process import terminate
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.router.prompt_tokens import LocalTokenizer, RemoteTokenizer
 
@@ -115,13 +116,7 @@ def _spawn(command: list[str], log_path: Path | None, env: dict[str, str]) -> su
 
 
 def _stop(process: subprocess.Popen[bytes], grace_s: float = 60) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    terminate(process, grace_s)
 
 
 async def _get_text(session: aiohttp.ClientSession, url: str) -> str | None:
@@ -583,7 +578,7 @@ async def run_backend(
     workloads = build_workloads(args, backend, replicas)
     wanted = [w for w in args.workloads.split(",") if w]
     model_dir = ensure_tiny_model(args.cache_dir)
-    work = args.out / "run"
+    work = Path(tempfile.mkdtemp(prefix="dpserve-bench-policies-"))  # replica logs
     async with aiohttp.ClientSession() as session:
         large = [w for w in wanted if w != "cache_pressure"]
         fleet = await start_fleet(session, args, backend, work, None, None)

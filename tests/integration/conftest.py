@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from dpserve.replicas.process import terminate
 from tests.conftest import free_port, free_port_range
 
 FLEET_START_TIMEOUT_S = 600
@@ -158,14 +158,7 @@ def stop_router(router: RouterProcess) -> None:
     stop_process(router.process, 30)
 
 
-def stop_process(process: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM, then SIGKILL if it has not exited after `grace_s`."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+stop_process = terminate
 
 
 RouterFactory = Callable[..., RouterProcess]
