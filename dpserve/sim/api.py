@@ -8,6 +8,7 @@ One prompt and one choice per request: a batch of prompts or `n` > 1 is refused 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,10 @@ class SimApi:
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+            # vLLM's scale-out render endpoints (`vllm serve --enable-scale-out`), which vllm-router's
+            # kv_aware reads token ids from: the ids and the model, not vLLM's whole GenerateRequest.
+            Route("/v1/completions/render", self._guard(self.render_completion), methods=["POST"]),
+            Route("/v1/chat/completions/render", self._guard(self.render_chat), methods=["POST"]),
         ]
         return Starlette(routes=routes)
 
@@ -223,6 +228,16 @@ class SimApi:
             ids = self._completion_ids(body)
         payload = {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids, "token_strs": None}
         return Response(orjson.dumps(payload), media_type=JSON)
+
+    async def render_completion(self, body: dict[str, Any]) -> Response:
+        self._check_model(body)
+        rendered = {"request_id": f"cmpl-{uuid.uuid4().hex}", "token_ids": self._completion_ids(body)}
+        return Response(orjson.dumps([{**rendered, "model": self.model.name}]), media_type=JSON)
+
+    async def render_chat(self, body: dict[str, Any]) -> Response:
+        self._check_model(body)
+        rendered = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "token_ids": self._chat_ids(body)}
+        return Response(orjson.dumps({**rendered, "model": self.model.name}), media_type=JSON)
 
     async def completions(self, body: dict[str, Any]) -> Response:
         self._check_model(body)

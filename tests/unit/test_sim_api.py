@@ -45,6 +45,8 @@ BAD_BODIES: list[tuple[str, Any]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
     ("/tokenize", {"prompt": None}),
     ("/tokenize", {"messages": [1]}),
+    ("/v1/completions/render", {"prompt": None}),
+    ("/v1/chat/completions/render", {"messages": []}),
 ]
 
 
@@ -109,3 +111,12 @@ def test_fast_tokenizer_serves_chat_and_tokenize() -> None:
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 4
         ids = fast.post("/tokenize", json={"prompt": "hello world"}).json()["tokens"]
         assert ids == FastTokenizer().encode("hello world") and len(ids) == 4
+
+
+def test_render_endpoints_give_the_ids_tokenize_gives(client: TestClient) -> None:
+    messages = [{"role": "user", "content": "Render me."}]
+    rendered = client.post("/v1/completions/render", json={"prompt": "Render me."}).json()
+    assert rendered[0]["token_ids"] == client.post("/tokenize", json={"prompt": "Render me."}).json()["tokens"]
+    chat = client.post("/v1/chat/completions/render", json={"messages": messages}).json()
+    assert chat["token_ids"] == client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert chat["request_id"].startswith("chatcmpl-") and chat["model"] == "dpserve-tiny"
