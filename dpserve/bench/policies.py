@@ -473,6 +473,34 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) for line in lines)
 
 
+def markdown_table(rows: Sequence[Row]) -> str:
+    lines = [
+        "| backend | workload | contender | hit rate | oracle | of oracle | TTFT p50 | TTFT p99 | req/s | max share |"
+        " requests per replica |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = f"**{r.contender}**" if r.contender == "dpserve:kv_aware" else r.contender
+        lines.append(
+            f"| {r.backend} | {r.workload} | {name} | {r.hit_rate:.3f} | {r.oracle:.3f} | {r.vs_oracle:.2f} | "
+            f"{r.ttft_p50_ms:.0f} ms | {r.ttft_p99_ms:.0f} ms | {r.req_per_s:.1f} | {r.max_share:.2f} | "
+            f"{r.per_replica} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def load_rows(path: Path) -> list[Row]:
+    """Rows back from a policies.csv (to redraw the plot or the tables without rerunning)."""
+    types = {name: field.type for name, field in Row.__dataclass_fields__.items()}
+    with open(path, newline="") as handle:
+        return [
+            Row(
+                **{k: (float(v) if types[k] == "float" else int(v) if types[k] == "int" else v) for k, v in rec.items()}
+            )
+            for rec in csv.DictReader(handle)
+        ]
+
+
 def verdicts(rows: Sequence[Row]) -> list[str]:
     """The issue's criteria, checked on this run's figures."""
     out = []
@@ -642,6 +670,7 @@ def main(argv: Sequence[str]) -> int:
         writer = csv.DictWriter(handle, fieldnames=list(costs[0]))
         writer.writeheader()
         writer.writerows(costs)
+    (args.out / "policies.md").write_text(markdown_table(rows))
     for backend in backends:
         plot(rows, args.out / f"policies-{backend}.png", backend)
     print()
@@ -654,5 +683,8 @@ def main(argv: Sequence[str]) -> int:
         )
     print()
     print("\n".join(verdicts(rows)))
-    print(f"\nwrote {args.out}/policies.csv, tokenize.csv, " + ", ".join(f"policies-{b}.png" for b in backends))
+    print(
+        f"\nwrote {args.out}/policies.csv, policies.md, tokenize.csv, "
+        + ", ".join(f"policies-{b}.png" for b in backends)
+    )
     return 0
