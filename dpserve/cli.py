@@ -25,7 +25,7 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-load-weight", type=float, dest="kv_load_weight", help="kv_aware: cost per request (0.05)")
     parser.add_argument("--kv-cache-weight", type=float, dest="kv_cache_weight", help="kv_aware: cost of full KV (0.2)")
     parser.add_argument("--kv-temperature", type=float, dest="kv_temperature", help="kv_aware: softmax temperature")
-    parser.add_argument("--balance-abs", type=int, dest="balance_abs", help="affinity guard: extra requests (4)")
+    parser.add_argument("--balance-abs", type=int, dest="balance_abs", help="affinity guard: extra requests (8)")
     parser.add_argument("--balance-rel", type=float, dest="balance_rel", help="affinity guard: load ratio (1.5)")
     parser.add_argument("--host", help="address the router binds (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="router port (default 8000)")

@@ -39,7 +39,7 @@ class Settings:
     kv_load_weight: float = 0.05
     kv_cache_weight: float = 0.2
     kv_temperature: float = 0.0
-    balance_abs: int = 4
+    balance_abs: int = 8
     balance_rel: float = 1.5
     prefix_min_match: float = 0.5
     session_load_factor: float = 1.25
