@@ -532,7 +532,7 @@ def plot(rows: Sequence[Row], path: Path, backend: str) -> None:
     subset = [r for r in rows if r.backend == backend]
     workloads = [w for w in WORKLOADS if any(r.workload == w for r in subset)]
     contenders = list(dict.fromkeys(r.contender for r in subset))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.4))
     width = 0.8 / max(1, len(contenders))
     for index, contender in enumerate(contenders):
         xs, hits, ttfts = [], [], []
@@ -559,8 +559,9 @@ def plot(rows: Sequence[Row], path: Path, backend: str) -> None:
         axis.set_xticks(range(len(workloads)), workloads)
         axis.set_title(f"{title}, {backend}")
     axes[0].set_ylim(0, 1.05)
-    axes[0].legend(fontsize=7, ncol=2, loc="lower left")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, ncol=5, loc="lower center")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
