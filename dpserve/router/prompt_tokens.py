@@ -11,6 +11,7 @@ batch) is tokenized once.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -27,6 +28,8 @@ from tokenizers import Tokenizer
 log = logging.getLogger("dpserve.tokens")
 
 TokenIds = tuple[int, ...]
+THREAD_MIN_CHARS = 1024
+"""Prompts at least this long are tokenized off the event loop (a thread hop costs tens of µs)."""
 JSON = {"content-type": "application/json"}
 
 
@@ -71,7 +74,11 @@ class LocalTokenizer:
         return (model_dir / "tokenizer.json").is_file()
 
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
-        return self.tokens_now(endpoint, payload)
+        if _prompt_chars(endpoint, payload) < THREAD_MIN_CHARS:
+            return self.tokens_now(endpoint, payload)
+        # A long prompt takes milliseconds to encode; the Rust encoder lets go of the GIL, so in a
+        # worker thread it no longer stalls every other request's relay on the event loop.
+        return await asyncio.to_thread(self.tokens_now, endpoint, payload)
 
     def tokens_now(self, endpoint: str, payload: dict[str, Any]) -> TokenIds | None:
         if endpoint == "chat":
@@ -90,6 +97,17 @@ class LocalTokenizer:
         if isinstance(prompt, str):
             return tuple(self._tokenizer.encode(prompt, add_special_tokens=True).ids)
         return tuple(prompt) if prompt is not None else None
+
+
+def _prompt_chars(endpoint: str, payload: dict[str, Any]) -> int:
+    if endpoint != "chat":
+        prompt = payload.get("prompt")
+        return len(prompt) if isinstance(prompt, str) else 0
+    total = 0
+    for message in payload.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        total += len(content) if isinstance(content, str) else 256  # parts: a rough, cheap guess
+    return total
 
 
 def _token_text(value: Any) -> str:

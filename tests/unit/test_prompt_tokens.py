@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from dpserve.models import tiny
-from dpserve.router.prompt_tokens import LocalTokenizer, TokenCache, TokenIds, content_key, prompt_text
+from dpserve.router.prompt_tokens import (
+    THREAD_MIN_CHARS,
+    LocalTokenizer,
+    TokenCache,
+    TokenIds,
+    content_key,
+    prompt_text,
+)
 from dpserve.sim.tokenizer import TinyTokenizer
 
 MESSAGES = [
@@ -36,6 +43,17 @@ def test_local_tokenizer_matches_the_replicas_ids(model_dir: Path) -> None:
     rendered = reference.render_chat([{**m, "content": m["content"] or ""} for m in MESSAGES])
     expected = tuple(reference.encode(rendered, add_special_tokens=False))
     assert local.tokens_now("chat", {"messages": MESSAGES}) == expected
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop_with_the_same_ids(model_dir: Path) -> None:
+    local = LocalTokenizer(model_dir)
+    long_text = "route every prompt to its cache " * 200
+    assert len(long_text) > THREAD_MIN_CHARS
+    for endpoint, payload in (
+        ("completions", {"prompt": long_text}),
+        ("chat", {"messages": [{"role": "user", "content": long_text}]}),
+    ):
+        assert await local.tokens(endpoint, payload, "m", "") == local.tokens_now(endpoint, payload)
 
 
 def test_a_missing_tokenizer_is_reported(tmp_path: Path) -> None:
