@@ -24,6 +24,12 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-load-weight", type=float, dest="kv_load_weight", help="kv_aware: cost per request (0.05)")
     parser.add_argument("--kv-cache-weight", type=float, dest="kv_cache_weight", help="kv_aware: cost of full KV (0.2)")
+    parser.add_argument(
+        "--kv-held-weight",
+        type=float,
+        dest="kv_held_weight",
+        help="kv_aware: new prefixes avoid replicas owning more cache (1.0)",
+    )
     parser.add_argument("--kv-temperature", type=float, dest="kv_temperature", help="kv_aware: softmax temperature")
     parser.add_argument("--balance-abs", type=int, dest="balance_abs", help="affinity guard: extra requests (8)")
     parser.add_argument("--balance-rel", type=float, dest="balance_rel", help="affinity guard: load ratio (1.5)")

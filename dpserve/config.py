@@ -38,6 +38,7 @@ class Settings:
     """kv_aware: how long blocks just sent to a replica count as cached there before its events say so."""
     kv_load_weight: float = 0.05
     kv_cache_weight: float = 0.2
+    kv_held_weight: float = 1.0
     kv_temperature: float = 0.0
     balance_abs: int = 8
     balance_rel: float = 1.5

@@ -489,6 +489,25 @@ def markdown_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary_table(rows: Sequence[Row]) -> str:
+    """Hit rate as a share of the oracle: one row per contender, one column per backend and workload."""
+    columns = list(dict.fromkeys((r.backend, r.workload) for r in rows))
+    contenders = list(dict.fromkeys(r.contender for r in rows))
+    by_key = {(r.backend, r.workload, r.contender): r for r in rows}
+    lines = [
+        "| contender | " + " | ".join(f"{b} {w}" for b, w in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for contender in contenders:
+        cells = []
+        for backend, workload in columns:
+            row = by_key.get((backend, workload, contender))
+            cells.append(f"{row.vs_oracle:.2f}" if row is not None else "")
+        name = f"**{contender}**" if contender == "dpserve:kv_aware" else contender
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def load_rows(path: Path) -> list[Row]:
     """Rows back from a policies.csv (to redraw the plot or the tables without rerunning)."""
     types = {name: field.type for name, field in Row.__dataclass_fields__.items()}
@@ -671,7 +690,7 @@ def main(argv: Sequence[str]) -> int:
         writer = csv.DictWriter(handle, fieldnames=list(costs[0]))
         writer.writeheader()
         writer.writerows(costs)
-    (args.out / "policies.md").write_text(markdown_table(rows))
+    (args.out / "policies.md").write_text(summary_table(rows) + "\n" + markdown_table(rows))
     for backend in backends:
         plot(rows, args.out / f"policies-{backend}.png", backend)
     print()

@@ -8,7 +8,7 @@ would otherwise be spread over every replica, each computing the prefix again. E
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
 from dpserve.kvindex.matching import leading_matches
@@ -20,9 +20,13 @@ class RecentRoutes:
         self.max_keys = max_keys
         self._clock = clock
         self._keys: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._log: deque[tuple[float, str, int]] = deque()
+        self._pending: dict[str, int] = {}
 
     def record(self, keys: Sequence[int], replica: str) -> None:
         now = self._clock()
+        self._log.append((now, replica, len(keys)))
+        self._pending[replica] = self._pending.get(replica, 0) + len(keys)
         for key in keys:
             holders = self._keys.get(key)
             if holders is None:
@@ -41,6 +45,14 @@ class RecentRoutes:
             return {rid for rid, at in holders.items() if at >= oldest} if holders else None
 
         return leading_matches(keys, replicas, fresh_holders)
+
+    def pending_blocks(self, replica: str) -> int:
+        """Blocks routed to `replica` within the TTL (counted per request, repeats included)."""
+        oldest = self._clock() - self.ttl_s
+        while self._log and self._log[0][0] < oldest:
+            _, rid, count = self._log.popleft()
+            self._pending[rid] -= count
+        return self._pending.get(replica, 0)
 
     def __len__(self) -> int:
         return len(self._keys)

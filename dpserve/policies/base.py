@@ -28,7 +28,10 @@ class PrefixMatch:
     matched: Mapping[str, int] = field(default_factory=dict)
     """Replica id -> leading blocks it holds (absent = 0)."""
     keys: tuple[int, ...] = ()
-    """The blocks' chained keys, for recording where the prompt went (approximate source)."""
+    """The blocks' chained keys, for recording where the prompt went."""
+    held: Mapping[str, int] = field(default_factory=dict)
+    """Replica id -> blocks it holds in all (from the index): how much of the fleet's cached prefixes it
+    already owns, so a new prefix can go where there is least."""
 
     def blocks(self, replica_id: str) -> int:
         return self.matched.get(replica_id, 0)

@@ -5,6 +5,8 @@ Cost of sending the request to replica r (lowest wins):
     cost(r) = (1 - cached_blocks(r) / prompt_blocks)      # share of the prompt r must prefill
             + load_weight * load(r)                       # requests in flight or queued on r
             + kv_weight * kv_usage(r)                     # how full r's KV cache is (0..1)
+            + held_weight * held(r) / mean(held)          # only for a new prefix (below): r's share
+                                                          # of the fleet's cached blocks (1 = average)
 
 `cached_blocks` comes from the KV index (the replicas' own events), `load` is the router's fresh
 in-flight count plus what the replica reports for other clients. With the default load_weight 0.05,
@@ -12,6 +14,13 @@ twenty more requests in flight outweigh recomputing the whole prompt (0.1 moved 
 hot group off its replica in `dpserve bench policies` and lost hits; the balance guard, not this
 weight, is what keeps one replica from taking all the load). A prompt shorter than one block
 has nothing to reuse and goes by load alone.
+
+The `held` term decides where a new prefix (a new group, a new conversation: no replica holds half of
+the prompt) settles: on the replica that owns the least of what the fleet has cached (blocks from the
+index plus blocks routed in the last seconds), as the Rust routers send a miss to their smallest tree.
+By load alone, new groups landed by chance, one replica came to own 5 groups of 8 and, under cache
+pressure, evicted its own prefixes (`dpserve bench policies`: 0.94 of the oracle; see the bench README).
+Warm requests leave it out, so owning a lot never pushes a request away from its own cached prefix.
 
 Two guards: replicas over the balance limit (see `BalanceGuard`) are not chosen while others are,
 so a popular prefix cannot overload its replica; and an optional softmax temperature spreads choices
@@ -33,6 +42,9 @@ from dpserve.policies.base import Decision, Need, ReplicaSnapshot, RequestFeatur
 class KvAwareWeights:
     load_weight: float = 0.05
     kv_weight: float = 0.2
+    held_weight: float = 1.0
+    new_prefix_below: float = 0.5
+    """A request whose best match covers less than this share of its prompt is a new prefix."""
     temperature: float = 0.0
 
 
@@ -50,17 +62,25 @@ class KvAware:
         self.weights = weights or KvAwareWeights()
         self.guard = guard or BalanceGuard()
 
-    def cost(self, features: RequestFeatures, replica: ReplicaSnapshot) -> float:
+    def cost(self, features: RequestFeatures, replica: ReplicaSnapshot, mean_held: float = 0.0) -> float:
         w = self.weights
         prefix = features.prefix
         uncached = 1.0
-        if prefix is not None and prefix.total_blocks:
-            uncached = 1.0 - prefix.blocks(replica.id) / prefix.total_blocks
-        return uncached + w.load_weight * replica.load + w.kv_weight * replica.kv_usage
+        held_cost = 0.0
+        if prefix is not None:
+            if prefix.total_blocks:
+                uncached = 1.0 - prefix.blocks(replica.id) / prefix.total_blocks
+            new_prefix = prefix.best < w.new_prefix_below * prefix.total_blocks
+            if new_prefix and mean_held > 0:
+                held_cost = w.held_weight * prefix.held.get(replica.id, 0) / mean_held
+        return uncached + w.load_weight * replica.load + w.kv_weight * replica.kv_usage + held_cost
 
     def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaSnapshot]) -> Decision:
         allowed = self.guard.allowed(candidates)
-        costs = [(self.cost(features, c), c) for c in allowed]
+        mean_held = 0.0
+        if features.prefix is not None and features.prefix.held:
+            mean_held = sum(features.prefix.held.get(c.id, 0) for c in candidates) / len(candidates)
+        costs = [(self.cost(features, c, mean_held), c) for c in allowed]
         chosen = self._pick(costs)
         return Decision(chosen.id, _reason(features, candidates, allowed, chosen))
 

@@ -68,7 +68,12 @@ class RouterState:
 
 def policy_tuning(settings: Settings) -> PolicyTuning:
     return PolicyTuning(
-        kv_weights=KvAwareWeights(settings.kv_load_weight, settings.kv_cache_weight, settings.kv_temperature),
+        kv_weights=KvAwareWeights(
+            load_weight=settings.kv_load_weight,
+            kv_weight=settings.kv_cache_weight,
+            held_weight=settings.kv_held_weight,
+            temperature=settings.kv_temperature,
+        ),
         guard=BalanceGuard(settings.balance_rel, settings.balance_abs),
         prefix_min_match=settings.prefix_min_match,
         session_load_factor=settings.session_load_factor,
@@ -136,7 +141,13 @@ def create_app(
         recent = RecentRoutes(time.monotonic, settings.recent_route_ttl_s) if tokens is not None else None
         state.features = FeatureBuilder(policy, registry, state.metrics, state.kv_index, text_index, tokens, recent)
         state.dispatcher = Dispatcher(
-            registry, policy, hot, state.metrics, settings.retries, on_routed=state.features.routed
+            registry,
+            policy,
+            hot,
+            state.metrics,
+            settings.retries,
+            on_routed=state.features.routed,
+            at_decision=state.features.at_decision,
         )
         zmq_context = zmq.asyncio.Context()
         if state.kv_index is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from dpserve.kvindex.index import KvIndex, block_keys
@@ -90,14 +91,32 @@ class FeatureBuilder:
         if tokens is None:
             return None
         keys = block_keys(tokens, block_size)
+        self._metrics.prompt_tokens.inc(len(tokens))
+        # Matches are read at decision time (`at_decision`): requests tokenized side by side must see
+        # each other's routing, so the index is not read here.
+        return PrefixMatch(PrefixSource.KV_EVENTS, len(keys), block_size, keys=tuple(keys))
+
+    def at_decision(self, features: RequestFeatures, candidates: Sequence[ReplicaSnapshot]) -> RequestFeatures:
+        """The prefix matches and cache ownership as they are now, for these candidates (cheap, sync)."""
+        prefix = features.prefix
+        if prefix is None:
+            return features
         ids = [c.id for c in candidates]
-        matched = self._kv_index.match(keys, ids)
+        if prefix.source is PrefixSource.ROUTED_TEXT:
+            if self._text_index is None:
+                return features
+            matched = self._text_index.match(prefix.keys, ids)
+            return replace(features, prefix=replace(prefix, matched=matched))
+        if self._kv_index is None:
+            return features
+        matched = self._kv_index.match(prefix.keys, ids)
+        held = {rid: self._kv_index.blocks(rid) for rid in ids}
         if self._recent is not None:
             # What was just sent somewhere counts as cached there: its events are a prefill away.
-            pending = self._recent.match(keys, ids)
+            pending = self._recent.match(prefix.keys, ids)
             matched = {rid: max(blocks, pending[rid]) for rid, blocks in matched.items()}
-        self._metrics.prompt_tokens.inc(len(tokens))
-        return PrefixMatch(PrefixSource.KV_EVENTS, len(keys), block_size, matched, tuple(keys))
+            held = {rid: blocks + self._recent.pending_blocks(rid) for rid, blocks in held.items()}
+        return replace(features, prefix=replace(prefix, matched=matched, held=held))
 
     def _text_prefix(self, endpoint: str, model: str, payload: dict[str, Any]) -> PrefixMatch | None:
         if self._text_index is None:
@@ -106,9 +125,7 @@ class FeatureBuilder:
         if text is None:
             return None
         keys = text_keys(f"{model}\0{text}")
-        candidates = self._registry.candidates(model)
-        matched = self._text_index.match(keys, [c.id for c in candidates])
-        return PrefixMatch(PrefixSource.ROUTED_TEXT, len(keys), CHUNK_CHARS // CHARS_PER_TOKEN, matched, tuple(keys))
+        return PrefixMatch(PrefixSource.ROUTED_TEXT, len(keys), CHUNK_CHARS // CHARS_PER_TOKEN, keys=tuple(keys))
 
     def _block_size(self, candidates: Sequence[ReplicaSnapshot]) -> int | None:
         assert self._kv_index is not None

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
 
-from dpserve.policies.base import Policy, RequestFeatures
+from dpserve.policies.base import Policy, ReplicaSnapshot, RequestFeatures
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.errors import OpenAIError, no_replica
 from dpserve.router.metrics import RouterMetrics
@@ -113,6 +113,7 @@ class Dispatcher:
         retries: int,
         clock: Callable[[], float] = time.perf_counter,
         on_routed: Callable[[RequestFeatures, str], None] | None = None,
+        at_decision: Callable[[RequestFeatures, Sequence[ReplicaSnapshot]], RequestFeatures] | None = None,
     ) -> None:
         self._registry = registry
         self._policy = policy
@@ -121,6 +122,7 @@ class Dispatcher:
         self._retries = retries
         self._clock = clock
         self._on_routed = on_routed
+        self._at_decision = at_decision
 
     async def send(
         self, path: str, features: RequestFeatures, body: bytes, headers: dict[str, str], started: float
@@ -131,6 +133,8 @@ class Dispatcher:
             candidates = self._registry.candidates(features.model, exclude=tried)
             if not candidates:
                 break
+            if self._at_decision is not None:
+                features = self._at_decision(features, candidates)
             decision = self._policy.choose(features, candidates)
             replica_id = decision.id
             self._metrics.decisions.labels(self._policy.name, replica_id).inc()

@@ -44,6 +44,19 @@ def test_kv_aware_weighs_cache_against_load_by_its_formula() -> None:
     assert policy.cost(kv_features(10, r0=8), replicas(3, 0)[0]) == pytest.approx(0.5)
 
 
+def test_kv_aware_settles_a_new_prefix_where_the_least_is_cached() -> None:
+    policy = KvAware(random.Random(0))
+
+    def features(**matched: int) -> RequestFeatures:
+        held = {"r0": 500, "r1": 300, "r2": 100}
+        return RequestFeatures("chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, 10, 16, matched, (), held))
+
+    # Nothing cached anywhere, equal load: the replica owning the least of the fleet's cache.
+    assert policy.choose(features(), replicas(1, 1, 1)).id == "r2"
+    # A prefix already at home stays there, however much that replica holds.
+    assert policy.choose(features(r0=8), replicas(1, 1, 1)).id == "r0"
+
+
 def test_kv_aware_counts_kv_usage() -> None:
     policy = KvAware(random.Random(0), KvAwareWeights(load_weight=0.1, kv_weight=0.5))
     assert policy.choose(kv_features(0), replicas(1, 1, kv=(0.9, 0.1))).id == "r1"

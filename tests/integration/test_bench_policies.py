@@ -1,0 +1,39 @@
+"""The policy benchmark runs end to end on sims, against vllm-router, and writes its figures (its
+criteria are checked in its own output, not asserted here)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from dpserve.cli import main
+
+pytestmark = pytest.mark.integration
+
+
+def test_policy_benchmark_on_sims_writes_rows_plots_and_tables(tmp_path: Path) -> None:
+    argv = ["bench", "policies", "--backend", "sim", "--replicas", "2", "--groups", "4", "--prompts", "3"]
+    argv += ["--conversations", "2", "--turns", "2", "--prefix-words", "120", "--concurrency", "2"]
+    argv += ["--workloads", "shared_prefix,multi_turn", "--policies", "kv_aware,round_robin"]
+    argv += ["--vllm-router-policies", "cache_aware", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "m")]
+    assert main(argv) == 0
+    with open(tmp_path / "policies.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {(r["workload"], r["contender"]) for r in rows} == {
+        (w, c)
+        for w in ("shared_prefix", "multi_turn")
+        for c in ("dpserve:kv_aware", "dpserve:round_robin", "vllm-router:cache_aware")
+    }
+    for row in rows:
+        assert int(row["errors"]) == 0 and int(row["requests"]) > 0
+        assert 0 <= float(row["hit_rate"]) <= 1 and 0 < float(row["oracle"]) <= 1
+        assert sum(int(n) for n in row["per_replica"].split("/")) == int(row["requests"])
+    kv = next(r for r in rows if r["contender"] == "dpserve:kv_aware" and r["workload"] == "shared_prefix")
+    assert "cache_hit=" in kv["reasons"]
+    assert (tmp_path / "policies-sim.png").stat().st_size > 10_000
+    assert "dpserve:kv_aware" in (tmp_path / "policies.md").read_text()
+    with open(tmp_path / "tokenize.csv") as handle:
+        cost = next(csv.DictReader(handle))
+    assert float(cost["local_p50_us"]) > 0 and float(cost["remote_p50_us"]) > 0

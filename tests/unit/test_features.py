@@ -1,0 +1,76 @@
+"""Request features: tokens are computed once per request, matches at decision time, so requests
+tokenized side by side still see where the others went."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpserve.kvindex.index import KvIndex
+from dpserve.kvindex.recent import RecentRoutes
+from dpserve.kvindex.text_prefix import TextPrefixIndex
+from dpserve.policies import make_policy
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.features import FeatureBuilder
+from dpserve.router.metrics import RouterMetrics
+from dpserve.router.prompt_tokens import TokenCache, TokenIds
+
+
+class WordIds:
+    """One token per word, so the test can reason in blocks."""
+
+    name = "words"
+
+    async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
+        return tuple(len(word) for word in payload["prompt"].split())
+
+
+def fleet() -> ReplicaRegistry:
+    registry = ReplicaRegistry(["http://a", "http://b"])
+    for replica in registry:
+        replica.healthy, replica.block_size = True, 2
+        replica.set_model_cards(({"id": "m"},))
+    return registry
+
+
+async def test_kv_matches_are_read_at_decision_time() -> None:
+    registry = fleet()
+    now = [0.0]
+    policy = make_policy("kv_aware")
+    builder = FeatureBuilder(
+        policy,
+        registry,
+        RouterMetrics(registry, policy.name),
+        kv_index=KvIndex(),
+        tokens=TokenCache(WordIds()),
+        recent=RecentRoutes(lambda: now[0]),
+    )
+    body = {"prompt": "a bb ccc dddd eeeee ffffff"}
+    first = await builder.build("completions", "m", False, body, {})
+    second = await builder.build("completions", "m", False, body, {})
+    assert first.prefix is not None and first.prefix.total_blocks == 3 and not first.prefix.matched
+    # The first is routed to r1 before the second decides: the second sees it as pending there.
+    candidates = registry.candidates("m")
+    decided = builder.at_decision(first, candidates)
+    assert decided.prefix is not None and decided.prefix.best == 0
+    builder.routed(decided, "r1")
+    later = builder.at_decision(second, candidates)
+    assert later.prefix is not None
+    assert dict(later.prefix.matched) == {"r0": 0, "r1": 3}
+    assert dict(later.prefix.held) == {"r0": 0, "r1": 3}
+    assert policy.choose(later, candidates).id == "r1"
+
+
+async def test_text_prefix_and_session_features() -> None:
+    registry = fleet()
+    policy = make_policy("prefix")
+    builder = FeatureBuilder(policy, registry, RouterMetrics(registry, policy.name), text_index=TextPrefixIndex())
+    body = {"prompt": "x" * 300}
+    features = await builder.build("completions", "m", False, body, {})
+    builder.routed(builder.at_decision(features, registry.candidates("m")), "r0")
+    again = builder.at_decision(await builder.build("completions", "m", False, body, {}), registry.candidates("m"))
+    assert again.prefix is not None and again.prefix.blocks("r0") == again.prefix.total_blocks > 0
+    session = make_policy("session")
+    keyed = FeatureBuilder(session, registry, RouterMetrics(registry, session.name))
+    assert (await keyed.build("chat", "m", False, {"user": "u1"}, {})).session_key == "u1"
+    assert (await keyed.build("chat", "m", False, {"user": "u1"}, {"x-session-id": "s9"})).session_key == "s9"
+    assert (await keyed.build("embeddings", "m", False, {"user": "u1"}, {})).session_key is None
