@@ -55,13 +55,5 @@ class TextPrefixIndex:
     def match(self, keys: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         return leading_matches(keys, replicas, self._chunks.get)
 
-    def forget(self, replica: str) -> None:
-        """Drop a replica (it restarted or left): its cache is empty now."""
-        for key in [key for key, holders in self._chunks.items() if replica in holders]:
-            holders = self._chunks[key]
-            holders.discard(replica)
-            if not holders:
-                del self._chunks[key]
-
     def __len__(self) -> int:
         return len(self._chunks)

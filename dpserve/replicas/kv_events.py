@@ -67,7 +67,6 @@ class SubscriberStats:
     gaps: int = 0
     restarts: int = 0
     decode_errors: int = 0
-    connected_endpoint: str = ""
     last_event_at: float | None = None
     by_type: dict[str, int] = field(default_factory=dict)
 
@@ -85,7 +84,7 @@ class KvEventSubscriber:
     ) -> None:
         self.replica_id = replica_id
         self.endpoint = endpoint
-        self.stats = SubscriberStats(connected_endpoint=endpoint)
+        self.stats = SubscriberStats()
         self._index = index
         self._context = context
         self._clock = clock

@@ -204,15 +204,29 @@ def create_app(
             {
                 "policy": state.policy.name,
                 "uptime_s": round(time.time() - state.started_at, 1),
-                "replicas": [_replica_status(replica) for replica in state.registry],
+                "replicas": [_replica_status(replica, state) for replica in state.registry],
             }
         )
 
     return app
 
 
-def _replica_status(replica: Replica) -> dict[str, Any]:
+def _replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
     hit_rate = replica.prefix_cache_hits / replica.prefix_cache_queries if replica.prefix_cache_queries else None
+    kv_events = None
+    subscriber = next((s for s in state.subscribers if s.replica_id == replica.id), None)
+    if subscriber is not None and state.kv_index is not None:
+        stats = subscriber.stats
+        kv_events = {
+            "endpoint": subscriber.endpoint,
+            "batches": stats.batches,
+            "gaps": stats.gaps,
+            "restarts": stats.restarts,
+            "seconds_since_last": None
+            if stats.last_event_at is None
+            else round(time.monotonic() - stats.last_event_at, 1),
+            "indexed_blocks": state.kv_index.blocks(replica.id),
+        }
     return {
         "id": replica.id,
         "url": replica.url,
@@ -226,6 +240,7 @@ def _replica_status(replica: Replica) -> dict[str, Any]:
         "block_size": replica.block_size,
         "served_total": replica.served_total,
         "last_error": replica.last_error,
+        "kv_events": kv_events,
     }
 
 

@@ -57,6 +57,9 @@ def test_dpserve_up_routes_repeats_to_the_replica_that_cached_them(fleet: Fleet)
     assert metric(fleet.router_url, "dpserve_routing_decision_reasons_total", reason="cache_hit") - before >= 16
     assert metric(fleet.router_url, "dpserve_routing_tokenize_seconds_count", tokenizer="local") > 0
     assert metric(fleet.router_url, "dpserve_routing_tokenize_failures_total") == 0
+    replicas = httpx.get(f"{fleet.router_url}/status", timeout=5).json()["replicas"]
+    assert all(r["kv_events"]["endpoint"].startswith("tcp://") for r in replicas)
+    assert any(r["kv_events"]["batches"] > 0 and r["kv_events"]["indexed_blocks"] > 0 for r in replicas)
 
 
 def test_router_with_kv_events_flags_and_remote_tokens(fleet: Fleet, router_factory: RouterFactory) -> None:

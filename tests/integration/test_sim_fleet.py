@@ -29,7 +29,9 @@ CONCURRENCY = 64
 @pytest.fixture(scope="module")
 def sim_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work: Path = tmp_path_factory.mktemp("sim-fleet")
-    args = ["--sim", str(SIMS), "--", "--decode-ms-per-token", "2", "--max-num-seqs", "8"]
+    # least_loaded, not the default kv_aware: this fleet test checks that every replica takes a share
+    # (kv_aware would rightly keep each of the 8 shared prompts on one sim; see test_kv_routing.py).
+    args = ["--sim", str(SIMS), "--policy", "least_loaded", "--", "--decode-ms-per-token", "2", "--max-num-seqs", "8"]
     with running_fleet(work, SIMS, args, timeout_s=120) as fleet:
         yield fleet
 
