@@ -115,10 +115,6 @@ def _spawn(command: list[str], log_path: Path | None, env: dict[str, str]) -> su
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def _stop(process: subprocess.Popen[bytes], grace_s: float = 60) -> None:
-    terminate(process, grace_s)
-
-
 async def _get_text(session: aiohttp.ClientSession, url: str) -> str | None:
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
@@ -320,7 +316,7 @@ async def run_contender(
         after = await replica_counters(session, fleet)
         reasons = await decision_reasons(session, router_url) if contender.router == "dpserve" else ""
     finally:
-        _stop(process, 30)
+        terminate(process, 30)
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     served = [a[2] - b[2] for a, b in zip(after, before, strict=True)]
@@ -637,7 +633,7 @@ async def run_backend(
             for name in large:
                 await _run_workload(session, args, fleet, name, workloads[name], contenders, rows, model_dir)
         finally:
-            _stop(fleet.process)
+            terminate(fleet.process, 60)
         if "cache_pressure" in wanted:
             workload = workloads["cache_pressure"]
             blocks = pressure_capacity(workload, fleet.block_size, replicas, concurrency, args.max_tokens)
@@ -647,7 +643,7 @@ async def run_backend(
             try:
                 await _run_workload(session, args, small, "cache_pressure", workload, contenders, rows, model_dir)
             finally:
-                _stop(small.process)
+                terminate(small.process, 60)
 
 
 async def _run_workload(

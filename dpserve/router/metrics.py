@@ -228,5 +228,5 @@ class RoutingStateCollector(Collector):
             yield CounterMetricFamily(
                 "dpserve_routing_tokenize_failures",
                 "Requests whose token ids could not be had (they were routed on load alone).",
-                value=getattr(self._tokens.tokenizer, "failures", 0),
+                value=self._tokens.tokenizer.failures,
             )

@@ -35,6 +35,8 @@ JSON = {"content-type": "application/json"}
 
 class PromptTokenizer(Protocol):
     name: str
+    failures: int
+    """Prompts it could not tokenize (batches of prompts, which have no single prefix, are not failures)."""
 
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
         """The prompt's token ids, or None when they cannot be known (the request then routes on load)."""
@@ -68,6 +70,7 @@ class LocalTokenizer:
         # transformers renders templates with these flags; vLLM's text (and so its tokens) follows it.
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = env.from_string(template) if isinstance(template, str) else None
+        self.failures = 0
 
     @staticmethod
     def available(model_dir: Path) -> bool:
@@ -83,6 +86,7 @@ class LocalTokenizer:
     def tokens_now(self, endpoint: str, payload: dict[str, Any]) -> TokenIds | None:
         if endpoint == "chat":
             if self._template is None:
+                self.failures += 1
                 return None
             messages = [
                 m if m.get("content") is not None else {**m, "content": ""} for m in payload.get("messages", [])
@@ -90,6 +94,7 @@ class LocalTokenizer:
             try:
                 text = self._template.render(messages=messages, add_generation_prompt=True, **self._specials)
             except (TemplateError, TypeError, KeyError):
+                self.failures += 1
                 return None  # the replica will answer the client with its own 400
             # The template writes BOS itself: no special tokens on top, as vLLM does for chat.
             return tuple(self._tokenizer.encode(text, add_special_tokens=False).ids)

@@ -19,6 +19,7 @@ class WordIds:
     """One token per word, so the test can reason in blocks."""
 
     name = "words"
+    failures = 0
 
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
         return tuple(len(word) for word in payload["prompt"].split())

@@ -40,6 +40,9 @@ def test_local_tokenizer_matches_the_replicas_ids(model_dir: Path) -> None:
     assert local.tokens_now("completions", {"prompt": [text]}) == tuple(reference.encode(text))
     assert local.tokens_now("completions", {"prompt": [5, 6, 7]}) == (5, 6, 7)
     assert local.tokens_now("completions", {"prompt": ["a", "b"]}) is None  # a batch: no single prefix
+    assert local.failures == 0
+    assert local.tokens_now("chat", {"messages": [{"role": "user", "content": 5}]}) is None
+    assert local.failures == 1
     rendered = reference.render_chat([{**m, "content": m["content"] or ""} for m in MESSAGES])
     expected = tuple(reference.encode(rendered, add_special_tokens=False))
     assert local.tokens_now("chat", {"messages": MESSAGES}) == expected
@@ -65,6 +68,7 @@ class CountingTokenizer:
 
     def __init__(self) -> None:
         self.calls = 0
+        self.failures = 0
 
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
         self.calls += 1
