@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds.add_parser(
         "policies", help="hit rate, TTFT and spread per routing policy, vs vllm-router", add_help=False
     )
+    bench_kinds.add_parser(
+        "scaling", help="throughput vs replica count with Locust: CSV, table and plot", add_help=False
+    )
     return parser
 
 
@@ -169,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             from dpserve.bench.policies import main as policies_main
 
             return policies_main(rest)
+        if args.bench == "scaling":
+            from dpserve.bench.scaling import main as scaling_main
+
+            return scaling_main(rest)
         if args.bench == "sim":
             from dpserve.bench.sim_cost import main as sim_cost_main
 

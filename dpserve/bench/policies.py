@@ -40,10 +40,10 @@ from dpserve.bench.policy_workloads import (
     oracle_unbounded,
     shared_prefix,
 )
+from dpserve.bench.processes import get_text, port_block, progress, spawn, wait_ok
 from dpserve.bench.stats import percentile
 from dpserve.kvindex.index import block_keys
 from dpserve.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
-from dpserve.replicas.launcher import busy_ports
 from dpserve.replicas.process import terminate
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.router.prompt_tokens import LocalTokenizer, RemoteTokenizer
@@ -99,42 +99,6 @@ class Row:
 # -- processes ---------------------------------------------------------------------------------------
 
 
-def _port_block(count: int, rng: random.Random) -> int:
-    """The first of `count` consecutive free loopback ports."""
-    for _ in range(200):
-        start = rng.randrange(20000, 60000 - count)
-        if not busy_ports(range(start, start + count)):
-            return start
-    raise RuntimeError("no block of free ports found")
-
-
-def _spawn(command: list[str], log_path: Path | None, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    if log_path is None:
-        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-async def _get_text(session: aiohttp.ClientSession, url: str) -> str | None:
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            return await resp.text() if resp.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError):
-        return None
-
-
-async def _wait_ok(
-    session: aiohttp.ClientSession, url: str, timeout_s: float, process: subprocess.Popen[bytes]
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while await _get_text(session, url) is None:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args[:4]} exited with {process.returncode} while starting")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not ready after {timeout_s:.0f}s")
-        await asyncio.sleep(0.5)
-
-
 async def start_fleet(
     session: aiohttp.ClientSession,
     args: argparse.Namespace,
@@ -145,7 +109,7 @@ async def start_fleet(
 ) -> Fleet:
     count = args.replicas or (2 if backend == "vllm" else 8)
     rng = random.Random()
-    base = _port_block(2 * count + 1, rng)
+    base = port_block(2 * count + 1, rng)
     router_port, base_port, kv_port = base + 2 * count, base, base + count
     name = f"{backend}-{'small' if num_blocks else 'large'}"
     run_dir = work / name
@@ -167,14 +131,14 @@ async def start_fleet(
     log_path = run_dir / "up.log"
     # Dev mode: vLLM serves POST /reset_prefix_cache only with it (the sim always does).
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    process = _spawn(command, log_path, env)
-    _progress(f"starting {count} {backend} replicas ({name}) ...")
-    await _wait_ok(session, f"http://127.0.0.1:{router_port}/ready", 900, process)
+    process = spawn(command, log_path, env)
+    progress(f"starting {count} {backend} replicas ({name}) ...")
+    await wait_ok(session, f"http://127.0.0.1:{router_port}/ready", 900, process)
     urls = [f"http://127.0.0.1:{base_port + i}" for i in range(count)]
     # /ready answers once one replica is up: wait for all of them.
     for url in urls:
-        await _wait_ok(session, f"{url}/v1/models", 900, process)
-    text = await _get_text(session, f"{urls[0]}/metrics") or ""
+        await wait_ok(session, f"{url}/v1/models", 900, process)
+    text = await get_text(session, f"{urls[0]}/metrics") or ""
     labels = parse_samples(text, {CACHE_CONFIG}).first_labels(CACHE_CONFIG) or {}
     fleet = Fleet(
         backend,
@@ -185,7 +149,7 @@ async def start_fleet(
         int(float(labels.get("num_gpu_blocks", 0) or 0)),
         log_path,
     )
-    _progress(f"{count} {backend} replicas ready: block size {fleet.block_size}, {fleet.capacity_blocks} blocks each")
+    progress(f"{count} {backend} replicas ready: block size {fleet.block_size}, {fleet.capacity_blocks} blocks each")
     return fleet
 
 
@@ -266,7 +230,7 @@ async def drive(router_url: str, workload: Workload, concurrency: int, max_token
 async def replica_counters(session: aiohttp.ClientSession, fleet: Fleet) -> list[tuple[float, float, float]]:
     counters = []
     for url in fleet.urls:
-        text = await _get_text(session, f"{url}/metrics") or ""
+        text = await get_text(session, f"{url}/metrics") or ""
         samples = parse_samples(text, {HITS, QUERIES, SUCCESS})
         counters.append(tuple(samples.total(name) or 0.0 for name in (HITS, QUERIES, SUCCESS)))
     return counters  # type: ignore[return-value]
@@ -274,7 +238,7 @@ async def replica_counters(session: aiohttp.ClientSession, fleet: Fleet) -> list
 
 async def decision_reasons(session: aiohttp.ClientSession, router_url: str) -> str:
     name = "dpserve_routing_decision_reasons_total"
-    samples = parse_samples(await _get_text(session, f"{router_url}/metrics") or "", {name})
+    samples = parse_samples(await get_text(session, f"{router_url}/metrics") or "", {name})
     return " ".join(f"{labels.get('reason')}={int(value)}" for labels, value in samples.by_name.get(name, []))
 
 
@@ -301,13 +265,13 @@ async def run_contender(
     tokenizer: Path | None,
 ) -> Row:
     await reset_caches(session, fleet)
-    port = _port_block(2, random.Random())
-    process = _spawn(
+    port = port_block(2, random.Random())
+    process = spawn(
         router_command(contender, fleet, port, tokenizer, args.dpserve_args.split()), None, dict(os.environ)
     )
     router_url = f"http://127.0.0.1:{port}"
     try:
-        await _wait_ok(session, f"{router_url}/v1/models", 60, process)
+        await wait_ok(session, f"{router_url}/v1/models", 60, process)
         await asyncio.sleep(1.0)  # subscribers connected, first probes done
         before = await replica_counters(session, fleet)
         outcomes, seconds = await drive(
@@ -426,10 +390,6 @@ async def tokenizer_cost(session: aiohttp.ClientSession, fleet: Fleet, workload:
 
 
 # -- output ------------------------------------------------------------------------------------------
-
-
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -629,7 +589,7 @@ async def run_backend(
         try:
             await tokenize_all(session, fleet, list({id(w): w for w in workloads.values()}.values()))
             costs.append(await tokenizer_cost(session, fleet, workloads["shared_prefix"], model_dir))
-            _progress(f"tokenizer cost: {costs[-1]}")
+            progress(f"tokenizer cost: {costs[-1]}")
             for name in large:
                 await _run_workload(session, args, fleet, name, workloads[name], contenders, rows, model_dir)
         finally:
@@ -657,11 +617,11 @@ async def _run_workload(
     model_dir: Path,
 ) -> None:
     oracle = oracle_for(name, workload, fleet, args.max_tokens)
-    _progress(f"{fleet.backend} {name}: {workload.description}; {len(workload.requests)} requests, oracle {oracle:.3f}")
+    progress(f"{fleet.backend} {name}: {workload.description}; {len(workload.requests)} requests, oracle {oracle:.3f}")
     for contender in contenders:
         row = await run_contender(session, args, fleet, workload, name, contender, oracle, model_dir)
         rows.append(row)
-        _progress(
+        progress(
             f"  {contender.label:26} hit {row.hit_rate:.3f} ({row.vs_oracle:.2f} of oracle), "
             f"ttft p50 {row.ttft_p50_ms:.0f} ms, {row.req_per_s:.1f} req/s, spread {row.per_replica}, "
             f"errors {row.errors}"
