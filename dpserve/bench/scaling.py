@@ -476,7 +476,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, help="unmeasured seconds first (default 5 sim, 20 vLLM)")
     parser.add_argument("--users-per-replica", type=int, help="closed-loop users per replica (default 10 sim, 8 vLLM)")
     parser.add_argument("--arrival-rate-per-replica", type=float, default=0.0, help="open loop instead: req/s each")
-    parser.add_argument("--processes", default="auto", help="Locust load processes (auto: one per 100 users, at most one per core)")
+    parser.add_argument("--processes", default="auto", help="Locust processes (auto: 1 per 100 users, <= cores)")
     parser.add_argument("--workload", default="random", help="random, shared_prefix or multi_turn")
     parser.add_argument("--api", default="chat", help="chat, completions or mixed")
     parser.add_argument("--stream-ratio", type=float, default=1.0)
