@@ -21,6 +21,7 @@ import csv
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,8 +29,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import orjson
 import psutil
 
 from dpserve.bench.processes import port_block, progress, spawn, wait_ok
@@ -139,7 +142,7 @@ def locust_command(args: argparse.Namespace, stack: Stack, count: int, prefix: P
     command = [sys.executable, "-m", "locust", "-f", str(args.locustfile), "--headless", "--host", stack.router_url]
     command += ["-u", str(users), "-r", str(users), "-t", f"{run_time}s", "--warmup", str(args.warmup)]
     command += ["--csv", str(prefix), "--csv-full-history", "--html", f"{prefix}.html", "--only-summary"]
-    command += ["--loglevel", "WARNING", "--stop-timeout", "5"]
+    command += ["--json-file", str(prefix), "--loglevel", "WARNING"]
     command += ["--workload", args.workload, "--api", args.api, "--stream-ratio", str(args.stream_ratio)]
     command += ["--prompt-tokens", str(args.prompt_tokens), "--output-tokens", str(args.output_tokens)]
     command += ["--model", args.model, "--seed", str(args.seed)]
@@ -204,7 +207,7 @@ def cores_used(start: dict[str, float], end: dict[str, float]) -> dict[str, floa
     return {key: (end[key] - start[key]) / elapsed for key in ("router", "replicas", "locust", "machine")}
 
 
-# -- Locust's CSV ------------------------------------------------------------------------------------
+# -- Locust's results --------------------------------------------------------------------------------
 
 
 def read_stats(path: Path) -> list[dict[str, str]]:
@@ -212,38 +215,60 @@ def read_stats(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-def _number(row: dict[str, str] | None, column: str) -> float:
-    if row is None:
+def read_entries(path: Path) -> list[dict[str, Any]]:
+    """Locust's final statistics (`--json-file`): written at shutdown, so nothing is missing (its CSV is
+    rewritten once a second and may lag the end)."""
+    return orjson.loads(path.read_bytes())
+
+
+def histogram_percentile(response_times: dict[str, int], q: float) -> float:
+    """The q-quantile of Locust's histogram ({rounded value: count}), as Locust reads it."""
+    counts = sorted((float(value), count) for value, count in response_times.items())
+    total = sum(count for _, count in counts)
+    if not total:
         return 0.0
-    value = row.get(column, "")
-    try:
-        return float(value)
-    except ValueError:
-        return 0.0  # "N/A" when the entry has no samples
+    seen = 0
+    for value, count in counts:
+        seen += count
+        if seen >= q * total:
+            return value
+    return counts[-1][0]
 
 
-def summarize(stats: list[dict[str, str]], window_s: float) -> dict[str, float]:
-    """Throughput and latency over the measured window from Locust's final `_stats.csv`."""
-    requests = [r for r in stats if r["Type"] == POST and not r["Name"].startswith(WARMUP_PREFIX)]
-    every_post = [r for r in stats if r["Type"] == POST]
-    llm = {r["Name"]: r for r in stats if r["Type"] == "LLM"}
-    count = sum(_number(r, "Request Count") for r in requests)
-    errors = sum(_number(r, "Failure Count") for r in every_post) + _number(llm.get("arrival dropped"), "Request Count")
-    tokens = llm.get("output_tokens")
-    output_tokens = _number(tokens, "Request Count") * _number(tokens, "Average Content Size")
-    # The median over all request entries, weighted by their counts (Locust has no merged row for them).
-    latency = sum(_number(r, "50%") * _number(r, "Request Count") for r in requests) / count if count else 0.0
+def summarize(entries: list[dict[str, Any]], window_s: float) -> dict[str, float]:
+    """Throughput and latency over the measured window: requests that ended in the warm-up are reported
+    under their own names and left out; Locust kills requests still running at the end (stop timeout 0)."""
+    requests = [e for e in entries if e["method"] == POST and not e["name"].startswith(WARMUP_PREFIX)]
+    every_post = [e for e in entries if e["method"] == POST]
+    llm = {e["name"]: e for e in entries if e["method"] == "LLM"}
+    empty: dict[str, Any] = {"num_requests": 0, "num_failures": 0, "response_times": {}, "total_content_length": 0}
+    count = sum(e["num_requests"] for e in requests)
+    dropped = llm.get("arrival dropped", empty)["num_requests"]
+    errors = sum(e["num_failures"] for e in every_post) + dropped
+    merged: dict[str, int] = {}
+    for entry in requests:
+        for value, times in entry["response_times"].items():
+            merged[value] = merged.get(value, 0) + times
+    ttft = llm.get("TTFT", empty)["response_times"]
+    itl = llm.get("ITL", empty)["response_times"]
     return {
         "requests": count,
         "errors": errors,
         "req_per_s": count / window_s,
-        "output_tok_per_s": output_tokens / window_s,
-        "ttft_p50_ms": _number(llm.get("TTFT"), "50%"),
-        "ttft_p99_ms": _number(llm.get("TTFT"), "99%"),
-        "itl_p50_ms": _number(llm.get("ITL"), "50%"),
-        "itl_p99_ms": _number(llm.get("ITL"), "99%"),
-        "latency_p50_ms": latency,
+        "output_tok_per_s": llm.get("output_tokens", empty)["total_content_length"] / window_s,
+        "ttft_p50_ms": histogram_percentile(ttft, 0.5),
+        "ttft_p99_ms": histogram_percentile(ttft, 0.99),
+        "itl_p50_ms": histogram_percentile(itl, 0.5),
+        "itl_p99_ms": histogram_percentile(itl, 0.99),
+        "latency_p50_ms": histogram_percentile(merged, 0.5),
     }
+
+
+def _number(row: dict[str, str], column: str) -> float:
+    try:
+        return float(row.get(column, ""))
+    except ValueError:
+        return 0.0  # "N/A" when an entry has no samples yet
 
 
 def current_rate(history_path: Path) -> tuple[float, float, int] | None:
@@ -284,7 +309,7 @@ async def measure(args: argparse.Namespace, count: int, work: Path, out: Path) -
             cpu = await watch(args, count, stack, locust, prefix)
         finally:
             terminate(locust, 30)
-        summary = summarize(read_stats(Path(f"{prefix}_stats.csv")), args.duration)
+        summary = summarize(read_entries(Path(f"{prefix}.json")), args.duration)
     finally:
         terminate(stack.process, 90)
     row = ScalingRow(
@@ -507,6 +532,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so every `finally` stops the replicas and Locust it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = args.out / args.backend
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="dpserve-bench-scaling-"))  # replica logs
