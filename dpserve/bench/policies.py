@@ -40,7 +40,7 @@ from dpserve.bench.policy_workloads import (
     oracle_unbounded,
     shared_prefix,
 )
-from dpserve.bench.processes import get_text, port_block, progress, spawn, wait_ok
+from dpserve.bench.processes import UpPorts, get_text, port_block, progress, spawn, start_up, wait_ok
 from dpserve.bench.stats import percentile
 from dpserve.kvindex.index import block_keys
 from dpserve.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
@@ -108,14 +108,10 @@ async def start_fleet(
     max_model_len: int | None,
 ) -> Fleet:
     count = args.replicas or (2 if backend == "vllm" else 8)
-    rng = random.Random()
-    base = port_block(2 * count + 1, rng)
-    router_port, base_port, kv_port = base + 2 * count, base, base + count
+    ports = UpPorts.free(count)
     name = f"{backend}-{'small' if num_blocks else 'large'}"
     run_dir = work / name
-    command = [sys.executable, "-m", "dpserve", "up", "--port", str(router_port), "--base-port", str(base_port)]
-    command += ["--kv-events-base-port", str(kv_port), "--run-dir", str(run_dir), "--policy", "round_robin"]
-    command += ["--log-level", "warning"]
+    command = ports.command(run_dir, "round_robin")
     if max_model_len:
         command += ["--max-model-len", str(max_model_len)]
     if backend == "sim":
@@ -129,22 +125,18 @@ async def start_fleet(
             command += ["--num-gpu-blocks-override", str(num_blocks)]
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "up.log"
+    progress(f"starting {count} {backend} replicas ({name}) ...")
     # Dev mode: vLLM serves POST /reset_prefix_cache only with it (the sim always does).
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    process = spawn(command, log_path, env)
-    progress(f"starting {count} {backend} replicas ({name}) ...")
-    await wait_ok(session, f"http://127.0.0.1:{router_port}/ready", 900, process)
-    urls = [f"http://127.0.0.1:{base_port + i}" for i in range(count)]
-    # /ready answers once one replica is up: wait for all of them.
-    for url in urls:
-        await wait_ok(session, f"{url}/v1/models", 900, process)
+    process = await start_up(session, ports, command, log_path, env, 900)
+    urls = ports.replica_urls
     text = await get_text(session, f"{urls[0]}/metrics") or ""
     labels = parse_samples(text, {CACHE_CONFIG}).first_labels(CACHE_CONFIG) or {}
     fleet = Fleet(
         backend,
         process,
         urls,
-        [f"tcp://127.0.0.1:{kv_port + i}" for i in range(count)],
+        ports.kv_endpoints,
         int(labels.get("block_size", 16)),
         int(float(labels.get("num_gpu_blocks", 0) or 0)),
         log_path,

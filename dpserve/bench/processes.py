@@ -1,17 +1,20 @@
 """What the benchmarks share for their child processes: free loopback ports, spawning with a log,
-waiting for an endpoint to answer, and progress lines."""
+waiting for an endpoint to answer, starting a fleet with `dpserve up`, and progress lines."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
 from dpserve.replicas.launcher import busy_ports
+from dpserve.replicas.process import terminate
 
 
 def port_block(count: int, rng: random.Random) -> int:
@@ -46,6 +49,58 @@ async def wait_ok(session: aiohttp.ClientSession, url: str, timeout_s: float, pr
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url} not ready after {timeout_s:.0f}s")
         await asyncio.sleep(0.5)
+
+
+@dataclass(frozen=True)
+class UpPorts:
+    """Where `dpserve up` puts `count` replicas: replicas, then their KV-event ports, then the router, in
+    one block of free loopback ports."""
+
+    count: int
+    base: int
+
+    @classmethod
+    def free(cls, count: int) -> UpPorts:
+        return cls(count, port_block(2 * count + 1, random.Random()))
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.base + 2 * self.count}"
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.base + i}" for i in range(self.count)]
+
+    @property
+    def kv_endpoints(self) -> list[str]:
+        return [f"tcp://127.0.0.1:{self.base + self.count + i}" for i in range(self.count)]
+
+    def command(self, run_dir: Path, policy: str) -> list[str]:
+        """`dpserve up` on these ports; the caller adds the replicas (`--sim N` or `--replicas N`)."""
+        command = [sys.executable, "-m", "dpserve", "up", "--port", str(self.base + 2 * self.count)]
+        command += ["--base-port", str(self.base), "--kv-events-base-port", str(self.base + self.count)]
+        return [*command, "--run-dir", str(run_dir), "--policy", policy, "--log-level", "warning"]
+
+
+async def start_up(
+    session: aiohttp.ClientSession,
+    ports: UpPorts,
+    command: list[str],
+    log_path: Path,
+    env: dict[str, str],
+    timeout_s: float,
+) -> subprocess.Popen[bytes]:
+    """Run `command` (a `dpserve up`) until its router and every replica answer; stopped if they never do."""
+    process = spawn(command, log_path, env)
+    try:
+        await wait_ok(session, f"{ports.router_url}/ready", timeout_s, process)
+        # /ready answers once one replica is up: wait for all of them.
+        for url in ports.replica_urls:
+            await wait_ok(session, f"{url}/v1/models", timeout_s, process)
+    except BaseException:
+        terminate(process, 60)
+        raise
+    return process
 
 
 def progress(message: str) -> None:

@@ -20,7 +20,6 @@ import asyncio
 import csv
 import math
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import aiohttp
 import orjson
 import psutil
 
-from dpserve.bench.processes import port_block, progress, spawn, wait_ok
+from dpserve.bench.processes import UpPorts, progress, spawn, start_up
 from dpserve.replicas.process import terminate
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
@@ -87,38 +86,28 @@ class Stack:
     log_path: Path
 
 
-def up_command(args: argparse.Namespace, count: int, base: int, run_dir: Path) -> tuple[list[str], str, list[str]]:
-    router_port, base_port, kv_port = base + 2 * count, base, base + count
-    command = [sys.executable, "-m", "dpserve", "up", "--port", str(router_port), "--base-port", str(base_port)]
-    command += ["--kv-events-base-port", str(kv_port), "--run-dir", str(run_dir), "--policy", args.policy]
-    command += ["--log-level", "warning"]
+def up_command(args: argparse.Namespace, ports: UpPorts, run_dir: Path) -> list[str]:
+    command = ports.command(run_dir, args.policy)
     if args.backend == "sim":
-        command += ["--sim", str(count), "--", "--max-num-seqs", str(args.sim_max_num_seqs)]
-        command += ["--decode-ms-per-token", str(args.sim_decode_ms), "--seed", str(args.seed)]
-    else:
-        command += ["--replicas", str(count), "--cache-dir", str(args.cache_dir)]
-    urls = [f"http://127.0.0.1:{base_port + i}" for i in range(count)]
-    return command, f"http://127.0.0.1:{router_port}", urls
+        command += ["--sim", str(ports.count), "--", "--max-num-seqs", str(args.sim_max_num_seqs)]
+        return [*command, "--decode-ms-per-token", str(args.sim_decode_ms), "--seed", str(args.seed)]
+    return [*command, "--replicas", str(ports.count), "--cache-dir", str(args.cache_dir)]
 
 
 async def start_stack(args: argparse.Namespace, count: int, work: Path) -> Stack:
-    base = port_block(2 * count + 1, random.Random())
+    ports = UpPorts.free(count)
     run_dir = work / f"n{count}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    command, router_url, urls = up_command(args, count, base, run_dir)
     log_path = run_dir / "up.log"
-    process = spawn(command, log_path, dict(os.environ))
-    stack = Stack(process, router_url, urls, log_path)
-    try:
-        async with aiohttp.ClientSession() as session:
-            await wait_ok(session, f"{router_url}/ready", args.start_timeout, process)
-            for url in urls:  # /ready answers once one replica is up
-                await wait_ok(session, f"{url}/v1/models", args.start_timeout, process)
-            await wait_ready_in_router(session, router_url, count, args.start_timeout)
-    except BaseException:
-        terminate(process, 60)
-        raise
-    return stack
+    async with aiohttp.ClientSession() as session:
+        command = up_command(args, ports, run_dir)
+        process = await start_up(session, ports, command, log_path, dict(os.environ), args.start_timeout)
+        try:
+            await wait_ready_in_router(session, ports.router_url, count, args.start_timeout)
+        except BaseException:
+            terminate(process, 60)
+            raise
+    return Stack(process, ports.router_url, ports.replica_urls, log_path)
 
 
 async def wait_ready_in_router(session: aiohttp.ClientSession, router_url: str, count: int, timeout_s: float) -> None:
@@ -136,8 +125,9 @@ async def wait_ready_in_router(session: aiohttp.ClientSession, router_url: str, 
     raise RuntimeError(f"the router did not see {count} healthy replicas within {timeout_s:.0f}s")
 
 
-def locust_command(args: argparse.Namespace, stack: Stack, count: int, prefix: Path, processes: int) -> list[str]:
-    users = users_for(args, count, processes)
+def locust_command(
+    args: argparse.Namespace, stack: Stack, count: int, prefix: Path, users: int, processes: int
+) -> list[str]:
     run_time = round(args.warmup + args.duration)
     command = [sys.executable, "-m", "locust", "-f", str(args.locustfile), "--headless", "--host", stack.router_url]
     command += ["-u", str(users), "-r", str(users), "-t", f"{run_time}s", "--warmup", str(args.warmup)]
@@ -297,8 +287,8 @@ async def measure(args: argparse.Namespace, count: int, work: Path, out: Path) -
         processes = load_processes_for(args, count)
         prefix = out / "locust" / f"n{count}"
         prefix.parent.mkdir(parents=True, exist_ok=True)
-        command = locust_command(args, stack, count, prefix, processes)
         users = users_for(args, count, processes)
+        command = locust_command(args, stack, count, prefix, users, processes)
         load = f"{args.arrival_rate_per_replica * count:g} req/s open loop" if args.arrival_rate_per_replica else ""
         progress(
             f"N={count}: Locust, {load or f'{users} users'}, {processes} load process(es), "
