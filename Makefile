@@ -12,12 +12,16 @@ PIP := $(PY) -m pip
 # Drop the noise pip prints for every package about this machine's local index; keep pip's exit status.
 PIP_QUIET := 2>&1 | sed '/is ignored: it is neither a file nor a directory/d'
 
+# Headless Chromium for the status page's browser test: Debian's package (root, or sudo).
+BROWSER := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 .PHONY: run test install lint format clean
 
 run: $(STAMP)
 	$(VENV)/bin/dpserve up $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(BROWSER)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
@@ -31,6 +35,10 @@ $(STAMP): pyproject.toml
 	$(PIP) uninstall -y torchvision torchaudio torchcodec $(PIP_QUIET)
 	$(PY) -c "import dpserve, fastapi, aiohttp, transformers, vllm"
 	touch $@
+
+$(BROWSER):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

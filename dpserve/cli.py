@@ -1,4 +1,4 @@
-"""The `dpserve` command: up, router, sim, model, bench."""
+"""The `dpserve` command: up, router, sim, gpus, model, bench."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, dest="max_body_bytes", help="largest request body accepted")
     parser.add_argument("--probe-interval", type=float, dest="probe_interval_s", help="seconds between probes")
     parser.add_argument("--retries", type=int, help="other replicas tried before the first byte (default 1)")
+    parser.add_argument(
+        "--gpu-interval", type=float, dest="gpu_interval_s", help="seconds between NVML samples (default 1; 0: off)"
+    )
     parser.add_argument("--access-log", action="store_true", default=None, dest="access_log")
     parser.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
 
@@ -51,9 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--replica",
         action="append",
         dest="replicas",
-        metavar="URL",
+        metavar="URL[@gpu=N]",
         required=True,
-        help="a replica's base URL, e.g. http://127.0.0.1:8100 (repeat for each replica)",
+        help="a replica's base URL, e.g. http://127.0.0.1:8100, optionally with the GPU it runs on "
+        "(http://10.0.0.2:8000@gpu=1, an NVML index or UUID); repeat for each replica",
     )
     router.add_argument(
         "--kv-events",
@@ -126,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
     sim.add_argument("--access-log", action="store_true", default=None, dest="access_log")
 
+    gpus = commands.add_parser("gpus", help="the NVIDIA GPUs here (NVML) and what runs on them")
+    gpus.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
     model = commands.add_parser("model", help="build models for demos and tests")
     model_kinds = model.add_subparsers(dest="kind", required=True)
     tiny = model_kinds.add_parser("tiny", help="build the deterministic tiny Llama that vLLM's CPU backend serves")
@@ -167,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(build_tiny_model(args.dir, seed=args.seed))
         return 0
+    if args.command == "gpus":
+        from dpserve.gpu.table import print_gpus
+
+        return print_gpus(as_json=args.json)
     if args.command == "bench":
         if args.bench == "policies":
             from dpserve.bench.policies import main as policies_main

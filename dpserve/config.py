@@ -50,6 +50,8 @@ class Settings:
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 3.0
     retries: int = 1
+    gpu_interval_s: float = 1.0
+    """Seconds between NVML samples of every GPU; 0 turns GPU telemetry off."""
     access_log: bool = False
     log_level: str = "info"
     # Launcher (`dpserve up`)

@@ -1,0 +1,1 @@
+"""Per-GPU telemetry through NVML: the sampler, where replicas run, and the plain samples."""

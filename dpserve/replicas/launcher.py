@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from dpserve.config import Settings
-from dpserve.gpu.detect import count_nvidia_gpus
+from dpserve.gpu.nvml import count_nvidia_gpus
 from dpserve.replicas.plan import PlanError, ReplicaPlan, events_known, plan_replicas, plan_sims, router_argv
 from dpserve.replicas.process import ManagedProcess, log_tail
 

@@ -32,6 +32,13 @@ class ReplicaPlan:
     def kv_events_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.kv_events_port}"
 
+    @property
+    def replica_spec(self) -> str:
+        """How the router is told of this replica: its URL, and its GPU when it has one."""
+        if self.device.startswith("cuda:"):
+            return f"{self.url}@gpu={self.device.removeprefix('cuda:')}"
+        return self.url
+
 
 class PlanError(ValueError):
     pass
@@ -124,7 +131,8 @@ def plan_replicas(
         kv_port = settings.kv_events_base_port + index
         argv = vllm_argv(settings, model, served_name, port, kv_port)
         if gpu_count:
-            env = {"CUDA_VISIBLE_DEVICES": str(index)}
+            # PCI bus order is NVML's order, so CUDA's device N is the GPU the router's NVML calls N.
+            env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(index)}
             plans.append(ReplicaPlan(rid, port, kv_port, f"cuda:{index}", env, None, argv))
             continue
         cpus = core_sets[index]
@@ -147,7 +155,7 @@ def router_argv(settings: Settings, plans: Sequence[ReplicaPlan], tokenizer: str
     """The same `dpserve router` command a user (or the router's container) runs by hand."""
     argv = [sys.executable, "-m", "dpserve", "router"]
     for plan in plans:
-        argv += ["--replica", plan.url]
+        argv += ["--replica", plan.replica_spec]
     if events_known(settings):
         for plan in plans:
             argv += ["--kv-events", f"{plan.url}={plan.kv_events_endpoint}"]
@@ -158,6 +166,7 @@ def router_argv(settings: Settings, plans: Sequence[ReplicaPlan], tokenizer: str
     argv += ["--host", settings.host, "--port", str(settings.port)]
     argv += ["--max-body-bytes", str(settings.max_body_bytes), "--probe-interval", str(settings.probe_interval_s)]
     argv += ["--retries", str(settings.retries), "--log-level", settings.log_level]
+    argv += ["--gpu-interval", str(settings.gpu_interval_s)]
     if settings.access_log:
         argv.append("--access-log")
     return tuple(argv)

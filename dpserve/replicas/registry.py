@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dpserve.gpu.placement import parse_replica_spec
 from dpserve.policies.base import ReplicaSnapshot
 
 
@@ -30,6 +31,8 @@ class Replica:
     last_error: str | None = None
     last_scrape: float | None = None
     served_total: int = 0
+    gpu_hint: tuple[str, ...] = ()
+    """GPU indices or UUIDs from `--replica URL@gpu=N` (the launcher gives them for replicas it starts)."""
 
     def set_model_cards(self, cards: tuple[dict[str, Any], ...]) -> None:
         self.model_cards = cards
@@ -52,12 +55,14 @@ def replica_ids(count: int) -> list[str]:
 
 
 class ReplicaRegistry:
-    def __init__(self, urls: Sequence[str]) -> None:
-        if not urls:
+    def __init__(self, specs: Sequence[str]) -> None:
+        """`specs`: replica URLs, each optionally followed by `@gpu=N` (see `parse_replica_spec`)."""
+        if not specs:
             raise ValueError("at least one replica URL is needed")
-        self._replicas: dict[str, Replica] = {
-            rid: Replica(id=rid, url=url.rstrip("/")) for rid, url in zip(replica_ids(len(urls)), urls, strict=True)
-        }
+        self._replicas: dict[str, Replica] = {}
+        for rid, spec in zip(replica_ids(len(specs)), specs, strict=True):
+            url, hint = parse_replica_spec(spec)
+            self._replicas[rid] = Replica(id=rid, url=url, gpu_hint=hint)
 
     def __iter__(self) -> Iterator[Replica]:
         return iter(self._replicas.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import random
@@ -18,11 +19,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from dpserve.config import Settings
 from dpserve.disconnect import ClientGone, until_disconnect
+from dpserve.gpu.local_processes import ReplicaProcesses
+from dpserve.gpu.nvml import Nvml, load_nvml
+from dpserve.gpu.placement import ReplicaClue
+from dpserve.gpu.sampler import GpuSampler
 from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import TextPrefixIndex
@@ -32,6 +37,7 @@ from dpserve.policies.kv_aware import KvAwareWeights
 from dpserve.replicas.kv_events import KvEventSubscriber, parse_kv_event_source
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import Replica, ReplicaRegistry
+from dpserve.router.dashboard import dashboard_html
 from dpserve.router.errors import (
     OpenAIError,
     bad_request,
@@ -41,6 +47,7 @@ from dpserve.router.errors import (
     upstream_error_body,
 )
 from dpserve.router.features import FeatureBuilder
+from dpserve.router.gpu_metrics import GpuCollector
 from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
 from dpserve.router.proxy import Buffered, Dispatcher, Streaming
@@ -63,6 +70,7 @@ class RouterState:
     features: FeatureBuilder | None = None
     kv_index: KvIndex | None = None
     subscribers: tuple[KvEventSubscriber, ...] = ()
+    gpus: GpuSampler | None = None
     started_at: float = 0.0
 
 
@@ -102,16 +110,34 @@ def local_tokenizer(settings: Settings) -> LocalTokenizer | None:
     return LocalTokenizer(path)
 
 
+def gpu_sampler(settings: Settings, registry: ReplicaRegistry, nvml: Callable[[], Nvml]) -> GpuSampler | None:
+    """NVML sampling, with each GPU tied to its replica by hint or, for replicas on this host, by process."""
+    if settings.gpu_interval_s <= 0:
+        return None
+    processes = ReplicaProcesses()
+
+    def clues() -> list[ReplicaClue]:
+        return [ReplicaClue(r.id, r.gpu_hint, frozenset() if r.gpu_hint else processes.pids(r.url)) for r in registry]
+
+    return GpuSampler(nvml, settings.gpu_interval_s, clues=clues)
+
+
 def create_app(
     settings: Settings,
     *,
     registry: ReplicaRegistry | None = None,
     policy: Policy | None = None,
     rng: random.Random | None = None,
+    nvml: Callable[[], Nvml] = load_nvml,
 ) -> FastAPI:
+    """`nvml` loads the NVML library (the `pynvml` module); tests pass a fake, as these hosts have no GPU."""
     registry = registry or ReplicaRegistry(settings.replicas)
     policy = policy or make_policy(settings.routing_policy, rng, policy_tuning(settings))
     state = RouterState(settings, registry, policy, RouterMetrics(registry, policy.name))
+    state.gpus = gpu_sampler(settings, registry, nvml)
+    if state.gpus is not None:
+        sampler = state.gpus
+        state.metrics.registry.register(GpuCollector(lambda: sampler.snapshot, lambda: sampler.failures))
     endpoints = kv_event_endpoints(settings, registry)
     if endpoints or Need.KV_PREFIX in policy.needs:
         state.kv_index = KvIndex(settings.kv_index_max_entries)
@@ -159,12 +185,19 @@ def create_app(
         for subscriber in state.subscribers:
             subscriber.start()
         state.started_at = time.time()
+        if state.gpus is not None:
+            # First reading before serving: /status has the GPUs at once, and a host without one
+            # logs its single `no NVIDIA GPU found: ...` line at start.
+            await asyncio.to_thread(state.gpus.sample_once)
+            state.gpus.start()
         await monitor.probe_all()
         monitor.start()
         try:
             yield
         finally:
             await monitor.stop()
+            if state.gpus is not None:
+                await state.gpus.stop()
             for subscriber in state.subscribers:
                 await subscriber.stop()
             zmq_context.destroy(linger=0)
@@ -200,15 +233,44 @@ def create_app(
 
     @app.get("/status")
     async def status() -> JSONResponse:
-        return JSONResponse(
-            {
-                "policy": state.policy.name,
-                "uptime_s": round(time.time() - state.started_at, 1),
-                "replicas": [_replica_status(replica, state) for replica in state.registry],
-            }
-        )
+        return JSONResponse(_status(state))
+
+    @app.get("/dashboard")
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(dashboard_html(_status(state)), headers={"cache-control": "no-store"})
 
     return app
+
+
+def _status(state: RouterState) -> dict[str, Any]:
+    gpus = _gpu_status(state)
+    by_index = {gpu["index"]: gpu for gpu in gpus["devices"]}
+    replicas = []
+    for replica in state.registry:
+        entry = _replica_status(replica, state)
+        entry["gpus"] = [by_index[gpu["index"]] for gpu in gpus["devices"] if gpu["replica"] == replica.id]
+        replicas.append(entry)
+    return {
+        "policy": state.policy.name,
+        "uptime_s": round(time.time() - state.started_at, 1),
+        "replicas": replicas,
+        "gpus": gpus,
+    }
+
+
+def _gpu_status(state: RouterState) -> dict[str, Any]:
+    if state.gpus is None:
+        return {"available": False, "reason": "GPU telemetry is off (--gpu-interval 0)", "devices": []}
+    snapshot = state.gpus.snapshot
+    devices = [
+        {**gpu.to_dict(), "readable": gpu.readable, "replica": snapshot.replica_of(gpu.index)} for gpu in snapshot.gpus
+    ]
+    return {
+        "available": bool(snapshot.gpus),
+        "reason": snapshot.unavailable,
+        "sampled_at": snapshot.taken_at,
+        "devices": devices,
+    }
 
 
 def _replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
@@ -230,6 +292,7 @@ def _replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
     return {
         "id": replica.id,
         "url": replica.url,
+        "model": replica.models[0] if replica.models else None,
         "models": list(replica.models),
         "healthy": replica.healthy,
         "in_flight": replica.in_flight,

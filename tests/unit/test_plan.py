@@ -40,6 +40,11 @@ def test_gpu_plan_is_one_replica_per_gpu() -> None:
     assert [p.device for p in plans] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert all(p.cpus is None for p in plans)
     assert "--served-model-name" not in plans[0].argv
+    # CUDA's order made NVML's, so the router's `@gpu=N` names the GPU the replica's CUDA sees.
+    assert all(p.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for p in plans)
+    args = build_parser().parse_args(list(router_argv(Settings(gpu_interval_s=0.5), plans)[3:]))
+    assert args.replicas == [f"http://127.0.0.1:{8100 + i}@gpu={i}" for i in range(4)]
+    assert args.gpu_interval_s == 0.5
     with pytest.raises(PlanError, match="more replicas than the 4 GPUs"):
         plan_replicas(Settings(num_replicas=5), "org/model", None, 4, [0])
 

@@ -1,0 +1,170 @@
+"""GPU telemetry in the router: /status, /metrics and /dashboard, with no GPU (these machines, real
+NVML library) and with GPUs faked at the NVML boundary (mapping by hint and by process, a GPU lost
+mid-run while requests stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pynvml
+import pytest
+import uvicorn
+
+from dpserve.config import Settings
+from dpserve.router.app import create_app
+from tests.chromium import rendered_dom, screenshot
+from tests.conftest import free_port
+from tests.fake_nvml import FakeNvml, two_gpus
+from tests.integration.conftest import (
+    Fleet,
+    RouterFactory,
+    running_sim,
+    start_router,
+    stop_router,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@contextlib.asynccontextmanager
+async def in_process_router(specs: list[str], nvml: FakeNvml) -> AsyncIterator[str]:
+    settings = Settings(replicas=tuple(specs), policy="round_robin", probe_interval_s=0.2, gpu_interval_s=0.05)
+    app = create_app(settings, nvml=lambda: nvml)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str) -> str:
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16, "stream": True}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        return "".join([chunk async for chunk in response.aiter_text()])
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_gpus_are_tied_to_replicas_and_a_lost_gpu_does_not_disturb_requests() -> None:
+    nvml = two_gpus()
+    with running_sim("--decode-ms-per-token", "5") as hinted, running_sim("--decode-ms-per-token", "5") as by_pid:
+        # r0 is said to run on GPU 1; r1 is found on GPU 0 by its process id, as NVML lists it there.
+        nvml.gpus[0].processes = [(by_pid.process.pid, 2 << 30)]
+        async with in_process_router([f"{hinted.url}@gpu=1", by_pid.url], nvml) as url, httpx.AsyncClient() as client:
+
+            async def ready() -> bool:
+                return (await client.get(f"{url}/ready")).status_code == 200
+
+            async def gpu_devices() -> list[dict[str, Any]]:
+                return (await client.get(f"{url}/status")).json()["gpus"]["devices"]
+
+            async def gpu_1_lost() -> bool:
+                return (await gpu_devices())[1]["error"] == "GPU is lost"
+
+            async def no_gpus() -> bool:
+                return await gpu_devices() == []
+
+            await until(ready)
+            status = (await client.get(f"{url}/status")).json()
+            assert status["gpus"]["available"] is True and status["gpus"]["reason"] is None
+            assert [(g["index"], g["replica"]) for g in status["gpus"]["devices"]] == [(0, "r1"), (1, "r0")]
+            r0, r1 = status["replicas"]
+            assert [g["uuid"] for g in r0["gpus"]] == ["GPU-bbbb"] and [g["uuid"] for g in r1["gpus"]] == ["GPU-aaaa"]
+            assert r1["gpus"][0]["utilization_gpu"] == pytest.approx(0.87)
+            assert r1["model"] == "dpserve-tiny" and r1["healthy"] is True
+            metrics = (await client.get(f"{url}/metrics")).text
+            assert 'dpserve_gpu_utilization_ratio{gpu="0",replica="r1",uuid="GPU-aaaa"} 0.87' in metrics
+            assert 'dpserve_gpu_memory_used_bytes{gpu="0",replica="r1",uuid="GPU-aaaa"} 6.442450944e+10' in metrics
+            assert 'dpserve_gpu_power_watts{gpu="1",replica="r0",uuid="GPU-bbbb"} 95.5' in metrics
+            assert 'dpserve_gpu_temperature_celsius{gpu="1",replica="r0",uuid="GPU-bbbb"} 41.0' in metrics
+            assert 'dpserve_gpu_sm_clock_hertz{gpu="0",replica="r1",uuid="GPU-aaaa"} 1.98e+09' in metrics
+
+            # GPU 1 is lost while streams run on both replicas: every stream still completes.
+            streams = [asyncio.create_task(stream_chat(client, url)) for _ in range(8)]
+            await asyncio.sleep(0.03)
+            nvml.gpus[1].lost = True
+            bodies = await asyncio.gather(*streams)
+            assert all(body.rstrip().endswith("data: [DONE]") for body in bodies)
+            await until(gpu_1_lost)
+            status = (await client.get(f"{url}/status")).json()
+            assert [r["healthy"] for r in status["replicas"]] == [True, True]
+            assert status["replicas"][0]["gpus"][0]["readable"] is False
+            metrics = (await client.get(f"{url}/metrics")).text
+            assert 'dpserve_gpu_up{gpu="1",replica="r0",uuid="GPU-bbbb"} 0.0' in metrics
+            assert 'dpserve_gpu_up{gpu="0",replica="r1",uuid="GPU-aaaa"} 1.0' in metrics
+            assert 'dpserve_gpu_power_watts{gpu="1"' not in metrics
+
+            # Then the driver fails as a whole: the GPU section says why, routing carries on.
+            nvml.driver_error = pynvml.NVMLError_Unknown()
+            await until(no_gpus)
+            assert (await client.get(f"{url}/status")).json()["gpus"]["reason"].endswith("Unknown Error")
+            assert (await stream_chat(client, url)).rstrip().endswith("data: [DONE]")
+            assert "dpserve_gpus 0.0" in (await client.get(f"{url}/metrics")).text
+            dashboard = await client.get(f"{url}/dashboard")
+            assert dashboard.status_code == 200 and dashboard.headers["content-type"].startswith("text/html")
+
+
+def test_router_without_a_gpu_says_so_once_and_reports_its_replicas(fleet: Fleet) -> None:
+    router = start_router(fleet.replica_urls, "least_loaded", "--gpu-interval", "0.2")
+    try:
+        status = httpx.get(f"{router.url}/status", timeout=5).json()
+        gpus = status["gpus"]
+        assert gpus["available"] is False and gpus["devices"] == []
+        assert gpus["reason"].startswith("no NVIDIA GPU found: ")
+        for replica, url in zip(status["replicas"], fleet.replica_urls, strict=True):
+            assert replica["url"] == url and replica["healthy"] is True
+            assert replica["model"] == "dpserve-tiny"
+            assert {"id", "in_flight", "waiting", "running", "kv_cache_usage", "prefix_cache_hit_rate"} <= set(replica)
+            assert replica["gpus"] == []
+        metrics = httpx.get(f"{router.url}/metrics", timeout=5).text
+        assert "dpserve_gpus 0.0" in metrics
+        assert "dpserve_gpu_utilization_ratio{" not in metrics
+        time.sleep(1)  # several sampling ticks pass (0.2 s each): still one line
+    finally:
+        stop_router(router)
+    assert router.process.stderr is not None
+    log = router.process.stderr.read().decode()
+    assert len(re.findall(r"no NVIDIA GPU found: ", log)) == 1, log
+
+
+def test_dashboard_renders_both_replicas_in_headless_chromium(
+    fleet: Fleet, router_factory: RouterFactory, tmp_path: Path
+) -> None:
+    router = router_factory("least_loaded")
+    for _ in range(4):
+        body = {"model": "dpserve-tiny", "prompt": "hello", "max_tokens": 4}
+        assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).status_code == 200
+    dom = rendered_dom(f"{router.url}/dashboard", tmp_path / "profile")
+    # The table body is empty in the HTML sent; these rows exist only if the page's script rendered them.
+    rows = re.findall(r'<tr data-replica="(r\d)">(.*?)</tr>', dom, re.S)
+    assert [rid for rid, _ in rows] == ["r0", "r1"]
+    for (_, row), url in zip(rows, fleet.replica_urls, strict=True):
+        assert url in row and "dpserve-tiny" in row and "healthy" in row
+    served = sum(int(n) for n in re.findall(r'<td class="num">(\d+)</td>\s*<td>[^<]*</td>\s*</tr>', dom))
+    assert served >= 4
+    assert re.search(r'id="no-gpu">None\. no NVIDIA GPU found: ', dom)
+    # It refreshed itself (every 2 s, within the 5 s of virtual time) without losing the router.
+    refreshes = re.search(r'<body data-refreshes="(\d+)">', dom)
+    assert refreshes is not None and int(refreshes.group(1)) >= 1
+    assert 'class="stale"' not in dom
+    png = screenshot(f"{router.url}/dashboard", tmp_path / "dashboard.png", tmp_path / "profile2")
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
