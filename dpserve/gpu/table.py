@@ -11,13 +11,16 @@ from dpserve.gpu.nvml import Nvml, NvmlReader, NvmlUnavailable, load_nvml
 from dpserve.gpu.sample import GpuSample
 
 GIB = 2**30
-COMMAND_WIDTH = 60
+COMMAND_WIDTH = 80
 
 
 def describe_process(pid: int) -> str:
-    """The process's command line, shortened; NVML's pids may belong to another container or user."""
+    """The process's command line with paths cut to their last part, shortened; `?` for a process
+    this host cannot see (NVML's pids may belong to another container or user)."""
     try:
-        command = " ".join(psutil.Process(pid).cmdline()) or psutil.Process(pid).name()
+        process = psutil.Process(pid)
+        parts = [part.rsplit("/", 1)[-1] if part.startswith("/") else part for part in process.cmdline()]
+        command = " ".join(parts) or process.name()
     except psutil.Error:
         return "?"
     return command if len(command) <= COMMAND_WIDTH else command[: COMMAND_WIDTH - 3] + "..."

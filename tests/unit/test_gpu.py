@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
 import time
 
 import pynvml
@@ -13,7 +14,7 @@ from dpserve.gpu.nvml import NvmlReader, NvmlUnavailable, count_nvidia_gpus
 from dpserve.gpu.placement import ReplicaClue, parse_replica_spec, place_replicas
 from dpserve.gpu.sample import GpuProcess, GpuSample
 from dpserve.gpu.sampler import GpuSampler
-from dpserve.gpu.table import format_gpus, print_gpus
+from dpserve.gpu.table import describe_process, format_gpus, print_gpus
 from dpserve.replicas.registry import ReplicaRegistry
 from tests.fake_nvml import FakeGpu, FakeNvml, two_gpus
 
@@ -258,3 +259,16 @@ def test_gpus_table_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[str]
 def test_format_gpus_describes_processes() -> None:
     text = format_gpus([sample(0, "GPU-a", (5,))], describe=lambda pid: f"vllm serve (pid {pid})")
     assert "vllm serve (pid 5)" in text
+
+
+def test_describe_process_cuts_paths_and_unknown_pids_are_marked() -> None:
+    sleeper = subprocess.Popen(["/bin/sleep", "30"])
+    try:
+        deadline = time.monotonic() + 5
+        while describe_process(sleeper.pid) != "sleep 30" and time.monotonic() < deadline:
+            time.sleep(0.01)  # between fork and exec it still shows the parent's command line
+        assert describe_process(sleeper.pid) == "sleep 30"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert describe_process(sleeper.pid) == "?"

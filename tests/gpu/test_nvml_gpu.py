@@ -1,0 +1,121 @@
+"""On a real NVIDIA GPU, with the real NVML library: readings, a busy GPU tied to its replica by
+process, and the router's /status and /metrics. Skipped without a GPU (marker `gpu`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from dpserve.config import Settings
+from dpserve.gpu.local_processes import ReplicaProcesses
+from dpserve.gpu.nvml import NvmlReader, count_nvidia_gpus, load_nvml
+from dpserve.gpu.placement import ReplicaClue
+from dpserve.gpu.sampler import GpuSampler
+from dpserve.router.app import create_app
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.gpu
+
+GPUS, WHY_NONE = count_nvidia_gpus()
+if not GPUS:
+    pytest.skip(f"needs a GPU: {WHY_NONE}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def busy_replica() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    pytest.importorskip("torch", reason="the GPU load is made with PyTorch")
+    port = free_port()
+    script = Path(__file__).with_name("gpu_replica.py")
+    process = subprocess.Popen([sys.executable, str(script), str(port), "120"], stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == b"ready"
+    yield f"http://127.0.0.1:{port}", process
+    process.kill()
+    process.wait()
+
+
+def test_real_nvml_reads_every_gpu() -> None:
+    reader = NvmlReader(load_nvml())
+    reader.open()
+    try:
+        gpus = reader.read()
+    finally:
+        reader.close()
+    assert len(gpus) == GPUS
+    for gpu in gpus:
+        print(gpu)
+        assert gpu.readable and gpu.uuid.startswith("GPU-") and gpu.name
+        assert gpu.memory_total_bytes and 0 <= (gpu.memory_used_bytes or 0) <= gpu.memory_total_bytes
+        assert gpu.utilization_gpu is not None and 0 <= gpu.utilization_gpu <= 1
+        assert gpu.temperature_celsius is not None and 0 < gpu.temperature_celsius < 120
+        assert gpu.power_watts is not None and gpu.power_watts > 0
+        assert gpu.sm_clock_mhz is not None and gpu.sm_clock_mhz > 0
+
+
+def test_a_busy_gpu_is_seen_and_tied_to_its_replica_by_process(
+    busy_replica: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url, parent = busy_replica
+    processes = ReplicaProcesses()
+    sampler = GpuSampler(load_nvml, 0.2, clues=lambda: [ReplicaClue("r0", (), processes.pids(url))])
+    deadline = time.monotonic() + 30
+    snapshot = sampler.sample_once()
+    while time.monotonic() < deadline:
+        snapshot = sampler.sample_once()
+        if snapshot.replica_gpus.get("r0") and (snapshot.gpus[0].utilization_gpu or 0) > 0.5:
+            break
+        time.sleep(0.2)
+    print(snapshot)
+    assert snapshot.replica_gpus["r0"] == (0,)
+    gpu = snapshot.gpus[0]
+    assert gpu.utilization_gpu is not None and gpu.utilization_gpu > 0.5
+    # The child (the "engine core"), not the HTTP parent, holds the memory: found through the tree.
+    holders = [p for p in gpu.processes if p.pid in processes.pids(url) and p.pid != parent.pid]
+    assert holders and (holders[0].used_memory_bytes or 0) >= 1 << 30
+
+
+def test_dpserve_gpus_lists_the_busy_process(busy_replica: tuple[str, subprocess.Popen[bytes]]) -> None:
+    done = subprocess.run([sys.executable, "-m", "dpserve", "gpus"], capture_output=True, text=True, check=True)
+    print(done.stdout)
+    assert done.stdout.splitlines()[0].startswith("GPU")
+    assert "gpu_replica.py" in done.stdout
+
+
+async def test_router_reports_the_gpu_of_its_replica(busy_replica: tuple[str, subprocess.Popen[bytes]]) -> None:
+    url, _ = busy_replica
+    app = create_app(Settings(replicas=(url,), gpu_interval_s=0.2, probe_interval_s=0.5))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            await asyncio.sleep(1.0)
+            status = (await client.get("/status")).json()
+            metrics = (await client.get("/metrics")).text
+            dashboard = await client.get("/dashboard")
+    finally:
+        server.should_exit = True
+        await task
+    if os.environ.get("DPSERVE_GPU_STATUS_OUT"):
+        out = Path(os.environ["DPSERVE_GPU_STATUS_OUT"])
+        await asyncio.to_thread(out.write_text, json.dumps(status, indent=2))
+    print(json.dumps(status["gpus"], indent=2))
+    print("\n".join(line for line in metrics.splitlines() if line.startswith("dpserve_gpu")))
+    assert status["gpus"]["available"] is True
+    (gpu,) = status["replicas"][0]["gpus"]
+    assert gpu["index"] == 0 and gpu["uuid"].startswith("GPU-") and gpu["replica"] == "r0"
+    assert f'dpserve_gpu_utilization_ratio{{gpu="0",replica="r0",uuid="{gpu["uuid"]}"}}' in metrics
+    assert f'dpserve_gpu_up{{gpu="0",replica="r0",uuid="{gpu["uuid"]}"}} 1.0' in metrics
+    assert dashboard.status_code == 200 and gpu["uuid"] in dashboard.text
