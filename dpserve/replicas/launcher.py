@@ -203,7 +203,8 @@ def _plan(settings: Settings) -> tuple[list[ReplicaPlan], str | None]:
         return plan_sims(settings, settings.served_model_name or settings.model or TINY_MODEL_NAME), None
     gpus, why_none = count_nvidia_gpus()
     if why_none:
-        print(f"dpserve: {why_none}; running vLLM on the CPU", flush=True)
+        # The router logs the reason (`no NVIDIA GPU found: ...`) once, as its GPU section's state.
+        print("dpserve: no GPU, so vLLM runs on the CPU", flush=True)
     model, served_name = _resolve_model(settings)
     # Measured (dpserve/bench/README.md): the router's own tokenizer costs far less than a
     # round trip to a replica's /tokenize, so use it whenever the model's files are here.

@@ -1,19 +1,19 @@
-"""A replica-shaped process tree on a real GPU, for the `gpu` tests where vLLM is not installed: a
-parent that answers HTTP on a port (as vLLM's API server does) and a child that holds GPU memory and
-keeps the GPU busy with matrix products (as vLLM's engine core does). Needs PyTorch with CUDA.
+"""A replica on a real GPU for the `gpu` tests, where vLLM is not installed: a `dpserve sim` whose
+child process holds GPU memory and keeps the GPU busy with matrix products, the shape of a vLLM
+replica (API server, with the engine core on the GPU as its child). Needs PyTorch with CUDA.
 
-    python gpu_replica.py PORT SECONDS     (prints `ready` once the child holds the GPU)
+    python gpu_replica.py PORT SECONDS
 """
 
 from __future__ import annotations
 
-import http.server
+import os
 import subprocess
 import sys
 import time
 
 
-def child(seconds: float) -> None:
+def gpu_child(seconds: float, parent: int) -> None:
     import torch
 
     held = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB, so NVML shows real usage
@@ -21,40 +21,25 @@ def child(seconds: float) -> None:
     torch.cuda.synchronize()
     print("ready", flush=True)
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and os.getppid() == parent:  # ends with its replica
         for _ in range(50):
             a = (a @ a).clamp_(-1, 1)
         torch.cuda.synchronize()
     del held
 
 
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = b'{"object": "list", "data": []}' if self.path == "/v1/models" else b""
-        self.send_response(200)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def main() -> None:
-    port, seconds = int(sys.argv[1]), float(sys.argv[2])
-    if len(sys.argv) > 3 and sys.argv[3] == "child":
-        child(seconds)
+    port, seconds = sys.argv[1], float(sys.argv[2])
+    if len(sys.argv) > 3:
+        gpu_child(seconds, int(sys.argv[3]))
         return
-    worker = subprocess.Popen([sys.executable, __file__, str(port), str(seconds), "child"], stdout=subprocess.PIPE)
-    assert worker.stdout is not None
-    if worker.stdout.readline().strip() != b"ready":
+    child = subprocess.Popen([sys.executable, __file__, port, str(seconds), str(os.getpid())], stdout=subprocess.PIPE)
+    assert child.stdout is not None
+    if child.stdout.readline().strip() != b"ready":
         sys.exit("the GPU child did not start")
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
-    print("ready", flush=True)
-    try:
-        server.serve_forever()
-    finally:
-        worker.kill()
+    # Same pid from here on: the GPU child stays a child of the replica's server.
+    command = [sys.executable, "-m", "dpserve", "sim", "--port", port, "--tokenizer", "fast", "--log-level", "warning"]
+    os.execv(sys.executable, command)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ process, and the router's /status and /metrics. Skipped without a GPU (marker `g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -31,17 +32,36 @@ if not GPUS:
     pytest.skip(f"needs a GPU: {WHY_NONE}", allow_module_level=True)
 
 
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def replica(*args: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`python ARGS` with `{port}` in ARGS set to a free port, until it answers /health."""
+    port = free_port()
+    command = [sys.executable, *(arg.format(port=port) for arg in args)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not answers(url):
+            assert process.poll() is None and time.monotonic() < deadline, "the replica did not start"
+            time.sleep(0.2)
+        yield url, process
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
 @pytest.fixture(scope="module")
 def busy_replica() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     pytest.importorskip("torch", reason="the GPU load is made with PyTorch")
-    port = free_port()
-    script = Path(__file__).with_name("gpu_replica.py")
-    process = subprocess.Popen([sys.executable, str(script), str(port), "120"], stdout=subprocess.PIPE)
-    assert process.stdout is not None
-    assert process.stdout.readline().strip() == b"ready"
-    yield f"http://127.0.0.1:{port}", process
-    process.kill()
-    process.wait()
+    with replica(str(Path(__file__).with_name("gpu_replica.py")), "{port}", "120") as running:
+        yield running
 
 
 def test_real_nvml_reads_every_gpu() -> None:
@@ -88,32 +108,42 @@ def test_dpserve_gpus_lists_the_busy_process(busy_replica: tuple[str, subprocess
     done = subprocess.run([sys.executable, "-m", "dpserve", "gpus"], capture_output=True, text=True, check=True)
     print(done.stdout)
     assert done.stdout.splitlines()[0].startswith("GPU")
-    assert "gpu_replica.py" in done.stdout
+    assert "gpu_replica.py" in done.stdout  # the GPU child, under the replica's `dpserve sim`
 
 
 async def test_router_reports_the_gpu_of_its_replica(busy_replica: tuple[str, subprocess.Popen[bytes]]) -> None:
+    """Two replicas: r0 on the GPU (found by process), r1 a plain sim on no GPU."""
     url, _ = busy_replica
-    app = create_app(Settings(replicas=(url,), gpu_interval_s=0.2, probe_interval_s=0.5))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            await asyncio.sleep(1.0)
-            status = (await client.get("/status")).json()
-            metrics = (await client.get("/metrics")).text
-            dashboard = await client.get("/dashboard")
-    finally:
-        server.should_exit = True
-        await task
+    with replica("-m", "dpserve", "sim", "--tokenizer", "fast", "--log-level", "warning", "--port", "{port}") as (
+        plain,
+        _,
+    ):
+        app = create_app(Settings(replicas=(url, plain), gpu_interval_s=0.2, probe_interval_s=0.5))
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.05)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                body = {"prompt": "hello", "max_tokens": 64}
+                streams = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(6)]
+                await asyncio.sleep(0.3)  # status taken with requests in flight
+                status = (await client.get("/status")).json()
+                assert all(r.status_code == 200 for r in await asyncio.gather(*streams))
+                metrics = (await client.get("/metrics")).text
+                dashboard = await client.get("/dashboard")
+        finally:
+            server.should_exit = True
+            await task
     if os.environ.get("DPSERVE_GPU_STATUS_OUT"):
         out = Path(os.environ["DPSERVE_GPU_STATUS_OUT"])
         await asyncio.to_thread(out.write_text, json.dumps(status, indent=2))
     print(json.dumps(status["gpus"], indent=2))
     print("\n".join(line for line in metrics.splitlines() if line.startswith("dpserve_gpu")))
     assert status["gpus"]["available"] is True
+    assert [r["healthy"] for r in status["replicas"]] == [True, True]
+    assert status["replicas"][1]["gpus"] == []
     (gpu,) = status["replicas"][0]["gpus"]
     assert gpu["index"] == 0 and gpu["uuid"].startswith("GPU-") and gpu["replica"] == "r0"
     assert f'dpserve_gpu_utilization_ratio{{gpu="0",replica="r0",uuid="{gpu["uuid"]}"}}' in metrics

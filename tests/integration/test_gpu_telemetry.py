@@ -17,9 +17,10 @@ import pynvml
 import pytest
 import uvicorn
 
+from dpserve.bench.screenshot import rendered_dom, screenshot
 from dpserve.config import Settings
 from dpserve.router.app import create_app
-from tests.chromium import rendered_dom, screenshot
+from tests.chromium import require_chromium
 from tests.conftest import free_port
 from tests.fake_nvml import FakeNvml, two_gpus
 from tests.integration.conftest import (
@@ -143,11 +144,14 @@ def test_router_without_a_gpu_says_so_once_and_reports_its_replicas(fleet: Fleet
     assert router.process.stderr is not None
     log = router.process.stderr.read().decode()
     assert len(re.findall(r"no NVIDIA GPU found: ", log)) == 1, log
+    # `dpserve up` (the shared fleet: launcher, replicas, router in one output) says it once too.
+    assert fleet.log_path.read_text(errors="replace").count("no NVIDIA GPU found: ") == 1
 
 
 def test_dashboard_renders_both_replicas_in_headless_chromium(
     fleet: Fleet, router_factory: RouterFactory, tmp_path: Path
 ) -> None:
+    require_chromium()
     router = router_factory("least_loaded")
     for _ in range(4):
         body = {"model": "dpserve-tiny", "prompt": "hello", "max_tokens": 4}
