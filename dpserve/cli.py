@@ -207,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.load(overrides)
         from dpserve.router.serve import serve_router
 
-        serve_router(settings)
-        return 0
+        return serve_router(settings)
 
     overrides["vllm_args"] = tuple(vllm_args)
     settings = Settings.load(overrides)

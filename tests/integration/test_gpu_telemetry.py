@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -172,3 +174,21 @@ def test_dashboard_renders_both_replicas_in_headless_chromium(
     png = screenshot(f"{router.url}/dashboard", tmp_path / "dashboard.png", tmp_path / "profile2")
     data = png.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--replica", "http://127.0.0.1:1@gpu="], "`@gpu=` needs a GPU index or UUID after it"),
+        (
+            ["--replica", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:2=tcp://127.0.0.1:3"],
+            "--kv-events names http://127.0.0.1:2, which is not one of the router's --replica URLs",
+        ),
+    ],
+)
+def test_bad_router_flags_are_one_line_and_exit_2(args: list[str], message: str) -> None:
+    command = [sys.executable, "-m", "dpserve", "router", "--port", str(free_port()), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("dpserve router: ") and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
