@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 
 import pytest
+import uvicorn
+from starlette.types import ASGIApp
 
 from dpserve.replicas.launcher import busy_ports
 
@@ -26,3 +31,20 @@ def free_port_range(count: int, start: int = 20000, stop: int = 60000) -> int:
         if not busy_ports(range(base, base + count)):
             return base
     raise RuntimeError("no free port range")
+
+
+@contextlib.asynccontextmanager
+async def serving(app: ASGIApp, log_level: str = "error") -> AsyncIterator[str]:
+    """An app (the router's, say) under uvicorn on a free loopback port in this event loop; yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises why it could not start
+        await asyncio.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task

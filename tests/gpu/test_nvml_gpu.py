@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from dpserve.config import Settings
 from dpserve.gpu.local_processes import ReplicaProcesses
@@ -23,7 +22,7 @@ from dpserve.gpu.nvml import NvmlReader, count_nvidia_gpus, load_nvml
 from dpserve.gpu.placement import ReplicaClue
 from dpserve.gpu.sampler import GpuSampler
 from dpserve.router.app import create_app
-from tests.conftest import free_port
+from tests.conftest import free_port, serving
 
 pytestmark = pytest.mark.gpu
 
@@ -119,23 +118,14 @@ async def test_router_reports_the_gpu_of_its_replica(busy_replica: tuple[str, su
         _,
     ):
         app = create_app(Settings(replicas=(url, plain), gpu_interval_s=0.2, probe_interval_s=0.5))
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.05)
-        try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-                body = {"prompt": "hello", "max_tokens": 64}
-                streams = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(6)]
-                await asyncio.sleep(0.3)  # status taken with requests in flight
-                status = (await client.get("/status")).json()
-                assert all(r.status_code == 200 for r in await asyncio.gather(*streams))
-                metrics = (await client.get("/metrics")).text
-                dashboard = await client.get("/dashboard")
-        finally:
-            server.should_exit = True
-            await task
+        async with serving(app, "warning") as router, httpx.AsyncClient(base_url=router, timeout=30) as client:
+            body = {"prompt": "hello", "max_tokens": 64}
+            streams = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(6)]
+            await asyncio.sleep(0.3)  # status taken with requests in flight
+            status = (await client.get("/status")).json()
+            assert all(r.status_code == 200 for r in await asyncio.gather(*streams))
+            metrics = (await client.get("/metrics")).text
+            dashboard = await client.get("/dashboard")
     if os.environ.get("DPSERVE_GPU_STATUS_OUT"):
         out = Path(os.environ["DPSERVE_GPU_STATUS_OUT"])
         await asyncio.to_thread(out.write_text, json.dumps(status, indent=2))
@@ -143,6 +133,7 @@ async def test_router_reports_the_gpu_of_its_replica(busy_replica: tuple[str, su
     print("\n".join(line for line in metrics.splitlines() if line.startswith("dpserve_gpu")))
     assert status["gpus"]["available"] is True
     assert [r["healthy"] for r in status["replicas"]] == [True, True]
+    assert sum(r["in_flight"] for r in status["replicas"]) == 6
     assert status["replicas"][1]["gpus"] == []
     (gpu,) = status["replicas"][0]["gpus"]
     assert gpu["index"] == 0 and gpu["uuid"].startswith("GPU-") and gpu["replica"] == "r0"

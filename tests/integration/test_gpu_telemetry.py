@@ -17,13 +17,12 @@ from typing import Any
 import httpx
 import pynvml
 import pytest
-import uvicorn
 
 from dpserve.bench.screenshot import rendered_dom, screenshot
 from dpserve.config import Settings
 from dpserve.router.app import create_app
 from tests.chromium import require_chromium
-from tests.conftest import free_port
+from tests.conftest import free_port, serving
 from tests.fake_nvml import FakeNvml, two_gpus
 from tests.integration.conftest import (
     Fleet,
@@ -39,17 +38,8 @@ pytestmark = pytest.mark.integration
 @contextlib.asynccontextmanager
 async def in_process_router(specs: list[str], nvml: FakeNvml) -> AsyncIterator[str]:
     settings = Settings(replicas=tuple(specs), policy="round_robin", probe_interval_s=0.2, gpu_interval_s=0.05)
-    app = create_app(settings, nvml=lambda: nvml)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serving(create_app(settings, nvml=lambda: nvml)) as url:
+        yield url
 
 
 async def stream_chat(client: httpx.AsyncClient, url: str) -> str:

@@ -3,7 +3,6 @@ a 5xx before the first byte, a stream cut mid-response, replicas serving differe
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 from collections.abc import AsyncIterator
@@ -12,12 +11,11 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 import pytest
-import uvicorn
 from aiohttp import web
 
 from dpserve.config import Settings
 from dpserve.router.app import create_app
-from tests.conftest import free_port
+from tests.conftest import free_port, serving
 
 pytestmark = pytest.mark.integration
 
@@ -83,16 +81,10 @@ async def running(
         replica.url = f"http://127.0.0.1:{port}"
         runners.append(runner)
     settings = Settings(replicas=(*[r.url for r in replicas], *extra_urls), policy=policy, probe_interval_s=0.2)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="error"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}"
+        async with serving(create_app(settings)) as url:
+            yield url
     finally:
-        server.should_exit = True
-        await task
         for runner in runners:
             await runner.cleanup()
 
