@@ -6,12 +6,10 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 import psutil
-
-WILDCARDS = {"0.0.0.0", "::"}
 
 
 def _is_local(host: str) -> bool:
@@ -30,43 +28,47 @@ def _is_local(host: str) -> bool:
 
 
 class ReplicaProcesses:
-    """Replica URL -> its pids on this host (empty when it runs elsewhere). Cached: scanning sockets
-    costs milliseconds, and replicas do not move between ports."""
+    """Replica URL -> its pids on this host (empty when it runs elsewhere), for a fixed set of URLs.
+    One socket scan serves them all, and its answer is kept `ttl_s`: scanning costs milliseconds,
+    and replicas do not move between ports."""
 
-    def __init__(self, ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, urls: Sequence[str], ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ports: dict[str, int] = {}
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.hostname is not None and _is_local(parts.hostname):
+                self._ports[url] = parts.port or (443 if parts.scheme == "https" else 80)
         self._ttl_s = ttl_s
         self._clock = clock
-        self._cache: dict[str, tuple[float, frozenset[int]]] = {}
+        self._scanned_at: float | None = None
+        self._found: dict[str, frozenset[int]] = {}
 
-    def pids(self, url: str) -> frozenset[int]:
+    def pids(self) -> dict[str, frozenset[int]]:
         now = self._clock()
-        cached = self._cache.get(url)
-        if cached is not None and now - cached[0] < self._ttl_s:
-            return cached[1]
-        found = self._scan(url)
-        self._cache[url] = (now, found)
-        return found
+        if self._ports and (self._scanned_at is None or now - self._scanned_at >= self._ttl_s):
+            self._found = self._scan()
+            self._scanned_at = now
+        return self._found
 
-    def _scan(self, url: str) -> frozenset[int]:
-        parts = urlsplit(url)
-        if parts.hostname is None or not _is_local(parts.hostname):
-            return frozenset()
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+    def _scan(self) -> dict[str, frozenset[int]]:
         try:
             connections = psutil.net_connections(kind="tcp")
         except (psutil.AccessDenied, OSError):
-            return frozenset()
-        listeners = {
-            c.pid
-            for c in connections
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid is not None
-        }
-        pids: set[int] = set()
-        for pid in listeners:
-            try:
-                process = psutil.Process(pid)
-                pids.add(pid)
-                pids.update(child.pid for child in process.children(recursive=True))
-            except psutil.Error:
-                continue
-        return frozenset(pids)
+            return {}
+        listeners: dict[int, set[int]] = {}
+        for c in connections:
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.pid is not None:
+                listeners.setdefault(c.laddr.port, set()).add(c.pid)
+        return {url: _with_children(listeners.get(port, set())) for url, port in self._ports.items()}
+
+
+def _with_children(pids: set[int]) -> frozenset[int]:
+    found: set[int] = set()
+    for pid in pids:
+        try:
+            children = psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        found.add(pid)
+        found.update(child.pid for child in children)
+    return frozenset(found)

@@ -114,10 +114,12 @@ def gpu_sampler(settings: Settings, registry: ReplicaRegistry, nvml: Callable[[]
     """NVML sampling, with each GPU tied to its replica by hint or, for replicas on this host, by process."""
     if settings.gpu_interval_s <= 0:
         return None
-    processes = ReplicaProcesses()
+    # Only replicas without a hint are looked for by process.
+    processes = ReplicaProcesses([r.url for r in registry if not r.gpu_hint])
 
     def clues() -> list[ReplicaClue]:
-        return [ReplicaClue(r.id, r.gpu_hint, frozenset() if r.gpu_hint else processes.pids(r.url)) for r in registry]
+        pids = processes.pids()
+        return [ReplicaClue(r.id, r.gpu_hint, pids.get(r.url, frozenset())) for r in registry]
 
     return GpuSampler(nvml, settings.gpu_interval_s, clues=clues)
 
@@ -244,11 +246,10 @@ def create_app(
 
 def _status(state: RouterState) -> dict[str, Any]:
     gpus = _gpu_status(state)
-    by_index = {gpu["index"]: gpu for gpu in gpus["devices"]}
     replicas = []
     for replica in state.registry:
         entry = _replica_status(replica, state)
-        entry["gpus"] = [by_index[gpu["index"]] for gpu in gpus["devices"] if gpu["replica"] == replica.id]
+        entry["gpus"] = [gpu for gpu in gpus["devices"] if gpu["replica"] == replica.id]
         replicas.append(entry)
     return {
         "policy": state.policy.name,

@@ -85,8 +85,8 @@ def test_a_busy_gpu_is_seen_and_tied_to_its_replica_by_process(
     busy_replica: tuple[str, subprocess.Popen[bytes]],
 ) -> None:
     url, parent = busy_replica
-    processes = ReplicaProcesses()
-    sampler = GpuSampler(load_nvml, 0.2, clues=lambda: [ReplicaClue("r0", (), processes.pids(url))])
+    processes = ReplicaProcesses([url])
+    sampler = GpuSampler(load_nvml, 0.2, clues=lambda: [ReplicaClue("r0", (), processes.pids()[url])])
     deadline = time.monotonic() + 30
     snapshot = sampler.sample_once()
     while time.monotonic() < deadline:
@@ -99,7 +99,7 @@ def test_a_busy_gpu_is_seen_and_tied_to_its_replica_by_process(
     gpu = snapshot.gpus[0]
     assert gpu.utilization_gpu is not None and gpu.utilization_gpu > 0.5
     # The child (the "engine core"), not the HTTP parent, holds the memory: found through the tree.
-    holders = [p for p in gpu.processes if p.pid in processes.pids(url) and p.pid != parent.pid]
+    holders = [p for p in gpu.processes if p.pid in processes.pids()[url] and p.pid != parent.pid]
     assert holders and (holders[0].used_memory_bytes or 0) >= 1 << 30
 
 

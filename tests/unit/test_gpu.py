@@ -5,17 +5,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import subprocess
+import sys
 import time
 
 import pynvml
 import pytest
 
+from dpserve.gpu.local_processes import ReplicaProcesses
 from dpserve.gpu.nvml import NvmlReader, NvmlUnavailable, count_nvidia_gpus
 from dpserve.gpu.placement import ReplicaClue, parse_replica_spec, place_replicas
 from dpserve.gpu.sample import GpuProcess, GpuSample
 from dpserve.gpu.sampler import GpuSampler
 from dpserve.gpu.table import describe_process, format_gpus, print_gpus
 from dpserve.replicas.registry import ReplicaRegistry
+from tests.conftest import free_port
 from tests.fake_nvml import FakeGpu, FakeNvml, two_gpus
 
 
@@ -272,3 +275,29 @@ def test_describe_process_cuts_paths_and_unknown_pids_are_marked() -> None:
         sleeper.kill()
         sleeper.wait()
     assert describe_process(sleeper.pid) == "?"
+
+
+def test_replica_processes_are_the_listener_and_its_children() -> None:
+    """vLLM's shape: the API server listens, its child (the engine core) holds the GPU."""
+    port = free_port()
+    server = (
+        "import socket, subprocess, sys, time\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\n"
+        "child = subprocess.Popen(['sleep', '30']); print(child.pid, flush=True); time.sleep(30)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", server, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child_pid = int(parent.stdout.readline())
+        clock = Clock()
+        url = f"http://127.0.0.1:{port}"
+        processes = ReplicaProcesses([url, "http://10.255.255.1:8000"], ttl_s=30, clock=clock)
+        assert processes.pids() == {url: frozenset({parent.pid, child_pid})}
+        found = processes.pids()
+        assert processes.pids() is found  # one scan per TTL, not per call
+        clock.now += 30
+        assert processes.pids() is not found
+    finally:
+        parent.kill()
+        parent.wait()
+    assert ReplicaProcesses(["http://10.255.255.1:8000"]).pids() == {}
