@@ -6,6 +6,7 @@ in unit tests a fake with the same calls (these machines have no GPU).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from dpserve.gpu.sample import GpuProcess, GpuSample
@@ -131,14 +132,21 @@ class NvmlReader:
             return None
 
 
-def count_nvidia_gpus(load: Any = load_nvml) -> tuple[int, str | None]:
-    """(count, None), or (0, `no NVIDIA GPU found: ...`) when there is no GPU or no NVML library."""
+def open_reader(load: Callable[[], Nvml] = load_nvml) -> NvmlReader:
+    """An opened reader; raises NvmlUnavailable (`no NVIDIA GPU found: ...`) when there is no GPU,
+    no driver, or no NVML library."""
     try:
         reader = NvmlReader(load())
     except ImportError as exc:
-        return 0, f"{NO_GPU}: nvidia-ml-py is not installed ({exc})"
+        raise NvmlUnavailable(f"{NO_GPU}: nvidia-ml-py is not installed ({exc})") from exc
+    reader.open()
+    return reader
+
+
+def count_nvidia_gpus(load: Callable[[], Nvml] = load_nvml) -> tuple[int, str | None]:
+    """(count, None), or (0, `no NVIDIA GPU found: ...`) when there is no GPU or no NVML library."""
     try:
-        reader.open()
+        reader = open_reader(load)
     except NvmlUnavailable as exc:
         return 0, str(exc)
     try:

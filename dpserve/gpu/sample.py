@@ -37,7 +37,7 @@ class GpuSample:
         return self.error is None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "readable": self.readable}
 
 
 @dataclass(frozen=True)

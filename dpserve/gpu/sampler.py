@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from dpserve.gpu.nvml import NO_GPU, Nvml, NvmlReader, NvmlUnavailable
+from dpserve.gpu.nvml import Nvml, NvmlReader, NvmlUnavailable, open_reader
 from dpserve.gpu.placement import ReplicaClue, place_replicas
 from dpserve.gpu.sample import GpuSnapshot
 
@@ -69,13 +69,9 @@ class GpuSampler:
 
     def _open(self) -> str | None:
         try:
-            reader = NvmlReader(self._load())
-            reader.open()
-        except ImportError as exc:
-            return f"{NO_GPU}: nvidia-ml-py is not installed ({exc})"
+            self._reader = open_reader(self._load)
         except NvmlUnavailable as exc:
             return str(exc)
-        self._reader = reader
         return None
 
     def _publish(self, snapshot: GpuSnapshot) -> GpuSnapshot:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import psutil
 
-from dpserve.gpu.nvml import Nvml, NvmlReader, NvmlUnavailable, load_nvml
+from dpserve.gpu.nvml import Nvml, NvmlUnavailable, load_nvml, open_reader
 from dpserve.gpu.sample import GpuSample
 
 GIB = 2**30
@@ -70,11 +70,7 @@ def format_gpus(gpus: Sequence[GpuSample], describe: Callable[[int], str] = desc
 def print_gpus(as_json: bool = False, load: Callable[[], Nvml] = load_nvml) -> int:
     """Exit status 0 with the table, or 1 with the single line `no NVIDIA GPU found: ...`."""
     try:
-        reader = NvmlReader(load())
-        reader.open()
-    except ImportError as exc:
-        print(f"no NVIDIA GPU found: nvidia-ml-py is not installed ({exc})")
-        return 1
+        reader = open_reader(load)
     except NvmlUnavailable as exc:
         print(exc)
         return 1
@@ -83,7 +79,7 @@ def print_gpus(as_json: bool = False, load: Callable[[], Nvml] = load_nvml) -> i
     finally:
         reader.close()
     if as_json:
-        print(json.dumps([{**gpu.to_dict(), "readable": gpu.readable} for gpu in gpus], indent=2))
+        print(json.dumps([gpu.to_dict() for gpu in gpus], indent=2))
     else:
         print(format_gpus(gpus))
     return 0

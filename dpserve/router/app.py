@@ -263,9 +263,7 @@ def _gpu_status(state: RouterState) -> dict[str, Any]:
     if state.gpus is None:
         return {"available": False, "reason": "GPU telemetry is off (--gpu-interval 0)", "devices": []}
     snapshot = state.gpus.snapshot
-    devices = [
-        {**gpu.to_dict(), "readable": gpu.readable, "replica": snapshot.replica_of(gpu.index)} for gpu in snapshot.gpus
-    ]
+    devices = [{**gpu.to_dict(), "replica": snapshot.replica_of(gpu.index)} for gpu in snapshot.gpus]
     return {
         "available": bool(snapshot.gpus),
         "reason": snapshot.unavailable,
