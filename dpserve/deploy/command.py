@@ -31,5 +31,6 @@ def run_compose(gpus: int | None, model: str | None, cpu: bool, output: Path | N
         sys.stdout.write(text)
         return 0
     output.write_text(text)
-    print(f"dpserve compose: wrote {output} ({options.gpus} GPU{'s' if options.gpus > 1 else ''})", file=sys.stderr)
+    what = f"{options.gpus} CPU replica(s)" if cpu else f"{options.gpus} GPU(s), {options.model}"
+    print(f"dpserve compose: wrote {output} ({what})", file=sys.stderr)
     return 0

@@ -1,0 +1,175 @@
+"""The compose stack's commands, run here for real on loopback (no Docker engine runs on these machines):
+the router's container command (router/Dockerfile's ENTRYPOINT + compose.yaml's flags) over two sims,
+the services' healthchecks, the loadtest profile's Locust master and worker, vLLM's own parser on the
+replicas' commands, and the Grafana dashboard's queries against what the router and real vLLM export."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dpserve.config import Settings
+from dpserve.deploy import grafana
+from dpserve.deploy.compose import ComposeOptions, compose_document, cpu_override_document
+from dpserve.deploy.env_file import read_env_file
+from dpserve.deploy.yaml_text import load
+from dpserve.router.app import create_app
+from tests.compose_files import ROOT, dockerfile_instructions, exec_form, interpolate, merge
+from tests.conftest import free_port, serving
+from tests.fake_nvml import two_gpus
+from tests.integration.conftest import Fleet, running_sim, wait_until
+
+pytestmark = pytest.mark.integration
+
+ENV = read_env_file(ROOT / ".env")
+BIN = Path(sys.executable).parent
+
+
+def _gpu_less_stack() -> dict[str, Any]:
+    """compose.yaml with compose.cpu.yaml laid over it and .env substituted: what a GPU-less host runs."""
+    base = load((ROOT / "compose.yaml").read_text())
+    return interpolate(merge(base, load((ROOT / "compose.cpu.yaml").read_text())), ENV)
+
+
+def _on_loopback(argv: list[str], hosts: dict[str, str]) -> list[str]:
+    """Service addresses as this machine reaches them: `http://vllm-0:8000` -> a sim's URL, and so on."""
+    rewritten = []
+    for arg in argv:
+        for service_address, local in hosts.items():
+            arg = arg.replace(service_address, local)
+        rewritten.append(arg)
+    return rewritten
+
+
+def _replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    index = argv.index(flag)
+    return [*argv[: index + 1], value, *argv[index + 2 :]]
+
+
+def _healthcheck_passes(service: dict[str, Any], port: int) -> bool:
+    kind, *command = service["healthcheck"]["test"]
+    assert kind == "CMD"
+    command = [arg.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for arg in command]
+    command[0] = sys.executable if command[0] == "python3" else command[0]
+    return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+
+
+def _locust_stats(prefix: Path) -> dict[tuple[str, str], dict[str, str]]:
+    with open(f"{prefix}_stats.csv", newline="") as handle:
+        return {(row["Type"], row["Name"]): row for row in csv.DictReader(handle)}
+
+
+def test_router_container_command_healthchecks_and_loadtest_profile_run_over_two_sims(tmp_path: Path) -> None:
+    stack = _gpu_less_stack()
+    services = stack["services"]
+    entrypoint = exec_form(dockerfile_instructions(ROOT / "router" / "Dockerfile"), "ENTRYPOINT")
+    assert entrypoint == ["dpserve", "router"]
+    with running_sim("--decode-ms-per-token", "2") as sim0, running_sim("--decode-ms-per-token", "2") as sim1:
+        hosts = {"http://vllm-0:8000": sim0.url, "http://vllm-1:8000": sim1.url}
+        hosts |= {"tcp://vllm-0:5557": sim0.kv_events, "tcp://vllm-1:5557": sim1.kv_events}
+        port = free_port()
+        flags = _replace_flag(_on_loopback(services["router"]["command"], hosts), "--host", "127.0.0.1")
+        flags = _replace_flag(flags, "--port", str(port))
+        # The container's command: the `dpserve` console script, as router/Dockerfile's ENTRYPOINT runs it.
+        router = subprocess.Popen([str(BIN / entrypoint[0]), *entrypoint[1:], *flags], stderr=subprocess.PIPE)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            # The router's healthcheck fails until a replica is healthy behind it, then passes.
+            wait_until(lambda: _healthcheck_passes(services["router"], port), 30, what="router healthcheck")
+            for sim, name in ((sim0, "vllm-0"), (sim1, "vllm-1")):
+                assert _healthcheck_passes(services[name], int(sim.url.rsplit(":", 1)[1]))
+            status = httpx.get(f"{url}/status", timeout=5).json()
+            assert status["policy"] == ENV["POLICY"] == "kv_aware"
+            assert [r["url"] for r in status["replicas"]] == [sim0.url, sim1.url]
+            assert [r["kv_events"]["endpoint"] for r in status["replicas"]] == [sim0.kv_events, sim1.kv_events]
+            assert all(r["healthy"] for r in status["replicas"])
+
+            # The loadtest profile: its master and one worker, headless for a few seconds.
+            loadtests = str(ROOT / "loadtests")
+            master_port = free_port()
+            environment = {**os.environ, "LOCUST_HOST": url}
+            assert services["locust-master"]["environment"]["LOCUST_HOST"] == "http://router:8000"
+            master_cmd = [arg.replace("/mnt/loadtests", loadtests) for arg in services["locust-master"]["command"]]
+            master_cmd += ["--headless", "-u", "4", "-r", "4", "-t", "4s", "--expect-workers", "1"]
+            master_cmd += ["--master-bind-port", str(master_port), "--csv", str(tmp_path / "run"), "--only-summary"]
+            worker_cmd = [arg.replace("/mnt/loadtests", loadtests) for arg in services["locust-worker"]["command"]]
+            worker_cmd = [*_replace_flag(worker_cmd, "--master-host", "127.0.0.1"), "--master-port", str(master_port)]
+            locust = [sys.executable, "-m", "locust"]
+            master = subprocess.Popen([*locust, *master_cmd], env=environment, cwd=tmp_path, stderr=subprocess.PIPE)
+            worker = subprocess.Popen([*locust, *worker_cmd], env=environment, cwd=tmp_path, stderr=subprocess.PIPE)
+            try:
+                _, master_err = master.communicate(timeout=90)
+            finally:
+                worker.kill()
+                worker.wait()
+            assert master.returncode == 0, master_err.decode()[-3000:]
+            stats = _locust_stats(tmp_path / "run")
+            requests = stats[("POST", "/v1/chat/completions [stream]")]
+            assert int(requests["Request Count"]) > 5 and int(requests["Failure Count"]) == 0
+            # shared_prefix (LOAD_WORKLOAD in .env), routed on KV events: both sims hold blocks.
+            status = httpx.get(f"{url}/status", timeout=5).json()
+            assert all(r["served_total"] > 0 and r["kv_events"]["batches"] > 0 for r in status["replicas"])
+        finally:
+            router.terminate()
+            _, router_err = router.communicate(timeout=30)
+    # As `docker compose stop` stops it: SIGTERM, a clean shutdown (uvicorn then re-raises the signal).
+    assert router.returncode in (0, -signal.SIGTERM), router_err.decode()[-2000:]
+    assert "Application shutdown complete" in router_err.decode()
+
+
+def test_vllm_accepts_the_replica_commands_of_both_files() -> None:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    options = ComposeOptions()
+    gpu = interpolate(compose_document(options), ENV)["services"]["vllm-1"]
+    cpu = interpolate(merge(compose_document(options), cpu_override_document(options)), ENV)["services"]["vllm-1"]
+    for service, model in ((gpu, ENV["MODEL"]), (cpu, "/models/tiny")):
+        assert service["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(service["command"])
+        validate_parsed_serve_args(args)
+        assert (args.model, args.host, args.port, args.enable_prefix_caching) == (model, "0.0.0.0", 8000, True)
+        events = args.kv_events_config
+        assert (events.enable_kv_cache_events, events.publisher, events.endpoint) == (True, "zmq", "tcp://*:5557")
+        assert args.enable_prompt_tokens_details is True
+    assert args.served_model_name == ["dpserve-tiny"]
+
+
+def _series_names(exposition: str) -> set[str]:
+    return {match[1] for match in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", exposition, re.MULTILINE)}
+
+
+async def test_dashboard_queries_read_series_the_router_and_vllm_export(fleet: Fleet) -> None:
+    """Every dpserve_* and vllm:* name in the Grafana dashboard is exported: by the router (GPUs faked at
+    NVML, so the GPU gauges exist) and by a real vLLM CPU replica after a few requests."""
+    settings = Settings(replicas=tuple(fleet.replica_urls), probe_interval_s=0.2, gpu_interval_s=0.05)
+    async with serving(create_app(settings, nvml=two_gpus)) as url, httpx.AsyncClient(timeout=60) as client:
+        for _ in range(40):
+            if (await client.get(f"{url}/ready")).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        body: dict[str, Any] = {"model": "dpserve-tiny", "messages": [{"role": "user", "content": "hi"}]}
+        for stream in (False, True):
+            response = await client.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 4, "stream": stream})
+            assert response.status_code == 200
+        await asyncio.sleep(0.2)
+        router_names = _series_names((await client.get(f"{url}/metrics")).text)
+        vllm_names = _series_names((await client.get(f"{fleet.replica_urls[0]}/metrics")).text)
+    dashboard = json.loads((ROOT / grafana.DASHBOARD_FILE).read_text())
+    wanted = grafana.metric_names(dashboard)
+    assert {name for name in wanted if name.startswith("vllm:")} and {n for n in wanted if n.startswith("dpserve_gpu")}
+    assert wanted - router_names - vllm_names == set()
+    # And the replicas' healthcheck passes against the real vLLM replica.
+    replica = load((ROOT / "compose.yaml").read_text())["services"]["vllm-0"]
+    assert _healthcheck_passes(replica, int(fleet.replica_urls[0].rsplit(":", 1)[1]))
