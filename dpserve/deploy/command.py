@@ -26,6 +26,14 @@ def run_compose(gpus: int | None, model: str | None, cpu: bool, output: Path | N
     except ValueError as exc:
         print(f"dpserve compose: {exc}", file=sys.stderr)
         return 2
+    env_model = read_env_file(env_file).get("MODEL") if env_file and env_file.is_file() else None
+    if not cpu and env_model and env_model != options.model:
+        # compose.yaml says ${MODEL:-<model>}: the env file's MODEL is what docker compose will serve.
+        print(
+            f"dpserve compose: note: {env_file} sets MODEL={env_model}, which docker compose serves instead of "
+            f"{options.model}; change it there too",
+            file=sys.stderr,
+        )
     text = render(options, cpu=cpu)
     if output is None:
         sys.stdout.write(text)

@@ -259,7 +259,10 @@ def test_compose_command_flags_env_file_and_errors(tmp_path: Path, capsys: pytes
     assert list(_vllm_services(document)) == ["vllm-0", "vllm-1", "vllm-2"]
     assert "${MODEL:-org/other-model}" in document["services"]["vllm-0"]["command"]
     assert main(["compose", "--env-file", str(env), "--gpus", "1", "--model", "x/y"]) == 0
-    assert "dpserve compose --gpus 1 --model x/y" in capsys.readouterr().out
+    output = capsys.readouterr()
+    assert "dpserve compose --gpus 1 --model x/y" in output.out
+    # .env's MODEL is what docker compose would serve: said, not silently overridden.
+    assert "sets MODEL=org/other-model, which docker compose serves instead of x/y" in output.err
     assert main(["compose", "--gpus", "0"]) == 2
     assert "at least one GPU" in capsys.readouterr().err
     env.write_text("GPUS=two\n")
