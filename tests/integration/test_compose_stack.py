@@ -21,11 +21,10 @@ import pytest
 
 from dpserve.config import Settings
 from dpserve.deploy import grafana
-from dpserve.deploy.compose import ComposeOptions, compose_document, cpu_override_document
 from dpserve.deploy.env_file import read_env_file
 from dpserve.deploy.yaml_text import load
 from dpserve.router.app import create_app
-from tests.compose_files import ROOT, dockerfile_instructions, exec_form, interpolate, merge
+from tests.compose_files import ROOT, compose_config, dockerfile_instructions, exec_form
 from tests.conftest import free_port, serving
 from tests.fake_nvml import two_gpus
 from tests.integration.conftest import Fleet, running_sim, wait_until
@@ -37,9 +36,9 @@ BIN = Path(sys.executable).parent
 
 
 def _gpu_less_stack() -> dict[str, Any]:
-    """compose.yaml with compose.cpu.yaml laid over it and .env substituted: what a GPU-less host runs."""
-    base = load((ROOT / "compose.yaml").read_text())
-    return interpolate(merge(base, load((ROOT / "compose.cpu.yaml").read_text())), ENV)
+    """What a GPU-less host runs: compose.yaml with compose.cpu.yaml laid over it and .env substituted,
+    as Docker Compose itself resolves them (`config`)."""
+    return compose_config(ROOT / "compose.yaml", ROOT / "compose.cpu.yaml", profiles=("monitoring", "loadtest"))
 
 
 def _on_loopback(argv: list[str], hosts: dict[str, str]) -> list[str]:
@@ -132,9 +131,8 @@ def test_vllm_accepts_the_replica_commands_of_both_files() -> None:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    options = ComposeOptions()
-    gpu = interpolate(compose_document(options), ENV)["services"]["vllm-1"]
-    cpu = interpolate(merge(compose_document(options), cpu_override_document(options)), ENV)["services"]["vllm-1"]
+    gpu = compose_config(ROOT / "compose.yaml")["services"]["vllm-1"]
+    cpu = _gpu_less_stack()["services"]["vllm-1"]
     for service, model in ((gpu, ENV["MODEL"]), (cpu, "/models/tiny")):
         assert service["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(service["command"])

@@ -33,6 +33,7 @@ from dpserve.deploy.yaml_text import load
 from tests.compose_files import (
     ROOT,
     SCHEMA,
+    compose_config,
     dockerfile_instructions,
     exec_form,
     interpolate,
@@ -99,6 +100,53 @@ def test_committed_file_is_valid_compose() -> None:
     document = load((ROOT / "compose.yaml").read_text())
     assert schema_errors(document) == []
     assert schema_errors(merge(document, load((ROOT / "compose.cpu.yaml").read_text()))) == []
+
+
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_docker_compose_itself_resolves_both_files_with_every_profile(gpus: int, tmp_path: Path) -> None:
+    """Docker Compose v2.40.3 (`config`, no engine needed) reads, merges and interpolates the files, and
+    agrees with what the other tests assume of its merging (`!reset`) and interpolation."""
+    options = ComposeOptions(gpus=gpus)
+    base, override = tmp_path / "compose.yaml", tmp_path / "compose.cpu.yaml"
+    base.write_text(render(options))
+    override.write_text(render(options, cpu=True))
+    profiles = ("monitoring", "loadtest")
+    gpu_stack = compose_config(base, profiles=profiles)
+    cpu_stack = compose_config(base, override, profiles=profiles)
+    names = [f"vllm-{index}" for index in range(gpus)]
+    assert set(gpu_stack["services"]) == {*names, "router", "prometheus", "grafana", "locust-master", "locust-worker"}
+    device_ids = [gpu_stack["services"][name]["deploy"]["resources"]["reservations"]["devices"] for name in names]
+    assert [devices[0]["device_ids"] for devices in device_ids] == [[str(index)] for index in range(gpus)]
+    assert gpu_stack["services"]["vllm-0"]["ipc"] == "host"
+    assert not any("devices" in json.dumps(service.get("deploy", {})) for service in cpu_stack["services"].values())
+    ours_gpu = interpolate(load(base.read_text()), ENV)["services"]
+    ours_cpu = interpolate(merge(load(base.read_text()), load(override.read_text())), ENV)["services"]
+    for name in gpu_stack["services"]:
+        assert gpu_stack["services"][name].get("command") == ours_gpu[name].get("command"), name
+        assert cpu_stack["services"][name].get("command") == ours_cpu[name].get("command"), name
+        assert cpu_stack["services"][name]["image"] == ours_cpu[name]["image"], name
+    assert cpu_stack["services"]["vllm-0"]["healthcheck"]["start_period"] == "10m0s"
+
+
+def test_docker_compose_rejects_a_broken_file(tmp_path: Path) -> None:
+    broken = tmp_path / "compose.yaml"
+    document = compose_document(ComposeOptions(gpus=1))
+    document["services"]["router"]["depends_on"] = {"vllm-9": {"condition": "service_healthy"}}
+    broken.write_text(json.dumps(document))
+    with pytest.raises(AssertionError, match="vllm-9"):
+        compose_config(broken)
+
+
+def test_dockerfiles_pass_hadolint() -> None:
+    hadolint = str(Path(sys.executable).parent / "hadolint")
+    dockerfiles = [str(ROOT / "router" / "Dockerfile"), str(ROOT / "replicas" / "Dockerfile.cpu")]
+    result = subprocess.run([hadolint, "--no-color", *dockerfiles], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # It does flag what it should: `cd` in RUN, an unpinned base image.
+    bad = subprocess.run(
+        [hadolint, "--no-color", "-"], input="FROM python\nRUN cd /tmp\n", capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "DL3006" in bad.stdout and "DL3003" in bad.stdout
 
 
 def test_schema_validation_catches_mistakes() -> None:
