@@ -3,35 +3,35 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from dpserve.deploy.compose import DEFAULT_GPUS, DEFAULT_MODEL, ComposeOptions, render
 from dpserve.deploy.env_file import read_env_file
 
 
-def compose_options(gpus: int | None, model: str | None, env_file: Path | None) -> ComposeOptions:
+def compose_options(gpus: int | None, model: str | None, env: Mapping[str, str]) -> ComposeOptions:
     """Flags win; then GPUS and MODEL from the env file (the `.env` docker compose reads too); then defaults."""
-    env = read_env_file(env_file) if env_file and env_file.is_file() else {}
     if gpus is None:
         raw = env.get("GPUS", str(DEFAULT_GPUS))
         if not raw.isdigit():
-            raise ValueError(f"{env_file}: GPUS={raw!r} is not a whole number")
+            raise ValueError(f"GPUS={raw!r} in the env file is not a whole number")
         gpus = int(raw)
     return ComposeOptions(gpus=gpus, model=model or env.get("MODEL") or DEFAULT_MODEL)
 
 
 def run_compose(gpus: int | None, model: str | None, cpu: bool, output: Path | None, env_file: Path | None) -> int:
     try:
-        options = compose_options(gpus, model, env_file)
+        env = read_env_file(env_file) if env_file and env_file.is_file() else {}
+        options = compose_options(gpus, model, env)
     except ValueError as exc:
         print(f"dpserve compose: {exc}", file=sys.stderr)
         return 2
-    env_model = read_env_file(env_file).get("MODEL") if env_file and env_file.is_file() else None
-    if not cpu and env_model and env_model != options.model:
+    if not cpu and env.get("MODEL", options.model) != options.model:
         # compose.yaml says ${MODEL:-<model>}: the env file's MODEL is what docker compose will serve.
         print(
-            f"dpserve compose: note: {env_file} sets MODEL={env_model}, which docker compose serves instead of "
-            f"{options.model}; change it there too",
+            f"dpserve compose: note: {env_file} sets MODEL={env['MODEL']}, which docker compose serves instead "
+            f"of {options.model}; change it there too",
             file=sys.stderr,
         )
     text = render(options, cpu=cpu)

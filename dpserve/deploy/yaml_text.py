@@ -11,12 +11,6 @@ import yaml
 class Reset:
     """`!reset {}`: in an override file, removes the attribute from the merged service."""
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Reset)
-
-    def __hash__(self) -> int:
-        return hash(Reset)
-
     def __repr__(self) -> str:
         return "Reset()"
 

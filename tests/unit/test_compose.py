@@ -315,7 +315,12 @@ def test_compose_command_flags_env_file_and_errors(tmp_path: Path, capsys: pytes
     assert "at least one GPU" in capsys.readouterr().err
     env.write_text("GPUS=two\n")
     assert main(["compose", "--env-file", str(env)]) == 2
-    assert "GPUS='two' is not a whole number" in capsys.readouterr().err
+    assert "GPUS='two' in the env file is not a whole number" in capsys.readouterr().err
+    env.write_text("GPUS=\n")
+    assert main(["compose", "--env-file", str(env)]) == 2
+    env.write_text("not a setting\n")
+    assert main(["compose", "--env-file", str(env)]) == 2
+    assert "not KEY=VALUE" in capsys.readouterr().err
 
 
 def test_router_dockerfile_installs_the_package_and_runs_dpserve_router() -> None:
