@@ -6,6 +6,7 @@ another policy start their own `dpserve router` over the same replicas (that tak
 from __future__ import annotations
 
 import contextlib
+import csv
 import os
 import subprocess
 import sys
@@ -52,6 +53,12 @@ def wait_until(
             return
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def locust_stats(prefix: Path) -> dict[tuple[str, str], dict[str, str]]:
+    """Locust's `--csv PREFIX` statistics, by (Type, Name)."""
+    with open(f"{prefix}_stats.csv", newline="") as handle:
+        return {(row["Type"], row["Name"]): row for row in csv.DictReader(handle)}
 
 
 def router_status(url: str) -> dict[str, Any]:

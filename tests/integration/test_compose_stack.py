@@ -6,10 +6,8 @@ replicas' commands, and the Grafana dashboard's queries against what the router 
 from __future__ import annotations
 
 import asyncio
-import csv
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,11 +21,12 @@ from dpserve.config import Settings
 from dpserve.deploy import grafana
 from dpserve.deploy.env_file import read_env_file
 from dpserve.deploy.yaml_text import load
+from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.router.app import create_app
 from tests.compose_files import ROOT, compose_config, dockerfile_instructions, exec_form
 from tests.conftest import free_port, serving
 from tests.fake_nvml import two_gpus
-from tests.integration.conftest import Fleet, running_sim, wait_until
+from tests.integration.conftest import Fleet, locust_stats, running_sim, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -62,11 +61,6 @@ def _healthcheck_passes(service: dict[str, Any], port: int) -> bool:
     command = [arg.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for arg in command]
     command[0] = sys.executable if command[0] == "python3" else command[0]
     return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
-
-
-def _locust_stats(prefix: Path) -> dict[tuple[str, str], dict[str, str]]:
-    with open(f"{prefix}_stats.csv", newline="") as handle:
-        return {(row["Type"], row["Name"]): row for row in csv.DictReader(handle)}
 
 
 def test_router_container_command_healthchecks_and_loadtest_profile_run_over_two_sims(tmp_path: Path) -> None:
@@ -113,7 +107,7 @@ def test_router_container_command_healthchecks_and_loadtest_profile_run_over_two
                 worker.kill()
                 worker.wait()
             assert master.returncode == 0, master_err.decode()[-3000:]
-            stats = _locust_stats(tmp_path / "run")
+            stats = locust_stats(tmp_path / "run")
             requests = stats[("POST", "/v1/chat/completions [stream]")]
             assert int(requests["Request Count"]) > 5 and int(requests["Failure Count"]) == 0
             # shared_prefix (LOAD_WORKLOAD in .env), routed on KV events: both sims hold blocks.
@@ -144,10 +138,6 @@ def test_vllm_accepts_the_replica_commands_of_both_files() -> None:
     assert args.served_model_name == ["dpserve-tiny"]
 
 
-def _series_names(exposition: str) -> set[str]:
-    return {match[1] for match in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", exposition, re.MULTILINE)}
-
-
 async def test_dashboard_queries_read_series_the_router_and_vllm_export(fleet: Fleet) -> None:
     """Every dpserve_* and vllm:* name in the Grafana dashboard is exported: by the router (GPUs faked at
     NVML, so the GPU gauges exist) and by a real vLLM CPU replica after a few requests."""
@@ -162,12 +152,13 @@ async def test_dashboard_queries_read_series_the_router_and_vllm_export(fleet: F
             response = await client.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 4, "stream": stream})
             assert response.status_code == 200
         await asyncio.sleep(0.2)
-        router_names = _series_names((await client.get(f"{url}/metrics")).text)
-        vllm_names = _series_names((await client.get(f"{fleet.replica_urls[0]}/metrics")).text)
+        router_text = (await client.get(f"{url}/metrics")).text
+        vllm_text = (await client.get(f"{fleet.replica_urls[0]}/metrics")).text
     dashboard = json.loads((ROOT / grafana.DASHBOARD_FILE).read_text())
     wanted = grafana.metric_names(dashboard)
     assert {name for name in wanted if name.startswith("vllm:")} and {n for n in wanted if n.startswith("dpserve_gpu")}
-    assert wanted - router_names - vllm_names == set()
+    exported = set(parse_samples(router_text, wanted).by_name) | set(parse_samples(vllm_text, wanted).by_name)
+    assert wanted - exported == set()
     # And the replicas' healthcheck passes against the real vLLM replica.
     replica = load((ROOT / "compose.yaml").read_text())["services"]["vllm-0"]
     assert _healthcheck_passes(replica, int(fleet.replica_urls[0].rsplit(":", 1)[1]))

@@ -4,7 +4,6 @@ and it runs distributed (`--processes`) and open-loop (`--arrival-rate`)."""
 
 from __future__ import annotations
 
-import csv
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import Fleet, running_fleet
+from tests.integration.conftest import Fleet, locust_stats, running_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -31,10 +30,8 @@ def run_locust(host: str, prefix: Path, *args: str, seconds: int = 5) -> dict[tu
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", host]
     command += ["-t", f"{seconds}s", "--csv", str(prefix), "--only-summary", "--loglevel", "WARNING", *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=90)
-    stats_path = Path(f"{prefix}_stats.csv")
-    assert stats_path.exists(), result.stdout[-3000:] + result.stderr[-3000:]
-    with open(stats_path, newline="") as handle:
-        return {(row["Type"], row["Name"]): row for row in csv.DictReader(handle)}
+    assert Path(f"{prefix}_stats.csv").exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    return locust_stats(prefix)
 
 
 def test_streams_report_ttft_itl_and_tokens(sims: Fleet, tmp_path: Path) -> None:
