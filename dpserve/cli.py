@@ -36,8 +36,54 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address the router binds (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="router port (default 8000)")
     parser.add_argument("--max-body-bytes", type=int, dest="max_body_bytes", help="largest request body accepted")
+    parser.add_argument(
+        "--max-header-bytes", type=int, dest="max_header_bytes", help="largest total of request headers (32768)"
+    )
     parser.add_argument("--probe-interval", type=float, dest="probe_interval_s", help="seconds between probes")
-    parser.add_argument("--retries", type=int, help="other replicas tried before the first byte (default 1)")
+    parser.add_argument("--retries", type=int, help="other replicas tried before the first byte (default 2)")
+    parser.add_argument(
+        "--max-in-flight", type=int, dest="max_in_flight", help="requests per replica before queueing (256; 0: off)"
+    )
+    parser.add_argument("--queue-size", type=int, dest="queue_size", help="requests the router queues (1024)")
+    parser.add_argument(
+        "--queue-timeout", type=float, dest="queue_timeout_s", help="seconds a request may queue before 429 (30)"
+    )
+    parser.add_argument(
+        "--fail-threshold", type=int, dest="fail_threshold", help="failed probes in a row that eject a replica (2)"
+    )
+    parser.add_argument(
+        "--rise-threshold", type=int, dest="rise_threshold", help="passed probes in a row that re-admit it (2)"
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        metavar="KEY",
+        help="a key clients must send as `Authorization: Bearer KEY`; repeatable (also DPSERVE_API_KEYS)",
+    )
+    parser.add_argument(
+        "--api-key-file", type=Path, dest="api_key_file", help="file of API keys, one per line (# comments)"
+    )
+    parser.add_argument(
+        "--admin-key",
+        action="append",
+        dest="admin_keys",
+        metavar="KEY",
+        help="a key for the admin API (/admin/replicas) and /status; repeatable (also DPSERVE_ADMIN_KEYS)",
+    )
+    parser.add_argument("--admin-key-file", type=Path, dest="admin_key_file", help="file of admin keys, one per line")
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="allow serving without API keys on an address other than loopback",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        dest="shutdown_grace_s",
+        help="seconds in-flight requests get to finish on SIGTERM (30)",
+    )
     parser.add_argument(
         "--gpu-interval", type=float, dest="gpu_interval_s", help="seconds between NVML samples (default 1; 0: off)"
     )
@@ -164,12 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds.add_parser(
         "scaling", help="throughput vs replica count with Locust: CSV, table and plot", add_help=False
     )
+    bench_kinds.add_parser(
+        "soak", help="minutes of unique prompts through kv_aware and prefix: router memory over time", add_help=False
+    )
     return parser
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     names = Settings.__dataclass_fields__
-    return {key: value for key, value in vars(args).items() if key in names and value is not None}
+    return {
+        key: tuple(value) if isinstance(value, list) else value
+        for key, value in vars(args).items()
+        if key in names and value is not None
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
             from dpserve.bench.scaling import main as scaling_main
 
             return scaling_main(rest)
+        if args.bench == "soak":
+            from dpserve.bench.soak import main as soak_main
+
+            return soak_main(rest)
         if args.bench == "sim":
             from dpserve.bench.sim_cost import main as sim_cost_main
 

@@ -45,11 +45,35 @@ class Settings:
     prefix_min_match: float = 0.5
     session_load_factor: float = 1.25
     max_body_bytes: int = 16 * 1024 * 1024
+    max_header_bytes: int = 32 * 1024
+    """Request line excluded: all header names and values together."""
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 900.0
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 3.0
-    retries: int = 1
+    fail_threshold: int = 2
+    """Health probes failed in a row that eject a replica."""
+    rise_threshold: int = 2
+    """Health probes passed in a row that re-admit an ejected replica."""
+    passive_fail_threshold: int = 3
+    """Requests failed in a row (timeouts, dropped connections, 5xx) that eject a replica."""
+    backpressure_backoff_s: float = 1.0
+    """How long a replica that answered 429/503 is avoided while another has room."""
+    retries: int = 2
+    retry_backoff_s: float = 0.025
+    max_in_flight: int = 256
+    """Per replica; past it requests wait in the router's queue (0: no limit). vLLM's default batch
+    is 256 sequences: beyond that a request only waits inside the engine, where it can no longer move."""
+    queue_size: int = 1024
+    queue_timeout_s: float = 30.0
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_key_file: Path | None = None
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_key_file: Path | None = None
+    insecure: bool = False
+    """Serve without API keys on a non-loopback address."""
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM: how long requests in flight (streams included) get to finish."""
     gpu_interval_s: float = 1.0
     """Seconds between NVML samples of every GPU; 0 turns GPU telemetry off."""
     access_log: bool = False

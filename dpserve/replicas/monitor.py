@@ -45,6 +45,10 @@ class ReplicaMonitor:
     async def probe_all(self, tick: int = 0) -> None:
         await asyncio.gather(*(self._probe(replica, tick) for replica in self._registry))
 
+    async def probe_now(self, replica: Replica) -> None:
+        """One probe outside the schedule: a replica added at run time is routable at once if up."""
+        await self._probe(replica, 0)
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="replica-monitor")
 
@@ -71,19 +75,14 @@ class ReplicaMonitor:
                 replica.set_model_cards(await self._model_cards(replica))
             await self._scrape(replica)
         except (aiohttp.ClientError, TimeoutError, ProbeFailed, ValueError) as exc:
-            if replica.healthy:
-                log.warning("replica %s is down: %s", replica.id, _describe(exc))
-            self._registry.mark_down(replica.id, _describe(exc))
+            self._registry.probe_failed(replica.id, _describe(exc))
             return
         except Exception as exc:
             # Whatever a replica answers, the probe loop must live on: it is what re-admits replicas.
             log.exception("probing replica %s failed unexpectedly", replica.id)
-            self._registry.mark_down(replica.id, _describe(exc))
+            self._registry.probe_failed(replica.id, _describe(exc))
             return
-        if not replica.healthy:
-            log.info("replica %s is healthy (models: %s)", replica.id, ", ".join(replica.models))
-        replica.healthy = True
-        replica.last_error = None
+        self._registry.probe_succeeded(replica.id)
 
     async def _model_cards(self, replica: Replica) -> tuple[dict[str, Any], ...]:
         async with self._session.get(f"{replica.url}/v1/models", timeout=self._timeout) as resp:

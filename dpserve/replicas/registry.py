@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from dpserve.gpu.placement import parse_replica_spec
 from dpserve.policies.base import ReplicaSnapshot
+from dpserve.replicas.health import HealthRules, HealthState, HealthTracker, Outcome
+
+log = logging.getLogger("dpserve.registry")
 
 
 @dataclass
@@ -20,7 +24,9 @@ class Replica:
     models: tuple[str, ...] = ()
     """The cards' ids: what routing checks on every request. Set both through `set_model_cards`."""
     block_size: int | None = None
-    healthy: bool = False
+    health: HealthState = field(default_factory=HealthState)
+    draining: bool = False
+    """Taken out of routing by the admin API: requests in flight finish, no new ones come."""
     in_flight: int = 0
     running: int = 0
     waiting: int = 0
@@ -33,6 +39,25 @@ class Replica:
     served_total: int = 0
     gpu_hint: tuple[str, ...] = ()
     """GPU indices or UUIDs from `--replica URL@gpu=N` (the launcher gives them for replicas it starts)."""
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self.health.healthy = value
+        self.health.ever_healthy = self.health.ever_healthy or value
+
+    @property
+    def routable(self) -> bool:
+        return self.health.healthy and not self.draining
+
+    @property
+    def state(self) -> str:
+        if self.draining:
+            return "draining"
+        return "healthy" if self.health.healthy else ("ejected" if self.health.ever_healthy else "starting")
 
     def set_model_cards(self, cards: tuple[dict[str, Any], ...]) -> None:
         self.model_cards = cards
@@ -55,20 +80,34 @@ def replica_ids(count: int) -> list[str]:
 
 
 class ReplicaRegistry:
-    def __init__(self, specs: Sequence[str]) -> None:
+    """Replicas by id. Ids are `r0, r1, ...` in the order replicas were given, then added at run time;
+    a removed replica's id is never reused, so metrics and logs stay unambiguous."""
+
+    def __init__(
+        self,
+        specs: Sequence[str],
+        rules: HealthRules | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """`specs`: replica URLs, each optionally followed by `@gpu=N` (see `parse_replica_spec`)."""
         if not specs:
             raise ValueError("at least one replica URL is needed")
         self._replicas: dict[str, Replica] = {}
-        for rid, spec in zip(replica_ids(len(specs)), specs, strict=True):
-            url, hint = parse_replica_spec(spec)
-            self._replicas[rid] = Replica(id=rid, url=url, gpu_hint=hint)
+        self._next_id = 0
+        self._tracker = HealthTracker(rules or HealthRules())
+        self._clock = clock
+        self._listeners: list[Callable[[], None]] = []
+        for spec in specs:
+            self.add(spec)
 
     def __iter__(self) -> Iterator[Replica]:
-        return iter(self._replicas.values())
+        return iter(list(self._replicas.values()))
 
     def __len__(self) -> int:
         return len(self._replicas)
+
+    def __contains__(self, replica_id: str) -> bool:
+        return replica_id in self._replicas
 
     def get(self, replica_id: str) -> Replica:
         return self._replicas[replica_id]
@@ -77,11 +116,33 @@ class ReplicaRegistry:
         url = url.rstrip("/")
         return next((r for r in self._replicas.values() if r.url == url), None)
 
+    def add(self, spec: str) -> Replica:
+        url, hint = parse_replica_spec(spec)
+        if self.by_url(url) is not None:
+            raise ValueError(f"{url} is already a replica")
+        replica = Replica(id=f"r{self._next_id}", url=url, gpu_hint=hint)
+        self._next_id += 1
+        self._replicas[replica.id] = replica
+        return replica
+
+    def remove(self, replica_id: str) -> Replica:
+        """Out of the registry at once; requests in flight on it finish (their release is a no-op)."""
+        return self._replicas.pop(replica_id)
+
+    def set_draining(self, replica_id: str, draining: bool) -> None:
+        self._replicas[replica_id].draining = draining
+        self._changed()
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """`listener` runs whenever a replica may have gained room: a slot freed, a replica admitted."""
+        self._listeners.append(listener)
+
     def healthy(self) -> list[Replica]:
-        return [r for r in self._replicas.values() if r.healthy]
+        """Replicas routing may use: healthy and not draining."""
+        return [r for r in self._replicas.values() if r.routable]
 
     def served_models(self) -> list[str]:
-        """Models of healthy replicas, de-duplicated, in replica order."""
+        """Models of routable replicas, de-duplicated, in replica order."""
         return list(self.model_cards(healthy_only=True))
 
     def known_models(self) -> list[str]:
@@ -91,17 +152,22 @@ class ReplicaRegistry:
     def model_cards(self, healthy_only: bool) -> dict[str, dict[str, Any]]:
         cards: dict[str, dict[str, Any]] = {}
         for replica in self._replicas.values():
-            if healthy_only and not replica.healthy:
+            if healthy_only and not replica.routable:
                 continue
             for card in replica.model_cards:
                 cards.setdefault(str(card["id"]), card)
         return cards
 
     def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[ReplicaSnapshot]:
+        """Routable replicas serving `model`; those backing off (429/503) only when no other is left."""
         excluded = set(exclude)
-        return [
-            r.snapshot() for r in self._replicas.values() if r.healthy and model in r.models and r.id not in excluded
-        ]
+        now = self._clock()
+        fresh: list[ReplicaSnapshot] = []
+        backed_off: list[ReplicaSnapshot] = []
+        for r in self._replicas.values():
+            if r.routable and model in r.models and r.id not in excluded:
+                (backed_off if r.health.backed_off(now) else fresh).append(r.snapshot())
+        return fresh or backed_off
 
     def acquire(self, replica_id: str) -> None:
         replica = self._replicas[replica_id]
@@ -109,14 +175,41 @@ class ReplicaRegistry:
         replica.served_total += 1
 
     def release(self, replica_id: str) -> None:
-        replica = self._replicas[replica_id]
-        replica.in_flight = max(0, replica.in_flight - 1)
+        replica = self._replicas.get(replica_id)
+        if replica is not None:
+            replica.in_flight = max(0, replica.in_flight - 1)
+        self._changed()
 
-    def mark_down(self, replica_id: str, reason: str) -> None:
-        """Passive detection: a failed connection takes the replica out until a probe succeeds."""
-        replica = self._replicas[replica_id]
-        replica.healthy = False
+    def probe_succeeded(self, replica_id: str) -> None:
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return
+        if self._tracker.probe_succeeded(replica.health):
+            replica.last_error = None
+            log.info("replica %s is healthy (models: %s)", replica.id, ", ".join(replica.models))
+            self._changed()
+
+    def probe_failed(self, replica_id: str, reason: str) -> None:
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return
         replica.last_error = reason
+        if self._tracker.probe_failed(replica.health, self._clock()):
+            log.warning("replica %s ejected: health probes failed (%s)", replica.id, reason)
+
+    def observe(self, replica_id: str, outcome: Outcome, reason: str | None = None) -> None:
+        """Passive health from a real request's result."""
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return
+        if outcome not in (Outcome.OK, Outcome.CLIENT_ERROR) and reason:
+            replica.last_error = reason
+        if self._tracker.observed(replica.health, outcome, self._clock()):
+            log.warning("replica %s ejected: requests failed (%s)", replica.id, reason or outcome.value)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     def record_scrape(
         self,
@@ -129,7 +222,9 @@ class ReplicaRegistry:
         prefix_cache_hits: float,
         block_size: int | None,
     ) -> None:
-        replica = self._replicas[replica_id]
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return
         replica.running = running
         replica.waiting = waiting
         replica.in_flight_at_scrape = replica.in_flight

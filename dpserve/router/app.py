@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -34,9 +35,13 @@ from dpserve.kvindex.text_prefix import TextPrefixIndex
 from dpserve.policies import Need, Policy, PolicyTuning, make_policy
 from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.kv_aware import KvAwareWeights
+from dpserve.replicas.health import HealthRules
 from dpserve.replicas.kv_events import KvEventSubscriber, parse_kv_event_source
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import Replica, ReplicaRegistry
+from dpserve.router.access import Guard, Keys, load_keys
+from dpserve.router.admin import FleetControl, add_admin_routes
+from dpserve.router.admission import Admission
 from dpserve.router.dashboard import dashboard_html
 from dpserve.router.errors import (
     OpenAIError,
@@ -50,7 +55,7 @@ from dpserve.router.features import FeatureBuilder
 from dpserve.router.gpu_metrics import GpuCollector
 from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
-from dpserve.router.proxy import Buffered, Dispatcher, Streaming
+from dpserve.router.proxy import Buffered, Dispatcher, RetryRules, Streaming
 from dpserve.router.request_body import PROXIED_ENDPOINTS, Endpoint, parse_body, read_limited, with_model
 
 log = logging.getLogger("dpserve.router")
@@ -66,10 +71,12 @@ class RouterState:
     registry: ReplicaRegistry
     policy: Policy
     metrics: RouterMetrics
+    admission: Admission
     dispatcher: Dispatcher | None = None
     features: FeatureBuilder | None = None
     kv_index: KvIndex | None = None
-    subscribers: tuple[KvEventSubscriber, ...] = ()
+    subscribers: list[KvEventSubscriber] = dataclasses.field(default_factory=list)
+    fleet: FleetControl | None = None
     gpus: GpuSampler | None = None
     started_at: float = 0.0
 
@@ -124,6 +131,15 @@ def gpu_sampler(settings: Settings, registry: ReplicaRegistry, nvml: Callable[[]
     return GpuSampler(nvml, settings.gpu_interval_s, clues=clues)
 
 
+def health_rules(settings: Settings) -> HealthRules:
+    return HealthRules(
+        fail_threshold=settings.fail_threshold,
+        rise_threshold=settings.rise_threshold,
+        passive_fail_threshold=settings.passive_fail_threshold,
+        backoff_s=settings.backpressure_backoff_s,
+    )
+
+
 def create_app(
     settings: Settings,
     *,
@@ -131,11 +147,17 @@ def create_app(
     policy: Policy | None = None,
     rng: random.Random | None = None,
     nvml: Callable[[], Nvml] = load_nvml,
+    keys: Keys | None = None,
 ) -> FastAPI:
-    """`nvml` loads the NVML library (the `pynvml` module); tests pass a fake, as these hosts have no GPU."""
-    registry = registry or ReplicaRegistry(settings.replicas)
+    """`nvml` loads the NVML library (the `pynvml` module); tests pass a fake, as these hosts have no GPU.
+    `keys`: API and admin keys, read from the settings when not given."""
+    registry = registry or ReplicaRegistry(settings.replicas, health_rules(settings))
     policy = policy or make_policy(settings.routing_policy, rng, policy_tuning(settings))
-    state = RouterState(settings, registry, policy, RouterMetrics(registry, policy.name))
+    keys = keys if keys is not None else load_keys(settings)
+    admission = Admission(settings.max_in_flight, settings.queue_size, settings.queue_timeout_s)
+    registry.on_change(admission.notify)
+    state = RouterState(settings, registry, policy, RouterMetrics(registry, policy.name), admission)
+    state.metrics.queue_depth.set_function(lambda: admission.depth)
     state.gpus = gpu_sampler(settings, registry, nvml)
     if state.gpus is not None:
         sampler = state.gpus
@@ -173,16 +195,19 @@ def create_app(
             policy,
             hot,
             state.metrics,
-            settings.retries,
+            RetryRules(settings.retries, settings.retry_backoff_s),
+            admission,
+            rng=rng,
             on_routed=state.features.routed,
             at_decision=state.features.at_decision,
         )
         zmq_context = zmq.asyncio.Context()
         if state.kv_index is not None:
-            state.subscribers = tuple(
+            state.subscribers.extend(
                 KvEventSubscriber(state.kv_index, rid, endpoint, zmq_context, time.monotonic)
                 for rid, endpoint in endpoints.items()
             )
+        state.fleet = FleetControl(registry, monitor, state.subscribers, state.kv_index, zmq_context)
         state.metrics.registry.register(RoutingStateCollector(state.kv_index, state.subscribers, text_index, tokens))
         for subscriber in state.subscribers:
             subscriber.start()
@@ -200,7 +225,7 @@ def create_app(
             await monitor.stop()
             if state.gpus is not None:
                 await state.gpus.stop()
-            for subscriber in state.subscribers:
+            for subscriber in list(state.subscribers):
                 await subscriber.stop()
             zmq_context.destroy(linger=0)
             await hot.close()
@@ -208,7 +233,14 @@ def create_app(
 
     app = FastAPI(title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = state
+    app.add_middleware(Guard, keys=keys, max_header_bytes=settings.max_header_bytes)
     _install_error_handlers(app)
+
+    def fleet() -> FleetControl:
+        assert state.fleet is not None, "the app's lifespan has not started"
+        return state.fleet
+
+    add_admin_routes(app, fleet, lambda replica: _replica_status(replica, state))
 
     for endpoint in PROXIED_ENDPOINTS:
         app.add_api_route(endpoint.path, _proxy_handler(state, endpoint), methods=["POST"], name=endpoint.name)
@@ -294,6 +326,9 @@ def _replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
         "model": replica.models[0] if replica.models else None,
         "models": list(replica.models),
         "healthy": replica.healthy,
+        "state": replica.state,
+        "draining": replica.draining,
+        "ejections": replica.health.ejections,
         "in_flight": replica.in_flight,
         "running": replica.running,
         "waiting": replica.waiting,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -46,6 +46,23 @@ class RouterMetrics:
         self.retries = Counter(
             "dpserve_retries",
             "Requests sent again to another replica, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "dpserve_queue_depth",
+            "Requests waiting in the router's admission queue for a replica with room.",
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "dpserve_queue_wait_seconds",
+            "Time requests waited for admission (0 when a replica had room at once).",
+            buckets=(0, *LATENCY_BUCKETS),
+            registry=self.registry,
+        )
+        self.admission_rejections = Counter(
+            "dpserve_admission_rejections",
+            "Requests refused with 429 by admission control, by reason (queue_full, queue_timeout).",
             ["reason"],
             registry=self.registry,
         )
@@ -111,7 +128,10 @@ class _ReplicaStateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         gauges = {
             "healthy": GaugeMetricFamily(
-                "dpserve_replica_healthy", "1 when the replica passes its probes.", labels=["replica"]
+                "dpserve_replica_healthy", "1 when the replica is in routing (not ejected).", labels=["replica"]
+            ),
+            "draining": GaugeMetricFamily(
+                "dpserve_replica_draining", "1 while the admin API drains the replica.", labels=["replica"]
             ),
             "in_flight": GaugeMetricFamily(
                 "dpserve_replica_in_flight_requests",
@@ -136,9 +156,16 @@ class _ReplicaStateCollector(Collector):
                 labels=["replica"],
             ),
         }
+        ejections = CounterMetricFamily(
+            "dpserve_replica_ejections",
+            "Times the replica was taken out of routing by failed probes or failed requests.",
+            labels=["replica"],
+        )
         hits = queries = 0.0
         for replica in self._replicas:
             gauges["healthy"].add_metric([replica.id], 1.0 if replica.healthy else 0.0)
+            gauges["draining"].add_metric([replica.id], 1.0 if replica.draining else 0.0)
+            ejections.add_metric([replica.id], replica.health.ejections)
             gauges["in_flight"].add_metric([replica.id], replica.in_flight)
             gauges["running"].add_metric([replica.id], replica.running)
             gauges["waiting"].add_metric([replica.id], replica.waiting)
@@ -149,6 +176,7 @@ class _ReplicaStateCollector(Collector):
             hits += replica.prefix_cache_hits
             queries += replica.prefix_cache_queries
         yield from gauges.values()
+        yield ejections
         fleet = GaugeMetricFamily(
             "dpserve_prefix_cache_hit_ratio", "Realized prefix-cache hit rate over all replicas (scraped)."
         )

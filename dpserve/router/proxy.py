@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -12,7 +13,9 @@ import aiohttp
 import orjson
 
 from dpserve.policies.base import Policy, ReplicaSnapshot, RequestFeatures
+from dpserve.replicas.health import Outcome, classify_status
 from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.admission import Admission
 from dpserve.router.errors import OpenAIError, no_replica
 from dpserve.router.metrics import RouterMetrics
 
@@ -22,6 +25,21 @@ SSE_EVENT_END = b"\n\n"
 SSE_DONE = b"data: [DONE]\n\n"
 # Failures before any byte reached the client: the request may safely go to another replica.
 RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+# Answers another replica may do better with: its failure or its backpressure.
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class RetryRules:
+    """How many other replicas a request may try before its first byte, and the pause between tries:
+    exponential from `backoff_s`, capped, with full jitter so retries of many requests do not align."""
+
+    retries: int = 2
+    backoff_s: float = 0.025
+    backoff_cap_s: float = 0.5
+
+    def pause(self, attempt: int, rng: random.Random) -> float:
+        return rng.uniform(0.5, 1.0) * min(self.backoff_cap_s, self.backoff_s * 2 ** (attempt - 1))
 
 
 @dataclass(slots=True)
@@ -95,6 +113,7 @@ class Streaming:
         except RETRYABLE as exc:
             # Bytes already reached the client, so no retry: end the stream cleanly with an error.
             log.warning("stream from replica %s broke mid-response (%s)", self.replica_id, type(exc).__name__)
+            self._registry.observe(self.replica_id, Outcome.FAILED, f"stream broke: {type(exc).__name__}")
             self.broken = True
             self._metrics.broken_streams.labels(self.replica_id).inc()
             yield stream_error_event("The replica serving this stream failed mid-response.")
@@ -110,7 +129,9 @@ class Dispatcher:
         policy: Policy,
         session: aiohttp.ClientSession,
         metrics: RouterMetrics,
-        retries: int,
+        retry: RetryRules,
+        admission: Admission,
+        rng: random.Random | None = None,
         clock: Callable[[], float] = time.perf_counter,
         on_routed: Callable[[RequestFeatures, str], None] | None = None,
         at_decision: Callable[[RequestFeatures, Sequence[ReplicaSnapshot]], RequestFeatures] | None = None,
@@ -119,7 +140,9 @@ class Dispatcher:
         self._policy = policy
         self._session = session
         self._metrics = metrics
-        self._retries = retries
+        self._retry = retry
+        self._admission = admission
+        self._rng = rng or random.Random()
         self._clock = clock
         self._on_routed = on_routed
         self._at_decision = at_decision
@@ -129,8 +152,11 @@ class Dispatcher:
     ) -> Buffered | Streaming:
         tried: list[str] = []
         last_failure: Buffered | None = None
-        for attempt in range(self._retries + 1):
-            candidates = self._registry.candidates(features.model, exclude=tried)
+        retries = self._retry.retries
+        for attempt in range(retries + 1):
+            if attempt:
+                await asyncio.sleep(self._retry.pause(attempt, self._rng))
+            candidates = await self._admitted(features.model, tried)
             if not candidates:
                 break
             if self._at_decision is not None:
@@ -142,20 +168,20 @@ class Dispatcher:
             if self._on_routed is not None:
                 self._on_routed(features, replica_id)
             tried.append(replica_id)
-            is_last = attempt == self._retries
+            is_last = attempt == retries
             try:
                 outcome = await self._attempt(replica_id, path, features, body, headers, started)
             except RETRYABLE as exc:
                 reason = type(exc).__name__
-                if isinstance(exc, aiohttp.ClientConnectorError):
-                    # Nothing listens there: out of routing until a probe finds it back. Other
-                    # failures (a reused socket the replica had closed, say) prove nothing about it.
-                    self._registry.mark_down(replica_id, reason)
+                # Nothing listening there ejects at once; a dropped or slow connection counts towards it.
+                refused = isinstance(exc, aiohttp.ClientConnectorError)
+                self._registry.observe(replica_id, Outcome.REFUSED if refused else Outcome.FAILED, reason)
                 log.warning("replica %s failed before the first byte (%s)", replica_id, reason)
                 if not is_last:
                     self._metrics.retries.labels(reason).inc()
                 continue
-            if outcome.status >= 500 and isinstance(outcome, Buffered) and not is_last:
+            self._registry.observe(replica_id, classify_status(outcome.status), f"HTTP {outcome.status}")
+            if outcome.status in RETRY_STATUSES and isinstance(outcome, Buffered) and not is_last:
                 self._metrics.retries.labels(f"http_{outcome.status}").inc()
                 last_failure = outcome
                 continue
@@ -170,6 +196,25 @@ class Dispatcher:
             type="server_error",
             code="upstream_unavailable",
         )
+
+    async def _admitted(self, model: str, tried: Sequence[str]) -> list[ReplicaSnapshot]:
+        """Candidates with room, after waiting in the admission queue when every one is full."""
+        admission = self._admission
+        if admission.limit <= 0:
+            return self._registry.candidates(model, exclude=tried)
+
+        def has_room() -> bool:
+            candidates = self._registry.candidates(model, exclude=tried)
+            # No candidate at all is not a reason to wait: the caller answers at once.
+            return not candidates or bool(admission.open(candidates))
+
+        try:
+            waited = await admission.wait_for_room(has_room)
+        except OpenAIError as rejected:
+            self._metrics.admission_rejections.labels(rejected.code or "rejected").inc()
+            raise
+        self._metrics.queue_wait.observe(waited)
+        return admission.open(self._registry.candidates(model, exclude=tried))
 
     async def _attempt(
         self,

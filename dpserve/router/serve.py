@@ -9,6 +9,7 @@ import prometheus_client
 import uvicorn
 
 from dpserve.config import Settings
+from dpserve.router.access import check_bind, load_keys
 from dpserve.router.app import create_app
 
 
@@ -18,8 +19,10 @@ def serve_router(settings: Settings) -> int:
     # Process-wide switch (hence here, not in the app factory): no `*_created` series per counter.
     prometheus_client.disable_created_metrics()
     try:
-        app = create_app(settings)
-    except ValueError as exc:  # a bad --replica, --kv-events or --tokenizer
+        keys = load_keys(settings)
+        check_bind(settings.host, keys, settings.insecure)
+        app = create_app(settings, keys=keys)
+    except ValueError as exc:  # a bad --replica, --kv-events, --tokenizer or key, or an unsafe bind
         print(f"dpserve router: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(
@@ -30,7 +33,8 @@ def serve_router(settings: Settings) -> int:
         http="httptools",
         access_log=settings.access_log,
         log_level=settings.log_level,
-        # Streams in flight get this long to finish when the router is asked to stop.
-        timeout_graceful_shutdown=30,
+        # On SIGTERM uvicorn stops listening at once, then requests in flight (streams too) get this
+        # long to finish before they are cut.
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     return 0

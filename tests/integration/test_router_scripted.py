@@ -7,6 +7,7 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import orjson
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.integration
 @dataclass
 class ScriptedReplica:
     model: str = "m"
-    mode: str = "ok"  # ok | http_500 | cut_stream | not_found | text_502
+    mode: str = "ok"  # ok | http_500 | http_429 | cut_stream | not_found | text_502
     hits: collections.Counter[str] = field(default_factory=collections.Counter)
     url: str = ""
 
@@ -49,6 +50,8 @@ class ScriptedReplica:
         self.hits[self.mode] += 1
         if self.mode == "http_500":
             return web.json_response({"error": {"message": "engine dead"}}, status=500)
+        if self.mode == "http_429":
+            return web.json_response({"error": {"message": "too many requests"}}, status=429)
         if self.mode == "not_found":
             return web.json_response({"detail": "Not Found"}, status=404)
         if self.mode == "text_502":
@@ -70,7 +73,10 @@ class ScriptedReplica:
 
 @contextlib.asynccontextmanager
 async def running(
-    replicas: list[ScriptedReplica], policy: str = "round_robin", extra_urls: tuple[str, ...] = ()
+    replicas: list[ScriptedReplica],
+    policy: str = "round_robin",
+    extra_urls: tuple[str, ...] = (),
+    **overrides: Any,
 ) -> AsyncIterator[str]:
     runners = []
     for replica in replicas:
@@ -80,7 +86,9 @@ async def running(
         await web.TCPSite(runner, "127.0.0.1", port).start()
         replica.url = f"http://127.0.0.1:{port}"
         runners.append(runner)
-    settings = Settings(replicas=(*[r.url for r in replicas], *extra_urls), policy=policy, probe_interval_s=0.2)
+    settings = Settings(
+        replicas=(*[r.url for r in replicas], *extra_urls), policy=policy, probe_interval_s=0.2, **overrides
+    )
     try:
         async with serving(create_app(settings)) as url:
             yield url
@@ -89,22 +97,50 @@ async def running(
             await runner.cleanup()
 
 
-async def test_a_5xx_before_the_first_byte_is_retried_once_on_another_replica() -> None:
+async def test_a_5xx_before_the_first_byte_is_retried_and_repeated_5xx_eject_the_replica() -> None:
     broken, good = ScriptedReplica(mode="http_500"), ScriptedReplica()
-    async with running([broken, good]) as url, httpx.AsyncClient() as client:
-        for _ in range(4):
+    # Its /health still says 200: a high rise threshold keeps the probes from re-admitting it mid-test.
+    async with running([broken, good], rise_threshold=1000) as url, httpx.AsyncClient() as client:
+        for _ in range(8):
             response = await client.post(f"{url}/v1/completions", json={"prompt": "x"})
             assert response.status_code == 200
             assert response.headers["x-dpserve-replica"] == "r1"
         metrics = (await client.get(f"{url}/metrics")).text
-    # Round robin offers r0 first every other turn; each 500 from it costs one retry, never a failure.
-    assert broken.hits["http_500"] == 4 and good.hits["ok"] == 4
-    assert 'dpserve_retries_total{reason="http_500"} 4.0' in metrics
+        status = (await client.get(f"{url}/status")).json()
+    # Each 500 costs one retry, never a failure; three in a row (passive_fail_threshold) eject r0.
+    assert broken.hits["http_500"] == 3 and good.hits["ok"] == 8
+    assert 'dpserve_retries_total{reason="http_500"} 3.0' in metrics
+    assert 'dpserve_replica_ejections_total{replica="r0"} 1.0' in metrics
+    assert [r["state"] for r in status["replicas"]] == ["ejected", "healthy"]
+
+
+async def test_4xx_from_a_replica_never_counts_against_it() -> None:
+    replica = ScriptedReplica(mode="not_found")
+    async with running([replica]) as url, httpx.AsyncClient() as client:
+        statuses = [(await client.post(f"{url}/v1/completions", json={"prompt": "x"})).status_code for _ in range(10)]
+        status = (await client.get(f"{url}/status")).json()
+    assert statuses == [404] * 10 and replica.hits["not_found"] == 10
+    assert status["replicas"][0]["state"] == "healthy" and status["replicas"][0]["ejections"] == 0
+
+
+async def test_429_backpressure_moves_requests_away_without_ejecting() -> None:
+    busy, free = ScriptedReplica(mode="http_429"), ScriptedReplica()
+    async with running([busy, free], backpressure_backoff_s=60.0) as url, httpx.AsyncClient() as client:
+        statuses = [(await client.post(f"{url}/v1/completions", json={"prompt": "x"})).status_code for _ in range(6)]
+        status = (await client.get(f"{url}/status")).json()
+        busy_hits = busy.hits["http_429"]
+        # With the free replica gone, the busy one is still a candidate: it was slowed, not ejected.
+        free.mode = "http_429"
+        last = await client.post(f"{url}/v1/completions", json={"prompt": "x"})
+    assert statuses == [200] * 6
+    assert busy_hits == 1  # tried once, then avoided for the backoff
+    assert [r["state"] for r in status["replicas"]] == ["healthy", "healthy"]
+    assert last.status_code == 429 and busy.hits["http_429"] == 2
 
 
 async def test_when_every_replica_fails_the_client_gets_the_last_error_not_a_hang() -> None:
     replicas = [ScriptedReplica(mode="http_500"), ScriptedReplica(mode="http_500"), ScriptedReplica(mode="http_500")]
-    async with running(replicas) as url, httpx.AsyncClient() as client:
+    async with running(replicas, retries=1) as url, httpx.AsyncClient() as client:
         response = await client.post(f"{url}/v1/completions", json={"prompt": "x"})
     assert response.status_code == 500 and response.json()["error"]["message"] == "engine dead"
     assert sum(r.hits["http_500"] for r in replicas) == 2  # one try and one retry, no more

@@ -1,0 +1,106 @@
+"""API keys, the admin key, the bind rule and key files; no sockets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dpserve.config import Settings
+from dpserve.router.access import Access, Keys, authorize, check_bind, load_keys, required_access
+
+KEYS = Keys(users=(b"user-key-1", b"user-key-2"), admins=(b"admin-key-1",))
+
+
+@pytest.mark.parametrize(
+    ("path", "access"),
+    [
+        ("/health", Access.PUBLIC),
+        ("/ready", Access.PUBLIC),
+        ("/metrics", Access.PUBLIC),
+        ("/v1/chat/completions", Access.USER),
+        ("/v1/models", Access.USER),
+        ("/nowhere", Access.USER),
+        ("/admin/replicas", Access.ADMIN),
+        ("/admin/replicas/r0/drain", Access.ADMIN),
+        ("/admin", Access.ADMIN),
+        ("/status", Access.ADMIN),
+        ("/dashboard", Access.ADMIN),
+    ],
+)
+def test_paths_need_the_right_access(path: str, access: Access) -> None:
+    assert required_access(path) is access
+
+
+def status_of(authorization: bytes | None, access: Access, keys: Keys = KEYS) -> int | None:
+    error = authorize(keys, access, authorization)
+    return None if error is None else error.status
+
+
+def test_user_paths() -> None:
+    assert status_of(None, Access.USER) == 401
+    assert status_of(b"Bearer wrong-key-000", Access.USER) == 401
+    assert status_of(b"Basic user-key-1", Access.USER) == 401
+    assert status_of(b"Bearer ", Access.USER) == 401
+    assert status_of(b"Bearer user-key-1", Access.USER) is None
+    assert status_of(b"bearer   user-key-2 ", Access.USER) is None
+    assert status_of(b"Bearer admin-key-1", Access.USER) is None  # an admin key works everywhere
+
+
+def test_admin_paths() -> None:
+    assert status_of(None, Access.ADMIN) == 401
+    assert status_of(b"Bearer wrong-key-000", Access.ADMIN) == 401
+    assert status_of(b"Bearer user-key-1", Access.ADMIN) == 403
+    assert status_of(b"Bearer admin-key-1", Access.ADMIN) is None
+    # User keys but no admin key: the admin API is closed to all.
+    assert status_of(b"Bearer user-key-1", Access.ADMIN, Keys(users=(b"user-key-1",))) == 403
+
+
+def test_public_paths_and_keyless_routers_need_nothing() -> None:
+    assert status_of(None, Access.PUBLIC) is None
+    assert status_of(None, Access.ADMIN, Keys()) is None
+
+
+def test_a_401_is_openai_shaped_and_asks_for_a_bearer_token() -> None:
+    error = authorize(KEYS, Access.USER, b"Bearer nope-nope-nope")
+    assert error is not None and error.code == "invalid_api_key"
+    assert error.headers["www-authenticate"].startswith("Bearer")
+    assert b'"invalid_request_error"' in error.body() and b"nope" not in error.body()
+
+
+def test_keys_come_from_flags_and_files(tmp_path: Path) -> None:
+    users = tmp_path / "keys"
+    users.write_text("# team A\nfile-key-0001\n\n  file-key-0002  \n")
+    keys = load_keys(Settings(api_keys=("flag-key-0001",), api_key_file=users, admin_keys=("admin-key-01",)))
+    assert keys.users == (b"flag-key-0001", b"file-key-0001", b"file-key-0002")
+    assert keys.admins == (b"admin-key-01",) and keys.enabled
+    assert not load_keys(Settings()).enabled
+
+
+def test_bad_keys_and_key_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="8 characters"):
+        load_keys(Settings(api_keys=("short",)))
+    with pytest.raises(ValueError, match="cannot read"):
+        load_keys(Settings(api_key_file=tmp_path / "missing"))
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ValueError, match="no key"):
+        load_keys(Settings(admin_key_file=tmp_path / "empty"))
+
+
+def test_keys_from_the_environment() -> None:
+    settings = Settings.load(env={"DPSERVE_API_KEYS": "env-key-0001,env-key-0002", "DPSERVE_INSECURE": "1"})
+    assert settings.api_keys == ("env-key-0001", "env-key-0002") and settings.insecure
+    assert "env-key" not in repr(settings)  # keys never reach logs through the settings' repr
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "127.0.0.2"])
+def test_loopback_binds_need_no_keys(host: str) -> None:
+    check_bind(host, Keys(), insecure=False)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.5", "::", "router.example"])
+def test_other_binds_need_keys_or_insecure(host: str) -> None:
+    with pytest.raises(ValueError, match="--insecure"):
+        check_bind(host, Keys(), insecure=False)
+    check_bind(host, Keys(), insecure=True)
+    check_bind(host, KEYS, insecure=False)

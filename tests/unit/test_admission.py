@@ -1,0 +1,82 @@
+"""Admission control: per-replica limit, FIFO queue, full queue and timeout as 429; no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dpserve.policies.base import ReplicaSnapshot
+from dpserve.router.admission import Admission, Rejected
+
+
+def snapshot(rid: str, in_flight: int) -> ReplicaSnapshot:
+    return ReplicaSnapshot(id=rid, in_flight=in_flight, running=0, waiting=0, in_flight_at_scrape=0, kv_usage=0.0)
+
+
+def test_open_keeps_only_replicas_under_the_limit() -> None:
+    admission = Admission(limit_per_replica=2, queue_size=4, timeout_s=1.0)
+    open_ = admission.open([snapshot("r0", 2), snapshot("r1", 1)])
+    assert [c.id for c in open_] == ["r1"]
+    assert len(Admission(0, 4, 1.0).open([snapshot("r0", 10_000)])) == 1  # 0: no limit
+
+
+async def test_room_at_once_means_no_wait() -> None:
+    admission = Admission(1, 4, 1.0)
+    assert await admission.wait_for_room(lambda: True) == 0.0 and admission.depth == 0
+
+
+async def test_waiters_are_admitted_in_arrival_order_as_slots_free() -> None:
+    admission = Admission(1, 8, 5.0)
+    slots = [0]
+    order: list[int] = []
+
+    async def request(number: int) -> None:
+        await admission.wait_for_room(lambda: slots[0] > 0)
+        slots[0] -= 1
+        order.append(number)
+
+    tasks = [asyncio.create_task(request(n)) for n in range(5)]
+    await asyncio.sleep(0.01)
+    assert admission.depth == 5 and not order
+    for expected in range(1, 6):
+        slots[0] += 1
+        admission.notify()
+        await asyncio.sleep(0.01)
+        assert len(order) == expected
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3, 4] and admission.depth == 0
+
+
+async def test_a_newcomer_does_not_jump_the_queue() -> None:
+    admission = Admission(1, 8, 5.0)
+    room = [False]
+    first = asyncio.create_task(admission.wait_for_room(lambda: room[0]))
+    await asyncio.sleep(0.01)
+    room[0] = True  # room appears, but the head has not been woken yet
+    second = asyncio.create_task(admission.wait_for_room(lambda: room[0]))
+    await asyncio.sleep(0.01)
+    assert not second.done()
+    admission.notify()
+    await asyncio.wait_for(asyncio.gather(first, second), 1.0)
+
+
+async def test_a_full_queue_is_refused_at_once_with_retry_after() -> None:
+    admission = Admission(1, 2, 5.0)
+    waiting = [asyncio.create_task(admission.wait_for_room(lambda: False)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(Rejected) as refused:
+        await admission.wait_for_room(lambda: False)
+    assert refused.value.status == 429 and refused.value.code == "queue_full"
+    assert int(refused.value.headers["retry-after"]) >= 1
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert admission.depth == 0  # cancelled waiters (clients that left) leave the queue
+
+
+async def test_a_wait_past_the_timeout_is_refused() -> None:
+    admission = Admission(1, 4, 0.1)
+    with pytest.raises(Rejected) as refused:
+        await admission.wait_for_room(lambda: False)
+    assert refused.value.code == "queue_timeout" and admission.depth == 0

@@ -1,0 +1,124 @@
+"""The health state machine: thresholds, passive signals, backpressure; no sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpserve.replicas.health import HealthRules, HealthState, HealthTracker, Outcome, classify_status
+from dpserve.replicas.registry import ReplicaRegistry
+
+RULES = HealthRules(fail_threshold=2, rise_threshold=3, passive_fail_threshold=3, backoff_s=5.0)
+
+
+def admitted() -> tuple[HealthTracker, HealthState]:
+    tracker, state = HealthTracker(RULES), HealthState()
+    assert tracker.probe_succeeded(state) and state.healthy
+    return tracker, state
+
+
+def test_a_new_replica_is_admitted_on_its_first_passed_probe() -> None:
+    tracker, state = HealthTracker(RULES), HealthState()
+    assert not tracker.probe_failed(state, 0.0) and not state.healthy
+    assert tracker.probe_succeeded(state) and state.healthy
+
+
+def test_probe_failures_eject_only_at_the_threshold() -> None:
+    tracker, state = admitted()
+    assert not tracker.probe_failed(state, 1.0) and state.healthy
+    assert tracker.probe_succeeded(state) is False  # a pass in between resets the count
+    assert not tracker.probe_failed(state, 2.0) and state.healthy
+    assert tracker.probe_failed(state, 3.0) and not state.healthy
+    assert state.ejected_at == 3.0 and state.ejections == 1
+
+
+def test_an_ejected_replica_needs_rise_threshold_passes_in_a_row() -> None:
+    tracker, state = admitted()
+    tracker.observed(state, Outcome.REFUSED, 1.0)
+    assert not state.healthy
+    assert not tracker.probe_succeeded(state)
+    assert not tracker.probe_succeeded(state)
+    tracker.probe_failed(state, 2.0)  # a failure restarts the count
+    assert not tracker.probe_succeeded(state) and not tracker.probe_succeeded(state)
+    assert tracker.probe_succeeded(state) and state.healthy and state.ejected_at is None
+
+
+def test_a_refused_connection_ejects_at_once() -> None:
+    tracker, state = admitted()
+    assert tracker.observed(state, Outcome.REFUSED, 1.0) and not state.healthy
+    assert not tracker.observed(state, Outcome.REFUSED, 1.1)  # already out: no second transition
+    assert state.ejections == 1
+
+
+@pytest.mark.parametrize("outcome", [Outcome.FAILED, Outcome.SERVER_ERROR])
+def test_traffic_failures_eject_after_passive_threshold_in_a_row(outcome: Outcome) -> None:
+    tracker, state = admitted()
+    assert not tracker.observed(state, outcome, 1.0)
+    assert not tracker.observed(state, outcome, 1.0)
+    assert not tracker.observed(state, Outcome.OK, 1.0)  # a success resets
+    assert not tracker.observed(state, outcome, 1.0) and not tracker.observed(state, outcome, 1.0)
+    assert tracker.observed(state, outcome, 1.0) and not state.healthy
+
+
+def test_client_errors_never_count() -> None:
+    tracker, state = admitted()
+    for _ in range(100):
+        assert not tracker.observed(state, Outcome.CLIENT_ERROR, 1.0)
+    assert state.healthy and state.traffic_failures == 0
+
+
+def test_backpressure_backs_off_without_ejecting() -> None:
+    tracker, state = admitted()
+    for _ in range(10):
+        assert not tracker.observed(state, Outcome.BACKPRESSURE, 10.0)
+    assert state.healthy and state.backed_off(14.9) and not state.backed_off(15.0)
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"),
+    [
+        (200, Outcome.OK),
+        (400, Outcome.CLIENT_ERROR),
+        (404, Outcome.CLIENT_ERROR),
+        (413, Outcome.CLIENT_ERROR),
+        (429, Outcome.BACKPRESSURE),
+        (503, Outcome.BACKPRESSURE),
+        (500, Outcome.SERVER_ERROR),
+        (502, Outcome.SERVER_ERROR),
+    ],
+)
+def test_statuses_are_classified(status: int, outcome: Outcome) -> None:
+    assert classify_status(status) is outcome
+
+
+def test_registry_candidates_prefer_replicas_not_backing_off() -> None:
+    now = [100.0]
+    registry = ReplicaRegistry(["http://a:1", "http://b:2"], RULES, clock=lambda: now[0])
+    for replica in registry:
+        registry.probe_succeeded(replica.id)
+        replica.set_model_cards(({"id": "m"},))
+    registry.observe("r0", Outcome.BACKPRESSURE)
+    assert [c.id for c in registry.candidates("m")] == ["r1"]
+    registry.observe("r1", Outcome.BACKPRESSURE)
+    assert [c.id for c in registry.candidates("m")] == ["r0", "r1"]  # all backing off: all still candidates
+    now[0] += RULES.backoff_s
+    assert [c.id for c in registry.candidates("m")] == ["r0", "r1"]
+
+
+def test_registry_draining_and_removal() -> None:
+    registry = ReplicaRegistry(["http://a:1", "http://b:2"], RULES)
+    changes: list[int] = []
+    registry.on_change(lambda: changes.append(1))
+    for replica in registry:
+        registry.probe_succeeded(replica.id)
+        replica.set_model_cards(({"id": "m"},))
+    registry.set_draining("r0", True)
+    assert [c.id for c in registry.candidates("m")] == ["r1"] and registry.get("r0").state == "draining"
+    registry.acquire("r1")
+    removed = registry.remove("r1")
+    registry.release("r1")  # a request finishing on a removed replica is no error
+    assert removed.in_flight == 1 and "r1" not in registry
+    added = registry.add("http://c:3@gpu=2")
+    assert added.id == "r2" and added.gpu_hint == ("2",)  # ids are never reused
+    with pytest.raises(ValueError, match="already a replica"):
+        registry.add("http://a:1/")
+    assert changes  # listeners heard of the drain and the releases
