@@ -115,7 +115,9 @@ class OpenAIUser(FastHttpUser):
         runner = self.environment.runner
         number = getattr(runner, "worker_index", 0) * 100_000 + next(_user_numbers)
         self.factory = RequestFactory(self.options, number)
-        self.headers = {"Authorization": f"Bearer {parsed.api_key}"} if parsed.api_key else {}
+        # The first key of a comma-separated list (compose passes the router's API_KEYS as they are).
+        key = parsed.api_key.split(",")[0].strip()
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.pool = Pool(max(1, parsed.max_outstanding))
         self.arrival_rate = parsed.arrival_rate / max(1, parsed.num_users or 1) if parsed.arrival_rate else 0.0
         if self.arrival_rate and self.options.kind == "multi_turn":

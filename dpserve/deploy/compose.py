@@ -39,8 +39,10 @@ GRAFANA_DASHBOARDS_DIR = "/etc/dpserve/dashboards"
 LOADTESTS_DIR = "/mnt/loadtests"
 
 # Published ports bind to loopback unless .env says otherwise: the router has no API key by default.
+# Inside the stack's network it must listen on 0.0.0.0, hence its --insecure; keys, once given in
+# API_KEYS, are enforced all the same.
 PUBLISH_ADDRESS = "${PUBLISH_ADDRESS:-127.0.0.1}"
-SECRET_VARIABLES = ("HF_TOKEN",)
+SECRET_VARIABLES = ("HF_TOKEN", "API_KEYS", "ADMIN_KEYS")
 """Passed through from the shell, never written into .env."""
 
 
@@ -116,7 +118,7 @@ def router_targets(options: ComposeOptions) -> list[RouterTarget]:
 
 
 def router_command(options: ComposeOptions) -> list[str]:
-    settings = Settings(host="0.0.0.0", port=ROUTER_PORT, policy=var("POLICY", "kv_aware"))
+    settings = Settings(host="0.0.0.0", port=ROUTER_PORT, policy=var("POLICY", "kv_aware"), insecure=True)
     return list(router_flags(settings, router_targets(options)))
 
 
@@ -125,6 +127,8 @@ def _router_service(options: ComposeOptions) -> dict[str, Any]:
         "build": {"context": ".", "dockerfile": ROUTER_DOCKERFILE},
         "image": "dpserve-router",
         "command": router_command(options),
+        # Comma-separated keys from the shell, like HF_TOKEN: never written into .env.
+        "environment": {"DPSERVE_API_KEYS": "${API_KEYS:-}", "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}"},
         "ports": [f"{PUBLISH_ADDRESS}:{var('ROUTER_PORT', ROUTER_PORT)}:{ROUTER_PORT}"],
         "depends_on": {name: {"condition": "service_healthy"} for name in options.replica_services},
         # NVML only (`utility`, no compute): per-GPU telemetry for /metrics, /status and /dashboard.
@@ -195,7 +199,8 @@ def _loadtest_services(options: ComposeOptions) -> dict[str, dict[str, Any]]:
         "image": var("LOCUST_IMAGE", "locustio/locust:2.47.0"),
         "profiles": ["loadtest"],
         "volumes": [f"./loadtests:{LOADTESTS_DIR}:ro"],
-        "environment": {"LOCUST_HOST": f"http://{ROUTER_SERVICE}:{ROUTER_PORT}"},
+        # The first of API_KEYS, if any: the locustfile sends OPENAI_API_KEY as its Bearer token.
+        "environment": {"LOCUST_HOST": f"http://{ROUTER_SERVICE}:{ROUTER_PORT}", "OPENAI_API_KEY": "${API_KEYS:-}"},
     }
     return {
         "locust-master": {

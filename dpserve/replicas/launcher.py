@@ -18,7 +18,15 @@ import aiohttp
 
 from dpserve.config import Settings
 from dpserve.gpu.nvml import count_nvidia_gpus
-from dpserve.replicas.plan import PlanError, ReplicaPlan, events_known, plan_replicas, plan_sims, router_argv
+from dpserve.replicas.plan import (
+    PlanError,
+    ReplicaPlan,
+    events_known,
+    plan_replicas,
+    plan_sims,
+    router_argv,
+    router_env,
+)
 from dpserve.replicas.process import ManagedProcess, log_tail
 
 log = logging.getLogger("dpserve.up")
@@ -48,7 +56,7 @@ class Launcher:
         self.replicas = [
             ManagedProcess(plan.id, plan.argv, plan.env, run_dir / f"{plan.id}.log", plan.cpus) for plan in plans
         ]
-        self.router = ManagedProcess("router", router_argv(settings, plans, tokenizer), {}, None)
+        self.router = ManagedProcess("router", router_argv(settings, plans, tokenizer), router_env(settings), None)
         self.stopping = asyncio.Event()
         self._started = False
 
@@ -166,8 +174,9 @@ class Launcher:
         raise StartupFailed(f"{proc.name} was not ready after {self.settings.replica_start_timeout_s:.0f}s")
 
     async def shutdown(self) -> None:
-        # The router first, so in-flight streams finish while the replicas still serve them.
-        await self.router.stop(STOP_GRACE_S)
+        # The router first, so in-flight streams finish while the replicas still serve them; it gets
+        # its own grace period and a margin.
+        await self.router.stop(self.settings.shutdown_grace_s + 5)
         await asyncio.gather(*(proc.stop(STOP_GRACE_S) for proc in self.replicas))
         if self._started:
             print("dpserve: stopped every replica and the router", flush=True)

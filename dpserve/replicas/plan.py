@@ -194,13 +194,35 @@ def router_flags(
             argv += [flag, str(getattr(settings, name))]
     if settings.access_log:
         argv.append("--access-log")
+    if settings.insecure:
+        argv.append("--insecure")
     return tuple(argv)
+
+
+def router_env(settings: Settings) -> dict[str, str]:
+    """Keys given on `dpserve up`'s command line reach the router through its environment, never its
+    argv, which any user of the machine can read in `ps`."""
+    env: dict[str, str] = {}
+    if settings.api_keys:
+        env["DPSERVE_API_KEYS"] = ",".join(settings.api_keys)
+    if settings.admin_keys:
+        env["DPSERVE_ADMIN_KEYS"] = ",".join(settings.admin_keys)
+    return env
 
 
 _ROUTER_VALUE_FLAGS = (
     ("--max-body-bytes", "max_body_bytes"),
+    ("--max-header-bytes", "max_header_bytes"),
     ("--probe-interval", "probe_interval_s"),
+    ("--fail-threshold", "fail_threshold"),
+    ("--rise-threshold", "rise_threshold"),
     ("--retries", "retries"),
+    ("--max-in-flight", "max_in_flight"),
+    ("--queue-size", "queue_size"),
+    ("--queue-timeout", "queue_timeout_s"),
+    ("--api-key-file", "api_key_file"),
+    ("--admin-key-file", "admin_key_file"),
+    ("--shutdown-grace", "shutdown_grace_s"),
     ("--log-level", "log_level"),
     ("--gpu-interval", "gpu_interval_s"),
 )

@@ -61,13 +61,14 @@ def locust_stats(prefix: Path) -> dict[tuple[str, str], dict[str, str]]:
         return {(row["Type"], row["Name"]): row for row in csv.DictReader(handle)}
 
 
-def router_status(url: str) -> dict[str, Any]:
-    return httpx.get(f"{url}/status", timeout=5).json()
+def router_status(url: str, admin_key: str | None = None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    return httpx.get(f"{url}/status", timeout=5, headers=headers).json()
 
 
-def healthy_count(url: str) -> int:
+def healthy_count(url: str, admin_key: str | None = None) -> int:
     try:
-        return sum(1 for replica in router_status(url)["replicas"] if replica["healthy"])
+        return sum(1 for replica in router_status(url, admin_key)["replicas"] if replica["healthy"])
     except httpx.HTTPError:
         return 0
 
@@ -144,7 +145,14 @@ def _answers(url: str) -> bool:
         return False
 
 
-def start_router(replica_urls: list[str], policy: str, *extra: str, expect_healthy: int | None = None) -> RouterProcess:
+def start_router(
+    replica_urls: list[str],
+    policy: str,
+    *extra: str,
+    expect_healthy: int | None = None,
+    admin_key: str | None = None,
+) -> RouterProcess:
+    """`admin_key`: the router's, when it has keys (its /status then needs it)."""
     port = free_port()
     command = [sys.executable, "-m", "dpserve", "router", "--policy", policy, "--port", str(port)]
     for url in replica_urls:
@@ -154,7 +162,7 @@ def start_router(replica_urls: list[str], policy: str, *extra: str, expect_healt
     router = RouterProcess(f"http://127.0.0.1:{port}", process)
     try:
         expected = len(replica_urls) if expect_healthy is None else expect_healthy
-        wait_until(lambda: healthy_count(router.url) == expected, ROUTER_START_TIMEOUT_S, what="router")
+        wait_until(lambda: healthy_count(router.url, admin_key) == expected, ROUTER_START_TIMEOUT_S, what="router")
     except AssertionError:
         stop_router(router)
         raise
