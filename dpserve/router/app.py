@@ -56,7 +56,14 @@ from dpserve.router.gpu_metrics import GpuCollector
 from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
 from dpserve.router.proxy import Buffered, Dispatcher, RetryRules, Streaming
-from dpserve.router.request_body import PROXIED_ENDPOINTS, Endpoint, parse_body, read_limited, with_model
+from dpserve.router.request_body import (
+    PROXIED_ENDPOINTS,
+    Endpoint,
+    parse_body,
+    read_limited,
+    request_schema,
+    with_model,
+)
 
 log = logging.getLogger("dpserve.router")
 
@@ -243,7 +250,15 @@ def create_app(
     add_admin_routes(app, fleet, lambda replica: _replica_status(replica, state))
 
     for endpoint in PROXIED_ENDPOINTS:
-        app.add_api_route(endpoint.path, _proxy_handler(state, endpoint), methods=["POST"], name=endpoint.name)
+        app.add_api_route(
+            endpoint.path,
+            _proxy_handler(state, endpoint),
+            methods=["POST"],
+            name=endpoint.name,
+            openapi_extra={
+                "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema(endpoint)}}}
+            },
+        )
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -454,6 +469,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return OpenAIError(exc.status_code, message, type=status_type(exc.status_code)).to_response(
             dict(exc.headers or {})
         )
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # never read: the client has gone
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:

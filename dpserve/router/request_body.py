@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from starlette.requests import ClientDisconnect
 
+from dpserve.disconnect import ClientGone
 from dpserve.router.errors import OpenAIError, bad_request
 
 
@@ -46,11 +48,14 @@ async def read_limited(headers: Mapping[str, str], chunks: AsyncIterator[bytes],
             raise bad_request("Invalid Content-Length header.") from None
     parts: list[bytes] = []
     size = 0
-    async for chunk in chunks:
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        parts.append(chunk)
+    try:
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            parts.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None  # the client left before its body was complete: no one to answer
     return b"".join(parts)
 
 
@@ -110,6 +115,41 @@ def _check_field(endpoint: Endpoint, value: Any) -> None:
         f"`{endpoint.required_field}` must be a string, an array of strings, or token ids.",
         param=endpoint.required_field,
     )
+
+
+_TOKEN_IDS: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_TEXT_OR_TOKENS: dict[str, Any] = {
+    "oneOf": [
+        {"type": "string"},
+        {"type": "array", "minItems": 1, "items": {"type": "string"}},
+        _TOKEN_IDS,
+        {"type": "array", "minItems": 1, "items": _TOKEN_IDS},
+    ]
+}
+
+
+def request_schema(endpoint: Endpoint) -> dict[str, Any]:
+    """The JSON schema of what the router itself checks in a body (for its OpenAPI document); any other
+    field passes through to the replica, which validates it."""
+    required = {
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {"type": "object", "required": ["role"], "properties": {"role": {"type": "string"}}},
+        },
+        "prompt": _TEXT_OR_TOKENS,
+        "input": _TEXT_OR_TOKENS,
+    }[endpoint.required_field]
+    properties: dict[str, Any] = {"model": {"type": "string", "minLength": 1}, endpoint.required_field: required}
+    if endpoint.can_stream:
+        properties["stream"] = {"type": ["boolean", "null"]}
+    properties["max_tokens"] = {"type": "integer", "minimum": 1}
+    return {
+        "type": "object",
+        "required": [endpoint.required_field],
+        "properties": properties,
+        "additionalProperties": True,
+    }
 
 
 def _is_token_list(items: list[Any]) -> bool:

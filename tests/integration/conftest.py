@@ -10,6 +10,7 @@ import csv
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ class Fleet:
 class RouterProcess:
     url: str
     process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        """What the router wrote to stderr (a file, not a pipe: a full pipe would stall a chatty router)."""
+        return self.log_path.read_text(errors="replace")
 
 
 def wait_until(
@@ -158,8 +164,9 @@ def start_router(
     for url in replica_urls:
         command += ["--replica", url]
     command += ["--probe-interval", "0.2", "--log-level", "warning", *extra]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    router = RouterProcess(f"http://127.0.0.1:{port}", process)
+    with tempfile.NamedTemporaryFile(prefix="dpserve-router-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+    router = RouterProcess(f"http://127.0.0.1:{port}", process, Path(log.name))
     try:
         expected = len(replica_urls) if expect_healthy is None else expect_healthy
         wait_until(lambda: healthy_count(router.url, admin_key) == expected, ROUTER_START_TIMEOUT_S, what="router")
@@ -169,8 +176,13 @@ def start_router(
     return router
 
 
-def stop_router(router: RouterProcess) -> None:
+def stop_router(router: RouterProcess) -> str:
+    """Stops the router; returns what it logged."""
     stop_process(router.process, 30)
+    log = router.log()
+    with contextlib.suppress(OSError):
+        router.log_path.unlink()
+    return log
 
 
 stop_process = terminate

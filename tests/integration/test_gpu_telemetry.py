@@ -132,9 +132,7 @@ def test_router_without_a_gpu_says_so_once_and_reports_its_replicas(fleet: Fleet
         assert "dpserve_gpu_utilization_ratio{" not in metrics
         time.sleep(1)  # several sampling ticks pass (0.2 s each): still one line
     finally:
-        stop_router(router)
-    assert router.process.stderr is not None
-    log = router.process.stderr.read().decode()
+        log = stop_router(router)
     assert len(re.findall(r"no NVIDIA GPU found: ", log)) == 1, log
     # `dpserve up` (the shared fleet: launcher, replicas, router in one output) says it once too.
     assert fleet.log_path.read_text(errors="replace").count("no NVIDIA GPU found: ") == 1
