@@ -86,6 +86,26 @@ class RouterState:
     fleet: FleetControl | None = None
     gpus: GpuSampler | None = None
     started_at: float = 0.0
+    streams: set[Streaming] = dataclasses.field(default_factory=set)
+    """Streams being relayed, so a shutdown past its grace period can end each one properly."""
+    draining: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Called from the SIGTERM handler (any thread): /ready turns 503 at once, and streams still
+        open shortly before the grace period ends get an error event and [DONE] instead of a cut."""
+        self.draining = True
+        loop = self.loop
+        if loop is None:
+            return
+        cut_after = max(0.0, grace_s - min(1.0, grace_s / 2))
+        loop.call_soon_threadsafe(loop.call_later, cut_after, self._cut_streams)
+
+    def _cut_streams(self) -> None:
+        if self.streams:
+            log.warning("shutdown grace period ending: cutting %d stream(s) in flight", len(self.streams))
+        for stream in list(self.streams):
+            stream.cut("The router is shutting down; this stream was ended before it finished.")
 
 
 def policy_tuning(settings: Settings) -> PolicyTuning:
@@ -219,6 +239,7 @@ def create_app(
         for subscriber in state.subscribers:
             subscriber.start()
         state.started_at = time.time()
+        state.loop = asyncio.get_running_loop()
         if state.gpus is not None:
             # First reading before serving: /status has the GPUs at once, and a host without one
             # logs its single `no NVIDIA GPU found: ...` line at start.
@@ -273,8 +294,14 @@ def create_app(
     @app.get("/ready")
     async def ready() -> JSONResponse:
         healthy = len(state.registry.healthy())
-        body = {"ready": healthy > 0, "healthy_replicas": healthy, "replicas": len(state.registry)}
-        return JSONResponse(body, status_code=200 if healthy else 503)
+        ready = healthy > 0 and not state.draining
+        body = {
+            "ready": ready,
+            "healthy_replicas": healthy,
+            "replicas": len(state.registry),
+            "draining": state.draining,
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -396,7 +423,7 @@ def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Callable[[Request]
                 # Always OpenAI-shaped JSON by now, whatever the replica's own content type was.
                 body, media_type = upstream_error_body(outcome.status, body, endpoint.path), "application/json"
             return Response(body, status_code=outcome.status, headers=headers, media_type=media_type)
-        return _RelayResponse(outcome, headers, endpoint, metrics, started)
+        return _RelayResponse(outcome, headers, endpoint, metrics, started, state.streams)
 
     return handle
 
@@ -433,18 +460,22 @@ class _RelayResponse(StreamingResponse):
         endpoint: Endpoint,
         metrics: RouterMetrics,
         started: float,
+        open_streams: set[Streaming],
     ) -> None:
         super().__init__(stream, status_code=stream.status, headers=headers, media_type=stream.content_type)
         self._stream = stream
+        self._open_streams = open_streams
         self._endpoint = endpoint
         self._metrics = metrics
         self._started = started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._open_streams.add(self._stream)
         try:
             await super().__call__(scope, receive, send)
         finally:
             stream = self._stream
+            self._open_streams.discard(stream)
             stream.finish()
             status = str(stream.status)
             if not stream.completed and not stream.broken:

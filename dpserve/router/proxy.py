@@ -76,6 +76,13 @@ class Streaming:
         self._registry = registry
         self._metrics = metrics
         self._finished = False
+        self._cut_reason: str | None = None
+
+    def cut(self, reason: str) -> None:
+        """End the stream early on the router's own behalf (shutdown past its grace period): the
+        client still gets an error event and [DONE], and the replica is not blamed."""
+        self._cut_reason = reason
+        self._resp.close()
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._relay()
@@ -112,9 +119,13 @@ class Streaming:
             self.completed = True
         except RETRYABLE as exc:
             # Bytes already reached the client, so no retry: end the stream cleanly with an error.
+            self.broken = True
+            if self._cut_reason is not None:
+                yield stream_error_event(self._cut_reason, "router_shutdown")
+                yield SSE_DONE
+                return
             log.warning("stream from replica %s broke mid-response (%s)", self.replica_id, type(exc).__name__)
             self._registry.observe(self.replica_id, Outcome.FAILED, f"stream broke: {type(exc).__name__}")
-            self.broken = True
             self._metrics.broken_streams.labels(self.replica_id).inc()
             yield stream_error_event("The replica serving this stream failed mid-response.")
             yield SSE_DONE
@@ -256,6 +267,6 @@ class Dispatcher:
                 registry.release(replica_id)
 
 
-def stream_error_event(message: str) -> bytes:
-    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "stream_broken"}}
+def stream_error_event(message: str, code: str = "stream_broken") -> bytes:
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return b"data: " + orjson.dumps(error) + SSE_EVENT_END

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from types import FrameType
 
 import prometheus_client
 import uvicorn
@@ -25,7 +27,7 @@ def serve_router(settings: Settings) -> int:
     except ValueError as exc:  # a bad --replica, --kv-events, --tokenizer or key, or an unsafe bind
         print(f"dpserve router: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -37,4 +39,20 @@ def serve_router(settings: Settings) -> int:
         # long to finish before they are cut.
         timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
+    state = app.state.router
+    DrainingServer(config, lambda: state.begin_drain(settings.shutdown_grace_s)).run()
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the app when a shutdown begins (uvicorn itself tells it only once
+    every connection has closed, too late to end streams properly)."""
+
+    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_drain = on_drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            self._on_drain()
+        super().handle_exit(sig, frame)
