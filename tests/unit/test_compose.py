@@ -205,6 +205,9 @@ def test_router_finds_every_replica_by_service_name_and_waits_for_them(gpus: int
     assert args.replicas == [f"http://{name}:8000@gpu={index}" for index, name in enumerate(services)]
     assert args.kv_events == [f"http://{name}:8000=tcp://{name}:5557" for name in services]
     assert (args.policy, args.host, args.port) == (ENV["POLICY"], "0.0.0.0", 8000)
+    # 0.0.0.0 inside the stack's network needs --insecure; keys come from the shell, as HF_TOKEN does.
+    assert args.insecure is True
+    assert router["environment"] == {"DPSERVE_API_KEYS": "${API_KEYS:-}", "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}"}
     assert router["depends_on"] == {name: {"condition": "service_healthy"} for name in services}
     assert router["ports"] == ["${PUBLISH_ADDRESS:-127.0.0.1}:${ROUTER_PORT:-8000}:8000"]
     # NVML only: every GPU is read, none is used for compute.

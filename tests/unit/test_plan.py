@@ -3,13 +3,14 @@ from __future__ import annotations
 import json
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
 from dpserve.cli import build_parser
 from dpserve.config import Settings
 from dpserve.replicas.launcher import busy_ports
-from dpserve.replicas.plan import PlanError, plan_replicas, plan_sims, router_argv, split_cores
+from dpserve.replicas.plan import PlanError, plan_replicas, plan_sims, router_argv, router_env, split_cores
 
 
 def test_split_cores_disjoint_and_covering() -> None:
@@ -81,6 +82,30 @@ def test_router_argv_is_the_public_router_command() -> None:
         "http://127.0.0.1:9100=tcp://127.0.0.1:5557",
         "http://127.0.0.1:9101=tcp://127.0.0.1:5558",
     ]
+
+
+def test_router_argv_carries_reliability_flags_and_keys_go_through_the_environment(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    settings = Settings(
+        sim_replicas=1,
+        api_keys=("secret-user-key",),
+        admin_keys=("secret-admin-key",),
+        api_key_file=keys,
+        max_in_flight=8,
+        queue_timeout_s=2.5,
+        fail_threshold=4,
+        shutdown_grace_s=7.0,
+        insecure=True,
+    )
+    argv = router_argv(settings, plan_sims(settings, "tiny"))
+    assert not any("secret" in arg for arg in argv)  # `ps` shows argv to every user of the machine
+    args = build_parser().parse_args(list(argv[3:]))
+    assert (args.max_in_flight, args.queue_timeout_s, args.fail_threshold) == (8, 2.5, 4)
+    assert (args.shutdown_grace_s, args.insecure, args.api_key_file) == (7.0, True, keys)
+    env = router_env(settings)
+    assert env == {"DPSERVE_API_KEYS": "secret-user-key", "DPSERVE_ADMIN_KEYS": "secret-admin-key"}
+    assert Settings.load(env=env).api_keys == ("secret-user-key",)
+    assert router_env(Settings()) == {}
 
 
 def test_router_argv_leaves_the_policy_default_and_events_to_what_is_known() -> None:
