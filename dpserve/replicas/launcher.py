@@ -28,6 +28,7 @@ from dpserve.replicas.plan import (
     router_env,
 )
 from dpserve.replicas.process import ManagedProcess, log_tail
+from dpserve.router.access import check_bind, load_keys
 
 log = logging.getLogger("dpserve.up")
 STOP_GRACE_S = 30.0
@@ -223,6 +224,12 @@ def _plan(settings: Settings) -> tuple[list[ReplicaPlan], str | None]:
 
 def run_launcher(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        # The router's own refusals, before minutes of starting replicas for nothing.
+        check_bind(settings.host, load_keys(settings), settings.insecure)
+    except ValueError as exc:
+        print(f"dpserve: {exc}", file=sys.stderr)
+        return 2
     try:
         plans, tokenizer = _plan(settings)
     except PlanError as exc:

@@ -59,10 +59,43 @@ class Traffic:
                     self.failures.append(f"{response.status_code} {response.text[:200]}")
 
 
+class StreamTraffic(Traffic):
+    """Sequential streams beside the non-streaming traffic: each must end with [DONE], a cut one with
+    an SSE error event just before it."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.broken = 0
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                try:
+                    events = self._one(client)
+                except httpx.HTTPError as exc:
+                    self.failures.append(repr(exc))
+                    continue
+                if not events or events[-1] != "[DONE]":
+                    self.failures.append(f"stream ended without [DONE]: {events[-3:]}")
+                elif len(events) > 1 and events[-2].startswith('{"error"'):
+                    self.broken += 1
+
+    def _one(self, client: httpx.Client) -> list[str]:
+        events: list[str] = []
+        body = {**REQUEST, "max_tokens": 32, "stream": True}
+        with client.stream("POST", f"{self.url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                self.failures.append(f"stream answered {response.status_code}")
+                return ["[DONE]"]
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+            self.served.append((time.monotonic(), response.headers["x-dpserve-replica"]))
+        return events
+
+
 def test_killed_replica_fails_no_request_and_is_restarted_and_readmitted(fleet: Fleet) -> None:
     victim_url = fleet.replica_urls[0]
     victim = replica_process(fleet, victim_url)
-    with Traffic(fleet.router_url) as traffic:
+    with Traffic(fleet.router_url) as traffic, StreamTraffic(fleet.router_url) as streams:
         wait_until(lambda: len(traffic.served) >= 10, timeout_s=60, what="traffic to flow")
         killed_at = time.monotonic()
         victim.send_signal(signal.SIGKILL)
@@ -74,9 +107,10 @@ def test_killed_replica_fails_no_request_and_is_restarted_and_readmitted(fleet: 
     after = [replica for t, replica in traffic.served if t > killed_at + 1]
     print(
         f"\nfailover: {len(traffic.served)} requests, {len(traffic.failures)} failed; after the kill all went to "
-        f"{collections.Counter(after)}"
+        f"{collections.Counter(after)}; {len(streams.served)} streams alongside, {streams.broken} cut by the kill "
+        f"(ended with an error event and [DONE]), {len(streams.failures)} failed"
     )
-    assert traffic.failures == []
+    assert traffic.failures == [] and streams.failures == []
     assert set(after) == {"r1"}
 
     # The launcher restarts it and the router takes it back once it answers its probes.

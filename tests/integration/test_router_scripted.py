@@ -13,6 +13,7 @@ import httpx
 import orjson
 import pytest
 from aiohttp import web
+from fastapi import FastAPI
 
 from dpserve.config import Settings
 from dpserve.router.app import create_app
@@ -76,8 +77,10 @@ async def running(
     replicas: list[ScriptedReplica],
     policy: str = "round_robin",
     extra_urls: tuple[str, ...] = (),
+    apps: list[FastAPI] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[str]:
+    """`apps`, when given, receives the router's app (to reach its state)."""
     runners = []
     for replica in replicas:
         runner = web.AppRunner(replica.app())
@@ -89,8 +92,11 @@ async def running(
     settings = Settings(
         replicas=(*[r.url for r in replicas], *extra_urls), policy=policy, probe_interval_s=0.2, **overrides
     )
+    app = create_app(settings)
+    if apps is not None:
+        apps.append(app)
     try:
-        async with serving(create_app(settings)) as url:
+        async with serving(app) as url:
             yield url
     finally:
         for runner in runners:
@@ -193,3 +199,15 @@ async def test_a_plain_text_replica_error_reaches_the_client_as_openai_json() ->
     assert response.status_code == 502
     assert response.headers["content-type"] == "application/json"
     assert "upstream proxy exploded" in response.json()["error"]["message"]
+
+
+async def test_ready_turns_503_when_a_shutdown_begins() -> None:
+    apps: list[FastAPI] = []
+    async with running([ScriptedReplica()], apps=apps) as url, httpx.AsyncClient() as client:
+        assert (await client.get(f"{url}/ready")).json()["ready"] is True
+        apps[0].state.router.begin_drain(30.0)  # what the SIGTERM handler calls
+        ready = await client.get(f"{url}/ready")
+        served = await client.post(f"{url}/v1/completions", json={"prompt": "x"})
+    # Load balancers stop sending; what still arrives on open connections is served.
+    assert ready.status_code == 503 and ready.json()["draining"] is True
+    assert served.status_code == 200
