@@ -13,6 +13,7 @@ import uvicorn
 from dpserve.config import Settings
 from dpserve.router.access import check_bind, load_keys
 from dpserve.router.app import create_app
+from dpserve.router.http_protocol import bounded_protocol
 
 
 def serve_router(settings: Settings) -> int:
@@ -32,7 +33,7 @@ def serve_router(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=bounded_protocol(settings.max_header_bytes),
         access_log=settings.access_log,
         log_level=settings.log_level,
         # On SIGTERM uvicorn stops listening at once, then requests in flight (streams too) get this

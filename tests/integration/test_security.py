@@ -4,11 +4,14 @@ in front of simulator replicas on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import httpx
+import psutil
 import pytest
 
 from dpserve.replicas.prometheus_text import parse_samples
@@ -124,6 +127,27 @@ def test_oversized_headers_and_bodies_are_refused_and_the_router_serves_on(keyed
     assert big_body.status_code == 413 and big_body.json()["error"]["code"] == "body_too_large"
     ok = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=bearer(USER_KEY), timeout=30)
     assert ok.status_code == 200
+
+
+def test_an_endless_header_is_cut_off_without_filling_the_routers_memory(keyed_router: RouterProcess) -> None:
+    router = psutil.Process(keyed_router.process.pid)
+    before = router.memory_info().rss
+    host, port = keyed_router.url.removeprefix("http://").split(":")
+    sent_mib = 0
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: ")
+        with contextlib.suppress(OSError):
+            for _ in range(64):
+                sock.sendall(b"a" * (1 << 20))
+                sent_mib += 1
+        answer = b""
+        with contextlib.suppress(OSError):
+            answer = sock.recv(4096)
+    grown_mib = (router.memory_info().rss - before) / (1 << 20)
+    assert sent_mib < 8, "the router kept reading an endless header"
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert grown_mib < 16, f"the router grew {grown_mib:.0f} MiB"
+    assert httpx.get(f"{keyed_router.url}/health").status_code == 200
 
 
 def test_without_keys_the_router_refuses_to_listen_beyond_loopback(sim: SimProcess) -> None:
