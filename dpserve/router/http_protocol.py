@@ -2,8 +2,9 @@
 
 httptools buffers a header until it is complete, however long, so one client could fill the router's
 memory with an endless header line: measured, 200 MiB sent in one header grew the process by 240 MiB.
-This counts the bytes a request's head arrives in and answers 431 once they pass the bound, before
-the app (whose own header check runs only on complete heads) ever sees the request.
+This counts the bytes a request's head arrives in and answers 431 once they pass the bound with the
+head still incomplete, before the app (whose own header check runs only on complete heads) ever sees
+the request. The parser then holds at most one read beyond the bound.
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        if self._in_head:
+        counting = self._in_head
+        if counting:
             self._head_bytes += len(data)
-            if self._head_bytes > self.max_head_bytes:
-                self._refuse()
-                return
         super().data_received(data)
+        # Judged after parsing: one read may hold a whole head and the start of a large body.
+        if counting and self._in_head and self._head_bytes > self.max_head_bytes:
+            self._refuse()
 
     def _refuse(self) -> None:
         self._refused = True
+        if self.transport.is_closing():  # the parser already answered 400 and closed it
+            return
         body = orjson.dumps(
             {
                 "error": {
