@@ -4,12 +4,17 @@ waiting for an endpoint to answer, starting a fleet with `dpserve up`, and progr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import aiohttp
 
@@ -105,3 +110,27 @@ async def start_up(
 
 def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def stop_all(processes: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """Stop every child, the last started first (a router before its replicas)."""
+    for process in reversed(processes):
+        terminate(process, grace_s)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While the block runs, SIGTERM unwinds like Ctrl-C, so every `finally` stops the children it
+    started. Signal handlers can only be set from the main thread: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

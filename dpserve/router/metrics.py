@@ -253,6 +253,11 @@ class RoutingStateCollector(Collector):
             lookups.add_metric(["hit"], self._tokens.hits)
             lookups.add_metric(["miss"], self._tokens.misses)
             yield lookups
+            yield GaugeMetricFamily(
+                "dpserve_token_cache_entries",
+                "Prompts whose token ids the router keeps (an LRU).",
+                value=len(self._tokens),
+            )
             yield CounterMetricFamily(
                 "dpserve_routing_tokenize_failures",
                 "Requests whose token ids could not be had (they were routed on load alone).",
