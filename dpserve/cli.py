@@ -33,6 +33,15 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-temperature", type=float, dest="kv_temperature", help="kv_aware: softmax temperature")
     parser.add_argument("--balance-abs", type=int, dest="balance_abs", help="affinity guard: extra requests (8)")
     parser.add_argument("--balance-rel", type=float, dest="balance_rel", help="affinity guard: load ratio (1.5)")
+    parser.add_argument(
+        "--kv-index-max-entries",
+        type=int,
+        dest="kv_index_max_entries",
+        help="KV index bound, in blocks (2000000; about 470 bytes each)",
+    )
+    parser.add_argument(
+        "--prefix-index-max-chunks", type=int, dest="prefix_index_max_chunks", help="prefix policy's index bound"
+    )
     parser.add_argument("--host", help="address the router binds (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="router port (default 8000)")
     parser.add_argument("--max-body-bytes", type=int, dest="max_body_bytes", help="largest request body accepted")

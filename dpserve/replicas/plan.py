@@ -211,6 +211,8 @@ def router_env(settings: Settings) -> dict[str, str]:
 
 
 _ROUTER_VALUE_FLAGS = (
+    ("--kv-index-max-entries", "kv_index_max_entries"),
+    ("--prefix-index-max-chunks", "prefix_index_max_chunks"),
     ("--max-body-bytes", "max_body_bytes"),
     ("--max-header-bytes", "max_header_bytes"),
     ("--probe-interval", "probe_interval_s"),

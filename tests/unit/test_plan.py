@@ -93,6 +93,7 @@ def test_router_argv_carries_reliability_flags_and_keys_go_through_the_environme
         api_key_file=keys,
         max_in_flight=8,
         queue_timeout_s=2.5,
+        kv_index_max_entries=5000,
         fail_threshold=4,
         shutdown_grace_s=7.0,
         insecure=True,
@@ -101,6 +102,7 @@ def test_router_argv_carries_reliability_flags_and_keys_go_through_the_environme
     assert not any("secret" in arg for arg in argv)  # `ps` shows argv to every user of the machine
     args = build_parser().parse_args(list(argv[3:]))
     assert (args.max_in_flight, args.queue_timeout_s, args.fail_threshold) == (8, 2.5, 4)
+    assert args.kv_index_max_entries == 5000
     assert (args.shutdown_grace_s, args.insecure, args.api_key_file) == (7.0, True, keys)
     env = router_env(settings)
     assert env == {"DPSERVE_API_KEYS": "secret-user-key", "DPSERVE_ADMIN_KEYS": "secret-admin-key"}
