@@ -5,7 +5,9 @@
   a fleet starts serving at once.
 - Passive signals from traffic: a refused connection ejects at once (nothing listens there); other
   failures (timeouts, dropped connections, 5xx) eject after `passive_fail_threshold` in a row. Any
-  success resets the count. 4xx is the client's fault and never counts.
+  success resets the count. 4xx is the client's fault and never counts. Those softer signals never
+  eject the last replica in routing (as Envoy's max ejection percent): a few requests that make a
+  healthy engine fail must not take the whole service down; its probes still can.
 - Backpressure (429, 503 with the replica still answering): the replica is not ejected but avoided
   for `backoff_s` while another replica can take the request.
 """
@@ -87,7 +89,8 @@ class HealthTracker:
             return self._eject(state, now)
         return False
 
-    def observed(self, state: HealthState, outcome: Outcome, now: float) -> bool:
+    def observed(self, state: HealthState, outcome: Outcome, now: float, last_standing: bool = False) -> bool:
+        """`last_standing`: no other replica is in routing."""
         if outcome is Outcome.OK:
             state.traffic_failures = 0
             return False
@@ -99,7 +102,7 @@ class HealthTracker:
         if outcome is Outcome.REFUSED:
             return self._eject(state, now)
         state.traffic_failures += 1
-        if state.traffic_failures >= self.rules.passive_fail_threshold:
+        if state.traffic_failures >= self.rules.passive_fail_threshold and not last_standing:
             return self._eject(state, now)
         return False
 

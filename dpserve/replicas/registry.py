@@ -204,7 +204,8 @@ class ReplicaRegistry:
             return
         if outcome not in (Outcome.OK, Outcome.CLIENT_ERROR) and reason:
             replica.last_error = reason
-        if self._tracker.observed(replica.health, outcome, self._clock()):
+        last_standing = replica.routable and not any(r.routable for r in self._replicas.values() if r is not replica)
+        if self._tracker.observed(replica.health, outcome, self._clock(), last_standing):
             log.warning("replica %s ejected: requests failed (%s)", replica.id, reason or outcome.value)
 
     def _changed(self) -> None:

@@ -120,6 +120,15 @@ async def test_a_5xx_before_the_first_byte_is_retried_and_repeated_5xx_eject_the
     assert [r["state"] for r in status["replicas"]] == ["ejected", "healthy"]
 
 
+async def test_5xx_never_eject_the_only_replica_left() -> None:
+    replica = ScriptedReplica(mode="http_500")
+    async with running([replica]) as url, httpx.AsyncClient() as client:
+        statuses = [(await client.post(f"{url}/v1/completions", json={"prompt": "x"})).status_code for _ in range(6)]
+        status = (await client.get(f"{url}/status")).json()
+    # Its 500s reach the clients as they are; the replica stays in routing (its probes pass).
+    assert statuses == [500] * 6 and status["replicas"][0]["state"] == "healthy"
+
+
 async def test_4xx_from_a_replica_never_counts_against_it() -> None:
     replica = ScriptedReplica(mode="not_found")
     async with running([replica]) as url, httpx.AsyncClient() as client:

@@ -59,6 +59,30 @@ def test_traffic_failures_eject_after_passive_threshold_in_a_row(outcome: Outcom
     assert tracker.observed(state, outcome, 1.0) and not state.healthy
 
 
+def test_soft_failures_never_eject_the_last_replica_standing_but_a_refusal_does() -> None:
+    tracker, state = admitted()
+    for _ in range(10):
+        assert not tracker.observed(state, Outcome.SERVER_ERROR, 1.0, last_standing=True)
+        assert not tracker.observed(state, Outcome.FAILED, 1.0, last_standing=True)
+    assert state.healthy
+    assert tracker.observed(state, Outcome.REFUSED, 1.0, last_standing=True) and not state.healthy
+
+
+def test_the_registry_keeps_its_last_routable_replica_on_5xx() -> None:
+    registry = ReplicaRegistry(["http://a:1", "http://b:2"], RULES)
+    for replica in registry:
+        registry.probe_succeeded(replica.id)
+    for _ in range(RULES.passive_fail_threshold):
+        registry.observe("r0", Outcome.SERVER_ERROR)
+    assert registry.get("r0").state == "ejected"
+    for _ in range(10):
+        registry.observe("r1", Outcome.SERVER_ERROR)
+    assert registry.get("r1").state == "healthy"  # the last one: only probes may take it out
+    registry.probe_failed("r1", "down")
+    registry.probe_failed("r1", "down")
+    assert registry.get("r1").state == "ejected"
+
+
 def test_client_errors_never_count() -> None:
     tracker, state = admitted()
     for _ in range(100):
