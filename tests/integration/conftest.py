@@ -133,18 +133,21 @@ def running_sim(*args: str) -> Iterator[SimProcess]:
     """One `dpserve sim` on free loopback ports, publishing KV events, until the block ends."""
     port, kv_port = free_port(), free_port()
     kv_events = f"tcp://127.0.0.1:{kv_port}"
-    command = [sys.executable, "-m", "dpserve", "sim", "--port", str(port), "--kv-events", kv_events, *args]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(sim_command(port, kv_events, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sim = SimProcess(f"http://127.0.0.1:{port}", kv_events, process)
     try:
-        wait_until(lambda: _answers(f"{sim.url}/health") or process.poll() is not None, 30, 0.1, "sim")
+        wait_until(lambda: answers(f"{sim.url}/health") or process.poll() is not None, 30, 0.1, "sim")
         assert process.poll() is None, process.stderr.read().decode() if process.stderr else "sim exited"
         yield sim
     finally:
         stop_process(process, 10)
 
 
-def _answers(url: str) -> bool:
+def sim_command(port: int, kv_events: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "dpserve", "sim", "--port", str(port), "--kv-events", kv_events, *args]
+
+
+def answers(url: str) -> bool:
     try:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:

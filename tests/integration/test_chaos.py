@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -23,7 +22,15 @@ import pytest
 
 from dpserve.replicas.prometheus_text import parse_samples
 from tests.conftest import free_port
-from tests.integration.conftest import router_status, start_router, stop_process, stop_router, wait_until
+from tests.integration.conftest import (
+    answers,
+    router_status,
+    sim_command,
+    start_router,
+    stop_process,
+    stop_router,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -52,21 +59,14 @@ class SimSlot:
         return f"tcp://127.0.0.1:{self.kv_port}"
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "dpserve", "sim", "--port", str(self.port), "--kv-events", self.kv_events]
-        self.process = subprocess.Popen([*command, *SIM_ARGS], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(lambda: _answers(f"{self.url}/health"), 30, 0.05, "sim")
+        command = sim_command(self.port, self.kv_events, *SIM_ARGS)
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: answers(f"{self.url}/health"), 30, 0.05, "sim")
 
     def kill(self) -> None:
         assert self.process is not None
         os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @contextlib.contextmanager
