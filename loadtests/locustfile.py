@@ -53,7 +53,11 @@ def _add_options(parser: Any) -> None:
     group.add_argument("--model", default="dpserve-tiny", help="model name sent in every request")
     group.add_argument("--no-ignore-eos", action="store_true", help="do not send vLLM's ignore_eos")
     group.add_argument("--seed", type=int, default=0, help="seed of every prompt")
-    group.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""), help="sent as a Bearer token")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", ""),
+        help="sent as a Bearer token (the first, if a comma-separated list)",
+    )
     group.add_argument("--shape", choices=SHAPES, default="steady", help="steady or a step ramp")
     group.add_argument("--step-users", type=int, default=0, help="steps: users added per step")
     group.add_argument("--step-time", type=float, default=0.0, help="steps: seconds per step")
