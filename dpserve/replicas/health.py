@@ -37,6 +37,10 @@ class Outcome(Enum):
     REFUSED = "refused"  # nothing accepted the connection
 
 
+SOFT_FAILURES = frozenset({Outcome.SERVER_ERROR, Outcome.FAILED})
+"""Counted towards passive ejection, which they never cause for the last replica standing."""
+
+
 def classify_status(status: int) -> Outcome:
     if status in (429, 503):
         return Outcome.BACKPRESSURE

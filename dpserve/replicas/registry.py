@@ -10,7 +10,7 @@ from typing import Any
 
 from dpserve.gpu.placement import parse_replica_spec
 from dpserve.policies.base import ReplicaSnapshot
-from dpserve.replicas.health import HealthRules, HealthState, HealthTracker, Outcome
+from dpserve.replicas.health import SOFT_FAILURES, HealthRules, HealthState, HealthTracker, Outcome
 
 log = logging.getLogger("dpserve.registry")
 
@@ -44,11 +44,6 @@ class Replica:
     def healthy(self) -> bool:
         return self.health.healthy
 
-    @healthy.setter
-    def healthy(self, value: bool) -> None:
-        self.health.healthy = value
-        self.health.ever_healthy = self.health.ever_healthy or value
-
     @property
     def routable(self) -> bool:
         return self.health.healthy and not self.draining
@@ -74,9 +69,15 @@ class Replica:
         )
 
 
+def replica_id(index: int) -> str:
+    """The id of the `index`-th replica the router was given or had added: the launcher, compose and
+    the router all name replicas through this."""
+    return f"r{index}"
+
+
 def replica_ids(count: int) -> list[str]:
     """Ids in the order replicas were given: the launcher and the router agree on them."""
-    return [f"r{index}" for index in range(count)]
+    return [replica_id(index) for index in range(count)]
 
 
 class ReplicaRegistry:
@@ -120,7 +121,7 @@ class ReplicaRegistry:
         url, hint = parse_replica_spec(spec)
         if self.by_url(url) is not None:
             raise ValueError(f"{url} is already a replica")
-        replica = Replica(id=f"r{self._next_id}", url=url, gpu_hint=hint)
+        replica = Replica(id=replica_id(self._next_id), url=url, gpu_hint=hint)
         self._next_id += 1
         self._replicas[replica.id] = replica
         return replica
@@ -204,7 +205,12 @@ class ReplicaRegistry:
             return
         if outcome not in (Outcome.OK, Outcome.CLIENT_ERROR) and reason:
             replica.last_error = reason
-        last_standing = replica.routable and not any(r.routable for r in self._replicas.values() if r is not replica)
+        # Scanned only for the outcomes it can spare from ejection, not on every request's success.
+        last_standing = (
+            outcome in SOFT_FAILURES
+            and replica.routable
+            and not any(r.routable for r in self._replicas.values() if r is not replica)
+        )
         if self._tracker.observed(replica.health, outcome, self._clock(), last_standing):
             log.warning("replica %s ejected: requests failed (%s)", replica.id, reason or outcome.value)
 

@@ -9,8 +9,9 @@ the request. The parser then holds at most one read beyond the bound.
 
 from __future__ import annotations
 
-import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from dpserve.router.errors import OpenAIError
 
 # Allowance for the request line (method, URL, version) on top of the headers' own limit.
 REQUEST_LINE_BYTES = 8 * 1024
@@ -46,16 +47,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = True
         if self.transport.is_closing():  # the parser already answered 400 and closed it
             return
-        body = orjson.dumps(
-            {
-                "error": {
-                    "message": f"Request line and headers are over this router's limit of {self.max_head_bytes} bytes.",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "headers_too_large",
-                }
-            }
-        )
+        message = f"Request line and headers are over this router's limit of {self.max_head_bytes} bytes."
+        body = OpenAIError(431, message, code="headers_too_large").body()
         head = (
             b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)

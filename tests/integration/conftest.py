@@ -67,9 +67,13 @@ def locust_stats(prefix: Path) -> dict[tuple[str, str], dict[str, str]]:
         return {(row["Type"], row["Name"]): row for row in csv.DictReader(handle)}
 
 
+def bearer(key: str | None) -> dict[str, str]:
+    """The header a client sends its API key in (none for no key)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def router_status(url: str, admin_key: str | None = None) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-    return httpx.get(f"{url}/status", timeout=5, headers=headers).json()
+    return httpx.get(f"{url}/status", timeout=5, headers=bearer(admin_key)).json()
 
 
 def healthy_count(url: str, admin_key: str | None = None) -> int:

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -136,10 +136,10 @@ def r1_healthy(url: str) -> bool:
     return router_status(url)["replicas"][1]["healthy"]
 
 
-async def poll_until(predicate: object, timeout_s: float) -> float:
+async def poll_until(predicate: Callable[[], bool], timeout_s: float) -> float:
     """Seconds until `predicate()` holds, polled every 10 ms off the event loop's hot path."""
     started = time.monotonic()
-    while not await asyncio.to_thread(predicate):  # type: ignore[arg-type]
+    while not await asyncio.to_thread(predicate):
         assert time.monotonic() - started < timeout_s, "timed out"
         await asyncio.sleep(0.01)
     return time.monotonic() - started

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dpserve.replicas.prometheus_text import parse_samples
-from tests.integration.conftest import RouterProcess, running_sim, start_router, stop_router
+from tests.integration.conftest import RouterProcess, bearer, running_sim, start_router, stop_router
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def target() -> Iterator[Target]:
             "warning",
             admin_key=ADMIN_KEY,
         )
-        openapi = httpx.get(f"{router.url}/openapi.json", headers={"Authorization": f"Bearer {USER_KEY}"}).json()
+        openapi = httpx.get(f"{router.url}/openapi.json", headers=bearer(USER_KEY)).json()
         target = Target(router, openapi)
         try:
             yield target
@@ -267,7 +267,7 @@ def test_random_bytes_on_the_wire_get_no_5xx(target: Target, noise: bytes) -> No
 def test_after_the_fuzzing_the_router_still_serves_and_never_answered_5xx(target: Target) -> None:
     url = target.router.url
     body = {"model": "dpserve-tiny", "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {USER_KEY}"})
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=bearer(USER_KEY))
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
     samples = parse_samples(httpx.get(f"{url}/metrics").text, ("dpserve_requests_total",))
     statuses = Counter()

@@ -19,6 +19,7 @@ from tests.conftest import free_port
 from tests.integration.conftest import (
     RouterProcess,
     SimProcess,
+    bearer,
     running_sim,
     start_router,
     stop_router,
@@ -31,10 +32,6 @@ OTHER_USER_KEY = "user-key-for-tests-2"
 ADMIN_KEY = "admin-key-for-tests"
 WATCHED = ("dpserve_admission_rejections_total", "dpserve_queue_wait_seconds_count")
 CHAT = {"model": "dpserve-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 @pytest.fixture(scope="module")

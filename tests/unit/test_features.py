@@ -28,7 +28,8 @@ class WordIds:
 def fleet() -> ReplicaRegistry:
     registry = ReplicaRegistry(["http://a", "http://b"])
     for replica in registry:
-        replica.healthy, replica.block_size = True, 2
+        registry.probe_succeeded(replica.id)
+        replica.block_size = 2
         replica.set_model_cards(({"id": "m"},))
     return registry
 
