@@ -8,8 +8,7 @@ import dataclasses
 import logging
 import random
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dpserve.config import Settings
-from dpserve.disconnect import ClientGone, until_disconnect
+from dpserve.disconnect import ClientGone
 from dpserve.gpu.local_processes import ReplicaProcesses
 from dpserve.gpu.nvml import Nvml, load_nvml
 from dpserve.gpu.placement import ReplicaClue
@@ -46,30 +45,20 @@ from dpserve.router.dashboard import dashboard_html
 from dpserve.router.errors import (
     OpenAIError,
     bad_request,
-    model_not_found,
-    no_replica,
     status_type,
-    upstream_error_body,
 )
 from dpserve.router.features import FeatureBuilder
 from dpserve.router.gpu_metrics import GpuCollector
 from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
-from dpserve.router.proxy import Buffered, Dispatcher, RetryRules, Streaming
+from dpserve.router.proxy import Dispatcher, RetryRules, Streaming
+from dpserve.router.relay import CLIENT_CLOSED, ProxiedEndpoints, proxied_openapi_paths
 from dpserve.router.request_body import (
     PROXIED_ENDPOINTS,
-    Endpoint,
-    parse_body,
-    read_limited,
     request_schema,
-    with_model,
 )
 
 log = logging.getLogger("dpserve.router")
-
-REPLICA_HEADER = "x-dpserve-replica"
-REQUEST_ID_HEADER = "x-request-id"
-CLIENT_CLOSED = 499  # nginx's convention for "client closed request", used in metrics only
 
 
 @dataclass
@@ -167,6 +156,42 @@ def health_rules(settings: Settings) -> HealthRules:
     )
 
 
+class RouterApp(FastAPI):
+    """FastAPI, with some paths answered by a raw ASGI app ahead of the framework's middleware,
+    routing and request objects (the proxied endpoints, which carry every token)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._direct: dict[str, ASGIApp] = {}
+
+    def route_directly(self, app: ASGIApp, paths: Sequence[str]) -> None:
+        for path in paths:
+            self._direct[path] = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            direct = self._direct.get(scope["path"])
+            if direct is not None:
+                await direct(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+def _document_proxied(app: FastAPI) -> None:
+    """Adds the proxied endpoints, which FastAPI never sees, to the OpenAPI document."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            schemas = {endpoint.path: request_schema(endpoint) for endpoint in PROXIED_ENDPOINTS}
+            schema["paths"].update(proxied_openapi_paths(PROXIED_ENDPOINTS, schemas))
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(
     settings: Settings,
     *,
@@ -259,7 +284,7 @@ def create_app(
             await hot.close()
             await control.close()
 
-    app = FastAPI(title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = RouterApp(title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = state
     app.add_middleware(Guard, keys=keys, max_header_bytes=settings.max_header_bytes)
     _install_error_handlers(app)
@@ -270,16 +295,12 @@ def create_app(
 
     add_admin_routes(app, fleet, lambda replica: _replica_status(replica, state))
 
-    for endpoint in PROXIED_ENDPOINTS:
-        app.add_api_route(
-            endpoint.path,
-            _proxy_handler(state, endpoint),
-            methods=["POST"],
-            name=endpoint.name,
-            openapi_extra={
-                "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema(endpoint)}}}
-            },
-        )
+    # The hot path bypasses FastAPI (see relay.py); its paths are documented by hand.
+    app.route_directly(
+        Guard(ProxiedEndpoints(state, PROXIED_ENDPOINTS), keys, settings.max_header_bytes),
+        [endpoint.path for endpoint in PROXIED_ENDPOINTS],
+    )
+    _document_proxied(app)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -381,108 +402,6 @@ def _replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
         "last_error": replica.last_error,
         "kv_events": kv_events,
     }
-
-
-def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
-    settings = state.settings
-    metrics = state.metrics
-
-    async def handle(request: Request) -> Response:
-        started = time.perf_counter()
-        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        try:
-            raw = await read_limited(request.headers, request.stream(), settings.max_body_bytes)
-            parsed = parse_body(raw, endpoint)
-            model = _resolve_model(state.registry, parsed.model)
-            assert state.features is not None, "the app's lifespan has not started"
-            features = await state.features.build(endpoint.name, model, parsed.stream, parsed.payload, request.headers)
-            upstream_headers = {"content-type": "application/json", REQUEST_ID_HEADER: request_id}
-            assert state.dispatcher is not None, "the app's lifespan has not started"
-            # A client that leaves cancels the upstream request, so the replica aborts it instead of
-            # computing it for no one.
-            outcome = await until_disconnect(
-                request.receive,
-                state.dispatcher.send(endpoint.path, features, with_model(parsed, model), upstream_headers, started),
-                _finish_if_streaming,
-            )
-        except OpenAIError as err:
-            metrics.rejected.labels(str(err.status)).inc()
-            metrics.requests.labels(endpoint.name, "none", str(err.status)).inc()
-            return err.to_response({REQUEST_ID_HEADER: request_id})
-        except ClientGone:
-            metrics.client_disconnects.labels(endpoint.name).inc()
-            metrics.requests.labels(endpoint.name, "none", str(CLIENT_CLOSED)).inc()
-            return Response(status_code=CLIENT_CLOSED)
-
-        headers = {REPLICA_HEADER: outcome.replica_id, REQUEST_ID_HEADER: request_id}
-        if isinstance(outcome, Buffered):
-            metrics.requests.labels(endpoint.name, outcome.replica_id, str(outcome.status)).inc()
-            metrics.duration.labels(endpoint.name, "false").observe(time.perf_counter() - started)
-            body, media_type = outcome.body, outcome.content_type
-            if outcome.status >= 400:
-                # Always OpenAI-shaped JSON by now, whatever the replica's own content type was.
-                body, media_type = upstream_error_body(outcome.status, body, endpoint.path), "application/json"
-            return Response(body, status_code=outcome.status, headers=headers, media_type=media_type)
-        return _RelayResponse(outcome, headers, endpoint, metrics, started, state.streams)
-
-    return handle
-
-
-def _resolve_model(registry: ReplicaRegistry, requested: str | None) -> str:
-    served = registry.served_models()
-    if requested is None:
-        if len(served) == 1:
-            return served[0]
-        if not served:
-            raise no_replica("No healthy replica is serving a model right now.")
-        raise bad_request(f"Missing `model`; this router serves: {', '.join(served)}.", param="model")
-    if requested in served:
-        return requested
-    if requested in registry.known_models():
-        raise no_replica(f"No healthy replica serves the model `{requested}` right now.")
-    raise model_not_found(requested)
-
-
-def _finish_if_streaming(outcome: Buffered | Streaming) -> None:
-    # A stream that opened just as the client left: drop it so the replica aborts the request.
-    if isinstance(outcome, Streaming):
-        outcome.finish()
-
-
-class _RelayResponse(StreamingResponse):
-    """A streamed answer whose upstream is always closed and accounted for, even when the client
-    leaves before the first chunk is relayed (when the body iterator never starts)."""
-
-    def __init__(
-        self,
-        stream: Streaming,
-        headers: dict[str, str],
-        endpoint: Endpoint,
-        metrics: RouterMetrics,
-        started: float,
-        open_streams: set[Streaming],
-    ) -> None:
-        super().__init__(stream, status_code=stream.status, headers=headers, media_type=stream.content_type)
-        self._stream = stream
-        self._open_streams = open_streams
-        self._endpoint = endpoint
-        self._metrics = metrics
-        self._started = started
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._open_streams.add(self._stream)
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            stream = self._stream
-            self._open_streams.discard(stream)
-            stream.finish()
-            status = str(stream.status)
-            if not stream.completed and not stream.broken:
-                status = str(CLIENT_CLOSED)
-                self._metrics.client_disconnects.labels(self._endpoint.name).inc()
-            self._metrics.requests.labels(self._endpoint.name, stream.replica_id, status).inc()
-            self._metrics.duration.labels(self._endpoint.name, "true").observe(time.perf_counter() - self._started)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
