@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from dpserve.kvindex.index import KvIndex
@@ -117,6 +119,15 @@ class RouterMetrics:
         )
         self.policy_name = policy_name
         self.registry.register(_ReplicaStateCollector(replicas))
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
+
+    def labeled(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """`metric.labels(*values)`, remembered: the hot path skips the library's lock and label checks."""
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
 
 class _ReplicaStateCollector(Collector):
