@@ -51,6 +51,12 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-interval", type=float, dest="probe_interval_s", help="seconds between probes")
     parser.add_argument("--retries", type=int, help="other replicas tried before the first byte (default 2)")
     parser.add_argument(
+        "--route-sample",
+        type=int,
+        dest="route_sample",
+        help="replicas a load or cache policy weighs per request in a larger fleet (8; 0: all)",
+    )
+    parser.add_argument(
         "--max-in-flight", type=int, dest="max_in_flight", help="requests per replica before queueing (256; 0: off)"
     )
     parser.add_argument("--queue-size", type=int, dest="queue_size", help="requests the router queues (1024)")
@@ -222,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds.add_parser(
         "soak", help="minutes of unique prompts through kv_aware and prefix: router memory over time", add_help=False
     )
+    bench_kinds.add_parser(
+        "overhead", help="router overhead vs direct, vllm-router and sglang-router: req/s and added p50", add_help=False
+    )
     return parser
 
 
@@ -271,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             from dpserve.bench.soak import main as soak_main
 
             return soak_main(rest)
+        if args.bench == "overhead":
+            from dpserve.bench.overhead import main as overhead_main
+
+            return overhead_main(rest)
         if args.bench == "sim":
             from dpserve.bench.sim_cost import main as sim_cost_main
 

@@ -61,6 +61,9 @@ class Settings:
     """How long a replica that answered 429/503 is avoided while another has room."""
     retries: int = 2
     retry_backoff_s: float = 0.025
+    route_sample: int = 8
+    """Load-and-cache policies choose among this many replicas of a larger fleet, plus those likely to
+    hold the prompt's prefix, so a decision costs the same at 64 replicas as at 8 (0: all of them)."""
     max_in_flight: int = 256
     """Per replica; past it requests wait in the router's queue (0: no limit). vLLM's default batch
     is 256 sequences: beyond that a request only waits inside the engine, where it can no longer move."""

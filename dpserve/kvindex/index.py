@@ -24,7 +24,7 @@ from dpserve.kvindex.events import (
     EngineHash,
     KvEvent,
 )
-from dpserve.kvindex.matching import leading_matches
+from dpserve.kvindex.matching import deepest_holders, leading_matches
 
 ROOT_KEY = 0
 
@@ -178,6 +178,10 @@ class KvIndex:
     def match(self, keys: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         """For each replica, how many of the prompt's leading blocks (`keys`, in order) it holds."""
         return leading_matches(keys, replicas, self._holders.get)
+
+    def likely_best(self, keys: Sequence[int], limit: int) -> list[str]:
+        """Up to `limit` replicas likely to hold the longest run of `keys` (see `deepest_holders`)."""
+        return deepest_holders(keys, self._holders.get, limit)
 
     def block_size(self, replica: str) -> int | None:
         """The block size the replica's events carry (None until its first store)."""

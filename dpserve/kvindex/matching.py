@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
+from itertools import islice
 
 
 def leading_matches(
@@ -24,3 +25,19 @@ def leading_matches(
         for rid in active:
             depth[rid] = position + 1
     return depth
+
+
+def deepest_holders(keys: Sequence[int], holders_of: Callable[[int], Collection[str] | None], limit: int) -> list[str]:
+    """Up to `limit` replicas holding the deepest of `keys` that any replica holds: the likeliest best
+    matches, found in O(log len(keys)) lookups. A binary search is fair here: a replica holding a block
+    nearly always holds the blocks before it (engines evict from the tail of a prefix)."""
+    if not keys or not holders_of(keys[0]):
+        return []
+    low, high = 0, len(keys) - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if holders_of(keys[middle]):
+            low = middle
+        else:
+            high = middle - 1
+    return list(islice(holders_of(keys[low]) or (), limit))

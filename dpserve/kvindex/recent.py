@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
-from dpserve.kvindex.matching import leading_matches
+from dpserve.kvindex.matching import deepest_holders, leading_matches
 
 
 class RecentRoutes:
@@ -45,6 +45,10 @@ class RecentRoutes:
             return {rid for rid, at in holders.items() if at >= oldest} if holders else None
 
         return leading_matches(keys, replicas, fresh_holders)
+
+    def likely_best(self, keys: Sequence[int], limit: int) -> list[str]:
+        """Up to `limit` replicas the prompt's blocks were recently sent to (see `deepest_holders`)."""
+        return deepest_holders(keys, self._keys.get, limit)
 
     def pending_blocks(self, replica: str) -> int:
         """Blocks routed to `replica` within the TTL (counted per request, repeats included)."""

@@ -12,7 +12,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from dpserve.kvindex.matching import leading_matches
+from dpserve.kvindex.matching import deepest_holders, leading_matches
 
 CHUNK_CHARS = 64
 CHARS_PER_TOKEN = 4
@@ -54,6 +54,10 @@ class TextPrefixIndex:
 
     def match(self, keys: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         return leading_matches(keys, replicas, self._chunks.get)
+
+    def likely_best(self, keys: Sequence[int], limit: int) -> list[str]:
+        """Up to `limit` replicas likely to hold the longest run of `keys` (see `deepest_holders`)."""
+        return deepest_holders(keys, self._chunks.get, limit)
 
     def __len__(self) -> int:
         return len(self._chunks)

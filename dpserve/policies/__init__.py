@@ -7,7 +7,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dpserve.policies.balance import BalanceGuard
-from dpserve.policies.base import Decision, Need, Policy, PrefixMatch, PrefixSource, ReplicaSnapshot, RequestFeatures
+from dpserve.policies.base import (
+    Decision,
+    Need,
+    Policy,
+    PrefixMatch,
+    PrefixSource,
+    ReplicaSnapshot,
+    ReplicaView,
+    RequestFeatures,
+    Sampling,
+)
 from dpserve.policies.kv_aware import KvAware, KvAwareWeights
 from dpserve.policies.least_loaded import LeastLoaded
 from dpserve.policies.prefix import PrefixAffinity
@@ -53,6 +63,8 @@ __all__ = [
     "PrefixMatch",
     "PrefixSource",
     "ReplicaSnapshot",
+    "ReplicaView",
     "RequestFeatures",
+    "Sampling",
     "make_policy",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dpserve.policies.base import ReplicaSnapshot
+from dpserve.policies.base import ReplicaView
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,11 +17,11 @@ class BalanceGuard:
     relative: float = 1.5
     absolute: int = 8
 
-    def limit(self, candidates: Sequence[ReplicaSnapshot]) -> float:
+    def limit(self, candidates: Sequence[ReplicaView]) -> float:
         """The most load a replica may carry and still be chosen for cache affinity."""
         return self.relative * min(c.load for c in candidates) + self.absolute
 
-    def allowed(self, candidates: Sequence[ReplicaSnapshot]) -> list[ReplicaSnapshot]:
+    def allowed(self, candidates: Sequence[ReplicaView]) -> list[ReplicaView]:
         """Candidates within the limit (the least loaded always is)."""
         limit = self.limit(candidates)
         return [c for c in candidates if c.load <= limit]

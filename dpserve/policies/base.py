@@ -52,19 +52,32 @@ class RequestFeatures:
     """`x-session-id` header, else the body's `user`; filled only for policies that use it."""
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaSnapshot:
-    """A replica's state at the moment of one routing decision."""
+class ReplicaView(Protocol):
+    """What a policy reads of a replica: a `ReplicaSnapshot`, or the router's live `Replica` (a decision
+    runs without awaiting, so nothing changes under it: reading the live object is reading a snapshot,
+    without building one per candidate)."""
 
-    id: str
-    in_flight: int = 0
+    @property
+    def id(self) -> str: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def kv_usage(self) -> float: ...
+    @property
+    def load(self) -> int: ...
+
+
+class LoadFromCounts:
+    """`load` from the router's in-flight count and the replica's scraped counts."""
+
+    __slots__ = ()
+    in_flight: int
     """Requests the router has dispatched to this replica and not yet seen finish (always fresh)."""
-    running: int = 0
-    waiting: int = 0
+    running: int
+    waiting: int
     """`vllm:num_requests_running` / `_waiting` from the last scrape (up to one interval old)."""
-    in_flight_at_scrape: int = 0
+    in_flight_at_scrape: int
     """The router's own in-flight count when that scrape answered."""
-    kv_usage: float = 0.0
 
     @property
     def external_load(self) -> int:
@@ -75,7 +88,19 @@ class ReplicaSnapshot:
     def load(self) -> int:
         # The router's fresh count plus what the replica holds for others; summing in_flight with the
         # raw scraped counts would count every routed request twice.
-        return self.in_flight + self.external_load
+        return self.in_flight + max(0, self.running + self.waiting - self.in_flight_at_scrape)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSnapshot(LoadFromCounts):
+    """A replica's state at the moment of one routing decision (tests and tools build these)."""
+
+    id: str
+    in_flight: int = 0
+    running: int = 0
+    waiting: int = 0
+    in_flight_at_scrape: int = 0
+    kv_usage: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +109,20 @@ class Decision:
     """The chosen replica."""
     reason: str
     """Why, for the `dpserve_routing_decisions_total{policy,reason}` metric (a small fixed set per policy)."""
+
+
+class Sampling(enum.Enum):
+    """How much of a large fleet a policy must see to choose well, so that a decision can cost the same
+    with 64 replicas as with 8."""
+
+    ALL = "all"
+    """Every candidate (a hash ring's answer depends on the whole set)."""
+    WINDOW = "window"
+    """A window of replicas at a random offset, plus those likely to hold the prompt's prefix: choosing
+    the best of a few random replicas keeps nearly all the balance of choosing among all of them (the
+    power of d choices)."""
+    TURN = "turn"
+    """The next replica in turn (round robin)."""
 
 
 class Need(enum.Enum):
@@ -96,16 +135,24 @@ class Policy(Protocol):
     name: str
     needs: frozenset[Need]
     """Which request features the router must compute for this policy (the rest stay empty)."""
+    sampling: Sampling
+    """What the policy needs to see of a large fleet (see `Sampling`)."""
 
-    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaSnapshot]) -> Decision:
+    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
         """Pick one of `candidates` (never empty, all healthy and serving the model)."""
         ...
 
 
-def least_loaded_of(candidates: Sequence[ReplicaSnapshot]) -> list[ReplicaSnapshot]:
+def least_loaded_of(candidates: Sequence[ReplicaView]) -> list[ReplicaView]:
     """The candidates sharing the lowest load, and among those the emptiest KV cache."""
-    best = min(c.load for c in candidates)
-    tied = [c for c in candidates if c.load == best]
+    tied: list[ReplicaView] = []
+    best = 0
+    for candidate in candidates:  # one pass: `load` is computed once per candidate
+        load = candidate.load
+        if not tied or load < best:
+            best, tied = load, [candidate]
+        elif load == best:
+            tied.append(candidate)
     if len(tied) > 1:
         least_kv = min(c.kv_usage for c in tied)
         tied = [c for c in tied if c.kv_usage <= least_kv + 1e-9]

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dpserve.policies.balance import BalanceGuard
-from dpserve.policies.base import Decision, Need, ReplicaSnapshot, RequestFeatures
+from dpserve.policies.base import Decision, Need, ReplicaView, RequestFeatures, Sampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,7 @@ class KvAwareWeights:
 class KvAware:
     name = "kv_aware"
     needs = frozenset({Need.KV_PREFIX})
+    sampling = Sampling.WINDOW
 
     def __init__(
         self,
@@ -62,7 +63,7 @@ class KvAware:
         self.weights = weights or KvAwareWeights()
         self.guard = guard or BalanceGuard()
 
-    def cost(self, features: RequestFeatures, replica: ReplicaSnapshot, mean_held: float = 0.0) -> float:
+    def cost(self, features: RequestFeatures, replica: ReplicaView, mean_held: float = 0.0) -> float:
         w = self.weights
         prefix = features.prefix
         uncached = 1.0
@@ -75,7 +76,7 @@ class KvAware:
                 held_cost = w.held_weight * prefix.held.get(replica.id, 0) / mean_held
         return uncached + w.load_weight * replica.load + w.kv_weight * replica.kv_usage + held_cost
 
-    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaSnapshot]) -> Decision:
+    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
         allowed = self.guard.allowed(candidates)
         mean_held = 0.0
         if features.prefix is not None and features.prefix.held:
@@ -84,7 +85,7 @@ class KvAware:
         chosen = self._pick(costs)
         return Decision(chosen.id, _reason(features, candidates, allowed, chosen))
 
-    def _pick(self, costs: list[tuple[float, ReplicaSnapshot]]) -> ReplicaSnapshot:
+    def _pick(self, costs: list[tuple[float, ReplicaView]]) -> ReplicaView:
         temperature = self.weights.temperature
         if temperature > 0 and len(costs) > 1:
             lowest = min(cost for cost, _ in costs)
@@ -100,9 +101,9 @@ class KvAware:
 
 def _reason(
     features: RequestFeatures,
-    candidates: Sequence[ReplicaSnapshot],
-    allowed: Sequence[ReplicaSnapshot],
-    chosen: ReplicaSnapshot,
+    candidates: Sequence[ReplicaView],
+    allowed: Sequence[ReplicaView],
+    chosen: ReplicaView,
 ) -> str:
     """cache_hit: the best-matching replica; no_match: nothing cached anywhere (load decides);
     balance: the best match was over the balance limit; load: a better match lost on load."""

@@ -10,12 +10,13 @@ import random
 from collections.abc import Sequence
 
 from dpserve.policies.balance import BalanceGuard
-from dpserve.policies.base import Decision, Need, ReplicaSnapshot, RequestFeatures, least_loaded_of
+from dpserve.policies.base import Decision, Need, ReplicaView, RequestFeatures, Sampling, least_loaded_of
 
 
 class PrefixAffinity:
     name = "prefix"
     needs = frozenset({Need.TEXT_PREFIX})
+    sampling = Sampling.WINDOW
 
     def __init__(
         self, rng: random.Random | None = None, min_match: float = 0.5, guard: BalanceGuard | None = None
@@ -25,7 +26,7 @@ class PrefixAffinity:
         """The share of the prompt's chunks that must match for affinity to count."""
         self.guard = guard or BalanceGuard()
 
-    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaSnapshot]) -> Decision:
+    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
         prefix = features.prefix
         if prefix is None or not prefix.total_blocks or prefix.best / prefix.total_blocks < self.min_match:
             return Decision(self._least_loaded(candidates).id, "no_match")
@@ -36,6 +37,6 @@ class PrefixAffinity:
         matching = [c for c in allowed if prefix.blocks(c.id) == best_allowed]
         return Decision(self._least_loaded(matching).id, "cache_hit")
 
-    def _least_loaded(self, candidates: Sequence[ReplicaSnapshot]) -> ReplicaSnapshot:
+    def _least_loaded(self, candidates: Sequence[ReplicaView]) -> ReplicaView:
         tied = least_loaded_of(candidates)
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)

@@ -15,9 +15,9 @@ import hashlib
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-from dpserve.policies.base import Decision, Need, ReplicaSnapshot, RequestFeatures, least_loaded_of
+from dpserve.policies.base import Decision, Need, ReplicaView, RequestFeatures, Sampling, least_loaded_of
 
 
 def ring_hash(text: str) -> int:
@@ -30,19 +30,23 @@ class HashRing:
         self._hashes = [h for h, _ in points]
         self._owners = [rid for _, rid in points]
 
-    def walk(self, key: str) -> list[str]:
-        """Distinct replicas in ring order, starting at the key's position."""
+    def walk(self, key: str) -> Iterator[str]:
+        """Distinct replicas in ring order, starting at the key's position (lazily: the walk usually
+        stops at the first)."""
         start = bisect.bisect(self._hashes, ring_hash(key))
-        seen: dict[str, None] = {}
+        seen: set[str] = set()
         count = len(self._owners)
         for step in range(count):
-            seen.setdefault(self._owners[(start + step) % count], None)
-        return list(seen)
+            owner = self._owners[(start + step) % count]
+            if owner not in seen:
+                seen.add(owner)
+                yield owner
 
 
 class SessionAffinity:
     name = "session"
     needs = frozenset({Need.SESSION})
+    sampling = Sampling.ALL
 
     def __init__(self, rng: random.Random | None = None, load_factor: float = 1.25, virtual_nodes: int = 64) -> None:
         self._rng = rng or random.Random()
@@ -59,15 +63,17 @@ class SessionAffinity:
                 self._rings.popitem(last=False)
         return ring
 
-    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaSnapshot]) -> Decision:
+    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
         key = features.session_key
         if not key:
             tied = least_loaded_of(candidates)
             return Decision((tied[0] if len(tied) == 1 else self._rng.choice(tied)).id, "no_key")
         by_id = {c.id: c for c in candidates}
         capacity = math.ceil(self.load_factor * (sum(c.load for c in candidates) + 1) / len(candidates))
-        order = self.ring(tuple(sorted(by_id))).walk(key)
-        for position, rid in enumerate(order):
+        first = None
+        for position, rid in enumerate(self.ring(tuple(sorted(by_id))).walk(key)):
+            first = first or rid
             if by_id[rid].load < capacity:
                 return Decision(rid, "session" if position == 0 else "overflow")
-        return Decision(order[0], "session")  # unreachable: the least loaded is always under capacity
+        assert first is not None
+        return Decision(first, "session")  # unreachable: the least loaded is always under capacity

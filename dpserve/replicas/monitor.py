@@ -72,7 +72,7 @@ class ReplicaMonitor:
                     raise ProbeFailed(f"/health answered {resp.status}")
             # A replica coming back may have been restarted with another model: re-read its models.
             if not replica.healthy or not replica.models or tick % self._models_every == 0:
-                replica.set_model_cards(await self._model_cards(replica))
+                self._registry.set_model_cards(replica.id, await self._model_cards(replica))
             await self._scrape(replica)
         except (aiohttp.ClientError, TimeoutError, ProbeFailed, ValueError) as exc:
             self._registry.probe_failed(replica.id, _describe(exc))

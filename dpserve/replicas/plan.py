@@ -219,6 +219,7 @@ _ROUTER_VALUE_FLAGS = (
     ("--fail-threshold", "fail_threshold"),
     ("--rise-threshold", "rise_threshold"),
     ("--retries", "retries"),
+    ("--route-sample", "route_sample"),
     ("--max-in-flight", "max_in_flight"),
     ("--queue-size", "queue_size"),
     ("--queue-timeout", "queue_timeout_s"),

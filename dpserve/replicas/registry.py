@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpserve.gpu.placement import parse_replica_spec
-from dpserve.policies.base import ReplicaSnapshot
+from dpserve.policies.base import LoadFromCounts, ReplicaView
 from dpserve.replicas.health import SOFT_FAILURES, HealthRules, HealthState, HealthTracker, Outcome
 
 log = logging.getLogger("dpserve.registry")
 
 
 @dataclass
-class Replica:
+class Replica(LoadFromCounts):
     id: str
     url: str
     model_cards: tuple[dict[str, Any], ...] = ()
@@ -55,18 +55,9 @@ class Replica:
         return "healthy" if self.health.healthy else ("ejected" if self.health.ever_healthy else "starting")
 
     def set_model_cards(self, cards: tuple[dict[str, Any], ...]) -> None:
+        """Call through `ReplicaRegistry.set_model_cards`, which keeps routing's cached view current."""
         self.model_cards = cards
         self.models = tuple(str(card["id"]) for card in cards)
-
-    def snapshot(self) -> ReplicaSnapshot:
-        return ReplicaSnapshot(
-            id=self.id,
-            in_flight=self.in_flight,
-            running=self.running,
-            waiting=self.waiting,
-            in_flight_at_scrape=self.in_flight_at_scrape,
-            kv_usage=self.kv_usage,
-        )
 
 
 def replica_id(index: int) -> str:
@@ -98,6 +89,10 @@ class ReplicaRegistry:
         self._tracker = HealthTracker(rules or HealthRules())
         self._clock = clock
         self._listeners: list[Callable[[], None]] = []
+        # Routable replicas per model, rebuilt only when routability or models change (`_reshaped`),
+        # so the hot path never scans the whole fleet to find its candidates.
+        self._views: dict[str, tuple[Replica, ...]] = {}
+        self._served: list[str] | None = None
         for spec in specs:
             self.add(spec)
 
@@ -113,6 +108,9 @@ class ReplicaRegistry:
     def get(self, replica_id: str) -> Replica:
         return self._replicas[replica_id]
 
+    def find(self, replica_id: str) -> Replica | None:
+        return self._replicas.get(replica_id)
+
     def by_url(self, url: str) -> Replica | None:
         url = url.rstrip("/")
         return next((r for r in self._replicas.values() if r.url == url), None)
@@ -124,14 +122,18 @@ class ReplicaRegistry:
         replica = Replica(id=replica_id(self._next_id), url=url, gpu_hint=hint)
         self._next_id += 1
         self._replicas[replica.id] = replica
+        self._reshaped()
         return replica
 
     def remove(self, replica_id: str) -> Replica:
         """Out of the registry at once; requests in flight on it finish (their release is a no-op)."""
-        return self._replicas.pop(replica_id)
+        replica = self._replicas.pop(replica_id)
+        self._reshaped()
+        return replica
 
     def set_draining(self, replica_id: str, draining: bool) -> None:
         self._replicas[replica_id].draining = draining
+        self._reshaped()
         self._changed()
 
     def on_change(self, listener: Callable[[], None]) -> None:
@@ -144,7 +146,38 @@ class ReplicaRegistry:
 
     def served_models(self) -> list[str]:
         """Models of routable replicas, de-duplicated, in replica order."""
-        return list(self.model_cards(healthy_only=True))
+        if self._served is None:
+            self._served = list(self.model_cards(healthy_only=True))
+        return list(self._served)
+
+    def serves(self, model: str) -> bool:
+        """Whether a routable replica serves `model` (cheap: read on every request)."""
+        return bool(self.routable(model))
+
+    def only_model(self) -> str | None:
+        """The one model routable replicas serve, when there is exactly one."""
+        if self._served is None:
+            self._served = list(self.model_cards(healthy_only=True))
+        return self._served[0] if len(self._served) == 1 else None
+
+    def routable(self, model: str) -> tuple[Replica, ...]:
+        """Replicas routing may use for `model`, in id order (cached until routability changes)."""
+        view = self._views.get(model)
+        if view is None:
+            view = tuple(r for r in self._replicas.values() if r.routable and model in r.models)
+            self._views[model] = view
+        return view
+
+    def set_model_cards(self, replica_id: str, cards: tuple[dict[str, Any], ...]) -> None:
+        replica = self._replicas.get(replica_id)
+        if replica is not None and cards != replica.model_cards:
+            replica.set_model_cards(cards)
+            self._reshaped()
+
+    def _reshaped(self) -> None:
+        """Which replicas are routable, or what they serve, may have changed."""
+        self._views.clear()
+        self._served = None
 
     def known_models(self) -> list[str]:
         """Models any replica has ever reported, healthy now or not."""
@@ -159,15 +192,20 @@ class ReplicaRegistry:
                 cards.setdefault(str(card["id"]), card)
         return cards
 
-    def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[ReplicaSnapshot]:
+    def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[ReplicaView]:
         """Routable replicas serving `model`; those backing off (429/503) only when no other is left."""
-        excluded = set(exclude)
+        return self.available(self.routable(model), exclude)
+
+    def available(self, replicas: Iterable[Replica], exclude: Iterable[str] = ()) -> list[ReplicaView]:
+        """`replicas` but the excluded; those backing off only when no other is left. The live objects,
+        for a decision made before the next await (see `ReplicaView`)."""
+        excluded = set(exclude) if exclude else ()
         now = self._clock()
-        fresh: list[ReplicaSnapshot] = []
-        backed_off: list[ReplicaSnapshot] = []
-        for r in self._replicas.values():
-            if r.routable and model in r.models and r.id not in excluded:
-                (backed_off if r.health.backed_off(now) else fresh).append(r.snapshot())
+        fresh: list[ReplicaView] = []
+        backed_off: list[ReplicaView] = []
+        for r in replicas:
+            if r.id not in excluded:
+                (backed_off if r.health.backed_off(now) else fresh).append(r)
         return fresh or backed_off
 
     def acquire(self, replica_id: str) -> None:
@@ -186,6 +224,7 @@ class ReplicaRegistry:
         if replica is None:
             return
         if self._tracker.probe_succeeded(replica.health):
+            self._reshaped()
             replica.last_error = None
             log.info("replica %s is healthy (models: %s)", replica.id, ", ".join(replica.models))
             self._changed()
@@ -196,6 +235,7 @@ class ReplicaRegistry:
             return
         replica.last_error = reason
         if self._tracker.probe_failed(replica.health, self._clock()):
+            self._reshaped()
             log.warning("replica %s ejected: health probes failed (%s)", replica.id, reason)
 
     def observe(self, replica_id: str, outcome: Outcome, reason: str | None = None) -> None:
@@ -212,6 +252,7 @@ class ReplicaRegistry:
             and not any(r.routable for r in self._replicas.values() if r is not replica)
         )
         if self._tracker.observed(replica.health, outcome, self._clock(), last_standing):
+            self._reshaped()
             log.warning("replica %s ejected: requests failed (%s)", replica.id, reason or outcome.value)
 
     def _changed(self) -> None:

@@ -10,7 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from dpserve.policies.base import ReplicaSnapshot
+from dpserve.policies.base import ReplicaView
 from dpserve.router.errors import OpenAIError
 
 
@@ -45,7 +45,7 @@ class Admission:
     def depth(self) -> int:
         return len(self._waiters)
 
-    def open(self, candidates: Sequence[ReplicaSnapshot]) -> list[ReplicaSnapshot]:
+    def open(self, candidates: Sequence[ReplicaView]) -> list[ReplicaView]:
         """The candidates with room for one more request."""
         if self.limit <= 0:
             return list(candidates)

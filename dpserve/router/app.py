@@ -57,6 +57,7 @@ from dpserve.router.request_body import (
     PROXIED_ENDPOINTS,
     request_schema,
 )
+from dpserve.router.upstream import UpstreamPool
 
 log = logging.getLogger("dpserve.router")
 
@@ -224,16 +225,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Hot path: aiohttp (measured, see dpserve/bench/README.md). Keep-alive shorter than
-        # uvicorn's 5 s on the replicas so a pooled socket is never one the replica already closed.
-        hot = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=settings.connect_timeout_s, sock_read=settings.request_timeout_s
-            ),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-        )
+        # Hot path: a lean HTTP/1.1 client (upstream.py; measured in dpserve/bench/README.md).
+        hot = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s)
         control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
         monitor = ReplicaMonitor(registry, control, settings.probe_interval_s, settings.probe_timeout_s)
         tokens: TokenCache | None = None
@@ -252,6 +245,8 @@ def create_app(
             rng=rng,
             on_routed=state.features.routed,
             at_decision=state.features.at_decision,
+            likely_best=state.features.likely_best,
+            sample_size=settings.route_sample,
         )
         zmq_context = zmq.asyncio.Context()
         if state.kv_index is not None:
@@ -281,7 +276,7 @@ def create_app(
             for subscriber in list(state.subscribers):
                 await subscriber.stop()
             zmq_context.destroy(linger=0)
-            await hot.close()
+            hot.close()
             await control.close()
 
     app = RouterApp(title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)

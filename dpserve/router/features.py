@@ -15,7 +15,7 @@ from typing import Any
 from dpserve.kvindex.index import KvIndex, block_keys
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, TextPrefixIndex, text_keys
-from dpserve.policies.base import Need, Policy, PrefixMatch, PrefixSource, ReplicaSnapshot, RequestFeatures
+from dpserve.policies.base import Need, Policy, PrefixMatch, PrefixSource, ReplicaView, RequestFeatures
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.prompt_tokens import TokenCache, prompt_text
@@ -72,7 +72,7 @@ class FeatureBuilder:
         elif prefix.source is PrefixSource.KV_EVENTS and self._recent is not None:
             self._recent.record(prefix.keys, replica_id)
         predicted = prefix.blocks(replica_id) * prefix.tokens_per_block
-        self._metrics.predicted_cached_tokens.labels(prefix.source.value).observe(predicted)
+        self._metrics.labeled(self._metrics.predicted_cached_tokens, prefix.source.value).observe(predicted)
 
     async def _kv_prefix(self, endpoint: str, model: str, payload: dict[str, Any]) -> PrefixMatch | None:
         if self._kv_index is None or self._tokens is None:
@@ -87,7 +87,8 @@ class FeatureBuilder:
         # Tokenize on the least busy replica when the tokens come from a replica.
         url = self._registry.get(min(candidates, key=lambda c: c.in_flight).id).url
         tokens = await self._tokens.tokens(endpoint, payload, model, url)
-        self._metrics.tokenize_seconds.labels(self._tokens.tokenizer.name).observe(time.perf_counter() - started)
+        metrics = self._metrics
+        metrics.labeled(metrics.tokenize_seconds, self._tokens.tokenizer.name).observe(time.perf_counter() - started)
         if tokens is None:
             return None
         keys = block_keys(tokens, block_size)
@@ -96,7 +97,20 @@ class FeatureBuilder:
         # each other's routing, so the index is not read here.
         return PrefixMatch(PrefixSource.KV_EVENTS, len(keys), block_size, keys=tuple(keys))
 
-    def at_decision(self, features: RequestFeatures, candidates: Sequence[ReplicaSnapshot]) -> RequestFeatures:
+    def likely_best(self, features: RequestFeatures, limit: int) -> list[str]:
+        """Replicas likely to hold the longest run of the prompt: when the router routes among a sample
+        of a large fleet, these join the sample so a cache hit is not missed."""
+        prefix = features.prefix
+        if prefix is None or not prefix.keys:
+            return []
+        if prefix.source is PrefixSource.ROUTED_TEXT:
+            return self._text_index.likely_best(prefix.keys, limit) if self._text_index is not None else []
+        found = self._kv_index.likely_best(prefix.keys, limit) if self._kv_index is not None else []
+        if self._recent is not None:
+            found += [rid for rid in self._recent.likely_best(prefix.keys, limit) if rid not in found]
+        return found
+
+    def at_decision(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> RequestFeatures:
         """The prefix matches and cache ownership as they are now, for these candidates (cheap, sync)."""
         prefix = features.prefix
         if prefix is None:
@@ -127,7 +141,7 @@ class FeatureBuilder:
         keys = text_keys(f"{model}\0{text}")
         return PrefixMatch(PrefixSource.ROUTED_TEXT, len(keys), CHUNK_CHARS // CHARS_PER_TOKEN, keys=tuple(keys))
 
-    def _block_size(self, candidates: Sequence[ReplicaSnapshot]) -> int | None:
+    def _block_size(self, candidates: Sequence[ReplicaView]) -> int | None:
         assert self._kv_index is not None
         for candidate in candidates:
             size = self._registry.get(candidate.id).block_size or self._kv_index.block_size(candidate.id)

@@ -9,22 +9,22 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-import aiohttp
 import orjson
 
-from dpserve.policies.base import Policy, ReplicaSnapshot, RequestFeatures
+from dpserve.policies.base import Decision, Policy, ReplicaView, RequestFeatures, Sampling
 from dpserve.replicas.health import Outcome, classify_status
-from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.admission import Admission
 from dpserve.router.errors import OpenAIError, no_replica
 from dpserve.router.metrics import RouterMetrics
+from dpserve.router.upstream import Address, UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("dpserve.proxy")
 
 SSE_EVENT_END = b"\n\n"
 SSE_DONE = b"data: [DONE]\n\n"
 # Failures before any byte reached the client: the request may safely go to another replica.
-RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+RETRYABLE = (UpstreamError, TimeoutError)
 # Answers another replica may do better with: its failure or its backpressure.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
@@ -61,7 +61,7 @@ class Streaming:
         replica_id: str,
         status: int,
         content_type: str,
-        resp: aiohttp.ClientResponse,
+        resp: UpstreamResponse,
         first: bytes,
         registry: ReplicaRegistry,
         metrics: RouterMetrics,
@@ -91,15 +91,17 @@ class Streaming:
         if self._finished:
             return
         self._finished = True
-        # Closing (not releasing) drops the connection, so the replica aborts the request
-        # when the client went away mid-stream.
-        self._resp.close()
+        if self.completed:
+            self._resp.release()  # whole: the connection goes back to the pool
+        else:
+            # Closing drops the connection, so the replica aborts the request when the client left.
+            self._resp.close()
         self._registry.release(self.replica_id)
 
     async def _relay(self) -> AsyncIterator[bytes]:
         """Chunks as they arrive, cut at event boundaries so a broken stream never ends mid-event."""
         pending = b""
-        content = self._resp.content
+        resp = self._resp
         try:
             chunk = self._first
             while chunk:
@@ -113,7 +115,7 @@ class Streaming:
                     else:
                         pending = data[cut + 2 :]
                         yield data[: cut + 2]
-                chunk = await content.readany()
+                chunk = await resp.readany()
             if pending:
                 yield pending
             self.completed = True
@@ -138,18 +140,23 @@ class Dispatcher:
         self,
         registry: ReplicaRegistry,
         policy: Policy,
-        session: aiohttp.ClientSession,
+        upstream: UpstreamPool,
         metrics: RouterMetrics,
         retry: RetryRules,
         admission: Admission,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.perf_counter,
         on_routed: Callable[[RequestFeatures, str], None] | None = None,
-        at_decision: Callable[[RequestFeatures, Sequence[ReplicaSnapshot]], RequestFeatures] | None = None,
+        at_decision: Callable[[RequestFeatures, Sequence[ReplicaView]], RequestFeatures] | None = None,
+        likely_best: Callable[[RequestFeatures, int], list[str]] | None = None,
+        sample_size: int = 0,
     ) -> None:
+        """`sample_size` > 0: a policy that allows it (`Policy.sampling`) sees at most that many replicas
+        of a larger fleet, so a decision costs the same with 64 replicas as with 8."""
         self._registry = registry
         self._policy = policy
-        self._session = session
+        self._upstream = upstream
+        self._addresses: dict[str, Address] = {}
         self._metrics = metrics
         self._retry = retry
         self._admission = admission
@@ -157,6 +164,10 @@ class Dispatcher:
         self._clock = clock
         self._on_routed = on_routed
         self._at_decision = at_decision
+        self._likely_best = likely_best
+        self._sampling = policy.sampling if sample_size > 0 else Sampling.ALL
+        self._sample_size = sample_size
+        self._turn = 0
 
     async def send(
         self, path: str, features: RequestFeatures, body: bytes, headers: dict[str, str], started: float
@@ -167,15 +178,13 @@ class Dispatcher:
         for attempt in range(retries + 1):
             if attempt:
                 await asyncio.sleep(self._retry.pause(attempt, self._rng))
-            candidates = await self._admitted(features.model, tried)
+            candidates = await self._admitted(features, tried)
             if not candidates:
                 break
-            if self._at_decision is not None:
-                features = self._at_decision(features, candidates)
-            decision = self._policy.choose(features, candidates)
+            decision, features = self._choose(features, candidates)
             replica_id = decision.id
-            self._metrics.decisions.labels(self._policy.name, replica_id).inc()
-            self._metrics.decision_reasons.labels(self._policy.name, decision.reason).inc()
+            self._metrics.labeled(self._metrics.decisions, self._policy.name, replica_id).inc()
+            self._metrics.labeled(self._metrics.decision_reasons, self._policy.name, decision.reason).inc()
             if self._on_routed is not None:
                 self._on_routed(features, replica_id)
             tried.append(replica_id)
@@ -185,7 +194,7 @@ class Dispatcher:
             except RETRYABLE as exc:
                 reason = type(exc).__name__
                 # Nothing listening there ejects at once; a dropped or slow connection counts towards it.
-                refused = isinstance(exc, aiohttp.ClientConnectorError)
+                refused = isinstance(exc, UpstreamConnectError)
                 self._registry.observe(replica_id, Outcome.REFUSED if refused else Outcome.FAILED, reason)
                 log.warning("replica %s failed before the first byte (%s)", replica_id, reason)
                 if not is_last:
@@ -208,16 +217,66 @@ class Dispatcher:
             code="upstream_unavailable",
         )
 
-    async def _admitted(self, model: str, tried: Sequence[str]) -> list[ReplicaSnapshot]:
+    def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
+        """The routing decision alone, as `send` makes it when a replica has room (for measuring it)."""
+        candidates = self._candidates(features, tried)
+        return self._choose(features, candidates)[0] if candidates else None
+
+    def _choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> tuple[Decision, RequestFeatures]:
+        if self._at_decision is not None:
+            features = self._at_decision(features, candidates)
+        return self._policy.choose(features, candidates), features
+
+    def _candidates(self, features: RequestFeatures, tried: Sequence[str]) -> list[ReplicaView]:
+        """Replicas the policy may choose from now: routable, untried, with room; a sample of them in a
+        large fleet, the whole fleet only when the sample has no room."""
+        registry, admission = self._registry, self._admission
+        view = registry.routable(features.model)
+        pool = self._sample(view, features)
+        candidates = admission.open(registry.available(pool, tried))
+        if not candidates and len(pool) < len(view):
+            candidates = admission.open(registry.available(view, tried))
+        return candidates
+
+    def _sample(self, view: Sequence[Replica], features: RequestFeatures) -> Sequence[Replica]:
+        size = self._sample_size
+        count = len(view)
+        if self._sampling is Sampling.TURN and count > 1:
+            # The next replica in turn is the round robin's whole choice (all of them when it has no room).
+            self._turn += 1
+            return view[self._turn % count : self._turn % count + 1]
+        if self._sampling is Sampling.ALL or count <= size:
+            return view
+        # The replicas likely to hold the prompt's prefix (at most half the sample), then a window at a
+        # random offset: every replica is as likely to be in it, at O(size) cost.
+        pool: list[Replica] = []
+        if self._likely_best is not None:
+            for rid in self._likely_best(features, size // 2):
+                replica = self._registry.find(rid)
+                if replica is not None and replica.routable and features.model in replica.models:
+                    pool.append(replica)
+        wanted = size - len(pool)
+        start = self._rng.randrange(count)
+        window = view[start : start + wanted]
+        if len(window) < wanted:
+            window += view[: wanted - len(window)]
+        if pool:
+            likely = {replica.id for replica in pool}
+            return pool + [replica for replica in window if replica.id not in likely]
+        return window
+
+    async def _admitted(self, features: RequestFeatures, tried: Sequence[str]) -> list[ReplicaView]:
         """Candidates with room, after waiting in the admission queue when every one is full."""
         admission = self._admission
         if admission.limit <= 0:
-            return self._registry.candidates(model, exclude=tried)
+            return self._candidates(features, tried)
+        found: list[ReplicaView] = []
 
         def has_room() -> bool:
-            candidates = self._registry.candidates(model, exclude=tried)
+            nonlocal found
+            found = self._candidates(features, tried)
             # No candidate at all is not a reason to wait: the caller answers at once.
-            return not candidates or bool(admission.open(candidates))
+            return bool(found) or all(r.id in tried for r in self._registry.routable(features.model))
 
         try:
             waited = await admission.wait_for_room(has_room)
@@ -225,7 +284,7 @@ class Dispatcher:
             self._metrics.admission_rejections.labels(rejected.code or "rejected").inc()
             raise
         self._metrics.queue_wait.observe(waited)
-        return admission.open(self._registry.candidates(model, exclude=tried))
+        return found
 
     async def _attempt(
         self,
@@ -237,23 +296,24 @@ class Dispatcher:
         started: float,
     ) -> Buffered | Streaming:
         registry = self._registry
-        url = registry.get(replica_id).url + path
+        address = self._address(registry.get(replica_id).url)
         registry.acquire(replica_id)
         handed_over = False
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         try:
-            resp = await self._session.post(url, data=body, headers=headers)
-            content_type = resp.headers.get("content-type", "application/json")
+            resp = await self._upstream.post(address, path, body, headers)
+            content_type = resp.content_type
             stream = features.stream and resp.status == 200
             if not stream:
-                self._metrics.first_byte.labels(features.endpoint, "false").observe(self._clock() - started)
+                metrics = self._metrics
+                metrics.labeled(metrics.first_byte, features.endpoint, "false").observe(self._clock() - started)
                 return Buffered(replica_id, resp.status, content_type, await resp.read())
             # Wait for the first event before committing to this replica: a replica that dies
             # before it can still be replaced, since the client has seen nothing yet.
-            first = await resp.content.readany()
+            first = await resp.readany()
             if not first:
-                raise aiohttp.ServerDisconnectedError("stream closed before the first event")
-            self._metrics.first_byte.labels(features.endpoint, "true").observe(self._clock() - started)
+                raise UpstreamError("stream closed before the first event")
+            self._metrics.labeled(self._metrics.first_byte, features.endpoint, "true").observe(self._clock() - started)
             handed_over = True
             return Streaming(replica_id, resp.status, content_type, resp, first, registry, self._metrics)
         except BaseException:
@@ -265,6 +325,12 @@ class Dispatcher:
                 if resp is not None:
                     resp.release()
                 registry.release(replica_id)
+
+    def _address(self, url: str) -> Address:
+        address = self._addresses.get(url)
+        if address is None:
+            address = self._addresses[url] = Address.from_url(url)
+        return address
 
 
 def stream_error_event(message: str, code: str = "stream_broken") -> bytes:

@@ -138,8 +138,8 @@ class _Exchange:
 
     async def _answer(self, outcome: Buffered) -> None:
         metrics, endpoint = self.state.metrics, self.endpoint
-        metrics.requests.labels(endpoint.name, outcome.replica_id, str(outcome.status)).inc()
-        metrics.duration.labels(endpoint.name, "false").observe(time.perf_counter() - self.started)
+        metrics.labeled(metrics.requests, endpoint.name, outcome.replica_id, str(outcome.status)).inc()
+        metrics.labeled(metrics.duration, endpoint.name, "false").observe(time.perf_counter() - self.started)
         body, content_type = outcome.body, outcome.content_type.encode("latin-1")
         if outcome.status >= 400:
             # Always OpenAI-shaped JSON by now, whatever the replica's own content type was.
@@ -178,8 +178,8 @@ class _Exchange:
             if not stream.completed and not stream.broken:
                 status = str(CLIENT_CLOSED)
                 metrics.client_disconnects.labels(name).inc()
-            metrics.requests.labels(name, stream.replica_id, status).inc()
-            metrics.duration.labels(name, "true").observe(time.perf_counter() - self.started)
+            metrics.labeled(metrics.requests, name, stream.replica_id, status).inc()
+            metrics.labeled(metrics.duration, name, "true").observe(time.perf_counter() - self.started)
 
     def _routing_headers(self, replica_id: str) -> list[tuple[bytes, bytes]]:
         return [(REPLICA_HEADER.encode(), replica_id.encode()), (REQUEST_ID_HEADER.encode(), self.request_id.encode())]
@@ -187,12 +187,12 @@ class _Exchange:
     def _count_refusal(self, err: OpenAIError) -> None:
         metrics = self.state.metrics
         metrics.rejected.labels(str(err.status)).inc()
-        metrics.requests.labels(self.endpoint.name, "none", str(err.status)).inc()
+        metrics.labeled(metrics.requests, self.endpoint.name, "none", str(err.status)).inc()
 
     def _count_client_gone(self, replica_id: str) -> None:
         metrics = self.state.metrics
         metrics.client_disconnects.labels(self.endpoint.name).inc()
-        metrics.requests.labels(self.endpoint.name, replica_id, str(CLIENT_CLOSED)).inc()
+        metrics.labeled(metrics.requests, self.endpoint.name, replica_id, str(CLIENT_CLOSED)).inc()
 
 
 async def _body_chunks(receive: Receive) -> AsyncIterator[bytes]:
@@ -218,14 +218,15 @@ async def _send_error(send: Send, error: OpenAIError, request_id: str) -> None:
 
 
 def resolve_model(registry: ReplicaRegistry, requested: str | None) -> str:
-    served = registry.served_models()
     if requested is None:
-        if len(served) == 1:
-            return served[0]
+        only = registry.only_model()
+        if only is not None:
+            return only
+        served = registry.served_models()
         if not served:
             raise no_replica("No healthy replica is serving a model right now.")
         raise bad_request(f"Missing `model`; this router serves: {', '.join(served)}.", param="model")
-    if requested in served:
+    if registry.serves(requested):
         return requested
     if requested in registry.known_models():
         raise no_replica(f"No healthy replica serves the model `{requested}` right now.")

@@ -30,7 +30,7 @@ def fleet() -> ReplicaRegistry:
     for replica in registry:
         registry.probe_succeeded(replica.id)
         replica.block_size = 2
-        replica.set_model_cards(({"id": "m"},))
+        registry.set_model_cards(replica.id, ({"id": "m"},))
     return registry
 
 

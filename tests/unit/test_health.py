@@ -119,7 +119,7 @@ def test_registry_candidates_prefer_replicas_not_backing_off() -> None:
     registry = ReplicaRegistry(["http://a:1", "http://b:2"], RULES, clock=lambda: now[0])
     for replica in registry:
         registry.probe_succeeded(replica.id)
-        replica.set_model_cards(({"id": "m"},))
+        registry.set_model_cards(replica.id, ({"id": "m"},))
     registry.observe("r0", Outcome.BACKPRESSURE)
     assert [c.id for c in registry.candidates("m")] == ["r1"]
     registry.observe("r1", Outcome.BACKPRESSURE)
@@ -134,7 +134,7 @@ def test_registry_draining_and_removal() -> None:
     registry.on_change(lambda: changes.append(1))
     for replica in registry:
         registry.probe_succeeded(replica.id)
-        replica.set_model_cards(({"id": "m"},))
+        registry.set_model_cards(replica.id, ({"id": "m"},))
     registry.set_draining("r0", True)
     assert [c.id for c in registry.candidates("m")] == ["r1"] and registry.get("r0").state == "draining"
     registry.acquire("r1")

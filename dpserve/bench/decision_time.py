@@ -1,0 +1,196 @@
+"""How long one routing decision takes as the fleet grows: 2 to 64 replicas, every policy.
+
+A decision is what the router does per request between reading the body and sending it on: find the
+routable replicas with room, read the prefix indexes for them, and let the policy choose. It is timed
+through the router's own `Dispatcher.decide`, in process and without sockets, on a fleet in a busy
+state: uneven loads and KV usage, KV and text indexes that hold the prompts' prefixes on a few
+replicas each, and requests cycling over those prompts and over session keys.
+
+    python -m dpserve.bench.decision_time [--counts 2,4,8,16,32,64] [--repeats 5] [--decisions 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dpserve.config import Settings
+from dpserve.kvindex.events import BlockStored
+from dpserve.kvindex.index import KvIndex, block_keys
+from dpserve.kvindex.recent import RecentRoutes
+from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, TextPrefixIndex, text_keys
+from dpserve.policies import POLICY_NAMES, PrefixMatch, PrefixSource, RequestFeatures, make_policy
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.admission import Admission
+from dpserve.router.app import policy_tuning
+from dpserve.router.features import FeatureBuilder
+from dpserve.router.metrics import RouterMetrics
+from dpserve.router.proxy import Dispatcher, RetryRules
+from dpserve.router.upstream import UpstreamPool
+
+MODEL = "dpserve-tiny"
+BLOCK_SIZE = 16
+PROMPTS = 64
+PROMPT_TOKENS = 1024
+HOLDERS_PER_PROMPT = 2
+DEFAULT_COUNTS = (2, 4, 8, 16, 32, 64)
+FLAT_RATIO = 2.0
+"""`flat`: the time at the largest fleet is at most this multiple of the time at the smallest, while the
+fleet grows 32-fold (an O(replicas) decision grows about as much as the fleet)."""
+
+
+@dataclass(frozen=True)
+class DecisionReport:
+    rows: list[dict[str, Any]]
+    text: str
+
+
+def _fleet(count: int, rng: random.Random) -> ReplicaRegistry:
+    registry = ReplicaRegistry([f"http://127.0.0.1:{20000 + i}" for i in range(count)])
+    for replica in registry:
+        registry.probe_succeeded(replica.id)
+        registry.set_model_cards(replica.id, ({"id": MODEL},))
+        replica.block_size = BLOCK_SIZE
+        replica.in_flight = rng.randrange(0, 32)
+        replica.kv_usage = rng.random()
+    return registry
+
+
+def _prompts(rng: random.Random) -> list[list[int]]:
+    # Pairs of prompts share a system prompt (half their tokens), like chat traffic does.
+    prompts = []
+    for i in range(PROMPTS):
+        shared = random.Random(i // 2).choices(range(32000), k=PROMPT_TOKENS // 2)
+        prompts.append(shared + rng.choices(range(32000), k=PROMPT_TOKENS // 2))
+    return prompts
+
+
+def _features(policy_name: str, prompts: list[list[int]], index: int) -> RequestFeatures:
+    prompt = prompts[index % len(prompts)]
+    if policy_name == "kv_aware":
+        keys = tuple(block_keys(prompt, BLOCK_SIZE))
+        return RequestFeatures(
+            "completions", MODEL, False, PrefixMatch(PrefixSource.KV_EVENTS, len(keys), BLOCK_SIZE, keys=keys)
+        )
+    if policy_name == "prefix":
+        keys = tuple(text_keys(f"{MODEL}\0{_text(prompt)}"))
+        prefix = PrefixMatch(PrefixSource.ROUTED_TEXT, len(keys), CHUNK_CHARS // CHARS_PER_TOKEN, keys=keys)
+        return RequestFeatures("completions", MODEL, False, prefix)
+    if policy_name == "session":
+        return RequestFeatures("completions", MODEL, False, session_key=f"user-{index % 997}")
+    return RequestFeatures("completions", MODEL, False)
+
+
+def _text(prompt: list[int]) -> str:
+    return " ".join(str(token) for token in prompt)
+
+
+def _dispatcher(policy_name: str, count: int, seed: int) -> tuple[Dispatcher, list[RequestFeatures]]:
+    rng = random.Random(seed)
+    settings = Settings()
+    registry = _fleet(count, rng)
+    policy = make_policy(policy_name, random.Random(seed), policy_tuning(settings))
+    metrics = RouterMetrics(registry, policy.name)
+    kv_index = KvIndex() if policy_name == "kv_aware" else None
+    text_index = TextPrefixIndex() if policy_name == "prefix" else None
+    recent = RecentRoutes(time.monotonic) if policy_name == "kv_aware" else None
+    prompts = _prompts(rng)
+    ids = [replica.id for replica in registry]
+    for number, prompt in enumerate(prompts):
+        for holder in rng.sample(ids, min(HOLDERS_PER_PROMPT, count)):
+            if kv_index is not None:
+                hashes = tuple(range(number * 1000, number * 1000 + len(prompt) // BLOCK_SIZE))
+                kv_index.store(holder, BlockStored(hashes, None, tuple(prompt), BLOCK_SIZE))
+            if text_index is not None:
+                text_index.record(text_keys(f"{MODEL}\0{_text(prompt)}"), holder)
+    features = FeatureBuilder(policy, registry, metrics, kv_index, text_index, None, recent)
+    dispatcher = Dispatcher(
+        registry,
+        policy,
+        UpstreamPool(1.0, 1.0),  # never used: only the decision runs
+        metrics,
+        RetryRules(),
+        Admission(settings.max_in_flight, settings.queue_size, settings.queue_timeout_s),
+        rng=random.Random(seed),
+        at_decision=features.at_decision,
+        likely_best=features.likely_best,
+        sample_size=settings.route_sample,
+    )
+    return dispatcher, [_features(policy_name, prompts, i) for i in range(PROMPTS * 2)]
+
+
+def time_decisions(policy_name: str, count: int, decisions: int, repeats: int) -> float:
+    """The best of `repeats` runs' mean seconds per decision, with the garbage collector paused as
+    timeit does: the least disturbed run is the best estimate of the code's own cost."""
+    dispatcher, requests = _dispatcher(policy_name, count, seed=count)
+    for request in requests:  # warm caches (the registry's views, the session rings)
+        dispatcher.decide(request)
+    runs = []
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for i in range(decisions):
+                if dispatcher.decide(requests[i % len(requests)]) is None:
+                    raise RuntimeError("no decision: every replica was full")
+            runs.append((time.perf_counter() - started) / decisions)
+    finally:
+        if collecting:
+            gc.enable()
+    return min(runs)
+
+
+def decision_report(
+    counts: Sequence[int] = DEFAULT_COUNTS,
+    policies: Sequence[str] = POLICY_NAMES,
+    decisions: int = 2000,
+    repeats: int = 5,
+) -> DecisionReport:
+    rows: list[dict[str, Any]] = []
+    for policy_name in policies:
+        for count in counts:
+            seconds = time_decisions(policy_name, count, decisions, repeats)
+            rows.append({"policy": policy_name, "replicas": count, "us_per_decision": round(seconds * 1e6, 2)})
+    return DecisionReport(rows, format_report(rows, counts, policies))
+
+
+def format_report(rows: list[dict[str, Any]], counts: Sequence[int], policies: Sequence[str]) -> str:
+    micros = {(row["policy"], row["replicas"]): row["us_per_decision"] for row in rows}
+    width = max(len(name) for name in policies)
+    lines = [f"policy decision time, microseconds per request (route sample {Settings().route_sample}):"]
+    lines.append(f"  {'replicas':>{width}}  " + "  ".join(f"{count:>7}" for count in counts) + f"  {'ratio':>7}")
+    verdicts = []
+    for name in policies:
+        values = [micros[(name, count)] for count in counts]
+        ratio = values[-1] / values[0]
+        lines.append(f"  {name:>{width}}  " + "  ".join(f"{value:7.1f}" for value in values) + f"  {ratio:6.2f}x")
+        verdict = "flat" if ratio <= FLAT_RATIO else "GROWS"
+        verdicts.append(f"  {name}: {counts[0]} -> {counts[-1]} replicas: {ratio:.2f}x ({verdict})")
+    lines.append(
+        f"decision time flat from {counts[0]} to {counts[-1]} replicas (at most {FLAT_RATIO:g}x for a "
+        f"{counts[-1] // counts[0]}x fleet): {'PASS' if all('flat' in v for v in verdicts) else 'FAIL'}"
+    )
+    return "\n".join([*lines, *verdicts])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dpserve bench decision-time", description=__doc__.splitlines()[0])
+    parser.add_argument("--counts", default=",".join(map(str, DEFAULT_COUNTS)), help="replica counts")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
+    parser.add_argument("--decisions", type=int, default=2000, help="decisions per timed run")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (the best is kept)")
+    args = parser.parse_args(argv)
+    counts = [int(c) for c in args.counts.split(",")]
+    policies = [p for p in args.policies.split(",") if p]
+    print(decision_report(counts, policies, args.decisions, args.repeats).text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""Decisions in a large fleet: a window of the replicas (plus the likely cache holders) for load and cache
+policies, the next in turn for round robin, and the whole fleet whenever the sample has no room."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from dpserve.kvindex.events import BlockStored
+from dpserve.kvindex.index import KvIndex, block_keys
+from dpserve.policies import PrefixMatch, PrefixSource, RequestFeatures, make_policy
+from dpserve.replicas.health import HealthRules, Outcome
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.admission import Admission
+from dpserve.router.features import FeatureBuilder
+from dpserve.router.metrics import RouterMetrics
+from dpserve.router.proxy import Dispatcher, RetryRules
+from dpserve.router.upstream import UpstreamPool
+
+MODEL = "m"
+REQUEST = RequestFeatures("completions", MODEL, False)
+
+
+def fleet(count: int) -> ReplicaRegistry:
+    registry = ReplicaRegistry([f"http://127.0.0.1:{30000 + i}" for i in range(count)], HealthRules())
+    for replica in registry:
+        registry.probe_succeeded(replica.id)
+        registry.set_model_cards(replica.id, ({"id": MODEL},))
+    return registry
+
+
+def dispatcher(
+    registry: ReplicaRegistry,
+    policy_name: str,
+    sample: int = 8,
+    limit: int = 256,
+    features: FeatureBuilder | None = None,
+) -> Dispatcher:
+    policy = make_policy(policy_name, random.Random(1))
+    return Dispatcher(
+        registry,
+        policy,
+        UpstreamPool(1.0, 1.0),
+        RouterMetrics(registry, policy.name),
+        RetryRules(),
+        Admission(limit, 16, 1.0),
+        rng=random.Random(2),
+        at_decision=features.at_decision if features else None,
+        likely_best=features.likely_best if features else None,
+        sample_size=sample,
+    )
+
+
+def test_least_loaded_picks_the_least_loaded_of_a_window_and_spreads_over_the_fleet() -> None:
+    registry = fleet(64)
+    for index, replica in enumerate(registry):
+        replica.in_flight = index % 5 + 1
+    router = dispatcher(registry, "least_loaded")
+    chosen = Counter()
+    for _ in range(2000):
+        decision = router.decide(REQUEST)
+        assert decision is not None
+        chosen[decision.id] += 1
+    loads = {replica.id: replica.in_flight for replica in registry}
+    # A window of 8 consecutive replicas always holds a load-1 one: only those are ever chosen.
+    assert {loads[rid] for rid in chosen} == {1}
+    assert len(chosen) == sum(1 for load in loads.values() if load == 1)
+
+
+def test_with_the_sample_off_the_whole_fleet_is_weighed() -> None:
+    registry = fleet(64)
+    for replica in registry:
+        replica.in_flight = 3
+    registry.get("r40").in_flight = 0
+    assert {dispatcher(registry, "least_loaded", sample=0).decide(REQUEST).id for _ in range(50)} == {"r40"}
+    # With a window of 8, the idle replica is chosen only when the window holds it.
+    sampled = dispatcher(registry, "least_loaded")
+    assert len({sampled.decide(REQUEST).id for _ in range(50)}) > 1
+
+
+def test_a_full_sample_falls_back_to_the_whole_fleet() -> None:
+    registry = fleet(32)
+    for replica in registry:
+        replica.in_flight = 4  # the admission limit: no room
+    registry.get("r17").in_flight = 0
+    router = dispatcher(registry, "least_loaded", limit=4)
+    assert all(router.decide(REQUEST).id == "r17" for _ in range(20))
+    registry.get("r17").in_flight = 4
+    assert router.decide(REQUEST) is None
+
+
+def test_round_robin_takes_every_replica_in_turn() -> None:
+    registry = fleet(40)
+    router = dispatcher(registry, "round_robin")
+    chosen = [router.decide(REQUEST).id for _ in range(80)]
+    assert Counter(chosen) == Counter({replica.id: 2 for replica in registry})
+    assert chosen[:40] == chosen[40:]
+    registry.set_draining(chosen[0], True)
+    assert chosen[0] not in {router.decide(REQUEST).id for _ in range(80)}
+
+
+def test_the_replicas_holding_the_prefix_join_the_window() -> None:
+    registry = fleet(64)
+    for replica in registry:
+        replica.block_size = 4
+    index = KvIndex()
+    prompt = list(range(64))
+    index.store("r33", BlockStored(tuple(range(16)), None, tuple(prompt), 4))
+    features = FeatureBuilder(make_policy("kv_aware"), registry, RouterMetrics(registry, "kv_aware"), index)
+    keys = tuple(block_keys(prompt, 4))
+    request = RequestFeatures("completions", MODEL, False, PrefixMatch(PrefixSource.KV_EVENTS, len(keys), 4, keys=keys))
+    router = dispatcher(registry, "kv_aware", features=features)
+    assert all(router.decide(request).id == "r33" for _ in range(30))
+
+
+def test_the_routable_view_follows_health_draining_and_models() -> None:
+    registry = fleet(3)
+    ids = lambda: [replica.id for replica in registry.routable(MODEL)]  # noqa: E731
+    assert ids() == ["r0", "r1", "r2"]
+    registry.set_draining("r1", True)
+    assert ids() == ["r0", "r2"]
+    registry.observe("r0", Outcome.REFUSED)
+    assert ids() == ["r2"]
+    registry.set_model_cards("r2", ({"id": "other"},))
+    assert ids() == [] and registry.served_models() == ["other"] and registry.only_model() == "other"
+    registry.set_draining("r1", False)
+    assert ids() == ["r1"] and registry.serves(MODEL)
+    registry.add("http://127.0.0.1:39999")
+    registry.remove("r1")
+    assert ids() == [] and not registry.serves(MODEL)
