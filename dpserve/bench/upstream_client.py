@@ -21,8 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import csv
-import ctypes
-import json
 import os
 import selectors
 import shutil
@@ -42,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from dpserve.bench.stats import percentile
+from dpserve.bench.loadgen import die_with_parent, python_command, run_all, write_wrk_script, wrk_command
 
 HOST = "127.0.0.1"  # loopback only: nothing here should be reachable from outside
 PATH = "/v1/completions"
@@ -285,72 +283,8 @@ class Result:
         return self.requests / self.seconds if self.seconds > 0 else 0.0
 
 
-def run_pyloadgen(url: str, mode: str, connections: int, duration: float) -> None:
-    """Closed loop: each of C workers sends the next request when the previous one is done."""
-    import aiohttp
-    import uvloop
-
-    body = REQUEST_BODIES[mode]
-    latencies: list[float] = []
-    errors = 0
-
-    async def worker(session: aiohttp.ClientSession, deadline: float) -> None:
-        nonlocal errors
-        while time.perf_counter() < deadline:
-            t0 = time.perf_counter()
-            try:
-                async with session.post(url, data=body, headers=FORWARD_HEADERS) as resp:
-                    data = await resp.read()
-                ok = resp.status == 200 and (data.endswith(SSE_DONE) if mode == "sse" else bool(data))
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                ok = False
-            if ok:
-                latencies.append(time.perf_counter() - t0)
-            else:
-                errors += 1
-
-    async def drive() -> float:
-        connector = aiohttp.TCPConnector(limit=connections)  # one connection per worker, like wrk
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as s:
-            start = time.perf_counter()
-            await asyncio.gather(*(worker(s, start + duration) for _ in range(connections)))
-            return time.perf_counter() - start
-
-    elapsed = uvloop.run(drive())
-    latencies.sort()
-    out = {
-        "requests": len(latencies),
-        "seconds": elapsed,
-        "p50_ms": percentile(latencies, 50) * 1000,
-        "p99_ms": percentile(latencies, 99) * 1000,
-        "errors": errors,
-    }
-    sys.stdout.write("RESULT " + json.dumps(out) + "\n")
-
-
-WRK_LUA = """\
-wrk.method = "POST"
-wrk.body = '{body}'
-wrk.headers["Content-Type"] = "application/json"
-
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format(
-    'RESULT {{"requests": %d, "seconds": %f, "p50_ms": %f, "p99_ms": %f, "errors": %d}}\\n',
-    summary.requests, summary.duration / 1e6, latency:percentile(50) / 1e3,
-    latency:percentile(99) / 1e3, e.connect + e.read + e.write + e.status + e.timeout))
-end
-"""
-
-
 # ---------------------------------------------------------------------------------------------
 # The orchestrator
-
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGTERM the child if we die, even by SIGKILL (wrk included)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 class Processes:
@@ -361,7 +295,7 @@ class Processes:
 
     def start(self, args: list[str], **kw: Any) -> subprocess.Popen[str]:
         # New session: a terminal Ctrl-C reaches only us, and we stop the children in order.
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        preexec = die_with_parent if sys.platform.startswith("linux") else None
         proc = subprocess.Popen(args, text=True, start_new_session=True, preexec_fn=preexec, **kw)
         self.procs = [p for p in self.procs if p.poll() is None]  # forget finished load generators
         self.procs.append(proc)
@@ -434,7 +368,6 @@ def _check_target(name: str, url: str) -> None:
 
 
 def _measure(
-    procs: Processes,
     loadgen: str,
     lua_dir: Path,
     target: str,
@@ -445,42 +378,13 @@ def _measure(
     wrk_threads: int,
 ) -> Result:
     if loadgen == "wrk":
-        script = lua_dir / f"{mode}.lua"
-        threads = max(1, min(wrk_threads, connections))
-        args = [
-            "wrk",
-            f"-t{threads}",
-            f"-c{connections}",
-            f"-d{max(1, round(duration))}s",  # wrk takes whole seconds
-            "--timeout",
-            "30s",
-            "-s",
-            str(script),
-            url + PATH,
-        ]
-        env = None
+        command = wrk_command(lua_dir / f"{mode}.lua", url + PATH, connections, duration, wrk_threads)
     else:
-        args = _self_cmd("_loadgen", url + PATH, mode, str(connections), str(duration))
-        env = _child_env()
+        expect_chunks = N_STREAM_CHUNKS if mode == "sse" else 0
+        command = python_command(url + PATH, REQUEST_BODIES[mode], connections, duration, expect_chunks)
     load1 = os.getloadavg()[0]
-    proc = procs.start(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    out, err = proc.communicate(timeout=duration + 120)
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT ") :])
-            return Result(
-                target,
-                mode,
-                connections,
-                r["requests"],
-                r["seconds"],
-                r["p50_ms"],
-                r["p99_ms"],
-                r["errors"],
-                loadgen,
-                load1,
-            )
-    raise RuntimeError(f"load generator gave no result (rc={proc.returncode}): {out[-500:]} {err[-500:]}")
+    r = run_all([command], duration, env=_child_env())[0]
+    return Result(target, mode, connections, r.requests, r.seconds, r.p50_ms, r.p99_ms, r.errors, loadgen, load1)
 
 
 COLUMNS = ["target", "mode", "connections", "req_s", "p50_ms", "p99_ms", "errors", "p50_added_ms", "loadgen", "load1"]
@@ -577,10 +481,6 @@ def main(argv: list[str] | None = None) -> int:
         _watch_parent()
         run_relay(argv[1], argv[2])
         return 0
-    if argv and argv[0] == "_loadgen":
-        _watch_parent()
-        run_pyloadgen(argv[1], argv[2], int(argv[3]), float(argv[4]))
-        return 0
 
     args = parse_args(argv)
     loadgen = args.loadgen
@@ -597,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="dpserve-bench-") as tmp:
             lua_dir = Path(tmp)
             for mode, body in REQUEST_BODIES.items():
-                (lua_dir / f"{mode}.lua").write_text(WRK_LUA.format(body=body.decode()))
+                write_wrk_script(lua_dir, mode, body)
 
             _, backend_url = _start_server(procs, ["_backend"])
             urls = {"direct": backend_url}
@@ -616,7 +516,6 @@ def main(argv: list[str] | None = None) -> int:
             for target, mode, conns in _iter_runs(args.targets, args.connections):
                 if args.warmup > 0:
                     _measure(
-                        procs,
                         loadgen,
                         lua_dir,
                         target,
@@ -627,7 +526,6 @@ def main(argv: list[str] | None = None) -> int:
                         args.wrk_threads,
                     )
                 r = _measure(
-                    procs,
                     loadgen,
                     lua_dir,
                     target,
