@@ -196,9 +196,11 @@ class ReplicaRegistry:
         """Routable replicas serving `model`; those backing off (429/503) only when no other is left."""
         return self.available(self.routable(model), exclude)
 
-    def available(self, replicas: Iterable[Replica], exclude: Iterable[str] = ()) -> list[ReplicaView]:
-        """`replicas` but the excluded; those backing off only when no other is left. The live objects,
-        for a decision made before the next await (see `ReplicaView`)."""
+    def available(
+        self, replicas: Iterable[Replica], exclude: Iterable[str] = (), fresh_only: bool = False
+    ) -> list[ReplicaView]:
+        """`replicas` but the excluded; those backing off only when no other is left (never, with
+        `fresh_only`). The live objects, for a decision made before the next await (see `ReplicaView`)."""
         excluded = set(exclude) if exclude else ()
         now = self._clock()
         fresh: list[ReplicaView] = []
@@ -206,7 +208,7 @@ class ReplicaRegistry:
         for r in replicas:
             if r.id not in excluded:
                 (backed_off if r.health.backed_off(now) else fresh).append(r)
-        return fresh or backed_off
+        return fresh if fresh or fresh_only else backed_off
 
     def acquire(self, replica_id: str) -> None:
         replica = self._replicas[replica_id]

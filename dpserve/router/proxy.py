@@ -229,14 +229,15 @@ class Dispatcher:
 
     def _candidates(self, features: RequestFeatures, tried: Sequence[str]) -> list[ReplicaView]:
         """Replicas the policy may choose from now: routable, untried, with room; a sample of them in a
-        large fleet, the whole fleet only when the sample has no room."""
+        large fleet, the whole fleet only when none in the sample has room (or all are backing off)."""
         registry, admission = self._registry, self._admission
         view = registry.routable(features.model)
         pool = self._sample(view, features)
-        candidates = admission.open(registry.available(pool, tried))
-        if not candidates and len(pool) < len(view):
-            candidates = admission.open(registry.available(view, tried))
-        return candidates
+        if len(pool) < len(view):
+            candidates = admission.open(registry.available(pool, tried, fresh_only=True))
+            if candidates:
+                return candidates
+        return admission.open(registry.available(view, tried))
 
     def _sample(self, view: Sequence[Replica], features: RequestFeatures) -> Sequence[Replica]:
         size = self._sample_size

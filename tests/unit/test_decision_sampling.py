@@ -128,3 +128,13 @@ def test_the_routable_view_follows_health_draining_and_models() -> None:
     registry.add("http://127.0.0.1:39999")
     registry.remove("r1")
     assert ids() == [] and not registry.serves(MODEL)
+
+
+def test_a_sample_of_replicas_backing_off_gives_way_to_the_rest_of_the_fleet() -> None:
+    registry = fleet(12)
+    for replica in registry:
+        if replica.id != "r5":
+            registry.observe(replica.id, Outcome.BACKPRESSURE)  # answered 429: avoided while another has room
+    for policy_name in ("round_robin", "least_loaded"):
+        router = dispatcher(registry, policy_name)
+        assert {router.decide(REQUEST).id for _ in range(24)} == {"r5"}
