@@ -10,18 +10,19 @@ stays on FastAPI, where per-request cost does not matter.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from starlette.datastructures import Headers
 from starlette.types import Message, Receive, Scope, Send
 
 from dpserve.disconnect import ClientGone
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.errors import OpenAIError, bad_request, model_not_found, no_replica, upstream_error_body
+from dpserve.router.features import SESSION_HEADER
 from dpserve.router.proxy import Buffered, Streaming
 from dpserve.router.request_body import Endpoint, parse_body, read_limited, with_model
 
@@ -34,6 +35,8 @@ REPLICA_HEADER = "x-dpserve-replica"
 REQUEST_ID_HEADER = "x-request-id"
 CLIENT_CLOSED = 499  # nginx's convention for "client closed request", used in metrics only
 _JSON = b"application/json"
+# The only request headers the hot path reads (the session header for the session policy).
+_READ_HEADERS = frozenset({b"content-length", REQUEST_ID_HEADER.encode(), SESSION_HEADER.encode()})
 
 
 class ProxiedEndpoints:
@@ -42,6 +45,7 @@ class ProxiedEndpoints:
     def __init__(self, state: RouterState, endpoints: Sequence[Endpoint]) -> None:
         self._state = state
         self._endpoints = {endpoint.path: endpoint for endpoint in endpoints}
+        self._request_ids = RequestIds()
 
     @property
     def paths(self) -> frozenset[str]:
@@ -53,24 +57,26 @@ class ProxiedEndpoints:
             error = OpenAIError(
                 405, f"Method {scope['method']} is not allowed on {endpoint.path}", headers={"allow": "POST"}
             )
-            await _send_error(send, error, uuid.uuid4().hex)
+            await _send_error(send, error, self._request_ids.next())
             return
-        exchange = _Exchange(self._state, endpoint, scope, receive, send)
+        exchange = _Exchange(self._state, endpoint, scope, receive, send, self._request_ids)
         await exchange.run()
 
 
 class _Exchange:
     """One request and its answer."""
 
-    def __init__(self, state: RouterState, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+    def __init__(
+        self, state: RouterState, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send, ids: RequestIds
+    ) -> None:
         self.state = state
         self.endpoint = endpoint
         self.scope = scope
         self.receive = receive
         self.send = send
         self.started = time.perf_counter()
-        self.headers = Headers(raw=scope["headers"])
-        self.request_id = self.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        self.headers = read_headers(scope["headers"])
+        self.request_id = self.headers.get(REQUEST_ID_HEADER) or ids.next()
         self.response_started = False
         self.answered = False
         """The last message is on its way: from then on uvicorn reports the end of the exchange as a
@@ -193,6 +199,28 @@ class _Exchange:
         metrics = self.state.metrics
         metrics.client_disconnects.labels(self.endpoint.name).inc()
         metrics.labeled(metrics.requests, self.endpoint.name, replica_id, str(CLIENT_CLOSED)).inc()
+
+
+class RequestIds:
+    """Ids for requests that come without an `x-request-id`: a random prefix per router process and a
+    counter, unique across routers and restarts without a random draw per request."""
+
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(8)
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._count):016x}"
+
+
+def read_headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The few request headers the hot path reads, by lower-case name (ASGI servers give names in lower
+    case); the first of a repeated header wins, as `Headers.get` does."""
+    found: dict[str, str] = {}
+    for name, value in raw:
+        if name in _READ_HEADERS:
+            found.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    return found
 
 
 async def _body_chunks(receive: Receive) -> AsyncIterator[bytes]:
