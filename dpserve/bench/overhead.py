@@ -6,8 +6,9 @@ each stopped before the next starts so that no two share the CPU:
   * dpserve: `dpserve router` over the K backends, once per policy in --dpserve-policies;
   * vllm-router and sglang-router (round_robin), when installed.
 Every target must first answer correctly. Then, for each mode (json: 16 tokens in one JSON answer; sse:
---stream-chunks SSE events), after an unrecorded warm-up: C connections (throughput), then 1 connection
-(added latency), closed loop, with wrk or a Python generator. The generator's own CPU use is reported next
+--stream-chunks SSE events), after an unrecorded warm-up: C connections over all K backends (throughput),
+then 1 connection over the first backend alone (added latency; each router is started again over it),
+closed loop, with wrk or a Python generator. The generator's own CPU use is reported next
 to the router's, so a generator that was itself the bottleneck shows. Prints a table, req/s ratios against
 the Rust routers and the issue's verdicts; writes overhead.csv and overhead.png, then the policies'
 decision times (decision_time.csv).
@@ -309,37 +310,49 @@ def report_run(run: Run) -> None:
         )
 
 
-def measure_target(ctx: Context, target: Target, urls: list[str], router: psutil.Process | None) -> list[Run]:
-    """Both modes, each: warm-up, C connections over `urls`, 1 connection to the first URL."""
+def measure_target(
+    ctx: Context, target: Target, urls: list[str], router: psutil.Process | None, connections: int
+) -> list[Run]:
+    """Both modes at `connections` over `urls`, each after a warm-up."""
     runs = []
-    levels = sorted({ctx.args.connections, 1}, reverse=True)
     for mode in MODES:
         if ctx.args.warmup > 0:
-            run_all(load_commands(ctx, urls, mode, ctx.args.connections, ctx.args.warmup), ctx.args.warmup)
-        for connections in levels:
-            run = measure(ctx, target, urls if connections > 1 else urls[:1], router, mode, connections)
-            report_run(run)
-            runs.append(run)
-        if ctx.args.profile and router is not None and target.name == "dpserve" and mode == "json":
+            run_all(load_commands(ctx, urls, mode, connections, ctx.args.warmup), ctx.args.warmup)
+        run = measure(ctx, target, urls, router, mode, connections)
+        report_run(run)
+        runs.append(run)
+        if ctx.args.profile and router is not None and connections > 1 and mode == "json":
             profile_router(ctx, target, urls, router.pid, mode)
     return runs
 
 
 def run_target(ctx: Context, target: Target) -> list[Run]:
+    """Throughput at C connections over every backend, then latency at 1 connection over the first backend
+    alone, as direct measures it: a router spreading one connection's requests over K backends would also
+    be timed waking backends that idle between its requests (about 0.25 ms a request here), which is not
+    its own cost."""
+    connections = ctx.args.connections
     if target.name == "direct":
         for index, url in enumerate(ctx.backend_urls):
             asyncio.run(check_target(ctx, f"backend {index}", url, None))
-        return measure_target(ctx, target, ctx.backend_urls, None)
+        runs = measure_target(ctx, target, ctx.backend_urls, None, connections)
+        return runs + measure_target(ctx, target, ctx.backend_urls[:1], None, 1)
+    runs = router_runs(ctx, target, ctx.backend_urls, connections)
+    return runs + router_runs(ctx, target, ctx.backend_urls[:1], 1)
+
+
+def router_runs(ctx: Context, target: Target, backend_urls: list[str], connections: int) -> list[Run]:
+    """The target's router over `backend_urls`, checked, then measured at `connections`."""
     port = port_block(2, random.Random())
-    log_path = ctx.work / f"{target.label}.log"
-    process = spawn(router_command(target, ctx.backend_urls, port, ctx.args.router_arg), log_path, dict(os.environ))
+    log_path = ctx.work / f"{target.label}-{len(backend_urls)}.log"
+    process = spawn(router_command(target, backend_urls, port, ctx.args.router_arg), log_path, dict(os.environ))
     try:
         url = f"http://{HOST}:{port}"
         try:
             asyncio.run(check_target(ctx, target.label, url, process))
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}\n{log_tail(log_path, 10)}") from None
-        return measure_target(ctx, target, [url], psutil.Process(process.pid))
+        return measure_target(ctx, target, [url], psutil.Process(process.pid), connections)
     finally:
         terminate(process, 10)
 

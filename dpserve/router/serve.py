@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import socket
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -52,6 +54,13 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None]) -> None:
         super().__init__(config)
         self._on_drain = on_drain
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # Everything built so far (libraries, the app, its indexes' containers) lives as long as the
+        # process: out of the collector's sight, its full collections cost microseconds, not the 60-80 ms
+        # measured here that would stall every request in flight.
+        gc.freeze()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
