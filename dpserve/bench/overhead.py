@@ -321,7 +321,7 @@ def measure_target(
         run = measure(ctx, target, urls, router, mode, connections)
         report_run(run)
         runs.append(run)
-        if ctx.args.profile and router is not None and connections > 1 and mode == "json":
+        if ctx.args.profile and target.name == "dpserve" and router is not None and connections > 1 and mode == "json":
             profile_router(ctx, target, urls, router.pid, mode)
     return runs
 
