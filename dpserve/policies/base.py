@@ -50,6 +50,9 @@ class RequestFeatures:
     """Filled only for policies that use it (see `Policy.needs`)."""
     session_key: str | None = None
     """`x-session-id` header, else the body's `user`; filled only for policies that use it."""
+    session_owners: tuple[str, ...] = ()
+    """The session key's first replicas in ring order over the whole fleet, filled when the policy
+    chooses among a sample of a larger fleet (the ring cannot be read off a sample)."""
 
 
 class ReplicaView(Protocol):

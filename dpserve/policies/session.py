@@ -6,12 +6,18 @@ on a hash ring; a key goes to the first replica clockwise from its own hash whos
 `ceil(load_factor * (total load + 1) / replicas)`, so a hot session spills to its ring neighbour
 instead of overloading one replica, and replicas joining or leaving move only their share of keys.
 Requests without a key go to the least loaded replica.
+
+In a fleet larger than the router's sample, the router passes the key's first replicas on the ring of the
+whole fleet (`RequestFeatures.session_owners`, from `owners`) with a sample of the rest: the key keeps its
+replica, the load bound is judged against the sample's mean load, and the decision costs the same at 64
+replicas as at 8.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import math
 import random
 from collections import OrderedDict
@@ -46,7 +52,7 @@ class HashRing:
 class SessionAffinity:
     name = "session"
     needs = frozenset({Need.SESSION})
-    sampling = Sampling.ALL
+    sampling = Sampling.WINDOW
 
     def __init__(self, rng: random.Random | None = None, load_factor: float = 1.25, virtual_nodes: int = 64) -> None:
         self._rng = rng or random.Random()
@@ -54,13 +60,22 @@ class SessionAffinity:
         self.virtual_nodes = virtual_nodes
         # Rings by candidate set: rebuilt only when the set of healthy replicas changes.
         self._rings: OrderedDict[tuple[str, ...], HashRing] = OrderedDict()
+        self._last_ids: tuple[str, ...] = ()
+        self._last_ring = HashRing((), virtual_nodes)
+
+    def owners(self, key: str, fleet: tuple[str, ...], limit: int) -> tuple[str, ...]:
+        """The first `limit` distinct replicas from the key's place on the ring of `fleet` (sorted ids)."""
+        return tuple(itertools.islice(self.ring(fleet).walk(key), limit))
 
     def ring(self, replica_ids: tuple[str, ...]) -> HashRing:
+        if replica_ids is self._last_ids:  # the registry hands out the same tuple until the fleet changes
+            return self._last_ring
         ring = self._rings.get(replica_ids)
         if ring is None:
             ring = self._rings[replica_ids] = HashRing(replica_ids, self.virtual_nodes)
             if len(self._rings) > 16:
                 self._rings.popitem(last=False)
+        self._last_ids, self._last_ring = replica_ids, ring
         return ring
 
     def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
@@ -70,6 +85,13 @@ class SessionAffinity:
             return Decision((tied[0] if len(tied) == 1 else self._rng.choice(tied)).id, "no_key")
         by_id = {c.id: c for c in candidates}
         capacity = math.ceil(self.load_factor * (sum(c.load for c in candidates) + 1) / len(candidates))
+        if features.session_owners:
+            for position, rid in enumerate(features.session_owners):
+                owner = by_id.get(rid)
+                if owner is not None and owner.load < capacity:
+                    return Decision(rid, "session" if position == 0 else "overflow")
+            tied = least_loaded_of(candidates)  # every near owner is full, gone or tried
+            return Decision((tied[0] if len(tied) == 1 else self._rng.choice(tied)).id, "overflow")
         first = None
         for position, rid in enumerate(self.ring(tuple(sorted(by_id))).walk(key)):
             first = first or rid

@@ -92,6 +92,7 @@ class ReplicaRegistry:
         # Routable replicas per model, rebuilt only when routability or models change (`_reshaped`),
         # so the hot path never scans the whole fleet to find its candidates.
         self._views: dict[str, tuple[Replica, ...]] = {}
+        self._view_ids: dict[str, tuple[str, ...]] = {}
         self._served: list[str] | None = None
         for spec in specs:
             self.add(spec)
@@ -168,6 +169,13 @@ class ReplicaRegistry:
             self._views[model] = view
         return view
 
+    def routable_ids(self, model: str) -> tuple[str, ...]:
+        """The ids of `routable(model)`, sorted; the same tuple object until routability changes."""
+        ids = self._view_ids.get(model)
+        if ids is None:
+            ids = self._view_ids[model] = tuple(sorted(r.id for r in self.routable(model)))
+        return ids
+
     def set_model_cards(self, replica_id: str, cards: tuple[dict[str, Any], ...]) -> None:
         replica = self._replicas.get(replica_id)
         if replica is not None and cards != replica.model_cards:
@@ -177,6 +185,7 @@ class ReplicaRegistry:
     def _reshaped(self) -> None:
         """Which replicas are routable, or what they serve, may have changed."""
         self._views.clear()
+        self._view_ids.clear()
         self._served = None
 
     def known_models(self) -> list[str]:

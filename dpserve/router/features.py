@@ -16,11 +16,14 @@ from dpserve.kvindex.index import KvIndex, block_keys
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, TextPrefixIndex, text_keys
 from dpserve.policies.base import Need, Policy, PrefixMatch, PrefixSource, ReplicaView, RequestFeatures
+from dpserve.policies.session import SessionAffinity
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.prompt_tokens import TokenCache, prompt_text
 
 SESSION_HEADER = "x-session-id"
+SESSION_OWNERS = 4
+"""A session key's replicas, in ring order, that a sampled decision considers before the least loaded."""
 
 
 class FeatureBuilder:
@@ -35,6 +38,8 @@ class FeatureBuilder:
         recent: RecentRoutes | None = None,
     ) -> None:
         self._needs = policy.needs
+        self._policy = policy
+        self._last_owners: tuple[str, tuple[str, ...], tuple[str, ...]] = ("", (), ())
         self._registry = registry
         self._metrics = metrics
         self._kv_index = kv_index
@@ -100,6 +105,8 @@ class FeatureBuilder:
     def likely_best(self, features: RequestFeatures, limit: int) -> list[str]:
         """Replicas likely to hold the longest run of the prompt: when the router routes among a sample
         of a large fleet, these join the sample so a cache hit is not missed."""
+        if features.session_key and isinstance(self._policy, SessionAffinity):
+            return list(self._session_owners(features.session_key, self._registry.routable_ids(features.model)))
         prefix = features.prefix
         if prefix is None or not prefix.keys:
             return []
@@ -111,7 +118,13 @@ class FeatureBuilder:
         return found
 
     def at_decision(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> RequestFeatures:
-        """The prefix matches and cache ownership as they are now, for these candidates (cheap, sync)."""
+        """The prefix matches and cache ownership as they are now, for these candidates (cheap, sync); for
+        a session key routed among a sample of the fleet, its owners on the whole fleet's ring."""
+        if features.session_key and isinstance(self._policy, SessionAffinity):
+            fleet = self._registry.routable_ids(features.model)
+            if len(candidates) < len(fleet):
+                return replace(features, session_owners=self._session_owners(features.session_key, fleet))
+            return features
         prefix = features.prefix
         if prefix is None:
             return features
@@ -131,6 +144,15 @@ class FeatureBuilder:
             matched = {rid: max(blocks, pending[rid]) for rid, blocks in matched.items()}
             held = {rid: blocks + self._recent.pending_blocks(rid) for rid, blocks in held.items()}
         return replace(features, prefix=replace(prefix, matched=matched, held=held))
+
+    def _session_owners(self, key: str, fleet: tuple[str, ...]) -> tuple[str, ...]:
+        # Asked twice per decision (to widen the sample, then for the policy): the last answer is kept.
+        last_key, last_fleet, owners = self._last_owners
+        if key != last_key or fleet is not last_fleet:
+            assert isinstance(self._policy, SessionAffinity)
+            owners = self._policy.owners(key, fleet, SESSION_OWNERS)
+            self._last_owners = (key, fleet, owners)
+        return owners
 
     def _text_prefix(self, endpoint: str, model: str, payload: dict[str, Any]) -> PrefixMatch | None:
         if self._text_index is None:

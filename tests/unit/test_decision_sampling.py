@@ -138,3 +138,30 @@ def test_a_sample_of_replicas_backing_off_gives_way_to_the_rest_of_the_fleet() -
     for policy_name in ("round_robin", "least_loaded"):
         router = dispatcher(registry, policy_name)
         assert {router.decide(REQUEST).id for _ in range(24)} == {"r5"}
+
+
+def test_a_session_keeps_its_replica_on_the_whole_fleets_ring_while_deciding_among_a_sample() -> None:
+    registry = fleet(40)
+    policy = make_policy("session", random.Random(1))
+    features = FeatureBuilder(policy, registry, RouterMetrics(registry, "session"))
+    router = Dispatcher(
+        registry,
+        policy,
+        UpstreamPool(1.0, 1.0),
+        RouterMetrics(registry, "session"),
+        RetryRules(),
+        Admission(256, 16, 1.0),
+        rng=random.Random(2),
+        at_decision=features.at_decision,
+        likely_best=features.likely_best,
+        sample_size=8,
+    )
+    ring_order = list(policy.ring(tuple(sorted(r.id for r in registry))).walk("user-7"))
+    request = RequestFeatures("chat", MODEL, False, session_key="user-7")
+    assert {router.decide(request).id for _ in range(50)} == {ring_order[0]}
+    # Its replica over the load bound: the next on the ring takes the key, still whatever the sample.
+    registry.get(ring_order[0]).in_flight = 50
+    assert {router.decide(request).id for _ in range(50)} == {ring_order[1]}
+    # Other keys spread over the fleet.
+    keys = {router.decide(RequestFeatures("chat", MODEL, False, session_key=f"k{i}")).id for i in range(200)}
+    assert len(keys) > 30
