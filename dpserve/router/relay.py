@@ -47,10 +47,6 @@ class ProxiedEndpoints:
         self._endpoints = {endpoint.path: endpoint for endpoint in endpoints}
         self._request_ids = RequestIds()
 
-    @property
-    def paths(self) -> frozenset[str]:
-        return frozenset(self._endpoints)
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = self._endpoints[scope["path"]]
         if scope["method"] != "POST":
@@ -71,7 +67,6 @@ class _Exchange:
     ) -> None:
         self.state = state
         self.endpoint = endpoint
-        self.scope = scope
         self.receive = receive
         self.send = send
         self.started = time.perf_counter()

@@ -289,9 +289,10 @@ class UpstreamPool:
 
     async def post(self, address: Address, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         """Sends the request; returns once the response's headers are in."""
+        request = _request_bytes(address, path, body, headers)
         conn = self._take_idle(address) or await self._connect(address)
         response = UpstreamResponse(self, address, conn, self._read_timeout_s)
-        conn.start(response, _request_bytes(address, path, body, headers))
+        conn.start(response, request)
         try:
             await response._wait_headers()
         except BaseException:
