@@ -147,9 +147,7 @@ class ReplicaRegistry:
 
     def served_models(self) -> list[str]:
         """Models of routable replicas, de-duplicated, in replica order."""
-        if self._served is None:
-            self._served = list(self.model_cards(healthy_only=True))
-        return list(self._served)
+        return list(self._served_models())
 
     def serves(self, model: str) -> bool:
         """Whether a routable replica serves `model` (cheap: read on every request)."""
@@ -157,9 +155,14 @@ class ReplicaRegistry:
 
     def only_model(self) -> str | None:
         """The one model routable replicas serve, when there is exactly one."""
+        served = self._served_models()
+        return served[0] if len(served) == 1 else None
+
+    def _served_models(self) -> list[str]:
+        # Cached until routability or models change (`_reshaped`): read on every request.
         if self._served is None:
             self._served = list(self.model_cards(healthy_only=True))
-        return self._served[0] if len(self._served) == 1 else None
+        return self._served
 
     def routable(self, model: str) -> tuple[Replica, ...]:
         """Replicas routing may use for `model`, in id order (cached until routability changes)."""

@@ -55,7 +55,6 @@ from dpserve.router.proxy import Dispatcher, RetryRules, Streaming
 from dpserve.router.relay import CLIENT_CLOSED, ProxiedEndpoints, proxied_openapi_paths
 from dpserve.router.request_body import (
     PROXIED_ENDPOINTS,
-    request_schema,
 )
 from dpserve.router.upstream import UpstreamPool
 
@@ -184,9 +183,7 @@ def _document_proxied(app: FastAPI) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = generate()
-            schemas = {endpoint.path: request_schema(endpoint) for endpoint in PROXIED_ENDPOINTS}
-            schema["paths"].update(proxied_openapi_paths(PROXIED_ENDPOINTS, schemas))
+            generate()["paths"].update(proxied_openapi_paths(PROXIED_ENDPOINTS))
         assert app.openapi_schema is not None
         return app.openapi_schema
 

@@ -14,7 +14,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
@@ -24,7 +24,7 @@ from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.errors import OpenAIError, bad_request, model_not_found, no_replica, upstream_error_body
 from dpserve.router.features import SESSION_HEADER
 from dpserve.router.proxy import Buffered, Streaming
-from dpserve.router.request_body import Endpoint, parse_body, read_limited, with_model
+from dpserve.router.request_body import Endpoint, parse_body, read_limited, request_schema, with_model
 
 if TYPE_CHECKING:
     from dpserve.router.app import RouterState
@@ -256,7 +256,7 @@ def resolve_model(registry: ReplicaRegistry, requested: str | None) -> str:
     raise model_not_found(requested)
 
 
-def proxied_openapi_paths(endpoints: Sequence[Endpoint], schema_of: Mapping[str, object]) -> dict[str, object]:
+def proxied_openapi_paths(endpoints: Sequence[Endpoint]) -> dict[str, object]:
     """OpenAPI path items for the proxied endpoints, which FastAPI does not see."""
     return {
         endpoint.path: {
@@ -265,7 +265,7 @@ def proxied_openapi_paths(endpoints: Sequence[Endpoint], schema_of: Mapping[str,
                 "operationId": endpoint.name,
                 "requestBody": {
                     "required": True,
-                    "content": {"application/json": {"schema": schema_of[endpoint.path]}},
+                    "content": {"application/json": {"schema": request_schema(endpoint)}},
                 },
                 "responses": {"200": {"description": "The replica's answer, relayed as it came (SSE when streaming)."}},
             }
