@@ -38,7 +38,7 @@ CLIENTS = 12
 LOAD_S = 9.0
 KILL_AT_S = 2.5
 RESTART_AT_S = 4.5
-# 10 ms per token: answers and streams take 0.6 s, so several are mid-flight when the replica dies.
+# 10 ms per token: answers and streams take about 0.6 s, so several are mid-flight when the replica dies.
 SIM_ARGS = ("--decode-ms-per-token", "10", "--seed", "1")
 
 
@@ -94,9 +94,10 @@ async def one_request(client: httpx.AsyncClient, number: int, tally: Tally, read
     body = {
         "model": "dpserve-tiny",
         "prompt": f"request {number}: tell me about the sea " * 8,
-        # 60 tokens (~0.6 s) each, so at any moment several of both kinds are mid-flight on each replica
-        # (with 30-token answers the kill caught no non-streaming request in about one run of three).
-        "max_tokens": 60,
+        # 45-75 tokens (~0.6 s), so at any moment several of both kinds are mid-flight on each replica. The
+        # spread keeps the clients out of lockstep: with equal lengths they moved in waves whose routing
+        # alternated, which could put every stream on one replica and every answer on the other.
+        "max_tokens": 45 + (number * 7) % 31,
         "stream": stream,
     }
     if not stream:
@@ -127,6 +128,7 @@ async def one_request(client: httpx.AsyncClient, number: int, tally: Tally, read
 
 async def client_loop(url: str, worker: int, stop_at: float, tally: Tally, readmitted: asyncio.Event) -> None:
     number = worker
+    await asyncio.sleep(worker * 0.05)  # staggered starts, for the same reason as the spread of lengths
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         while time.monotonic() < stop_at:
             await one_request(client, number, tally, readmitted)
