@@ -46,6 +46,30 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="router port (default 8000)")
     parser.add_argument("--max-body-bytes", type=int, dest="max_body_bytes", help="largest request body accepted")
     parser.add_argument(
+        "--max-response-bytes",
+        type=int,
+        dest="max_response_bytes",
+        help="largest non-streamed answer relayed; past it a 502 (67108864)",
+    )
+    parser.add_argument(
+        "--connect-timeout", type=float, dest="connect_timeout_s", help="seconds to connect to a replica (5)"
+    )
+    parser.add_argument(
+        "--write-timeout", type=float, dest="write_timeout_s", help="seconds for a replica to take a request (60)"
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        dest="read_timeout_s",
+        help="longest silence of a replica, before the first byte and between bytes (900)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        dest="request_timeout_s",
+        help="one attempt whole, request sent to last byte, streams included (3600)",
+    )
+    parser.add_argument(
         "--max-header-bytes", type=int, dest="max_header_bytes", help="largest total of request headers (32768)"
     )
     parser.add_argument("--probe-interval", type=float, dest="probe_interval_s", help="seconds between probes")

@@ -48,7 +48,15 @@ class Settings:
     max_header_bytes: int = 32 * 1024
     """Request line excluded: all header names and values together."""
     connect_timeout_s: float = 5.0
-    request_timeout_s: float = 900.0
+    write_timeout_s: float = 60.0
+    """How long a replica may take to accept a request's bytes."""
+    read_timeout_s: float = 900.0
+    """The longest a replica may stay silent: before the answer's first byte (a non-streamed answer
+    comes only when its generation ends) and between its bytes."""
+    request_timeout_s: float = 3600.0
+    """One attempt at a replica, whole: from sending the request to the answer's last byte, streams included."""
+    max_response_bytes: int = 64 * 1024 * 1024
+    """The largest non-streamed answer relayed; past it the client gets a 502 (streams are not bounded)."""
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 3.0
     fail_threshold: int = 2

@@ -113,7 +113,7 @@ def _dispatcher(policy_name: str, count: int, seed: int) -> tuple[Dispatcher, li
     dispatcher = Dispatcher(
         registry,
         policy,
-        UpstreamPool(1.0, 1.0),  # never used: only the decision runs
+        UpstreamPool(),  # never used: only the decision runs
         metrics,
         RetryRules(),
         Admission(settings.max_in_flight, settings.queue_size, settings.queue_timeout_s),

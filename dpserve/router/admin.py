@@ -5,6 +5,8 @@ POST   /admin/replicas                 {"url": ..., "gpu": "1"?, "kv_events": "t
 POST   /admin/replicas/{id}/drain      no new requests; those in flight finish
 POST   /admin/replicas/{id}/resume     back into routing
 DELETE /admin/replicas/{id}            out of the router at once; requests in flight still finish
+GET|POST /admin/replicas/{id}/engine/{op}  a vLLM engine operation on one replica (engine_ops.py)
+GET|POST /admin/engine/{op}                the same on every replica
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import orjson
 import zmq.asyncio
 from fastapi import FastAPI, Request
@@ -23,10 +26,12 @@ from dpserve.kvindex.index import KvIndex
 from dpserve.replicas.kv_events import KvEventSubscriber, parse_kv_event_source
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import Replica, ReplicaRegistry
+from dpserve.router.engine_ops import call_engine, engine_op
 from dpserve.router.errors import OpenAIError, bad_request
 from dpserve.router.request_body import read_limited
 
 ADMIN_BODY_LIMIT = 16 * 1024
+ENGINE_OP_TIMEOUT_S = 120.0  # loading an adapter or waking a sleeping engine can take a while
 
 
 class FleetControl:
@@ -39,7 +44,9 @@ class FleetControl:
         subscribers: list[KvEventSubscriber],
         kv_index: KvIndex | None,
         zmq_context: zmq.asyncio.Context,
+        session: aiohttp.ClientSession,
     ) -> None:
+        self.session = session
         self.registry = registry
         self.monitor = monitor
         self.subscribers = subscribers
@@ -68,11 +75,11 @@ class FleetControl:
         return replica
 
     def drain(self, replica_id: str, draining: bool) -> Replica:
-        self.registry.set_draining(self._known(replica_id), draining)
+        self.registry.set_draining(self.known(replica_id), draining)
         return self.registry.get(replica_id)
 
     async def remove(self, replica_id: str) -> Replica:
-        replica = self.registry.remove(self._known(replica_id))
+        replica = self.registry.remove(self.known(replica_id))
         for subscriber in [s for s in self.subscribers if s.replica_id == replica_id]:
             self.subscribers.remove(subscriber)
             await subscriber.stop()
@@ -80,7 +87,7 @@ class FleetControl:
             self.kv_index.clear(replica_id)
         return replica
 
-    def _known(self, replica_id: str) -> str:
+    def known(self, replica_id: str) -> str:
         if replica_id not in self.registry:
             raise OpenAIError(404, f"No replica `{replica_id}`.", type="not_found_error", code="replica_not_found")
         return replica_id
@@ -145,3 +152,31 @@ def add_admin_routes(
     async def remove_replica(replica_id: str) -> JSONResponse:
         replica = await control().remove(replica_id)
         return JSONResponse({**describe(replica), "removed": True})
+
+    async def engine(request: Request, replicas: list[Replica], op_name: str) -> JSONResponse:
+        op = engine_op(op_name, request.method)
+        body = await read_limited(request.headers, request.stream(), ADMIN_BODY_LIMIT)
+        query = request.url.query
+        answers = await call_engine(control().session, replicas, op, query, body, ENGINE_OP_TIMEOUT_S)
+        return JSONResponse({"operation": op_name, "replicas": answers})
+
+    async def engine_on_one(request: Request, replica_id: str, op: str) -> JSONResponse:
+        fleet = control()
+        return await engine(request, [fleet.registry.get(fleet.known(replica_id))], op)
+
+    async def engine_on_all(request: Request, op: str) -> JSONResponse:
+        replicas = [replica for replica in control().registry if replica.healthy]
+        if not replicas:
+            raise OpenAIError(503, "No healthy replica to run it on.", type="service_unavailable")
+        return await engine(request, replicas, op)
+
+    for method in ("GET", "POST"):
+        app.add_api_route(
+            "/admin/replicas/{replica_id}/engine/{op}",
+            engine_on_one,
+            methods=[method],
+            operation_id=f"engine_on_one_{method.lower()}",
+        )
+        app.add_api_route(
+            "/admin/engine/{op}", engine_on_all, methods=[method], operation_id=f"engine_on_all_{method.lower()}"
+        )

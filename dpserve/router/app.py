@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from dpserve.router.access import Guard, Keys, load_keys
 from dpserve.router.admin import FleetControl, add_admin_routes
 from dpserve.router.admission import Admission
 from dpserve.router.dashboard import dashboard_html
+from dpserve.router.endpoints import PROXIED_ENDPOINTS
 from dpserve.router.errors import (
     OpenAIError,
     bad_request,
@@ -53,10 +54,8 @@ from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
 from dpserve.router.proxy import Dispatcher, RetryRules, Streaming
 from dpserve.router.relay import CLIENT_CLOSED, ProxiedEndpoints, proxied_openapi_paths
-from dpserve.router.request_body import (
-    PROXIED_ENDPOINTS,
-)
-from dpserve.router.upstream import UpstreamPool
+from dpserve.router.stored_responses import ResponseOwners
+from dpserve.router.upstream import Deadlines, UpstreamPool
 
 log = logging.getLogger("dpserve.router")
 
@@ -75,6 +74,8 @@ class RouterState:
     fleet: FleetControl | None = None
     gpus: GpuSampler | None = None
     started_at: float = 0.0
+    response_owners: ResponseOwners = dataclasses.field(default_factory=ResponseOwners)
+    """Which replica stored which response (`/v1/responses`)."""
     streams: set[Streaming] = dataclasses.field(default_factory=set)
     """Streams being relayed, so a shutdown past its grace period can end each one properly."""
     draining: bool = False
@@ -147,6 +148,15 @@ def gpu_sampler(settings: Settings, registry: ReplicaRegistry, nvml: Callable[[]
     return GpuSampler(nvml, settings.gpu_interval_s, clues=clues)
 
 
+def upstream_deadlines(settings: Settings) -> Deadlines:
+    return Deadlines(
+        connect_s=settings.connect_timeout_s,
+        write_s=settings.write_timeout_s,
+        read_s=settings.read_timeout_s,
+        total_s=settings.request_timeout_s,
+    )
+
+
 def health_rules(settings: Settings) -> HealthRules:
     return HealthRules(
         fail_threshold=settings.fail_threshold,
@@ -162,18 +172,16 @@ class RouterApp(FastAPI):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._direct: dict[str, ASGIApp] = {}
+        self._direct: ASGIApp | None = None
+        self._serves_directly: Callable[[str], bool] = lambda path: False
 
-    def route_directly(self, app: ASGIApp, paths: Sequence[str]) -> None:
-        for path in paths:
-            self._direct[path] = app
+    def route_directly(self, app: ASGIApp, serves: Callable[[str], bool]) -> None:
+        self._direct, self._serves_directly = app, serves
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            direct = self._direct.get(scope["path"])
-            if direct is not None:
-                await direct(scope, receive, send)
-                return
+        if scope["type"] == "http" and self._direct is not None and self._serves_directly(scope["path"]):
+            await self._direct(scope, receive, send)
+            return
         await super().__call__(scope, receive, send)
 
 
@@ -223,7 +231,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Hot path: a lean HTTP/1.1 client (upstream.py; measured in dpserve/bench/README.md).
-        hot = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s)
+        hot = UpstreamPool(upstream_deadlines(settings), max_response_bytes=settings.max_response_bytes)
         control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
         monitor = ReplicaMonitor(registry, control, settings.probe_interval_s, settings.probe_timeout_s)
         tokens: TokenCache | None = None
@@ -251,7 +259,7 @@ def create_app(
                 KvEventSubscriber(state.kv_index, rid, endpoint, zmq_context, time.monotonic)
                 for rid, endpoint in endpoints.items()
             )
-        state.fleet = FleetControl(registry, monitor, state.subscribers, state.kv_index, zmq_context)
+        state.fleet = FleetControl(registry, monitor, state.subscribers, state.kv_index, zmq_context, control)
         state.metrics.registry.register(RoutingStateCollector(state.kv_index, state.subscribers, text_index, tokens))
         for subscriber in state.subscribers:
             subscriber.start()
@@ -288,10 +296,8 @@ def create_app(
     add_admin_routes(app, fleet, lambda replica: _replica_status(replica, state))
 
     # The hot path bypasses FastAPI (see relay.py); its paths are documented by hand.
-    app.route_directly(
-        Guard(ProxiedEndpoints(state, PROXIED_ENDPOINTS), keys, settings.max_header_bytes),
-        [endpoint.path for endpoint in PROXIED_ENDPOINTS],
-    )
+    proxied = ProxiedEndpoints(state, PROXIED_ENDPOINTS)
+    app.route_directly(Guard(proxied, keys, settings.max_header_bytes), proxied.serves)
     _document_proxied(app)
 
     @app.get("/v1/models")

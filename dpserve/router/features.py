@@ -18,6 +18,7 @@ from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, TextPrefix
 from dpserve.policies.base import Need, Policy, PrefixMatch, PrefixSource, ReplicaView, RequestFeatures
 from dpserve.policies.session import SessionAffinity
 from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.endpoints import Endpoint, Prompt
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.prompt_tokens import TokenCache, prompt_text
 
@@ -49,14 +50,30 @@ class FeatureBuilder:
 
     async def build(
         self,
-        endpoint: str,
+        endpoint: Endpoint,
         model: str,
         stream: bool,
         payload: dict[str, Any],
         headers: Mapping[str, str],
     ) -> RequestFeatures:
-        if not self._needs or endpoint == "embeddings":
-            return RequestFeatures(endpoint, model, stream)
+        """Load-only endpoints (embeddings, tokenize, ...) get no prompt features."""
+        if not self._needs or endpoint.prompt is None:
+            return RequestFeatures(endpoint.name, model, stream)
+        return await self._prompt_features(endpoint.name, endpoint.prompt, model, stream, payload, headers)
+
+    async def _prompt_features(
+        self,
+        name: str,
+        prompt: Prompt,
+        model: str,
+        stream: bool,
+        payload: dict[str, Any],
+        headers: Mapping[str, str],
+    ) -> RequestFeatures:
+        if prompt is Prompt.RESPONSE:
+            payload = response_as_chat(payload)
+        # The tokenizers and the text index know two shapes: chat messages and completion prompts.
+        endpoint = "completions" if prompt is Prompt.COMPLETION else "chat"
         prefix: PrefixMatch | None = None
         session_key: str | None = None
         if Need.SESSION in self._needs:
@@ -65,7 +82,7 @@ class FeatureBuilder:
             prefix = await self._kv_prefix(endpoint, model, payload)
         elif Need.TEXT_PREFIX in self._needs:
             prefix = self._text_prefix(endpoint, model, payload)
-        return RequestFeatures(endpoint, model, stream, prefix, session_key)
+        return RequestFeatures(name, model, stream, prefix, session_key)
 
     def routed(self, features: RequestFeatures, replica_id: str) -> None:
         """Called once the policy chose: the approximate index learns where the text went."""
@@ -170,6 +187,26 @@ class FeatureBuilder:
             if size:
                 return size
         return None
+
+
+def response_as_chat(payload: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API request's `instructions` and `input` as the chat messages vLLM renders them to
+    (a string input is one user message; a list holds message items), for prefix features."""
+    messages: list[dict[str, Any]] = []
+    instructions = payload.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    items = payload.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        for item in items:
+            if isinstance(item, dict) and isinstance(item.get("role"), str):
+                content = item.get("content")
+                if isinstance(content, list):  # input_text parts
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                messages.append({"role": item["role"], "content": content if isinstance(content, str) else ""})
+    return {**payload, "messages": messages}
 
 
 def _user(payload: dict[str, Any]) -> str | None:

@@ -17,7 +17,14 @@ from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.admission import Admission
 from dpserve.router.errors import OpenAIError, no_replica
 from dpserve.router.metrics import RouterMetrics
-from dpserve.router.upstream import Address, UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse
+from dpserve.router.upstream import (
+    Address,
+    ResponseTooLarge,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 
 log = logging.getLogger("dpserve.proxy")
 
@@ -50,6 +57,8 @@ class Buffered:
     status: int
     content_type: str
     body: bytes
+    retry_after: str | None = None
+    """The replica's Retry-After, relayed on 429 and 503."""
 
 
 class Streaming:
@@ -170,8 +179,15 @@ class Dispatcher:
         self._turn = 0
 
     async def send(
-        self, path: str, features: RequestFeatures, body: bytes, headers: dict[str, str], started: float
+        self,
+        path: str,
+        features: RequestFeatures,
+        body: bytes,
+        headers: dict[str, str],
+        started: float,
+        method: str = "POST",
     ) -> Buffered | Streaming:
+        """`path` may carry a query string; it goes to the replica as it is."""
         tried: list[str] = []
         last_failure: Buffered | None = None
         retries = self._retry.retries
@@ -190,7 +206,7 @@ class Dispatcher:
             tried.append(replica_id)
             is_last = attempt == retries
             try:
-                outcome = await self._attempt(replica_id, path, features, body, headers, started)
+                outcome = await self._attempt(replica_id, method, path, features, body, headers, started)
             except RETRYABLE as exc:
                 reason = type(exc).__name__
                 # Nothing listening there ejects at once; a dropped or slow connection counts towards it.
@@ -216,6 +232,32 @@ class Dispatcher:
             type="server_error",
             code="upstream_unavailable",
         )
+
+    async def send_to(
+        self,
+        replica_id: str,
+        method: str,
+        path: str,
+        features: RequestFeatures,
+        body: bytes,
+        headers: dict[str, str],
+        started: float,
+    ) -> Buffered | Streaming:
+        """To one replica, chosen by what it holds (a stored response), not by a policy: no retry
+        elsewhere, and a draining replica still answers for what it holds."""
+        replica = self._registry.find(replica_id)
+        if replica is None or not replica.healthy:
+            raise no_replica(f"The replica holding this ({replica_id}) is not available right now.")
+        try:
+            outcome = await self._attempt(replica_id, method, path, features, body, headers, started)
+        except RETRYABLE as exc:
+            refused = isinstance(exc, UpstreamConnectError)
+            self._registry.observe(replica_id, Outcome.REFUSED if refused else Outcome.FAILED, type(exc).__name__)
+            raise OpenAIError(
+                502, "The replica holding this failed before answering.", type="server_error", code="upstream_error"
+            ) from None
+        self._registry.observe(replica_id, classify_status(outcome.status), f"HTTP {outcome.status}")
+        return outcome
 
     def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
         """The routing decision alone, as `send` makes it when a replica has room (for measuring it)."""
@@ -290,6 +332,7 @@ class Dispatcher:
     async def _attempt(
         self,
         replica_id: str,
+        method: str,
         path: str,
         features: RequestFeatures,
         body: bytes,
@@ -302,13 +345,24 @@ class Dispatcher:
         handed_over = False
         resp: UpstreamResponse | None = None
         try:
-            resp = await self._upstream.post(address, path, body, headers)
+            resp = await self._upstream.request(address, method, path, body, headers)
             content_type = resp.content_type
             stream = features.stream and resp.status == 200
             if not stream:
                 metrics = self._metrics
                 metrics.labeled(metrics.first_byte, features.endpoint, "false").observe(self._clock() - started)
-                return Buffered(replica_id, resp.status, content_type, await resp.read())
+                try:
+                    answer = await resp.read()
+                except ResponseTooLarge as exc:
+                    # The router's own bound, the same on every replica: no retry, and not the replica's fault.
+                    raise OpenAIError(
+                        502,
+                        f"The replica's answer is larger than this router's limit of {exc.limit} bytes "
+                        "(--max-response-bytes); it was not relayed.",
+                        type="server_error",
+                        code="response_too_large",
+                    ) from None
+                return Buffered(replica_id, resp.status, content_type, answer, resp.retry_after)
             # Wait for the first event before committing to this replica: a replica that dies
             # before it can still be replaced, since the client has seen nothing yet.
             first = await resp.readany()

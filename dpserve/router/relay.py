@@ -12,19 +12,25 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
 
 from dpserve.disconnect import ClientGone
+from dpserve.policies.base import RequestFeatures
 from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.endpoints import RESPONSE_BY_ID, RESPONSES, VERSION, BodyKind, Endpoint
 from dpserve.router.errors import OpenAIError, bad_request, model_not_found, no_replica, upstream_error_body
 from dpserve.router.features import SESSION_HEADER
 from dpserve.router.proxy import Buffered, Streaming
-from dpserve.router.request_body import Endpoint, parse_body, read_limited, request_schema, with_model
+from dpserve.router.request_body import parse_body, parse_form, read_limited, request_schema, with_model
+from dpserve.router.stored_responses import id_of_answer, id_of_stream
+from dpserve.router.upstream import InvalidHeader, check_header
 
 if TYPE_CHECKING:
     from dpserve.router.app import RouterState
@@ -35,28 +41,65 @@ REPLICA_HEADER = "x-dpserve-replica"
 REQUEST_ID_HEADER = "x-request-id"
 CLIENT_CLOSED = 499  # nginx's convention for "client closed request", used in metrics only
 _JSON = b"application/json"
-# The only request headers the hot path reads (the session header for the session policy).
-_READ_HEADERS = frozenset({b"content-length", REQUEST_ID_HEADER.encode(), SESSION_HEADER.encode()})
+# The only request headers the hot path reads (the session header for the session policy; the content
+# type for multipart bodies, whose boundary the replica needs).
+_READ_HEADERS = frozenset({b"content-length", b"content-type", REQUEST_ID_HEADER.encode(), SESSION_HEADER.encode()})
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = re.compile(r"[\x21-\x7e]+")
+NO_BODY_STATUSES = frozenset({204, 304})
+_RESPONSE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,256}")  # vLLM's are resp_ and hex
 
 
 class ProxiedEndpoints:
-    """Answers POST on the proxied paths; any other method there gets 405."""
+    """Answers the proxied paths (`endpoints`, and stored responses by id); another method there gets 405."""
 
     def __init__(self, state: RouterState, endpoints: Sequence[Endpoint]) -> None:
         self._state = state
         self._endpoints = {endpoint.path: endpoint for endpoint in endpoints}
         self._request_ids = RequestIds()
 
+    def serves(self, path: str) -> bool:
+        return path in self._endpoints or path.startswith(RESPONSE_BY_ID)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = self._endpoints[scope["path"]]
-        if scope["method"] != "POST":
+        path = scope["path"]
+        endpoint = self._endpoints.get(path) or by_id_endpoint(path, scope["method"])
+        if endpoint is None:
+            error = OpenAIError(404, f"Unknown path: {scope['method']} {path}", type="not_found_error")
+            await _send_error(send, error, self._request_ids.next())
+            return
+        if scope["method"] != endpoint.method:
             error = OpenAIError(
-                405, f"Method {scope['method']} is not allowed on {endpoint.path}", headers={"allow": "POST"}
+                405, f"Method {scope['method']} is not allowed on {path}", headers={"allow": endpoint.method}
             )
             await _send_error(send, error, self._request_ids.next())
             return
         exchange = _Exchange(self._state, endpoint, scope, receive, send, self._request_ids)
         await exchange.run()
+
+
+def by_id_endpoint(path: str, method: str) -> Endpoint | None:
+    """GET /v1/responses/{id} or POST /v1/responses/{id}/cancel, as an endpoint of its own."""
+    if not path.startswith(RESPONSE_BY_ID):
+        return None
+    response_id, _, action = path[len(RESPONSE_BY_ID) :].partition("/")
+    if not _RESPONSE_ID.fullmatch(response_id) or action not in ("", "cancel"):
+        return None
+    if action == "cancel":
+        return Endpoint("responses_cancel", path, method="POST", body=BodyKind.NONE)
+    return Endpoint("responses_get", path, method="GET", body=BodyKind.NONE)
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A request ready for a replica."""
+
+    features: RequestFeatures
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    response_id: str | None = None
+    """The stored response it must reach (by id, or `previous_response_id`), None for any replica."""
 
 
 class _Exchange:
@@ -67,6 +110,7 @@ class _Exchange:
     ) -> None:
         self.state = state
         self.endpoint = endpoint
+        self.scope = scope
         self.receive = receive
         self.send = send
         self.started = time.perf_counter()
@@ -79,19 +123,13 @@ class _Exchange:
         self.client_gone = False
 
     async def run(self) -> None:
-        state, endpoint = self.state, self.endpoint
+        endpoint = self.endpoint
         try:
             try:
-                raw = await read_limited(self.headers, _body_chunks(self.receive), state.settings.max_body_bytes)
-                parsed = parse_body(raw, endpoint)
-                model = resolve_model(state.registry, parsed.model)
-                assert state.features is not None and state.dispatcher is not None, "the lifespan has not started"
-                features = await state.features.build(endpoint.name, model, parsed.stream, parsed.payload, self.headers)
-                upstream_headers = {"content-type": "application/json", REQUEST_ID_HEADER: self.request_id}
-                body = with_model(parsed, model)
+                prepared = await self._prepare()
             except OpenAIError as err:
                 self._count_refusal(err)
-                await _send_error(self.send, err, self.request_id)
+                await _send_error(self.send, err, _safe_id(self.request_id))
                 return
             except ClientGone:
                 self._count_client_gone("none")
@@ -100,7 +138,7 @@ class _Exchange:
             # (and aborted there) instead of computed for no one.
             watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
             try:
-                outcome = await state.dispatcher.send(endpoint.path, features, body, upstream_headers, self.started)
+                outcome = await self._dispatch(prepared)
                 if isinstance(outcome, Buffered):
                     await self._answer(outcome)
                 else:
@@ -128,6 +166,87 @@ class _Exchange:
             else:
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def _prepare(self) -> _Prepared:
+        """Reads and checks the request; OpenAIError (4xx) for anything the router will not send on."""
+        state, endpoint, headers = self.state, self.endpoint, self.headers
+        check_request_id(self.request_id)
+        upstream_headers = {"content-type": "application/json", REQUEST_ID_HEADER: self.request_id}
+        path = upstream_path(self.scope)
+        if endpoint.body is BodyKind.NONE:
+            await read_limited(headers, _body_chunks(self.receive), 0)
+            del upstream_headers["content-type"]
+            stream = endpoint.method == "GET" and b"stream=true" in self.scope.get("query_string", b"")
+            features = RequestFeatures(endpoint.name, "", stream)
+            response_id = path_response_id(endpoint)
+            return _Prepared(features, path, b"", upstream_headers, response_id)
+        raw = await read_limited(headers, _body_chunks(self.receive), state.settings.max_body_bytes)
+        if endpoint.body is BodyKind.FORM:
+            content_type = headers.get("content-type")
+            parsed = parse_form(raw, content_type, endpoint)
+            assert content_type is not None
+            upstream_headers["content-type"] = content_type
+            try:
+                check_header("content-type", content_type)
+            except InvalidHeader as exc:
+                raise bad_request(f"Invalid Content-Type header: {exc}.") from None
+        else:
+            parsed = parse_body(raw, endpoint)
+        model = resolve_model(state.registry, parsed.model)
+        assert state.features is not None, "the lifespan has not started"
+        features = await state.features.build(endpoint, model, parsed.stream, parsed.payload, headers)
+        body = with_model(parsed, model) if endpoint.body is BodyKind.JSON else raw
+        previous = parsed.payload.get("previous_response_id") if endpoint is RESPONSES else None
+        response_id = previous if isinstance(previous, str) and previous else None
+        return _Prepared(features, path, body, upstream_headers, response_id)
+
+    async def _dispatch(self, prepared: _Prepared) -> Buffered | Streaming:
+        state, endpoint = self.state, self.endpoint
+        dispatcher = state.dispatcher
+        assert dispatcher is not None, "the lifespan has not started"
+        features, path, body, headers = prepared.features, prepared.path, prepared.body, prepared.headers
+        if endpoint is VERSION:
+            # The same release everywhere (the engine is pinned): any healthy replica answers.
+            healthy = [replica for replica in state.registry.healthy() if not replica.draining]
+            if not healthy:
+                raise no_replica("No healthy replica to ask right now.")
+            least = min(healthy, key=lambda replica: replica.in_flight)
+            return await dispatcher.send_to(least.id, "GET", path, features, body, headers, self.started)
+        response_id = prepared.response_id
+        if response_id is None:
+            return await dispatcher.send(path, features, body, headers, self.started, endpoint.method)
+        owner = state.response_owners.get(response_id) or await self._find_owner(response_id)
+        if owner is None:
+            if endpoint is RESPONSES:
+                # Continuing a response no replica holds: any replica gives vLLM's own 404 for it.
+                return await dispatcher.send(path, features, body, headers, self.started, endpoint.method)
+            raise OpenAIError(
+                404,
+                f"No stored response `{response_id}` on any replica.",
+                type="not_found_error",
+                param="response_id",
+                code="response_not_found",
+            )
+        return await dispatcher.send_to(owner, endpoint.method, path, features, body, headers, self.started)
+
+    async def _find_owner(self, response_id: str) -> str | None:
+        """Asks each healthy replica for the response (made before a restart, or through another router)."""
+        state = self.state
+        features = RequestFeatures("responses_find", "", False)
+        headers = {REQUEST_ID_HEADER: self.request_id}
+        assert state.dispatcher is not None, "the lifespan has not started"
+        for replica in state.registry.healthy():
+            try:
+                outcome = await state.dispatcher.send_to(
+                    replica.id, "GET", f"{RESPONSE_BY_ID}{response_id}", features, b"", headers, self.started
+                )
+            except OpenAIError:
+                continue
+            assert isinstance(outcome, Buffered)
+            if outcome.status == 200:
+                state.response_owners.remember(response_id, replica.id)
+                return replica.id
+        return None
+
     async def _watch_disconnect(self, task: asyncio.Task[object] | None) -> None:
         while (await self.receive())["type"] != "http.disconnect":
             pass
@@ -139,17 +258,26 @@ class _Exchange:
 
     async def _answer(self, outcome: Buffered) -> None:
         metrics, endpoint = self.state.metrics, self.endpoint
-        metrics.labeled(metrics.requests, endpoint.name, outcome.replica_id, str(outcome.status)).inc()
+        status = outcome.status
+        metrics.labeled(metrics.requests, endpoint.name, outcome.replica_id, str(status)).inc()
         metrics.labeled(metrics.duration, endpoint.name, "false").observe(time.perf_counter() - self.started)
         body, content_type = outcome.body, outcome.content_type.encode("latin-1")
-        if outcome.status >= 400:
+        if status >= 400:
             # Always OpenAI-shaped JSON by now, whatever the replica's own content type was.
-            body, content_type = upstream_error_body(outcome.status, body, endpoint.path), _JSON
-        headers = [
-            (b"content-type", content_type),
-            (b"content-length", str(len(body)).encode()),
-            *self._routing_headers(outcome.replica_id),
-        ]
+            body, content_type = upstream_error_body(status, body, endpoint.path), _JSON
+        elif endpoint is RESPONSES and status == 200:
+            self._learn_owner(id_of_answer(body), outcome.replica_id)
+        if status in NO_BODY_STATUSES:
+            headers = self._routing_headers(outcome.replica_id)
+            body = b""
+        else:
+            headers = [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *self._routing_headers(outcome.replica_id),
+            ]
+        if outcome.retry_after is not None and status in (429, 503):
+            headers.append((b"retry-after", outcome.retry_after.encode("latin-1")))
         self.response_started = True
         await self.send({"type": "http.response.start", "status": outcome.status, "headers": headers})
         self.answered = True
@@ -167,7 +295,11 @@ class _Exchange:
             self.response_started = True
             send = self.send
             await send({"type": "http.response.start", "status": stream.status, "headers": headers})
+            first = self.endpoint is RESPONSES
             async for chunk in stream:
+                if first:
+                    first = False
+                    self._learn_owner(id_of_stream(chunk), stream.replica_id)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.answered = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -181,6 +313,10 @@ class _Exchange:
                 metrics.client_disconnects.labels(name).inc()
             metrics.labeled(metrics.requests, name, stream.replica_id, status).inc()
             metrics.labeled(metrics.duration, name, "true").observe(time.perf_counter() - self.started)
+
+    def _learn_owner(self, response_id: str | None, replica_id: str) -> None:
+        if response_id is not None:
+            self.state.response_owners.remember(response_id, replica_id)
 
     def _routing_headers(self, replica_id: str) -> list[tuple[bytes, bytes]]:
         return [(REPLICA_HEADER.encode(), replica_id.encode()), (REQUEST_ID_HEADER.encode(), self.request_id.encode())]
@@ -206,6 +342,32 @@ class RequestIds:
 
     def next(self) -> str:
         return f"{self._prefix}{next(self._count):016x}"
+
+
+def check_request_id(request_id: str) -> None:
+    """A client's `x-request-id` goes to the replica and into logs: bounded, and a valid header value."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise bad_request(f"`x-request-id` is longer than {MAX_REQUEST_ID_CHARS} characters.", param=REQUEST_ID_HEADER)
+    if not _REQUEST_ID.fullmatch(request_id):
+        raise bad_request("`x-request-id` may hold only visible ASCII characters.", param=REQUEST_ID_HEADER)
+
+
+def _safe_id(request_id: str) -> str:
+    """The request id to echo on an error: not one the router refused."""
+    return request_id if len(request_id) <= MAX_REQUEST_ID_CHARS and _REQUEST_ID.fullmatch(request_id) else ""
+
+
+def upstream_path(scope: Scope) -> str:
+    """The path and query as the client sent them (raw: percent-escapes kept)."""
+    raw = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string") or b""
+    return (raw + b"?" + query if query else raw).decode("latin-1")
+
+
+def path_response_id(endpoint: Endpoint) -> str | None:
+    if not endpoint.path.startswith(RESPONSE_BY_ID):
+        return None
+    return endpoint.path[len(RESPONSE_BY_ID) :].partition("/")[0]
 
 
 def read_headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -258,17 +420,36 @@ def resolve_model(registry: ReplicaRegistry, requested: str | None) -> str:
 
 def proxied_openapi_paths(endpoints: Sequence[Endpoint]) -> dict[str, object]:
     """OpenAPI path items for the proxied endpoints, which FastAPI does not see."""
-    return {
-        endpoint.path: {
-            "post": {
-                "summary": f"OpenAI {endpoint.name}, routed to a replica",
-                "operationId": endpoint.name,
-                "requestBody": {
-                    "required": True,
-                    "content": {"application/json": {"schema": request_schema(endpoint)}},
-                },
-                "responses": {"200": {"description": "The replica's answer, relayed as it came (SSE when streaming)."}},
-            }
+    answer = {"200": {"description": "The replica's answer, relayed as it came (SSE when streaming)."}}
+    paths: dict[str, object] = {}
+    for endpoint in endpoints:
+        operation: dict[str, object] = {
+            "summary": f"vLLM {endpoint.name}, routed to a replica",
+            "operationId": endpoint.path.strip("/").replace("/", "_"),
+            "responses": answer,
         }
-        for endpoint in endpoints
+        if endpoint.body is BodyKind.JSON:
+            content = {"application/json": {"schema": request_schema(endpoint)}}
+            operation["requestBody"] = {"required": True, "content": content}
+        elif endpoint.body is BodyKind.FORM:
+            form = {"type": "object", "properties": {"file": {"type": "string", "format": "binary"}}}
+            operation["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": form}}}
+        paths[endpoint.path] = {endpoint.method.lower(): operation}
+    by_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    paths[RESPONSE_BY_ID + "{response_id}"] = {
+        "get": {
+            "summary": "A stored response, from the replica that holds it",
+            "operationId": "responses_get",
+            "parameters": by_id,
+            "responses": answer,
+        }
     }
+    paths[RESPONSE_BY_ID + "{response_id}/cancel"] = {
+        "post": {
+            "summary": "Cancel a background response, on the replica that holds it",
+            "operationId": "responses_cancel",
+            "parameters": by_id,
+            "responses": answer,
+        }
+    }
+    return paths

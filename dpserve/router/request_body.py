@@ -7,26 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect
 
 from dpserve.disconnect import ClientGone
+from dpserve.router.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, Endpoint
 from dpserve.router.errors import OpenAIError, bad_request
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One proxied OpenAI endpoint and the body field it cannot do without."""
-
-    name: str
-    path: str
-    required_field: str
-    can_stream: bool
-
-
-CHAT = Endpoint("chat", "/v1/chat/completions", "messages", can_stream=True)
-COMPLETIONS = Endpoint("completions", "/v1/completions", "prompt", can_stream=True)
-EMBEDDINGS = Endpoint("embeddings", "/v1/embeddings", "input", can_stream=False)
-PROXIED_ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +74,98 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedBody:
         raise bad_request(f"Streaming is not supported on {endpoint.path}.", param="stream")
 
     field = endpoint.required_field
-    if field not in payload or payload[field] is None:
-        raise bad_request(f"Missing required parameter: `{field}`.", param=field)
-    _check_field(endpoint, payload[field])
+    if field is not None:
+        if field not in payload or payload[field] is None:
+            raise bad_request(f"Missing required parameter: `{field}`.", param=field)
+        if endpoint.path in _SHAPED:
+            _check_field(endpoint, payload[field])
     return ParsedBody(payload=payload, raw=raw, model=model, stream=stream)
+
+
+_SHAPED = frozenset({CHAT.path, COMPLETIONS.path, EMBEDDINGS.path})
+"""Endpoints whose required field the router checks the shape of (it reads them for routing); the rest
+the replica validates."""
+
+
+FORM_FIELDS_READ = frozenset({"model", "stream"})
+
+
+def parse_form(raw: bytes, content_type: str | None, endpoint: Endpoint) -> ParsedBody:
+    """A multipart/form-data body (audio uploads): its `model` and `stream` fields are read for routing,
+    the rest (the audio itself) is relayed as it came, unparsed. A malformed body is a 400 here rather
+    than a confused replica."""
+    mime, params = parse_options_header(content_type or "")
+    if mime != b"multipart/form-data":
+        raise bad_request(f"{endpoint.path} takes a multipart/form-data body.")
+    boundary = params.get(b"boundary")
+    if not boundary:
+        raise bad_request("The multipart body has no boundary in its Content-Type.")
+    fields, names = _form_fields(raw, boundary)
+    if endpoint.required_field is not None and endpoint.required_field not in names:
+        param = endpoint.required_field
+        raise bad_request(f"Missing required form field: `{param}`.", param=param)
+    model = fields.get("model") or None
+    stream_text = fields.get("stream", "false").strip().lower()
+    if stream_text not in ("true", "false", ""):
+        raise bad_request("`stream` must be true or false.", param="stream")
+    return ParsedBody(payload={}, raw=raw, model=model, stream=stream_text == "true")
+
+
+def _form_fields(raw: bytes, boundary: bytes) -> tuple[dict[str, str], set[str]]:
+    """The short text fields the router reads, and the names of every part."""
+    names: set[str] = set()
+    fields: dict[str, str] = {}
+    state: dict[str, Any] = {"name": None, "header_name": b"", "header_value": b"", "value": [], "ended": False}
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        state["header_name"] += data[start:end]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        state["header_value"] += data[start:end]
+
+    def on_header_end() -> None:
+        if state["header_name"].lower() == b"content-disposition":
+            _, options = parse_options_header(state["header_value"])
+            name = options.get(b"name")
+            state["name"] = name.decode("utf-8", "replace") if name is not None else None
+        state["header_name"] = state["header_value"] = b""
+
+    def on_part_begin() -> None:
+        state["name"], state["value"] = None, []
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        if state["name"] in FORM_FIELDS_READ:
+            state["value"].append(data[start:end])
+
+    def on_part_end() -> None:
+        name = state["name"]
+        if name is None:
+            raise bad_request("A part of the multipart body has no Content-Disposition name.")
+        names.add(name)
+        if name in FORM_FIELDS_READ:
+            fields[name] = b"".join(state["value"]).decode("utf-8", "replace")
+
+    def on_end() -> None:
+        state["ended"] = True
+
+    callbacks = {
+        "on_header_field": on_header_field,
+        "on_header_value": on_header_value,
+        "on_header_end": on_header_end,
+        "on_part_begin": on_part_begin,
+        "on_part_data": on_part_data,
+        "on_part_end": on_part_end,
+        "on_end": on_end,
+    }
+    parser = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
+    try:
+        parser.write(raw)
+        parser.finalize()
+    except MultipartParseError as exc:
+        raise bad_request(f"The multipart body is malformed: {exc}.") from None
+    if not state["ended"] or not names:
+        raise bad_request("The multipart body is malformed: it has no parts or no closing boundary.")
+    return fields, names
 
 
 def _check_field(endpoint: Endpoint, value: Any) -> None:
@@ -131,6 +206,13 @@ _TEXT_OR_TOKENS: dict[str, Any] = {
 def request_schema(endpoint: Endpoint) -> dict[str, Any]:
     """The JSON schema of what the router itself checks in a body (for its OpenAPI document); any other
     field passes through to the replica, which validates it."""
+    properties: dict[str, Any] = {"model": {"type": "string", "minLength": 1}}
+    if endpoint.can_stream:
+        properties["stream"] = {"type": ["boolean", "null"]}
+    if endpoint.path not in _SHAPED:
+        required_fields = [endpoint.required_field] if endpoint.required_field else []
+        return {"type": "object", "required": required_fields, "properties": properties, "additionalProperties": True}
+    assert endpoint.required_field is not None
     required = {
         "messages": {
             "type": "array",
@@ -140,9 +222,7 @@ def request_schema(endpoint: Endpoint) -> dict[str, Any]:
         "prompt": _TEXT_OR_TOKENS,
         "input": _TEXT_OR_TOKENS,
     }[endpoint.required_field]
-    properties: dict[str, Any] = {"model": {"type": "string", "minLength": 1}, endpoint.required_field: required}
-    if endpoint.can_stream:
-        properties["stream"] = {"type": ["boolean", "null"]}
+    properties[endpoint.required_field] = required
     properties["max_tokens"] = {"type": "integer", "minimum": 1}
     return {
         "type": "object",

@@ -1,15 +1,24 @@
-"""A lean HTTP/1.1 client for the hot path: POST a JSON body to a replica and read the answer as bytes.
+"""A lean HTTP/1.1 client for the hot path: send a request to a replica and read the answer as bytes.
 
 General-purpose clients spend most of a proxied request's CPU on features the router never uses
-(cookies, redirects, auto headers, payload registries, per-read timeout rescheduling). This one does
-what relaying needs and no more: keep-alive connections pooled per replica, one write per request,
-httptools (the parser uvicorn uses) for the response, chunked bodies decoded, back-pressure for slow
-readers, and timeouts for connecting and for each wait on the replica.
+(cookies, redirects, auto headers, payload registries, per-read timeout rescheduling); measured in
+dpserve/bench/README.md. This one does what relaying needs and no more, and what it does follows
+HTTP/1.1 as httpcore/h11 do (tests/unit/test_upstream_wire.py holds the cases):
+- keep-alive connections pooled per replica, reused only when both sides finished the exchange; an idle
+  connection the replica has closed is found before reuse (a readable idle socket is EOF or garbage), and
+  a reused one that dies before any byte of the answer is retried once on a fresh connection;
+- 1xx answers skipped; exactly one final answer per exchange: bytes past its end (past Content-Length,
+  a second message) are a protocol error on that connection, delivered to no one;
+- bodies by Content-Length, chunked (trailers dropped) or the connection's end (HTTP/1.0);
+- back-pressure for streams read piecemeal, a size bound for answers read whole;
+- deadlines for connecting, writing the request, each silence of the replica, and the whole exchange.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
+import select
 import ssl
 import time
 from collections import deque
@@ -20,7 +29,13 @@ from urllib.parse import urlsplit
 
 import httptools
 
-READ_BUFFER_HIGH = 256 * 1024  # stop reading from the replica past this much unread body (slow client)
+READ_BUFFER_HIGH = 256 * 1024  # a stream read piecemeal: stop reading from the replica past this much unread
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+# RFC 9110 field names are tokens; values are visible ASCII, obs-text, spaces and tabs (no CR, LF, NUL).
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+_KEPT_HEADERS = frozenset({b"content-type", b"retry-after"})
+"""The only headers of an answer the router relays; hop-by-hop and the replica's own bookkeeping stay."""
 
 
 class UpstreamError(ConnectionError):
@@ -29,6 +44,40 @@ class UpstreamError(ConnectionError):
 
 class UpstreamConnectError(UpstreamError):
     """No connection to the replica could be made (nothing listening, or connecting timed out)."""
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The replica broke HTTP/1.1 (bad framing, a second answer, bytes past the answer's end)."""
+
+
+class StaleConnection(UpstreamError):
+    """A reused keep-alive connection closed before any byte of the answer: the replica had let it go."""
+
+
+class ResponseTooLarge(Exception):
+    """An answer read whole is over the router's bound. Not the replica's failure, and not retried."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the replica's answer is larger than the router's limit of {limit} bytes")
+        self.limit = limit
+
+
+class InvalidHeader(ValueError):
+    """A header name or value that cannot go on the wire as it is."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """How long each part of one exchange with a replica may take, in seconds."""
+
+    connect_s: float = 5.0
+    write_s: float = 60.0
+    """Until the replica has taken the whole request (it stops reading: the router stops waiting)."""
+    read_s: float = 900.0
+    """The longest silence while waiting for the answer or between its bytes. A non-streamed answer
+    only starts once generation ends, so this bounds a whole generation's time to the first byte."""
+    total_s: float = 3600.0
+    """The whole exchange, from sending the request to the answer's last byte, streams included."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,57 +111,109 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.closed = False
+        self.reused = False
         self.idle_since = 0.0
+        self.write_paused = False
         self._response: UpstreamResponse | None = None
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._interim = False  # parsing a 1xx answer, which is skipped
+        self._final_seen = False  # this exchange's final answer has begun: any further message is an error
+        self._final_done = False
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
-        if self._response is None:
-            self.close()  # bytes nobody asked for: the connection is not in a known state
+        response = self._response
+        if response is None or self._final_done:
+            # Bytes outside an exchange or past its answer's end: the connection's framing is lost.
+            if response is not None:
+                response._protocol_error("bytes past the end of the replica's answer")
+            self.close()
             return
+        response.bytes_in += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._response._fail(UpstreamError("unexpected protocol upgrade from the replica"))
+            response._protocol_error("unexpected protocol upgrade from the replica")
             self.close()
         except httptools.HttpParserError as exc:
-            self._response._fail(UpstreamError(f"malformed HTTP response from the replica: {exc}"))
+            response._protocol_error(f"malformed HTTP response from the replica: {exc}")
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._wake_writer()
         response = self._response
         if response is not None:
             response._connection_lost()
 
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        if self._response is not None:
+            self._response._wake()
+
     # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self._final_seen:
+            raise UpstreamProtocolError("a second answer within one exchange")
+        self._headers = []
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self._response is not None
-        self._response._header(name, value)
+        if not self._final_seen or self._interim:
+            self._headers.append((name, value))
+        # else: a trailer of a chunked body; nothing the router relays
 
     def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self._interim = True  # 100 Continue, 103 Early Hints: the final answer follows
+            return
+        self._final_seen = True
         assert self._response is not None
-        self._response._headers_done(self._parser.get_status_code())
+        self._response._headers_done(status, self._headers)
 
     def on_body(self, body: bytes) -> None:
         assert self._response is not None
         self._response._body(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self._final_done = True
         assert self._response is not None
         self._response._complete(self._parser.should_keep_alive())
 
     # -- used by the pool and the response
     def start(self, response: UpstreamResponse, request: bytes) -> None:
         self._response = response
+        self._final_seen = self._final_done = self._interim = False
         assert self.transport is not None
         self.transport.write(request)
 
     def finished(self) -> None:
         self._response = None
+
+    def readable_while_idle(self) -> bool:
+        """An idle keep-alive socket with something to read holds the replica's close (EOF) or garbage:
+        either way it must not carry a request. One poll, no read (as httpcore checks before reuse)."""
+        transport = self.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None:
+            return False
+        try:
+            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
 
     def pause(self) -> None:
         if self.transport is not None and not self.closed:
@@ -130,20 +231,31 @@ class _Connection(asyncio.Protocol):
 
 
 class UpstreamResponse:
-    """A response as it arrives: `status` and `content_type` once the headers are in, then the body by
-    `read()` (all of it) or `readany()` (what has come so far; b"" at the end). `release()` returns a
-    finished connection to the pool; `close()` drops it (which also aborts the replica's request)."""
+    """A response as it arrives: `status`, `content_type` and `retry_after` once the headers are in,
+    then the body by `read()` (all of it, up to the size bound) or `readany()` (what has come so far;
+    b"" at the end). `release()` returns a finished connection to the pool; `close()` drops it (which
+    also aborts the replica's request)."""
 
-    def __init__(self, pool: UpstreamPool, key: Address, conn: _Connection, read_timeout_s: float) -> None:
+    def __init__(
+        self, pool: UpstreamPool, key: Address, conn: _Connection, deadlines: Deadlines, max_bytes: int
+    ) -> None:
         self._pool = pool
         self._key = key
         self._conn = conn
         self._loop = conn._loop
-        self._read_timeout_s = read_timeout_s
+        self._deadlines = deadlines
+        now = self._loop.time()
+        self._write_deadline = now + deadlines.write_s
+        self._deadline = now + deadlines.total_s
+        self._max_bytes = max_bytes
         self.status = 0
         self.content_type = "application/json"
+        self.retry_after: str | None = None
+        self.has_body = True
+        self.bytes_in = 0
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
+        self._whole = False  # read() wants it all: no pausing, a size bound instead
         self._paused = False
         self._headers_in = False
         self._length_known = False
@@ -154,22 +266,30 @@ class UpstreamResponse:
         self._settled = False
 
     # -- fed by the connection
-    def _header(self, name: bytes, value: bytes) -> None:
-        lowered = name.lower()
-        if lowered == b"content-type":
-            self.content_type = value.decode("latin-1")
-        elif lowered in (b"content-length", b"transfer-encoding"):
-            self._length_known = True
-
-    def _headers_done(self, status: int) -> None:
+    def _headers_done(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
+        for name, value in headers:
+            lowered = name.lower()
+            if lowered in _KEPT_HEADERS:
+                text = value.decode("latin-1").strip()
+                if lowered == b"content-type":
+                    self.content_type = text
+                else:
+                    self.retry_after = text
+            elif lowered in (b"content-length", b"transfer-encoding"):
+                self._length_known = True
+        self.has_body = status not in (204, 304)
         self._headers_in = True
         self._wake()
 
     def _body(self, body: bytes) -> None:
         self._chunks.append(body)
         self._buffered += len(body)
-        if self._buffered > READ_BUFFER_HIGH and not self._paused:
+        if self._whole:
+            if self._buffered > self._max_bytes:
+                self._error = ResponseTooLarge(self._max_bytes)
+                self._conn.close()
+        elif self._buffered > READ_BUFFER_HIGH and not self._paused:
             self._paused = True
             self._conn.pause()
         self._wake()
@@ -182,10 +302,20 @@ class UpstreamResponse:
     def _connection_lost(self) -> None:
         if self._done:
             return
-        if self._headers_in and not self._length_known:
+        if self._headers_in and not self._length_known and self.has_body:
             self._complete(keep_alive=False)  # a body delimited by the connection's end
             return
+        if self.bytes_in == 0 and self._conn.reused:
+            self._fail(StaleConnection("a reused connection was closed by the replica before it answered"))
+            return
         self._fail(UpstreamError("the replica closed the connection before the answer was complete"))
+
+    def _protocol_error(self, message: str) -> None:
+        """Also after the answer completed: what was buffered and not yet taken is not delivered."""
+        self._keep_alive = False
+        if self._error is None and not self._settled:
+            self._error = UpstreamProtocolError(message)
+            self._wake()
 
     def _fail(self, error: Exception) -> None:
         if self._error is None and not self._done:
@@ -198,11 +328,17 @@ class UpstreamResponse:
             waiter.set_result(None)
 
     async def _wait(self) -> None:
-        """Until the connection reports something, at most the read timeout."""
+        """Until the connection reports something, at most the idle-read, write or total deadline."""
         if self._error is not None:
             raise self._error
+        now = self._loop.time()
+        timeout, reason = self._deadlines.read_s, "the replica did not answer in time (read timeout)"
+        if self._deadline - now < timeout:
+            timeout, reason = self._deadline - now, "the replica did not finish in time (request timeout)"
+        if self._conn.write_paused and self._write_deadline - now < timeout:
+            timeout, reason = self._write_deadline - now, "the replica did not take the request in time (write timeout)"
         waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(self._read_timeout_s, _time_out, waiter)
+        timer = self._loop.call_later(max(0.0, timeout), _time_out, waiter, reason)
         try:
             await waiter
         finally:
@@ -219,8 +355,12 @@ class UpstreamResponse:
     async def readany(self) -> bytes:
         while not self._chunks:
             if self._done:
+                if self._error is not None:
+                    raise self._error
                 return b""
             await self._wait()
+        if self._error is not None:
+            raise self._error
         if len(self._chunks) == 1:
             data = self._chunks.popleft()
         else:
@@ -233,8 +373,18 @@ class UpstreamResponse:
         return data
 
     async def read(self) -> bytes:
+        """The whole body; ResponseTooLarge past the bound (the connection is then dropped)."""
+        self._whole = True
+        if self._buffered > self._max_bytes:
+            self._error = ResponseTooLarge(self._max_bytes)
+            self._conn.close()
+        if self._paused:
+            self._paused = False
+            self._conn.resume()
         while not self._done:
             await self._wait()
+        if self._error is not None:
+            raise self._error
         data = b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
@@ -248,7 +398,8 @@ class UpstreamResponse:
         self._settled = True
         conn = self._conn
         conn.finished()
-        if self._done and self._keep_alive and not self._chunks and not conn.closed:
+        reusable = self._done and self._keep_alive and self._error is None
+        if reusable and not self._chunks and not conn.closed:
             self._pool._give_back(self._key, conn)
         else:
             conn.close()
@@ -262,43 +413,59 @@ class UpstreamResponse:
         self._fail(UpstreamError("closed by the router"))
 
 
-def _time_out(waiter: asyncio.Future[None]) -> None:
+def _time_out(waiter: asyncio.Future[None], reason: str) -> None:
     if not waiter.done():
-        waiter.set_exception(TimeoutError("the replica did not answer in time"))
+        waiter.set_exception(TimeoutError(reason))
 
 
 class UpstreamPool:
     """Idle keep-alive connections per replica address. Connections idle longer than `keepalive_s`
-    are dropped rather than reused: keep it under the replicas' own keep-alive (uvicorn: 5 s), so a
-    request never goes out on a socket the replica is closing."""
+    are dropped rather than reused: keep it under the replicas' own keep-alive (uvicorn: 5 s)."""
 
     def __init__(
         self,
-        connect_timeout_s: float,
-        read_timeout_s: float,
+        deadlines: Deadlines | None = None,
         keepalive_s: float = 4.0,
         clock: Callable[[], float] = time.monotonic,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
-        self._connect_timeout_s = connect_timeout_s
-        self._read_timeout_s = read_timeout_s
+        self.deadlines = deadlines or Deadlines()
         self._keepalive_s = keepalive_s
         self._clock = clock
+        self._max_response_bytes = max_response_bytes
         self._idle: dict[Address, list[_Connection]] = {}
         self._closed = False
         self._ssl: ssl.SSLContext | None = None
+        self.stale_retries = 0
+        """Requests sent again on a fresh connection after a reused one turned out closed."""
 
     async def post(self, address: Address, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
-        """Sends the request; returns once the response's headers are in."""
-        request = _request_bytes(address, path, body, headers)
-        conn = self._take_idle(address) or await self._connect(address)
-        response = UpstreamResponse(self, address, conn, self._read_timeout_s)
-        conn.start(response, request)
-        try:
-            await response._wait_headers()
-        except BaseException:
-            response.close()
-            raise
-        return response
+        return await self.request(address, "POST", path, body, headers)
+
+    async def request(
+        self, address: Address, method: str, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> UpstreamResponse:
+        """Sends the request; returns once the final answer's headers are in. InvalidHeader for a header
+        that cannot be sent."""
+        request = request_bytes(address, method, path, body, headers)
+        conn = self._take_idle(address)
+        while True:
+            if conn is None:
+                conn = await self._connect(address)
+            response = UpstreamResponse(self, address, conn, self.deadlines, self._max_response_bytes)
+            conn.start(response, request)
+            try:
+                await response._wait_headers()
+            except StaleConnection:
+                # The replica closed an idle connection as the request went out: it never saw it.
+                response.close()
+                self.stale_retries += 1
+                conn = None
+                continue
+            except BaseException:
+                response.close()
+                raise
+            return response
 
     def _take_idle(self, key: Address) -> _Connection | None:
         idle = self._idle.get(key)
@@ -307,7 +474,8 @@ class UpstreamPool:
         oldest_usable = self._clock() - self._keepalive_s
         while idle:
             conn = idle.pop()  # the most recently used: the likeliest to be alive and warm
-            if not conn.closed and conn.idle_since >= oldest_usable:
+            if not conn.closed and conn.idle_since >= oldest_usable and not conn.readable_while_idle():
+                conn.reused = True
                 return conn
             conn.close()
         return None
@@ -323,7 +491,7 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         context = self._tls_context() if address.tls else None
         try:
-            async with asyncio.timeout(self._connect_timeout_s):
+            async with asyncio.timeout(self.deadlines.connect_s):
                 _, conn = await loop.create_connection(
                     lambda: _Connection(loop), address.host, address.port, ssl=context
                 )
@@ -346,10 +514,23 @@ class UpstreamPool:
         self._idle.clear()
 
 
-def _request_bytes(address: Address, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
-    lines = [f"POST {address.base_path}{path} HTTP/1.1", f"host: {address.host_header}", f"content-length: {len(body)}"]
+def check_header(name: str, value: str) -> None:
+    """InvalidHeader unless `name: value` is a valid HTTP/1.1 field (RFC 9110 token and field value)."""
+    if not _TOKEN.fullmatch(name.encode("latin-1", "replace")):
+        raise InvalidHeader(f"invalid header name {name!r}")
+    try:
+        raw = value.encode("latin-1")
+    except UnicodeEncodeError:
+        raise InvalidHeader(f"header {name} has a value that is not latin-1") from None
+    if not _FIELD_VALUE.fullmatch(raw):
+        raise InvalidHeader(f"header {name} has a control character in its value")
+
+
+def request_bytes(address: Address, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
+    lines = [f"{method} {address.base_path}{path} HTTP/1.1", f"host: {address.host_header}"]
+    if body or method not in ("GET", "HEAD", "DELETE"):
+        lines.append(f"content-length: {len(body)}")
     for name, value in headers.items():
-        if "\r" in value or "\n" in value:
-            raise ValueError(f"header {name} has a line break in its value")
+        check_header(name, value)
         lines.append(f"{name}: {value}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

@@ -40,7 +40,7 @@ def dispatcher(
     return Dispatcher(
         registry,
         policy,
-        UpstreamPool(1.0, 1.0),
+        UpstreamPool(),
         RouterMetrics(registry, policy.name),
         RetryRules(),
         Admission(limit, 16, 1.0),
@@ -147,7 +147,7 @@ def test_a_session_keeps_its_replica_on_the_whole_fleets_ring_while_deciding_amo
     router = Dispatcher(
         registry,
         policy,
-        UpstreamPool(1.0, 1.0),
+        UpstreamPool(),
         RouterMetrics(registry, "session"),
         RetryRules(),
         Admission(256, 16, 1.0),

@@ -10,6 +10,7 @@ from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import TextPrefixIndex
 from dpserve.policies import make_policy
 from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.endpoints import CHAT, COMPLETIONS, EMBEDDINGS
 from dpserve.router.features import FeatureBuilder
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.prompt_tokens import TokenCache, TokenIds
@@ -47,8 +48,8 @@ async def test_kv_matches_are_read_at_decision_time() -> None:
         recent=RecentRoutes(lambda: now[0]),
     )
     body = {"prompt": "a bb ccc dddd eeeee ffffff"}
-    first = await builder.build("completions", "m", False, body, {})
-    second = await builder.build("completions", "m", False, body, {})
+    first = await builder.build(COMPLETIONS, "m", False, body, {})
+    second = await builder.build(COMPLETIONS, "m", False, body, {})
     assert first.prefix is not None and first.prefix.total_blocks == 3 and not first.prefix.matched
     # The first is routed to r1 before the second decides: the second sees it as pending there.
     candidates = registry.candidates("m")
@@ -67,12 +68,12 @@ async def test_text_prefix_and_session_features() -> None:
     policy = make_policy("prefix")
     builder = FeatureBuilder(policy, registry, RouterMetrics(registry, policy.name), text_index=TextPrefixIndex())
     body = {"prompt": "x" * 300}
-    features = await builder.build("completions", "m", False, body, {})
+    features = await builder.build(COMPLETIONS, "m", False, body, {})
     builder.routed(builder.at_decision(features, registry.candidates("m")), "r0")
-    again = builder.at_decision(await builder.build("completions", "m", False, body, {}), registry.candidates("m"))
+    again = builder.at_decision(await builder.build(COMPLETIONS, "m", False, body, {}), registry.candidates("m"))
     assert again.prefix is not None and again.prefix.blocks("r0") == again.prefix.total_blocks > 0
     session = make_policy("session")
     keyed = FeatureBuilder(session, registry, RouterMetrics(registry, session.name))
-    assert (await keyed.build("chat", "m", False, {"user": "u1"}, {})).session_key == "u1"
-    assert (await keyed.build("chat", "m", False, {"user": "u1"}, {"x-session-id": "s9"})).session_key == "s9"
-    assert (await keyed.build("embeddings", "m", False, {"user": "u1"}, {})).session_key is None
+    assert (await keyed.build(CHAT, "m", False, {"user": "u1"}, {})).session_key == "u1"
+    assert (await keyed.build(CHAT, "m", False, {"user": "u1"}, {"x-session-id": "s9"})).session_key == "s9"
+    assert (await keyed.build(EMBEDDINGS, "m", False, {"user": "u1"}, {})).session_key is None

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from dpserve.router.upstream import Address, UpstreamConnectError, UpstreamError, UpstreamPool
+from dpserve.router.upstream import Address, Deadlines, UpstreamConnectError, UpstreamError, UpstreamPool
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -56,7 +56,7 @@ def keep_alive_json(body: bytes) -> Handler:
 
 async def test_answers_are_read_whole_and_connections_reused() -> None:
     async with serving(keep_alive_json(b'{"ok":true}')) as (address, connections):
-        pool = UpstreamPool(1.0, 5.0)
+        pool = UpstreamPool(Deadlines(connect_s=1.0, read_s=5.0))
         for _ in range(3):
             response = await pool.post(address, "/v1/completions", b"{}", {"content-type": "application/json"})
             assert (response.status, response.content_type) == (200, "application/json")
@@ -74,7 +74,7 @@ async def test_the_request_goes_out_as_sent() -> None:
         await writer.drain()
 
     async with serving(handle) as (address, _):
-        pool = UpstreamPool(1.0, 5.0)
+        pool = UpstreamPool(Deadlines(connect_s=1.0, read_s=5.0))
         response = await pool.post(address, "/v1/chat/completions", b'{"a":1}', {"x-request-id": "abc"})
         assert response.status == 204 and await response.read() == b""
         head, body = seen[0]
@@ -100,7 +100,7 @@ async def test_chunked_streams_arrive_decoded_in_order() -> None:
         await reader.read()  # keep the connection until the client is done
 
     async with serving(handle) as (address, _):
-        pool = UpstreamPool(1.0, 5.0)
+        pool = UpstreamPool(Deadlines(connect_s=1.0, read_s=5.0))
         response = await pool.post(address, "/v1/completions", b"{}", {})
         assert response.content_type == "text/event-stream"
         received = b""
@@ -115,7 +115,7 @@ async def test_nothing_listening_is_a_connect_error() -> None:
     async with serving(keep_alive_json(b"")) as (address, _):
         pass  # closed: the port is free again
     with pytest.raises(UpstreamConnectError):
-        await UpstreamPool(1.0, 5.0).post(address, "/", b"", {})
+        await UpstreamPool(Deadlines(connect_s=1.0, read_s=5.0)).post(address, "/", b"", {})
 
 
 async def test_a_replica_dying_mid_answer_is_an_upstream_error() -> None:
@@ -125,7 +125,7 @@ async def test_a_replica_dying_mid_answer_is_an_upstream_error() -> None:
         await writer.drain()
 
     async with serving(handle) as (address, _):
-        response = await UpstreamPool(1.0, 5.0).post(address, "/", b"", {})
+        response = await UpstreamPool(Deadlines(connect_s=1.0, read_s=5.0)).post(address, "/", b"", {})
         with pytest.raises(UpstreamError):
             await response.read()
 
@@ -137,7 +137,7 @@ async def test_a_silent_replica_times_out() -> None:
 
     async with serving(handle) as (address, _):
         with pytest.raises(TimeoutError):
-            await UpstreamPool(1.0, 0.2).post(address, "/", b"", {})
+            await UpstreamPool(Deadlines(connect_s=1.0, read_s=0.2)).post(address, "/", b"", {})
 
 
 async def test_garbage_from_a_replica_is_an_upstream_error() -> None:
@@ -149,13 +149,13 @@ async def test_garbage_from_a_replica_is_an_upstream_error() -> None:
 
     async with serving(handle) as (address, _):
         with pytest.raises(UpstreamError):
-            await UpstreamPool(1.0, 5.0).post(address, "/", b"", {})
+            await UpstreamPool(Deadlines(connect_s=1.0, read_s=5.0)).post(address, "/", b"", {})
 
 
 async def test_idle_connections_past_keep_alive_are_not_reused() -> None:
     now = [0.0]
     async with serving(keep_alive_json(b"{}")) as (address, connections):
-        pool = UpstreamPool(1.0, 5.0, keepalive_s=4.0, clock=lambda: now[0])
+        pool = UpstreamPool(Deadlines(connect_s=1.0, read_s=5.0), keepalive_s=4.0, clock=lambda: now[0])
         await (await pool.post(address, "/", b"", {})).read()
         now[0] += 3.0
         await (await pool.post(address, "/", b"", {})).read()
@@ -176,7 +176,7 @@ async def test_a_closed_response_drops_its_connection() -> None:
 
     closed = asyncio.Event()
     async with serving(handle) as (address, _):
-        pool = UpstreamPool(1.0, 5.0)
+        pool = UpstreamPool(Deadlines(connect_s=1.0, read_s=5.0))
         response = await pool.post(address, "/", b"", {})
         assert await response.readany() == b"hello"
         response.close()

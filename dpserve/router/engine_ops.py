@@ -1,0 +1,85 @@
+"""vLLM endpoints that act on one replica's engine (adapters, sleep, caches, profiling): admin-only.
+
+They change what a replica holds or does for every client, so they are not user endpoints: a user key
+gets 404 for `/sleep` at the router, as for any unknown path. The admin API sends them to one replica
+(`/admin/replicas/{id}/engine/{op}`) or to every replica (`/admin/engine/{op}`), with the body and
+query string as given, and returns each replica's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from dpserve.replicas.registry import Replica
+from dpserve.router.errors import OpenAIError
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOp:
+    method: str
+    path: str
+
+
+ENGINE_OPS: dict[str, EngineOp] = {
+    "load_lora_adapter": EngineOp("POST", "/v1/load_lora_adapter"),
+    "unload_lora_adapter": EngineOp("POST", "/v1/unload_lora_adapter"),
+    "sleep": EngineOp("POST", "/sleep"),
+    "wake_up": EngineOp("POST", "/wake_up"),
+    "is_sleeping": EngineOp("GET", "/is_sleeping"),
+    "reset_prefix_cache": EngineOp("POST", "/reset_prefix_cache"),
+    "reset_mm_cache": EngineOp("POST", "/reset_mm_cache"),
+    "reset_encoder_cache": EngineOp("POST", "/reset_encoder_cache"),
+    "start_profile": EngineOp("POST", "/start_profile"),
+    "stop_profile": EngineOp("POST", "/stop_profile"),
+    "server_info": EngineOp("GET", "/server_info"),
+    "load": EngineOp("GET", "/load"),
+    "pause": EngineOp("POST", "/pause"),
+    "resume": EngineOp("POST", "/resume"),
+    "is_paused": EngineOp("GET", "/is_paused"),
+}
+
+
+def engine_op(name: str, method: str) -> EngineOp:
+    op = ENGINE_OPS.get(name)
+    if op is None:
+        known = ", ".join(sorted(ENGINE_OPS))
+        raise OpenAIError(404, f"No engine operation `{name}`; known: {known}.", type="not_found_error")
+    if op.method != method:
+        raise OpenAIError(405, f"Engine operation `{name}` takes {op.method}.", headers={"allow": op.method})
+    return op
+
+
+async def call_engine(
+    session: aiohttp.ClientSession,
+    replicas: Sequence[Replica],
+    op: EngineOp,
+    query: str,
+    body: bytes,
+    timeout_s: float,
+) -> list[dict[str, Any]]:
+    """Each replica's answer: its id, HTTP status and body (JSON when it is), or the error reaching it."""
+
+    async def one(replica: Replica) -> dict[str, Any]:
+        url = f"{replica.url}{op.path}" + (f"?{query}" if query else "")
+        headers = {"content-type": "application/json"} if body else {}
+        try:
+            async with session.request(
+                op.method, url, data=body or None, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return {"replica": replica.id, "status": None, "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            answer: Any = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            answer = raw.decode("utf-8", "replace")
+        return {"replica": replica.id, "status": status, "body": answer}
+
+    return list(await asyncio.gather(*(one(replica) for replica in replicas)))
