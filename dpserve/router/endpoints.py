@@ -4,7 +4,8 @@ An endpoint says what its body is (JSON, a multipart form, nothing), which field
 whether it may stream, and which prompt the routing policies read from it (`prompt`): generation
 endpoints give prefix and session features to the cache-aware policies; the rest route on load alone.
 Endpoints that act on one replica's state (adapters, sleep, caches, profiling) are not here: they are
-the admin API's (`dpserve/router/engine_ops.py`).
+the admin API's (`dpserve/router/engine_ops.py`). The router answers /health, /ready, /metrics and
+/v1/models itself; SageMaker's /ping is the replica's own health check and not relayed.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ PROXIED_ENDPOINTS: tuple[Endpoint, ...] = (
     RESPONSES,
     MESSAGES,
     Endpoint("messages_count_tokens", "/v1/messages/count_tokens", "messages"),
+    Endpoint("chat_batch", "/v1/chat/completions/batch", "messages"),
+    Endpoint("systemone", "/v1/systemone"),
+    Endpoint("generative_scoring", "/generative_scoring"),
+    Endpoint("invocations", "/invocations"),  # SageMaker's one endpoint for every task
     EMBEDDINGS,
     Endpoint("embed_v2", "/v2/embed"),
     Endpoint("pooling", "/pooling"),

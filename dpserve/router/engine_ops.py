@@ -42,7 +42,28 @@ ENGINE_OPS: dict[str, EngineOp] = {
     "pause": EngineOp("POST", "/pause"),
     "resume": EngineOp("POST", "/resume"),
     "is_paused": EngineOp("GET", "/is_paused"),
+    "kv_event_sources": EngineOp("GET", "/kv_event_sources"),
+    "scale_elastic_ep": EngineOp("POST", "/scale_elastic_ep"),
+    "is_scaling_elastic_ep": EngineOp("POST", "/is_scaling_elastic_ep"),
+    "collective_rpc": EngineOp("POST", "/collective_rpc"),
+    "release_kv_cache_memory": EngineOp("POST", "/release_kv_cache_memory"),
+    "fault_tolerance_status": EngineOp("GET", "/fault_tolerance/status"),
+    "fault_tolerance_apply": EngineOp("POST", "/fault_tolerance/apply"),
+    # Weight updates for reinforcement learning (vLLM's rl/online routes).
+    "abort_requests": EngineOp("POST", "/abort_requests"),
+    "get_world_size": EngineOp("GET", "/get_world_size"),
+    "weight_info": EngineOp("GET", "/weight_info"),
+    "init_weight_transfer_engine": EngineOp("POST", "/init_weight_transfer_engine"),
+    "shutdown_weight_transfer_engine": EngineOp("POST", "/shutdown_weight_transfer_engine"),
+    "start_weight_update": EngineOp("POST", "/start_weight_update"),
+    "start_draft_weight_update": EngineOp("POST", "/start_draft_weight_update"),
+    "update_weights": EngineOp("POST", "/update_weights"),
+    "finish_weight_update": EngineOp("POST", "/finish_weight_update"),
+    "update_weight_version": EngineOp("POST", "/update_weight_version"),
+    "weight_checker": EngineOp("POST", "/weight_checker"),
 }
+ROUTER_OWN = frozenset({"/health", "/metrics", "/v1/models", "/ping", "/docs", "/openapi.json"})
+"""vLLM paths the router does not relay: it answers them itself (SageMaker's /ping is a replica's own probe)."""
 
 
 def engine_op(name: str, method: str) -> EngineOp:

@@ -51,6 +51,18 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if counting and self._in_head and self._head_bytes > self.max_head_bytes:
             self._refuse()
 
+    def send_400_response(self, msg: str) -> None:
+        """The request could not be parsed (a control character in a header, say): an OpenAI-style
+        error, as every other refusal, instead of uvicorn's plain text."""
+        message = "Malformed HTTP request: a request line or header the router cannot read."
+        body = OpenAIError(400, message, code="malformed_request").body()
+        head = (
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+        )
+        self.transport.write(head + body)
+        self.transport.close()
+
     def _refuse(self) -> None:
         self._refused = True
         if self.transport.is_closing():  # the parser already answered 400 and closed it

@@ -173,7 +173,8 @@ class _Exchange:
         upstream_headers = {"content-type": "application/json", REQUEST_ID_HEADER: self.request_id}
         path = upstream_path(self.scope)
         if endpoint.body is BodyKind.NONE:
-            await read_limited(headers, _body_chunks(self.receive), 0)
+            # Nothing to relay (a replica ignores a body here too), but read it so the connection stays usable.
+            await read_limited(headers, _body_chunks(self.receive), state.settings.max_body_bytes)
             del upstream_headers["content-type"]
             stream = endpoint.method == "GET" and b"stream=true" in self.scope.get("query_string", b"")
             features = RequestFeatures(endpoint.name, "", stream)

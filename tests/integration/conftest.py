@@ -24,6 +24,12 @@ from dpserve.replicas.process import terminate
 from tests.conftest import free_port, free_port_range
 
 FLEET_START_TIMEOUT_S = 600
+REPLICA_ENV = {
+    # Stored responses (`store`), so retrieving one by id can be tested; vLLM keeps them in memory.
+    "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+    # vLLM's engine endpoints (/reset_prefix_cache, /is_sleeping, ...), which the admin API relays.
+    "VLLM_SERVER_DEV_MODE": "1",
+}
 ROUTER_START_TIMEOUT_S = 30
 
 
@@ -94,7 +100,7 @@ def running_fleet(work: Path, count: int, up_args: list[str], timeout_s: float) 
     command += ["--kv-events-base-port", str(kv_base_port), "--run-dir", str(work / "run"), "--probe-interval", "0.5"]
     command += up_args
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **REPLICA_ENV})
     fleet = Fleet(
         router_url=f"http://127.0.0.1:{router_port}",
         replica_urls=[f"http://127.0.0.1:{base_port + index}" for index in range(count)],
