@@ -29,7 +29,9 @@ install: $(STAMP)
 
 # torchvision/torchaudio/torchcodec come along from PyPI and break `import transformers` against the
 # CPU torch; text models need none of them.
+# The floor is pyproject's requires-python (3.11: asyncio.timeout, Task.uncancel); CI runs on it.
 $(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dpserve needs Python 3.11 or newer: make PYTHON=python3.11 ...")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -e '.[$(ENGINE),test,bench]' $(PIP_QUIET)
 	$(PIP) uninstall -y torchvision torchaudio torchcodec $(PIP_QUIET)

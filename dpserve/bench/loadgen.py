@@ -208,7 +208,7 @@ def closed_loop(url: str, body: bytes, connections: int, duration_s: float, expe
                 async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
                     data = await resp.read()
                 ok = resp.status == 200 and complete(data, expect_chunks)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 ok = False
             if ok:
                 latencies.append(time.perf_counter() - started)

@@ -151,7 +151,7 @@ async def _post(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[
     try:
         async with session.post(url + PATH, data=body, headers={"content-type": "application/json"}) as resp:
             return resp.status, await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         return 0, repr(exc).encode()
 
 

@@ -80,7 +80,7 @@ class Admission:
                     return self._clock() - started
                 try:
                     await asyncio.wait_for(asyncio.shield(waiter), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
                 waiter = self._rearm(waiter)
         finally:
