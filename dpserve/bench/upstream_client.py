@@ -49,8 +49,8 @@ READY_TIMEOUT_S = 30.0
 
 # Targets: the backend itself (the ceiling), then one relay per client under test.
 # "aiohttp-chunked" (streaming relayed with iter_chunked instead of iter_any) is opt-in.
-DEFAULT_TARGETS = ("direct", "httpx", "aiohttp")
-RELAY_KINDS = ("httpx", "aiohttp", "aiohttp-chunked")
+DEFAULT_TARGETS = ("direct", "httpx", "aiohttp", "httpcore", "dpserve")
+RELAY_KINDS = ("httpx", "aiohttp", "aiohttp-chunked", "httpcore", "dpserve")
 MODES = ("json", "sse")
 
 COMPLETION = {
@@ -247,6 +247,79 @@ def build_relay_app(kind: str, backend_url: str) -> Any:
 
         return app
 
+    if kind == "httpcore":
+        import httpcore
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+            async with httpcore.AsyncConnectionPool(max_connections=4096, keepalive_expiry=60) as pool:
+                state["pool"] = pool
+                yield
+
+        app = FastAPI(lifespan=lifespan)
+        core_headers = [(name.encode(), value.encode()) for name, value in FORWARD_HEADERS.items()]
+
+        @app.post(PATH)
+        async def relay_httpcore(request: Request) -> Response:
+            pool: httpcore.AsyncConnectionPool = state["pool"]
+            body = await request.body()
+            stream = bool(orjson.loads(body).get("stream"))
+            upstream = await pool.handle_async_request(
+                httpcore.Request("POST", url, headers=core_headers, content=body, extensions={"timeout": {}})
+            )
+            media = dict(upstream.headers).get(b"content-type", b"").decode() or None
+            if not stream:
+                content = b"".join([part async for part in upstream.aiter_stream()])
+                await upstream.aclose()
+                return Response(content, status_code=upstream.status, media_type=media)
+
+            async def chunks() -> AsyncIterator[bytes]:
+                try:
+                    async for part in upstream.aiter_stream():
+                        yield part
+                finally:
+                    await upstream.aclose()
+
+            return StreamingResponse(chunks(), status_code=upstream.status, media_type=media)
+
+        return app
+
+    if kind == "dpserve":
+        # The router's own hot-path client (dpserve/router/upstream.py), behind the same FastAPI relay.
+        from dpserve.router.upstream import Address, UpstreamPool
+
+        address = Address.from_url(backend_url)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+            pool = UpstreamPool()
+            state["pool"] = pool
+            yield
+            pool.close()
+
+        app = FastAPI(lifespan=lifespan)
+
+        @app.post(PATH)
+        async def relay_dpserve(request: Request) -> Response:
+            pool: UpstreamPool = state["pool"]
+            body = await request.body()
+            stream = bool(orjson.loads(body).get("stream"))
+            upstream = await pool.post(address, PATH, body, FORWARD_HEADERS)
+            if not stream:
+                content = await upstream.read()
+                return Response(content, status_code=upstream.status, media_type=upstream.content_type)
+
+            async def chunks() -> AsyncIterator[bytes]:
+                try:
+                    while part := await upstream.readany():
+                        yield part
+                finally:
+                    upstream.release()
+
+            return StreamingResponse(chunks(), status_code=upstream.status, media_type=upstream.content_type)
+
+        return app
+
     raise ValueError(f"unknown relay kind {kind!r}")
 
 
@@ -437,7 +510,8 @@ def _iter_runs(targets: list[str], connections: int) -> Iterator[tuple[str, str,
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="dpserve bench upstream-client",
-        description="Compare httpx and aiohttp as the router's upstream client behind FastAPI/uvicorn.",
+        description="Compare httpx, aiohttp, httpcore and dpserve's own client as the router's upstream client "
+        "behind FastAPI/uvicorn.",
     )
     p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement (default 10)")
     p.add_argument("--connections", type=int, default=32, help="concurrent connections (default 32)")

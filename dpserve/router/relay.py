@@ -115,6 +115,7 @@ class _Exchange:
         self.send = send
         self.started = time.perf_counter()
         self.headers = read_headers(scope["headers"])
+        self.ids = ids
         self.request_id = self.headers.get(REQUEST_ID_HEADER) or ids.next()
         self.response_started = False
         self.answered = False
@@ -129,7 +130,7 @@ class _Exchange:
                 prepared = await self._prepare()
             except OpenAIError as err:
                 self._count_refusal(err)
-                await _send_error(self.send, err, _safe_id(self.request_id))
+                await _send_error(self.send, err, self._echoed_id())
                 return
             except ClientGone:
                 self._count_client_gone("none")
@@ -200,6 +201,13 @@ class _Exchange:
         response_id = previous if isinstance(previous, str) and previous else None
         return _Prepared(features, path, body, upstream_headers, response_id)
 
+    def _echoed_id(self) -> str:
+        """The request id to answer a refusal with: a new one when the client's own was refused."""
+        request_id = self.request_id
+        if len(request_id) <= MAX_REQUEST_ID_CHARS and _REQUEST_ID.fullmatch(request_id):
+            return request_id
+        return self.ids.next()
+
     async def _dispatch(self, prepared: _Prepared) -> Buffered | Streaming:
         state, endpoint = self.state, self.endpoint
         dispatcher = state.dispatcher
@@ -215,7 +223,9 @@ class _Exchange:
         response_id = prepared.response_id
         if response_id is None:
             return await dispatcher.send(path, features, body, headers, self.started, endpoint.method)
-        owner = state.response_owners.get(response_id) or await self._find_owner(response_id)
+        owner = state.response_owners.get(response_id)
+        if owner is None or owner not in state.registry:  # unseen, or its replica was removed since
+            owner = await self._find_owner(response_id)
         if owner is None:
             if endpoint is RESPONSES:
                 # Continuing a response no replica holds: any replica gives vLLM's own 404 for it.
@@ -351,11 +361,6 @@ def check_request_id(request_id: str) -> None:
         raise bad_request(f"`x-request-id` is longer than {MAX_REQUEST_ID_CHARS} characters.", param=REQUEST_ID_HEADER)
     if not _REQUEST_ID.fullmatch(request_id):
         raise bad_request("`x-request-id` may hold only visible ASCII characters.", param=REQUEST_ID_HEADER)
-
-
-def _safe_id(request_id: str) -> str:
-    """The request id to echo on an error: not one the router refused."""
-    return request_id if len(request_id) <= MAX_REQUEST_ID_CHARS and _REQUEST_ID.fullmatch(request_id) else ""
 
 
 def upstream_path(scope: Scope) -> str:

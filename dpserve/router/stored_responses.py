@@ -34,10 +34,6 @@ class ResponseOwners:
         if len(self._owners) > self._max:
             self._owners.popitem(last=False)
 
-    def forget_replica(self, replica_id: str) -> None:
-        for response_id in [rid for rid, owner in self._owners.items() if owner == replica_id]:
-            del self._owners[response_id]
-
     def __len__(self) -> int:
         return len(self._owners)
 
