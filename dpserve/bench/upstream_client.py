@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -257,7 +258,9 @@ def build_relay_app(kind: str, backend_url: str) -> Any:
                 yield
 
         app = FastAPI(lifespan=lifespan)
-        core_headers = [(name.encode(), value.encode()) for name, value in FORWARD_HEADERS.items()]
+        # httpcore is the wire alone: Host and Content-Length are the caller's to send.
+        core_headers = [(b"host", urllib.parse.urlsplit(url).netloc.encode())]
+        core_headers += [(name.encode(), value.encode()) for name, value in FORWARD_HEADERS.items()]
 
         @app.post(PATH)
         async def relay_httpcore(request: Request) -> Response:
@@ -265,7 +268,13 @@ def build_relay_app(kind: str, backend_url: str) -> Any:
             body = await request.body()
             stream = bool(orjson.loads(body).get("stream"))
             upstream = await pool.handle_async_request(
-                httpcore.Request("POST", url, headers=core_headers, content=body, extensions={"timeout": {}})
+                httpcore.Request(
+                    "POST",
+                    url,
+                    headers=[*core_headers, (b"content-length", str(len(body)).encode())],
+                    content=body,
+                    extensions={"timeout": {}},
+                )
             )
             media = dict(upstream.headers).get(b"content-type", b"").decode() or None
             if not stream:

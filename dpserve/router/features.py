@@ -57,32 +57,22 @@ class FeatureBuilder:
         headers: Mapping[str, str],
     ) -> RequestFeatures:
         """Load-only endpoints (embeddings, tokenize, ...) get no prompt features."""
-        if not self._needs or endpoint.prompt is None:
+        prompt = endpoint.prompt
+        if not self._needs or prompt is None:
             return RequestFeatures(endpoint.name, model, stream)
-        return await self._prompt_features(endpoint.name, endpoint.prompt, model, stream, payload, headers)
-
-    async def _prompt_features(
-        self,
-        name: str,
-        prompt: Prompt,
-        model: str,
-        stream: bool,
-        payload: dict[str, Any],
-        headers: Mapping[str, str],
-    ) -> RequestFeatures:
         if prompt is Prompt.RESPONSE:
             payload = response_as_chat(payload)
         # The tokenizers and the text index know two shapes: chat messages and completion prompts.
-        endpoint = "completions" if prompt is Prompt.COMPLETION else "chat"
+        shape = "completions" if prompt is Prompt.COMPLETION else "chat"
         prefix: PrefixMatch | None = None
         session_key: str | None = None
         if Need.SESSION in self._needs:
             session_key = headers.get(SESSION_HEADER) or _user(payload)
         if Need.KV_PREFIX in self._needs:
-            prefix = await self._kv_prefix(endpoint, model, payload)
+            prefix = await self._kv_prefix(shape, model, payload)
         elif Need.TEXT_PREFIX in self._needs:
-            prefix = self._text_prefix(endpoint, model, payload)
-        return RequestFeatures(name, model, stream, prefix, session_key)
+            prefix = self._text_prefix(shape, model, payload)
+        return RequestFeatures(endpoint.name, model, stream, prefix, session_key)
 
     def routed(self, features: RequestFeatures, replica_id: str) -> None:
         """Called once the policy chose: the approximate index learns where the text went."""

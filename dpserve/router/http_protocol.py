@@ -55,25 +55,21 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         """The request could not be parsed (a control character in a header, say): an OpenAI-style
         error, as every other refusal, instead of uvicorn's plain text."""
         message = "Malformed HTTP request: a request line or header the router cannot read."
-        body = OpenAIError(400, message, code="malformed_request").body()
-        head = (
-            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-        )
-        self.transport.write(head + body)
-        self.transport.close()
+        self._answer_and_close(b"400 Bad Request", OpenAIError(400, message, code="malformed_request"))
 
     def _refuse(self) -> None:
         self._refused = True
         if self.transport.is_closing():  # the parser already answered 400 and closed it
             return
         message = f"Request line and headers are over this router's limit of {self.max_head_bytes} bytes."
-        body = OpenAIError(431, message, code="headers_too_large").body()
-        head = (
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-        )
-        self.transport.write(head + body)
+        error = OpenAIError(431, message, code="headers_too_large")
+        self._answer_and_close(b"431 Request Header Fields Too Large", error)
+
+    def _answer_and_close(self, status: bytes, error: OpenAIError) -> None:
+        """An error for a request the app never sees, written straight to the connection, which then closes."""
+        body = error.body()
+        head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+        self.transport.write(head % (status, len(body)) + body)
         self.transport.close()
 
 
