@@ -31,6 +31,10 @@ import httptools
 
 READ_BUFFER_HIGH = 256 * 1024  # a stream read piecemeal: stop reading from the replica past this much unread
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+STALE_WINDOW_S = 1.0
+"""A reused connection that closes this soon after the request went out, before any byte of the answer,
+was closed by the replica's keep-alive timer as the request crossed it: the replica never began the
+request, so it is sent again on a fresh connection. Later, it is the replica failing the request."""
 # RFC 9110 field names are tokens; values are visible ASCII, obs-text, spaces and tabs (no CR, LF, NUL).
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
@@ -244,7 +248,7 @@ class UpstreamResponse:
         self._conn = conn
         self._loop = conn._loop
         self._deadlines = deadlines
-        now = self._loop.time()
+        now = self._sent_at = self._loop.time()
         self._write_deadline = now + deadlines.write_s
         self._deadline = now + deadlines.total_s
         self._max_bytes = max_bytes
@@ -305,7 +309,7 @@ class UpstreamResponse:
         if self._headers_in and not self._length_known and self.has_body:
             self._complete(keep_alive=False)  # a body delimited by the connection's end
             return
-        if self.bytes_in == 0 and self._conn.reused:
+        if self.bytes_in == 0 and self._conn.reused and self._loop.time() - self._sent_at < STALE_WINDOW_S:
             self._fail(StaleConnection("a reused connection was closed by the replica before it answered"))
             return
         self._fail(UpstreamError("the replica closed the connection before the answer was complete"))

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
+from dpserve.router import upstream
 from dpserve.router.upstream import (
     Address,
     Deadlines,
@@ -257,6 +258,24 @@ async def test_a_reused_connection_closed_as_the_request_arrives_is_retried_once
         assert await fetch(pool, address) == b"one"  # the second connection's first answer
         assert pool.stale_retries == 1
         assert len(connections) == 2
+        pool.close()
+
+
+async def test_a_reused_connection_dropped_while_the_replica_worked_is_its_failure_not_retried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(upstream, "STALE_WINDOW_S", 0.1)
+
+    async def work_then_drop(writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.3)  # the replica had the request: a crash, not a keep-alive race
+        writer.close()
+
+    async with serving(answers(ok(b"one"), work_then_drop)) as (address, connections):
+        pool = UpstreamPool(FAST)
+        assert await fetch(pool, address) == b"one"
+        with pytest.raises(UpstreamError):
+            await fetch(pool, address)
+        assert pool.stale_retries == 0 and len(connections) == 1
         pool.close()
 
 
