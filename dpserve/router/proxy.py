@@ -49,6 +49,16 @@ class RetryRules:
         return rng.uniform(0.5, 1.0) * min(self.backoff_cap_s, self.backoff_s * 2 ** (attempt - 1))
 
 
+@dataclass(frozen=True, slots=True)
+class Outbound:
+    """What goes to a replica: the method, the path (with any query string), the body and headers."""
+
+    method: str
+    path: str
+    body: bytes
+    headers: dict[str, str]
+
+
 @dataclass(slots=True)
 class Buffered:
     """A complete, non-streamed answer."""
@@ -178,16 +188,8 @@ class Dispatcher:
         self._sample_size = sample_size
         self._turn = 0
 
-    async def send(
-        self,
-        path: str,
-        features: RequestFeatures,
-        body: bytes,
-        headers: dict[str, str],
-        started: float,
-        method: str = "POST",
-    ) -> Buffered | Streaming:
-        """`path` may carry a query string; it goes to the replica as it is."""
+    async def send(self, features: RequestFeatures, request: Outbound, started: float) -> Buffered | Streaming:
+        """To the replica the policy chooses, retried on others before the first byte."""
         tried: list[str] = []
         last_failure: Buffered | None = None
         retries = self._retry.retries
@@ -206,7 +208,7 @@ class Dispatcher:
             tried.append(replica_id)
             is_last = attempt == retries
             try:
-                outcome = await self._attempt(replica_id, method, path, features, body, headers, started)
+                outcome = await self._attempt(replica_id, features, request, started)
             except RETRYABLE as exc:
                 reason = type(exc).__name__
                 # Nothing listening there ejects at once; a dropped or slow connection counts towards it.
@@ -234,14 +236,7 @@ class Dispatcher:
         )
 
     async def send_to(
-        self,
-        replica_id: str,
-        method: str,
-        path: str,
-        features: RequestFeatures,
-        body: bytes,
-        headers: dict[str, str],
-        started: float,
+        self, replica_id: str, features: RequestFeatures, request: Outbound, started: float
     ) -> Buffered | Streaming:
         """To one replica, chosen by what it holds (a stored response), not by a policy: no retry
         elsewhere, and a draining replica still answers for what it holds."""
@@ -249,7 +244,7 @@ class Dispatcher:
         if replica is None or not replica.healthy:
             raise no_replica(f"The replica holding this ({replica_id}) is not available right now.")
         try:
-            outcome = await self._attempt(replica_id, method, path, features, body, headers, started)
+            outcome = await self._attempt(replica_id, features, request, started)
         except RETRYABLE as exc:
             refused = isinstance(exc, UpstreamConnectError)
             self._registry.observe(replica_id, Outcome.REFUSED if refused else Outcome.FAILED, type(exc).__name__)
@@ -330,14 +325,7 @@ class Dispatcher:
         return found
 
     async def _attempt(
-        self,
-        replica_id: str,
-        method: str,
-        path: str,
-        features: RequestFeatures,
-        body: bytes,
-        headers: dict[str, str],
-        started: float,
+        self, replica_id: str, features: RequestFeatures, request: Outbound, started: float
     ) -> Buffered | Streaming:
         registry = self._registry
         address = self._address(registry.get(replica_id).url)
@@ -345,7 +333,7 @@ class Dispatcher:
         handed_over = False
         resp: UpstreamResponse | None = None
         try:
-            resp = await self._upstream.request(address, method, path, body, headers)
+            resp = await self._upstream.request(address, request.method, request.path, request.body, request.headers)
             content_type = resp.content_type
             stream = features.stream and resp.status == 200
             if not stream:

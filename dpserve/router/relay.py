@@ -27,7 +27,7 @@ from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.endpoints import RESPONSE_BY_ID, RESPONSES, VERSION, BodyKind, Endpoint
 from dpserve.router.errors import OpenAIError, bad_request, model_not_found, no_replica, upstream_error_body
 from dpserve.router.features import SESSION_HEADER
-from dpserve.router.proxy import Buffered, Streaming
+from dpserve.router.proxy import Buffered, Outbound, Streaming
 from dpserve.router.request_body import parse_body, parse_form, read_limited, request_schema, with_model
 from dpserve.router.stored_responses import id_of_answer, id_of_stream
 from dpserve.router.upstream import InvalidHeader, check_header
@@ -95,9 +95,7 @@ class _Prepared:
     """A request ready for a replica."""
 
     features: RequestFeatures
-    path: str
-    body: bytes
-    headers: dict[str, str]
+    request: Outbound
     response_id: str | None = None
     """The stored response it must reach (by id, or `previous_response_id`), None for any replica."""
 
@@ -180,7 +178,7 @@ class _Exchange:
             stream = endpoint.method == "GET" and b"stream=true" in self.scope.get("query_string", b"")
             features = RequestFeatures(endpoint.name, "", stream)
             response_id = path_response_id(endpoint)
-            return _Prepared(features, path, b"", upstream_headers, response_id)
+            return _Prepared(features, Outbound(endpoint.method, path, b"", upstream_headers), response_id)
         raw = await read_limited(headers, _body_chunks(self.receive), state.settings.max_body_bytes)
         if endpoint.body is BodyKind.FORM:
             content_type = headers.get("content-type")
@@ -199,7 +197,7 @@ class _Exchange:
         body = with_model(parsed, model) if endpoint.body is BodyKind.JSON else raw
         previous = parsed.payload.get("previous_response_id") if endpoint is RESPONSES else None
         response_id = previous if isinstance(previous, str) and previous else None
-        return _Prepared(features, path, body, upstream_headers, response_id)
+        return _Prepared(features, Outbound(endpoint.method, path, body, upstream_headers), response_id)
 
     def _echoed_id(self) -> str:
         """The request id to answer a refusal with: a new one when the client's own was refused."""
@@ -212,24 +210,24 @@ class _Exchange:
         state, endpoint = self.state, self.endpoint
         dispatcher = state.dispatcher
         assert dispatcher is not None, "the lifespan has not started"
-        features, path, body, headers = prepared.features, prepared.path, prepared.body, prepared.headers
+        features, request = prepared.features, prepared.request
         if endpoint is VERSION:
             # The same release everywhere (the engine is pinned): any healthy replica answers.
             healthy = [replica for replica in state.registry.healthy() if not replica.draining]
             if not healthy:
                 raise no_replica("No healthy replica to ask right now.")
             least = min(healthy, key=lambda replica: replica.in_flight)
-            return await dispatcher.send_to(least.id, "GET", path, features, body, headers, self.started)
+            return await dispatcher.send_to(least.id, features, request, self.started)
         response_id = prepared.response_id
         if response_id is None:
-            return await dispatcher.send(path, features, body, headers, self.started, endpoint.method)
+            return await dispatcher.send(features, request, self.started)
         owner = state.response_owners.get(response_id)
         if owner is None or owner not in state.registry:  # unseen, or its replica was removed since
             owner = await self._find_owner(response_id)
         if owner is None:
             if endpoint is RESPONSES:
                 # Continuing a response no replica holds: any replica gives vLLM's own 404 for it.
-                return await dispatcher.send(path, features, body, headers, self.started, endpoint.method)
+                return await dispatcher.send(features, request, self.started)
             raise OpenAIError(
                 404,
                 f"No stored response `{response_id}` on any replica.",
@@ -237,19 +235,17 @@ class _Exchange:
                 param="response_id",
                 code="response_not_found",
             )
-        return await dispatcher.send_to(owner, endpoint.method, path, features, body, headers, self.started)
+        return await dispatcher.send_to(owner, features, request, self.started)
 
     async def _find_owner(self, response_id: str) -> str | None:
         """Asks each healthy replica for the response (made before a restart, or through another router)."""
         state = self.state
         features = RequestFeatures("responses_find", "", False)
-        headers = {REQUEST_ID_HEADER: self.request_id}
+        request = Outbound("GET", f"{RESPONSE_BY_ID}{response_id}", b"", {REQUEST_ID_HEADER: self.request_id})
         assert state.dispatcher is not None, "the lifespan has not started"
         for replica in state.registry.healthy():
             try:
-                outcome = await state.dispatcher.send_to(
-                    replica.id, "GET", f"{RESPONSE_BY_ID}{response_id}", features, b"", headers, self.started
-                )
+                outcome = await state.dispatcher.send_to(replica.id, features, request, self.started)
             except OpenAIError:
                 continue
             assert isinstance(outcome, Buffered)
