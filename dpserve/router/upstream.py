@@ -38,8 +38,6 @@ request, so it is sent again on a fresh connection. Later, it is the replica fai
 # RFC 9110 field names are tokens; values are visible ASCII, obs-text, spaces and tabs (no CR, LF, NUL).
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
-_KEPT_HEADERS = frozenset({b"content-type", b"retry-after"})
-"""The only headers of an answer the router relays; hop-by-hop and the replica's own bookkeeping stay."""
 
 
 class UpstreamError(ConnectionError):
@@ -119,14 +117,18 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.write_paused = False
         self._response: UpstreamResponse | None = None
-        self._headers: list[tuple[bytes, bytes]] = []
         self._interim = False  # parsing a 1xx answer, which is skipped
         self._final_seen = False  # this exchange's final answer has begun: any further message is an error
         self._final_done = False
+        self._poller: select.poll | None = None
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # registered once: the check before each reuse is then one poll(2)
+            self._poller = select.poll()
+            self._poller.register(sock.fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
         response = self._response
@@ -168,21 +170,22 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self._final_seen:
             raise UpstreamProtocolError("a second answer within one exchange")
-        self._headers = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._final_seen or self._interim:
-            self._headers.append((name, value))
+        if not self._final_seen:
+            assert self._response is not None
+            self._response._header(name, value)
         # else: a trailer of a chunked body; nothing the router relays
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
+        assert self._response is not None
         if 100 <= status < 200 and status != 101:
             self._interim = True  # 100 Continue, 103 Early Hints: the final answer follows
+            self._response._forget_head()
             return
         self._final_seen = True
-        assert self._response is not None
-        self._response._headers_done(status, self._headers)
+        self._response._headers_done(status)
 
     def on_body(self, body: bytes) -> None:
         assert self._response is not None
@@ -209,15 +212,12 @@ class _Connection(asyncio.Protocol):
     def readable_while_idle(self) -> bool:
         """An idle keep-alive socket with something to read holds the replica's close (EOF) or garbage:
         either way it must not carry a request. One poll, no read (as httpcore checks before reuse)."""
-        transport = self.transport
-        sock = transport.get_extra_info("socket") if transport is not None else None
-        if sock is None:
+        if self._poller is None:
             return False
         try:
-            readable, _, _ = select.select([sock.fileno()], [], [], 0)
-        except (OSError, ValueError):
+            return bool(self._poller.poll(0))
+        except OSError:
             return True
-        return bool(readable)
 
     def pause(self) -> None:
         if self.transport is not None and not self.closed:
@@ -270,18 +270,24 @@ class UpstreamResponse:
         self._settled = False
 
     # -- fed by the connection
-    def _headers_done(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def _header(self, name: bytes, value: bytes) -> None:
+        lowered = name.lower()
+        if lowered == b"content-type":
+            self.content_type = value.decode("latin-1").strip()
+        elif lowered == b"retry-after":
+            self.retry_after = value.decode("latin-1").strip()
+        elif lowered in (b"content-length", b"transfer-encoding"):
+            self._length_known = True
+        # Any other header of the replica's stays here: hop-by-hop ones and its own bookkeeping.
+
+    def _forget_head(self) -> None:
+        """What a 1xx answer said is not the final answer's."""
+        self.content_type = "application/json"
+        self.retry_after = None
+        self._length_known = False
+
+    def _headers_done(self, status: int) -> None:
         self.status = status
-        for name, value in headers:
-            lowered = name.lower()
-            if lowered in _KEPT_HEADERS:
-                text = value.decode("latin-1").strip()
-                if lowered == b"content-type":
-                    self.content_type = text
-                else:
-                    self.retry_after = text
-            elif lowered in (b"content-length", b"transfer-encoding"):
-                self._length_known = True
         self.has_body = status not in (204, 304)
         self._headers_in = True
         self._wake()
@@ -520,8 +526,12 @@ class UpstreamPool:
 
 def check_header(name: str, value: str) -> None:
     """InvalidHeader unless `name: value` is a valid HTTP/1.1 field (RFC 9110 token and field value)."""
-    if not _TOKEN.fullmatch(name.encode("latin-1", "replace")):
+    # The common cases first, checked in C: a name of letters, digits and dashes; a printable ASCII value.
+    plain_name = name.isascii() and name.replace("-", "").isalnum()
+    if not plain_name and not _TOKEN.fullmatch(name.encode("latin-1", "replace")):
         raise InvalidHeader(f"invalid header name {name!r}")
+    if value.isascii() and value.isprintable():
+        return
     try:
         raw = value.encode("latin-1")
     except UnicodeEncodeError:

@@ -131,9 +131,18 @@ async def test_an_answer_over_the_bound_is_refused_and_its_connection_dropped() 
 
 
 async def test_1xx_answers_are_skipped_and_the_connection_stays_usable() -> None:
-    early = b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n"
-    cont = b"HTTP/1.1 100 Continue\r\n\r\n"
-    async with serving(answers(early + cont + ok(b"first"), ok(b"second"))) as (address, connections):
+    async def hints_then_answer(writer: asyncio.StreamWriter) -> None:
+        # Each interim answer on its own, as a server sends them while it works: none is the final one.
+        for interim in (
+            b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n",
+            b"HTTP/1.1 100 Continue\r\n\r\n",
+        ):
+            writer.write(interim)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(ok(b"first"))
+
+    async with serving(answers(hints_then_answer, ok(b"second"))) as (address, connections):
         pool = UpstreamPool(FAST)
         response = await pool.post(address, "/", b"", {})
         assert response.status == 200
