@@ -112,8 +112,10 @@ class _Exchange:
         self.send = send
         self.started = time.perf_counter()
         self.headers = read_headers(scope["headers"])
-        self.ids = ids
-        self.request_id = self.headers.get(REQUEST_ID_HEADER) or ids.next()
+        client_id = self.headers.get(REQUEST_ID_HEADER)
+        self.refused_id = request_id_error(client_id) if client_id else None
+        """Why the client's own request id cannot be used; it is then answered under a fresh one."""
+        self.request_id = client_id if client_id and self.refused_id is None else ids.next()
         self.response_started = False
         self.answered = False
         """The last message is on its way: from then on uvicorn reports the end of the exchange as a
@@ -127,7 +129,7 @@ class _Exchange:
                 prepared = await self._prepare()
             except OpenAIError as err:
                 self._count_refusal(err)
-                await _send_error(self.send, err, self._echoed_id())
+                await _send_error(self.send, err, self.request_id)
                 return
             except ClientGone:
                 self._count_client_gone("none")
@@ -167,7 +169,8 @@ class _Exchange:
     async def _prepare(self) -> _Prepared:
         """Reads and checks the request; OpenAIError (4xx) for anything the router will not send on."""
         state, endpoint, headers = self.state, self.endpoint, self.headers
-        check_request_id(self.request_id)
+        if self.refused_id is not None:
+            raise self.refused_id
         upstream_headers = {"content-type": "application/json", REQUEST_ID_HEADER: self.request_id}
         path = upstream_path(self.scope)
         if endpoint.body is BodyKind.NONE:
@@ -197,13 +200,6 @@ class _Exchange:
         previous = parsed.payload.get("previous_response_id") if endpoint is RESPONSES else None
         response_id = previous if isinstance(previous, str) and previous else None
         return _Prepared(features, Outbound(endpoint.method, path, body, upstream_headers), response_id)
-
-    def _echoed_id(self) -> str:
-        """The request id to answer a refusal with: a new one when the client's own was refused."""
-        request_id = self.request_id
-        if len(request_id) <= MAX_REQUEST_ID_CHARS and visible_ascii(request_id):
-            return request_id
-        return self.ids.next()
 
     async def _dispatch(self, prepared: _Prepared) -> Buffered | Streaming:
         state, endpoint = self.state, self.endpoint
@@ -350,12 +346,14 @@ class RequestIds:
         return f"{self._prefix}{next(self._count):016x}"
 
 
-def check_request_id(request_id: str) -> None:
-    """A client's `x-request-id` goes to the replica and into logs: bounded, and a valid header value."""
+def request_id_error(request_id: str) -> OpenAIError | None:
+    """Why a client's `x-request-id` cannot be used (it goes to the replica and into logs: bounded, and a
+    valid header value), or None."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise bad_request(f"`x-request-id` is longer than {MAX_REQUEST_ID_CHARS} characters.", param=REQUEST_ID_HEADER)
+        return bad_request(f"`x-request-id` is longer than {MAX_REQUEST_ID_CHARS} characters.", param=REQUEST_ID_HEADER)
     if not visible_ascii(request_id):
-        raise bad_request("`x-request-id` may hold only visible ASCII characters.", param=REQUEST_ID_HEADER)
+        return bad_request("`x-request-id` may hold only visible ASCII characters.", param=REQUEST_ID_HEADER)
+    return None
 
 
 def visible_ascii(text: str) -> bool:

@@ -150,7 +150,6 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._wake_writer()
         response = self._response
         if response is not None:
             response._connection_lost()
