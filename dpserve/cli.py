@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     if args.command == "model":
-        from dpserve.models.tiny import build_tiny_model
+        from dpserve.tiny_model import build_tiny_model
 
         print(build_tiny_model(args.dir, seed=args.seed))
         return 0
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides["vllm_args"] = tuple(vllm_args)
     settings = Settings.load(overrides)
-    from dpserve.replicas.launcher import run_launcher
+    from dpserve.up.launcher import run_launcher
 
     return run_launcher(settings)
 

@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 from starlette.types import ASGIApp
 
-from dpserve.replicas.launcher import busy_ports
+from dpserve.up.launcher import busy_ports
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -40,7 +40,7 @@ import psutil
 
 from dpserve.bench.loadgen import python_command, run_all, write_wrk_script, wrk_command
 from dpserve.bench.processes import port_block, progress, sigterm_unwinds, spawn, stop_all, wait_ok
-from dpserve.replicas.process import log_tail, terminate
+from dpserve.up.process import log_tail, terminate
 
 HOST = "127.0.0.1"  # loopback only
 PATH = "/v1/completions"

@@ -43,8 +43,8 @@ from dpserve.bench.policy_workloads import (
 from dpserve.bench.processes import UpPorts, get_text, port_block, progress, spawn, start_up, wait_ok
 from dpserve.bench.stats import percentile
 from dpserve.kvindex.index import block_keys
-from dpserve.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
-from dpserve.replicas.process import terminate
+from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+from dpserve.up.process import terminate
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.router.prompt_tokens import LocalTokenizer, RemoteTokenizer
 

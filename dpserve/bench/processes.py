@@ -18,8 +18,8 @@ from types import FrameType
 
 import aiohttp
 
-from dpserve.replicas.launcher import busy_ports
-from dpserve.replicas.process import terminate
+from dpserve.up.launcher import busy_ports
+from dpserve.up.process import terminate
 
 
 def port_block(count: int, rng: random.Random) -> int:

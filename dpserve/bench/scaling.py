@@ -35,7 +35,7 @@ import orjson
 import psutil
 
 from dpserve.bench.processes import UpPorts, progress, spawn, start_up
-from dpserve.replicas.process import terminate
+from dpserve.up.process import terminate
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
 POST = "POST"

@@ -14,7 +14,7 @@ from typing import Any
 
 from dpserve.config import Settings
 from dpserve.deploy.yaml_text import Reset, dump
-from dpserve.replicas.plan import VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
+from dpserve.up.plan import VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
 from dpserve.replicas.registry import replica_ids
 
 DEFAULT_GPUS = 2

@@ -11,7 +11,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from dpserve.config import Settings
-from dpserve.models.tiny import TINY_MODEL_NAME
+from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.sim.api import SimApi, SimModel
 from dpserve.sim.cache import PrefixCache
 from dpserve.sim.engine import LatencyModel, SimEngine

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from dpserve.models.tiny import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, train_tokenizer
+from dpserve.tiny_model import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, train_tokenizer
 
 TOKENIZER_KINDS = ("tiny", "fast")
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dpserve.replicas.process import terminate
+from dpserve.up.process import terminate
 from tests.conftest import free_port, free_port_range
 
 FLEET_START_TIMEOUT_S = 600

@@ -7,7 +7,7 @@ import time
 import openai
 import pytest
 
-from dpserve.models.tiny import TINY_MODEL_NAME
+from dpserve.tiny_model import TINY_MODEL_NAME
 from tests.integration.conftest import Fleet
 
 pytestmark = pytest.mark.integration

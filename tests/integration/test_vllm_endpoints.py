@@ -12,7 +12,7 @@ import openai
 import orjson
 import pytest
 
-from dpserve.models.tiny import TINY_MODEL_NAME
+from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.router.endpoints import PROXIED_ENDPOINTS, RESPONSE_BY_ID
 from dpserve.router.engine_ops import ENGINE_OPS, ROUTER_OWN
 from tests.integration.conftest import Fleet, RouterFactory

@@ -9,8 +9,8 @@ import pytest
 
 from dpserve.cli import build_parser
 from dpserve.config import Settings
-from dpserve.replicas.launcher import busy_ports
-from dpserve.replicas.plan import PlanError, plan_replicas, plan_sims, router_argv, router_env, split_cores
+from dpserve.up.launcher import busy_ports
+from dpserve.up.plan import PlanError, plan_replicas, plan_sims, router_argv, router_env, split_cores
 
 
 def test_split_cores_disjoint_and_covering() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import psutil
 
-from dpserve.replicas.process import BACKOFF_MAX_S, ManagedProcess, next_backoff
+from dpserve.up.process import BACKOFF_MAX_S, ManagedProcess, next_backoff
 
 # A parent that spawns a child and sleeps: stands in for vLLM's API server and its engine core.
 PARENT_WITH_CHILD = (

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dpserve.models import tiny
+from dpserve import tiny_model as tiny
 from dpserve.router.prompt_tokens import (
     THREAD_MIN_CHARS,
     LocalTokenizer,

@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from dpserve.models import tiny
+from dpserve import tiny_model as tiny
 
 
 @pytest.fixture(scope="module")

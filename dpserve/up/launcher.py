@@ -18,7 +18,7 @@ import aiohttp
 
 from dpserve.config import Settings
 from dpserve.gpu.nvml import count_nvidia_gpus
-from dpserve.replicas.plan import (
+from dpserve.up.plan import (
     PlanError,
     ReplicaPlan,
     events_known,
@@ -27,7 +27,7 @@ from dpserve.replicas.plan import (
     router_argv,
     router_env,
 )
-from dpserve.replicas.process import ManagedProcess, log_tail
+from dpserve.up.process import ManagedProcess, log_tail
 from dpserve.router.access import check_bind, load_keys
 
 log = logging.getLogger("dpserve.up")
@@ -198,7 +198,7 @@ def busy_ports(ports: Iterable[int], host: str = "127.0.0.1") -> list[int]:
 def _resolve_model(settings: Settings) -> tuple[str, str | None]:
     if settings.model:
         return settings.model, settings.served_model_name
-    from dpserve.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
+    from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 
     print(f"dpserve: no --model given; using the built-in tiny model (cache: {settings.cache_dir})", flush=True)
     path = ensure_tiny_model(settings.cache_dir)
@@ -208,7 +208,7 @@ def _resolve_model(settings: Settings) -> tuple[str, str | None]:
 def _plan(settings: Settings) -> tuple[list[ReplicaPlan], str | None]:
     """The replicas to start, and the model directory whose tokenizer the router can load (if any)."""
     if settings.sim_replicas:
-        from dpserve.models.tiny import TINY_MODEL_NAME
+        from dpserve.tiny_model import TINY_MODEL_NAME
 
         return plan_sims(settings, settings.served_model_name or settings.model or TINY_MODEL_NAME), None
     gpus, why_none = count_nvidia_gpus()
