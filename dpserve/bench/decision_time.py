@@ -26,12 +26,10 @@ from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, TextPrefixIndex, text_keys
 from dpserve.policies import POLICY_NAMES, PrefixMatch, PrefixSource, RequestFeatures, make_policy
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.admission import Admission
-from dpserve.router.app import policy_tuning
-from dpserve.router.features import FeatureBuilder
+from dpserve.router.app import admission_for, policy_tuning, selector_for
 from dpserve.router.metrics import RouterMetrics
-from dpserve.router.proxy import Dispatcher, RetryRules
-from dpserve.router.upstream import UpstreamPool
+from dpserve.router.prefix_lookup import PrefixLookup
+from dpserve.router.selection import Selector
 
 MODEL = "dpserve-tiny"
 BLOCK_SIZE = 16
@@ -91,7 +89,7 @@ def _text(prompt: list[int]) -> str:
     return " ".join(str(token) for token in prompt)
 
 
-def _dispatcher(policy_name: str, count: int, seed: int) -> tuple[Dispatcher, list[RequestFeatures]]:
+def _selector(policy_name: str, count: int, seed: int) -> tuple[Selector, list[RequestFeatures]]:
     rng = random.Random(seed)
     settings = Settings()
     registry = _fleet(count, rng)
@@ -109,39 +107,28 @@ def _dispatcher(policy_name: str, count: int, seed: int) -> tuple[Dispatcher, li
                 kv_index.store(holder, BlockStored(hashes, None, tuple(prompt), BLOCK_SIZE))
             if text_index is not None:
                 text_index.record(text_keys(f"{MODEL}\0{_text(prompt)}"), holder)
-    features = FeatureBuilder(policy, registry, metrics, kv_index, text_index, None, recent)
-    dispatcher = Dispatcher(
-        registry,
-        policy,
-        UpstreamPool(),  # never used: only the decision runs
-        metrics,
-        RetryRules(),
-        Admission(settings.max_in_flight, settings.queue_size, settings.queue_timeout_s),
-        rng=random.Random(seed),
-        at_decision=features.at_decision,
-        likely_best=features.likely_best,
-        sample_size=settings.route_sample,
-    )
-    return dispatcher, [_features(policy_name, prompts, i) for i in range(PROMPTS * 2)]
+    prefixes = PrefixLookup(metrics, kv_index, text_index, recent)
+    selector = selector_for(settings, registry, policy, admission_for(settings), metrics, prefixes, random.Random(seed))
+    return selector, [_features(policy_name, prompts, i) for i in range(PROMPTS * 2)]
 
 
 def time_policy(policy_name: str, counts: Sequence[int], decisions: int, repeats: int) -> dict[int, float]:
     """Seconds per decision at each fleet size: the best of `repeats` rounds, the sizes interleaved in
     every round (so a noisy moment on the machine hits them alike), with the garbage collector paused as
     timeit does: the least disturbed run is the best estimate of the code's own cost."""
-    fleets = {count: _dispatcher(policy_name, count, seed=count) for count in counts}
-    for dispatcher, requests in fleets.values():
+    fleets = {count: _selector(policy_name, count, seed=count) for count in counts}
+    for selector, requests in fleets.values():
         for request in requests:  # warm caches (the registry's views, the session rings)
-            dispatcher.decide(request)
+            selector.decide(request)
     best = dict.fromkeys(counts, float("inf"))
     collecting = gc.isenabled()
     gc.disable()
     try:
         for _ in range(repeats):
-            for count, (dispatcher, requests) in fleets.items():
+            for count, (selector, requests) in fleets.items():
                 started = time.perf_counter()
                 for i in range(decisions):
-                    if dispatcher.decide(requests[i % len(requests)]) is None:
+                    if selector.decide(requests[i % len(requests)]) is None:
                         raise RuntimeError("no decision: every replica was full")
                 best[count] = min(best[count], (time.perf_counter() - started) / decisions)
     finally:

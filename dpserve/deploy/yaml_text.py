@@ -18,7 +18,7 @@ class Reset:
 _FLOW_WIDTH = 60
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML ships no types
     def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
         # Lists indented under their key, as Compose files are usually written.
         super().increase_indent(flow, False)
@@ -48,7 +48,7 @@ _Dumper.add_representer(list, _represent_list)
 _Dumper.add_representer(Reset, _represent_reset)
 
 
-class ComposeLoader(yaml.SafeLoader):
+class ComposeLoader(yaml.SafeLoader):  # type: ignore[misc]
     """Reads what `dump` writes, `!reset` included."""
 
 
@@ -56,7 +56,7 @@ ComposeLoader.add_constructor("!reset", lambda loader, node: Reset())
 
 
 def dump(document: dict[str, Any], header: str = "") -> str:
-    body = yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
+    body: str = yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
     comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
     return comments + body
 

@@ -42,7 +42,8 @@ def load_nvml() -> Nvml:
     """The real library. Raises ImportError when nvidia-ml-py is not installed."""
     import pynvml
 
-    return pynvml  # type: ignore[return-value]
+    nvml: Nvml = pynvml  # the module is the library: it has every function the protocol names
+    return nvml
 
 
 class NvmlUnavailable(RuntimeError):

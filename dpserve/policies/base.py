@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -50,9 +51,9 @@ class RequestFeatures:
     """Filled only for policies that use it (see `Policy.needs`)."""
     session_key: str | None = None
     """`x-session-id` header, else the body's `user`; filled only for policies that use it."""
-    session_owners: tuple[str, ...] = ()
-    """The session key's first replicas in ring order over the whole fleet, filled when the policy
-    chooses among a sample of a larger fleet (the ring cannot be read off a sample)."""
+    preferred: tuple[str, ...] = ()
+    """What the policy itself prefers over the whole fleet (`Policy.preferred`), filled when it chooses
+    among a sample of a larger fleet (a session's ring cannot be read off a sample)."""
 
 
 class ReplicaView(Protocol):
@@ -135,6 +136,9 @@ class Need(enum.Enum):
 
 
 class Policy(Protocol):
+    """What the router asks of a policy. Policies subclass it for the hooks' defaults; the router never
+    looks at which policy it holds, only at these."""
+
     name: str
     needs: frozenset[Need]
     """Which request features the router must compute for this policy (the rest stay empty)."""
@@ -144,6 +148,19 @@ class Policy(Protocol):
     def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
         """Pick one of `candidates` (never empty, all healthy and serving the model)."""
         ...
+
+    def preferred(self, features: RequestFeatures, fleet: tuple[str, ...]) -> tuple[str, ...]:
+        """Replicas of the whole fleet (ids, sorted) this request should go to if they can take it, best
+        first. When the router samples a large fleet they join the sample and reach `choose` as
+        `features.preferred`; with `Sampling.TURN` they are the whole sample. None by default."""
+        return ()
+
+
+def pick_least_loaded(candidates: Sequence[ReplicaView], rng: random.Random) -> ReplicaView:
+    """The least loaded candidate (see `least_loaded_of`), ties at random: "always the first" piles every
+    burst onto replica 0 (a known failure of peer routers)."""
+    tied = least_loaded_of(candidates)
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 def least_loaded_of(candidates: Sequence[ReplicaView]) -> list[ReplicaView]:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dpserve.policies.balance import BalanceGuard
-from dpserve.policies.base import Decision, Need, ReplicaView, RequestFeatures, Sampling
+from dpserve.policies.base import Decision, Need, Policy, ReplicaView, RequestFeatures, Sampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +48,7 @@ class KvAwareWeights:
     temperature: float = 0.0
 
 
-class KvAware:
+class KvAware(Policy):
     name = "kv_aware"
     needs = frozenset({Need.KV_PREFIX})
     sampling = Sampling.WINDOW

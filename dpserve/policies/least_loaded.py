@@ -5,20 +5,17 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from dpserve.policies.base import Decision, ReplicaView, RequestFeatures, Sampling, least_loaded_of
+from dpserve.policies.base import Decision, Need, Policy, ReplicaView, RequestFeatures, Sampling, pick_least_loaded
 
 
-class LeastLoaded:
+class LeastLoaded(Policy):
     name = "least_loaded"
-    needs = frozenset()
+    needs: frozenset[Need] = frozenset()
     sampling = Sampling.WINDOW
 
     def __init__(self, rng: random.Random | None = None) -> None:
-        # Random ties: "always the first" piles every burst onto replica 0 (a known peer failure).
         self._rng = rng or random.Random()
 
     def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
         # Among equal loads, the emptier KV cache goes first, then chance.
-        tied = least_loaded_of(candidates)
-        chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-        return Decision(chosen.id, "least_loaded")
+        return Decision(pick_least_loaded(candidates, self._rng).id, "least_loaded")

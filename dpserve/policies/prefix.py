@@ -10,10 +10,10 @@ import random
 from collections.abc import Sequence
 
 from dpserve.policies.balance import BalanceGuard
-from dpserve.policies.base import Decision, Need, ReplicaView, RequestFeatures, Sampling, least_loaded_of
+from dpserve.policies.base import Decision, Need, Policy, ReplicaView, RequestFeatures, Sampling, pick_least_loaded
 
 
-class PrefixAffinity:
+class PrefixAffinity(Policy):
     name = "prefix"
     needs = frozenset({Need.TEXT_PREFIX})
     sampling = Sampling.WINDOW
@@ -29,14 +29,10 @@ class PrefixAffinity:
     def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
         prefix = features.prefix
         if prefix is None or not prefix.total_blocks or prefix.best / prefix.total_blocks < self.min_match:
-            return Decision(self._least_loaded(candidates).id, "no_match")
+            return Decision(pick_least_loaded(candidates, self._rng).id, "no_match")
         allowed = self.guard.allowed(candidates)
         best_allowed = max(prefix.blocks(c.id) for c in allowed)
         if best_allowed / prefix.total_blocks < self.min_match:
-            return Decision(self._least_loaded(allowed).id, "balance")
+            return Decision(pick_least_loaded(allowed, self._rng).id, "balance")
         matching = [c for c in allowed if prefix.blocks(c.id) == best_allowed]
-        return Decision(self._least_loaded(matching).id, "cache_hit")
-
-    def _least_loaded(self, candidates: Sequence[ReplicaView]) -> ReplicaView:
-        tied = least_loaded_of(candidates)
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        return Decision(pick_least_loaded(matching, self._rng).id, "cache_hit")

@@ -8,7 +8,7 @@ instead of overloading one replica, and replicas joining or leaving move only th
 Requests without a key go to the least loaded replica.
 
 In a fleet larger than the router's sample, the router passes the key's first replicas on the ring of the
-whole fleet (`RequestFeatures.session_owners`, from `owners`) with a sample of the rest: the key keeps its
+whole fleet (`RequestFeatures.preferred`, from `preferred`) with a sample of the rest: the key keeps its
 replica, the load bound is judged against the sample's mean load, and the decision costs the same at 64
 replicas as at 8.
 """
@@ -23,7 +23,10 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from dpserve.policies.base import Decision, Need, ReplicaView, RequestFeatures, Sampling, least_loaded_of
+from dpserve.policies.base import Decision, Need, Policy, ReplicaView, RequestFeatures, Sampling, pick_least_loaded
+
+NEAR_OWNERS = 4
+"""A key's replicas, in ring order over the whole fleet, that a sampled decision considers before the least loaded."""
 
 
 def ring_hash(text: str) -> int:
@@ -49,7 +52,7 @@ class HashRing:
                 yield owner
 
 
-class SessionAffinity:
+class SessionAffinity(Policy):
     name = "session"
     needs = frozenset({Need.SESSION})
     sampling = Sampling.WINDOW
@@ -62,6 +65,19 @@ class SessionAffinity:
         self._rings: OrderedDict[tuple[str, ...], HashRing] = OrderedDict()
         self._last_ids: tuple[str, ...] = ()
         self._last_ring = HashRing((), virtual_nodes)
+        self._last_owners: tuple[str, tuple[str, ...], tuple[str, ...]] = ("", (), ())
+
+    def preferred(self, features: RequestFeatures, fleet: tuple[str, ...]) -> tuple[str, ...]:
+        """The key's first replicas on the ring of the whole fleet."""
+        key = features.session_key
+        if not key:
+            return ()
+        # Asked twice per sampled decision (to widen the sample, then to choose): the last answer is kept.
+        last_key, last_fleet, owners = self._last_owners
+        if key != last_key or fleet is not last_fleet:
+            owners = self.owners(key, fleet, NEAR_OWNERS)
+            self._last_owners = (key, fleet, owners)
+        return owners
 
     def owners(self, key: str, fleet: tuple[str, ...], limit: int) -> tuple[str, ...]:
         """The first `limit` distinct replicas from the key's place on the ring of `fleet` (sorted ids)."""
@@ -81,17 +97,16 @@ class SessionAffinity:
     def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
         key = features.session_key
         if not key:
-            tied = least_loaded_of(candidates)
-            return Decision((tied[0] if len(tied) == 1 else self._rng.choice(tied)).id, "no_key")
+            return Decision(pick_least_loaded(candidates, self._rng).id, "no_key")
         by_id = {c.id: c for c in candidates}
         capacity = math.ceil(self.load_factor * (sum(c.load for c in candidates) + 1) / len(candidates))
-        if features.session_owners:
-            for position, rid in enumerate(features.session_owners):
+        if features.preferred:
+            for position, rid in enumerate(features.preferred):
                 owner = by_id.get(rid)
                 if owner is not None and owner.load < capacity:
                     return Decision(rid, "session" if position == 0 else "overflow")
-            tied = least_loaded_of(candidates)  # every near owner is full, gone or tried
-            return Decision((tied[0] if len(tied) == 1 else self._rng.choice(tied)).id, "overflow")
+            # Every near owner is full, gone or tried.
+            return Decision(pick_least_loaded(candidates, self._rng).id, "overflow")
         first = None
         for position, rid in enumerate(self.ring(tuple(sorted(by_id))).walk(key)):
             first = first or rid

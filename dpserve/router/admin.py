@@ -114,14 +114,12 @@ def _text_field(payload: dict[str, Any], name: str) -> str | None:
     return value.strip()
 
 
-def add_admin_routes(
-    app: FastAPI, control: Callable[[], FleetControl], describe: Callable[[Replica], dict[str, Any]]
-) -> None:
-    """`control` gives the FleetControl the app's lifespan built; `describe` is /status's replica entry."""
+def add_admin_routes(app: FastAPI, control: FleetControl, describe: Callable[[Replica], dict[str, Any]]) -> None:
+    """Added as the app starts, with the fleet its lifespan built; `describe` is /status's replica entry."""
 
     @app.get("/admin/replicas")
     async def list_replicas() -> JSONResponse:
-        return JSONResponse({"replicas": [describe(r) for r in control().registry]})
+        return JSONResponse({"replicas": [describe(r) for r in control.registry]})
 
     @app.post("/admin/replicas")
     async def add_replica(request: Request) -> JSONResponse:
@@ -135,37 +133,36 @@ def add_admin_routes(
         unknown = set(payload) - {"url", "gpu", "kv_events"}
         if unknown:
             raise bad_request(f"Unknown field(s): {', '.join(sorted(unknown))}.")
-        replica = await control().add(
+        replica = await control.add(
             payload["url"].strip().rstrip("/"), _text_field(payload, "gpu"), _text_field(payload, "kv_events")
         )
         return JSONResponse(describe(replica), status_code=201)
 
     @app.post("/admin/replicas/{replica_id}/drain")
     async def drain_replica(replica_id: str) -> JSONResponse:
-        return JSONResponse(describe(control().drain(replica_id, True)))
+        return JSONResponse(describe(control.drain(replica_id, True)))
 
     @app.post("/admin/replicas/{replica_id}/resume")
     async def resume_replica(replica_id: str) -> JSONResponse:
-        return JSONResponse(describe(control().drain(replica_id, False)))
+        return JSONResponse(describe(control.drain(replica_id, False)))
 
     @app.delete("/admin/replicas/{replica_id}")
     async def remove_replica(replica_id: str) -> JSONResponse:
-        replica = await control().remove(replica_id)
+        replica = await control.remove(replica_id)
         return JSONResponse({**describe(replica), "removed": True})
 
     async def engine(request: Request, replicas: list[Replica], op_name: str) -> JSONResponse:
         op = engine_op(op_name, request.method)
         body = await read_limited(request.headers, request.stream(), ADMIN_BODY_LIMIT)
         query = request.url.query
-        answers = await call_engine(control().session, replicas, op, query, body, ENGINE_OP_TIMEOUT_S)
+        answers = await call_engine(control.session, replicas, op, query, body, ENGINE_OP_TIMEOUT_S)
         return JSONResponse({"operation": op_name, "replicas": answers})
 
     async def engine_on_one(request: Request, replica_id: str, op: str) -> JSONResponse:
-        fleet = control()
-        return await engine(request, [fleet.registry.get(fleet.known(replica_id))], op)
+        return await engine(request, [control.registry.get(control.known(replica_id))], op)
 
     async def engine_on_all(request: Request, op: str) -> JSONResponse:
-        replicas = [replica for replica in control().registry if replica.healthy]
+        replicas = [replica for replica in control.registry if replica.healthy]
         if not replicas:
             raise OpenAIError(503, "No healthy replica to run it on.", type="service_unavailable")
         return await engine(request, replicas, op)

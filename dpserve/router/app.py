@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import random
 import time
@@ -20,7 +19,6 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dpserve.config import Settings
 from dpserve.disconnect import ClientGone
@@ -42,60 +40,39 @@ from dpserve.router.access import Guard, Keys, load_keys
 from dpserve.router.admin import FleetControl, add_admin_routes
 from dpserve.router.admission import Admission
 from dpserve.router.dashboard import dashboard_html
+from dpserve.router.dispatch import Dispatcher, OpenStreams, RetryRules
 from dpserve.router.endpoints import PROXIED_ENDPOINTS
-from dpserve.router.errors import (
-    OpenAIError,
-    bad_request,
-    status_type,
-)
+from dpserve.router.errors import CLIENT_CLOSED, OpenAIError, bad_request, status_type
 from dpserve.router.features import FeatureBuilder
 from dpserve.router.gpu_metrics import GpuCollector
 from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
+from dpserve.router.prefix_lookup import PrefixLookup
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
-from dpserve.router.proxy import Dispatcher, RetryRules, Streaming
-from dpserve.router.relay import CLIENT_CLOSED, ProxiedEndpoints, proxied_openapi_paths
+from dpserve.router.proxied_endpoints import ProxiedEndpoints, Relaying, proxied_openapi_paths
+from dpserve.router.proxied_paths import HotPath, ProxiedPaths
+from dpserve.router.selection import Selector
+from dpserve.router.shutdown import Shutdown
 from dpserve.router.stored_responses import ResponseOwners
-from dpserve.router.upstream import Deadlines, UpstreamPool
+from dpserve.router.upstream_client import Deadlines, UpstreamPool
 
 log = logging.getLogger("dpserve.router")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RouterState:
-    settings: Settings
+    """What the status page, metrics and admin API read, complete when `create_app` returns."""
+
     registry: ReplicaRegistry
     policy: Policy
     metrics: RouterMetrics
-    admission: Admission
-    dispatcher: Dispatcher | None = None
-    features: FeatureBuilder | None = None
-    kv_index: KvIndex | None = None
-    subscribers: list[KvEventSubscriber] = dataclasses.field(default_factory=list)
-    fleet: FleetControl | None = None
-    gpus: GpuSampler | None = None
-    started_at: float = 0.0
-    response_owners: ResponseOwners = dataclasses.field(default_factory=ResponseOwners)
-    """Which replica stored which response (`/v1/responses`)."""
-    streams: set[Streaming] = dataclasses.field(default_factory=set)
-    """Streams being relayed, so a shutdown past its grace period can end each one properly."""
-    draining: bool = False
-    loop: asyncio.AbstractEventLoop | None = None
-
-    def begin_drain(self, grace_s: float) -> None:
-        """Called from the SIGTERM handler (any thread): /ready turns 503 at once, and streams still
-        open shortly before the grace period ends get an error event and [DONE] instead of a cut."""
-        self.draining = True
-        loop = self.loop
-        if loop is None:
-            return
-        cut_after = max(0.0, grace_s - min(1.0, grace_s / 2))
-        loop.call_soon_threadsafe(loop.call_later, cut_after, self._cut_streams)
-
-    def _cut_streams(self) -> None:
-        if self.streams:
-            log.warning("shutdown grace period ending: cutting %d stream(s) in flight", len(self.streams))
-        for stream in list(self.streams):
-            stream.cut("The router is shutting down; this stream was ended before it finished.")
+    kv_index: KvIndex | None
+    """None when no policy reads KV events (not a state to wait for: it never comes)."""
+    subscribers: list[KvEventSubscriber]
+    """One per replica publishing KV events; filled as the app starts and as replicas are added."""
+    gpus: GpuSampler | None
+    """None with GPU telemetry off (--gpu-interval 0)."""
+    shutdown: Shutdown
+    started_at: float
 
 
 def policy_tuning(settings: Settings) -> PolicyTuning:
@@ -110,6 +87,23 @@ def policy_tuning(settings: Settings) -> PolicyTuning:
         prefix_min_match=settings.prefix_min_match,
         session_load_factor=settings.session_load_factor,
     )
+
+
+def admission_for(settings: Settings) -> Admission:
+    return Admission(settings.max_in_flight, settings.queue_size, settings.queue_timeout_s)
+
+
+def selector_for(
+    settings: Settings,
+    registry: ReplicaRegistry,
+    policy: Policy,
+    admission: Admission,
+    metrics: RouterMetrics,
+    prefixes: PrefixLookup,
+    rng: random.Random | None = None,
+) -> Selector:
+    """How the router chooses replicas (also what `benchmarks/decision_time.py` times)."""
+    return Selector(registry, policy, admission, metrics, prefixes, rng=rng, sample_size=settings.route_sample)
 
 
 def kv_event_endpoints(settings: Settings, registry: ReplicaRegistry) -> dict[str, str]:
@@ -166,25 +160,6 @@ def health_rules(settings: Settings) -> HealthRules:
     )
 
 
-class RouterApp(FastAPI):
-    """FastAPI, with some paths answered by a raw ASGI app ahead of the framework's middleware,
-    routing and request objects (the proxied endpoints, which carry every token)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._direct: ASGIApp | None = None
-        self._serves_directly: Callable[[str], bool] = lambda path: False
-
-    def route_directly(self, app: ASGIApp, serves: Callable[[str], bool]) -> None:
-        self._direct, self._serves_directly = app, serves
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self._direct is not None and self._serves_directly(scope["path"]):
-            await self._direct(scope, receive, send)
-            return
-        await super().__call__(scope, receive, send)
-
-
 def _document_proxied(app: FastAPI) -> None:
     """Adds the proxied endpoints, which FastAPI never sees, to the OpenAPI document."""
     generate = app.openapi
@@ -212,25 +187,29 @@ def create_app(
     registry = registry or ReplicaRegistry(settings.replicas, health_rules(settings))
     policy = policy or make_policy(settings.routing_policy, rng, policy_tuning(settings))
     keys = keys if keys is not None else load_keys(settings)
-    admission = Admission(settings.max_in_flight, settings.queue_size, settings.queue_timeout_s)
+    admission = admission_for(settings)
     registry.on_change(admission.notify)
-    state = RouterState(settings, registry, policy, RouterMetrics(registry, policy.name), admission)
-    state.metrics.queue_depth.set_function(lambda: admission.depth)
-    state.gpus = gpu_sampler(settings, registry, nvml)
-    if state.gpus is not None:
-        sampler = state.gpus
-        state.metrics.registry.register(GpuCollector(lambda: sampler.snapshot, lambda: sampler.failures))
+    metrics = RouterMetrics(registry, policy.name)
+    metrics.queue_depth.set_function(lambda: admission.depth)
+    gpus = gpu_sampler(settings, registry, nvml)
+    if gpus is not None:
+        sampler = gpus
+        metrics.registry.register(GpuCollector(lambda: sampler.snapshot, lambda: sampler.failures))
     endpoints = kv_event_endpoints(settings, registry)
+    kv_index: KvIndex | None = None
     if endpoints or Need.KV_PREFIX in policy.needs:
-        state.kv_index = KvIndex(settings.kv_index_max_entries)
+        kv_index = KvIndex(settings.kv_index_max_entries)
         if not endpoints:
             log.warning("policy %s has no --kv-events to learn from: it routes on load only", policy.name)
     text_index = TextPrefixIndex(settings.prefix_index_max_chunks) if Need.TEXT_PREFIX in policy.needs else None
     local = local_tokenizer(settings)
+    open_streams = OpenStreams()
+    state = RouterState(registry, policy, metrics, kv_index, [], gpus, Shutdown(open_streams), time.time())
+    hot_path = HotPath(endpoint.path for endpoint in PROXIED_ENDPOINTS)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Hot path: a lean HTTP/1.1 client (upstream.py; measured in dpserve/bench/README.md).
+        # Hot path: a lean HTTP/1.1 client (upstream_client.py; measured in benchmarks/README.md).
         hot = UpstreamPool(upstream_deadlines(settings), max_response_bytes=settings.max_response_bytes)
         control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
         monitor = ReplicaMonitor(registry, control, settings.probe_interval_s, settings.probe_timeout_s)
@@ -239,65 +218,53 @@ def create_app(
             tokenizer: PromptTokenizer = local or RemoteTokenizer(control)
             tokens = TokenCache(tokenizer, settings.token_cache_entries)
         recent = RecentRoutes(time.monotonic, settings.recent_route_ttl_s) if tokens is not None else None
-        state.features = FeatureBuilder(policy, registry, state.metrics, state.kv_index, text_index, tokens, recent)
-        state.dispatcher = Dispatcher(
-            registry,
-            policy,
-            hot,
-            state.metrics,
-            RetryRules(settings.retries, settings.retry_backoff_s),
-            admission,
-            rng=rng,
-            on_routed=state.features.routed,
-            at_decision=state.features.at_decision,
-            likely_best=state.features.likely_best,
-            sample_size=settings.route_sample,
+        prefixes = PrefixLookup(metrics, kv_index, text_index, recent)
+        selector = selector_for(settings, registry, policy, admission, metrics, prefixes, rng)
+        retry = RetryRules(settings.retries, settings.retry_backoff_s)
+        dispatcher = Dispatcher(registry, selector, hot, metrics, retry, admission, open_streams, rng=rng)
+        features = FeatureBuilder(policy.needs, registry, metrics, kv_index, text_index, tokens)
+        relaying = Relaying(
+            registry, features, dispatcher, metrics, ResponseOwners(), max_body_bytes=settings.max_body_bytes
         )
         zmq_context = zmq.asyncio.Context()
-        if state.kv_index is not None:
-            state.subscribers.extend(
-                KvEventSubscriber(state.kv_index, rid, endpoint, zmq_context, time.monotonic)
+        subscribers = state.subscribers
+        if kv_index is not None:
+            subscribers.extend(
+                KvEventSubscriber(kv_index, rid, endpoint, zmq_context, time.monotonic)
                 for rid, endpoint in endpoints.items()
             )
-        state.fleet = FleetControl(registry, monitor, state.subscribers, state.kv_index, zmq_context, control)
-        state.metrics.registry.register(RoutingStateCollector(state.kv_index, state.subscribers, text_index, tokens))
-        for subscriber in state.subscribers:
+        fleet = FleetControl(registry, monitor, subscribers, kv_index, zmq_context, control)
+        add_admin_routes(app, fleet, lambda replica: _replica_status(replica, state))
+        metrics.registry.register(RoutingStateCollector(kv_index, subscribers, text_index, tokens))
+        for subscriber in subscribers:
             subscriber.start()
-        state.started_at = time.time()
-        state.loop = asyncio.get_running_loop()
-        if state.gpus is not None:
+        state.shutdown.serving(asyncio.get_running_loop())
+        if gpus is not None:
             # First reading before serving: /status has the GPUs at once, and a host without one
             # logs its single `no NVIDIA GPU found: ...` line at start.
-            await asyncio.to_thread(state.gpus.sample_once)
-            state.gpus.start()
+            await asyncio.to_thread(gpus.sample_once)
+            gpus.start()
         await monitor.probe_all()
         monitor.start()
+        hot_path.app = ProxiedEndpoints(relaying, PROXIED_ENDPOINTS)
         try:
             yield
         finally:
             await monitor.stop()
-            if state.gpus is not None:
-                await state.gpus.stop()
-            for subscriber in list(state.subscribers):
+            if gpus is not None:
+                await gpus.stop()
+            for subscriber in list(subscribers):
                 await subscriber.stop()
             zmq_context.destroy(linger=0)
             hot.close()
             await control.close()
 
-    app = RouterApp(title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.router = state
+    app = FastAPI(title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.shutdown = state.shutdown
+    # Innermost first: the proxied paths leave for the hot path inside access control.
+    app.add_middleware(ProxiedPaths, hot_path=hot_path)
     app.add_middleware(Guard, keys=keys, max_header_bytes=settings.max_header_bytes)
     _install_error_handlers(app)
-
-    def fleet() -> FleetControl:
-        assert state.fleet is not None, "the app's lifespan has not started"
-        return state.fleet
-
-    add_admin_routes(app, fleet, lambda replica: _replica_status(replica, state))
-
-    # The hot path bypasses FastAPI (see relay.py); its paths are documented by hand.
-    proxied = ProxiedEndpoints(state, PROXIED_ENDPOINTS)
-    app.route_directly(Guard(proxied, keys, settings.max_header_bytes), proxied.serves)
     _document_proxied(app)
 
     @app.get("/v1/models")
@@ -313,17 +280,18 @@ def create_app(
     @app.get("/ready")
     async def ready() -> JSONResponse:
         healthy = len(state.registry.healthy())
-        ready = healthy > 0 and not state.draining
+        draining = state.shutdown.draining
+        ready = healthy > 0 and not draining
         body = {
             "ready": ready,
             "healthy_replicas": healthy,
             "replicas": len(state.registry),
-            "draining": state.draining,
+            "draining": draining,
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def prometheus_metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/status")

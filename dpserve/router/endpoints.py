@@ -10,6 +10,7 @@ the admin API's (`dpserve/router/engine_ops.py`). The router answers /health, /r
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -79,3 +80,24 @@ PROXIED_ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("translations", "/v1/audio/translations", "file", can_stream=True, body=BodyKind.FORM),
     VERSION,
 )
+
+
+_RESPONSE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,256}")  # vLLM's are resp_ and hex
+
+
+def by_id_endpoint(path: str, method: str) -> Endpoint | None:
+    """GET /v1/responses/{id} or POST /v1/responses/{id}/cancel, as an endpoint of its own."""
+    if not path.startswith(RESPONSE_BY_ID):
+        return None
+    response_id, _, action = path[len(RESPONSE_BY_ID) :].partition("/")
+    if not _RESPONSE_ID.fullmatch(response_id) or action not in ("", "cancel"):
+        return None
+    if action == "cancel":
+        return Endpoint("responses_cancel", path, method="POST", body=BodyKind.NONE)
+    return Endpoint("responses_get", path, method="GET", body=BodyKind.NONE)
+
+
+def path_response_id(endpoint: Endpoint) -> str | None:
+    if not endpoint.path.startswith(RESPONSE_BY_ID):
+        return None
+    return endpoint.path[len(RESPONSE_BY_ID) :].partition("/")[0]

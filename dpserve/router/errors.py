@@ -5,6 +5,9 @@ from __future__ import annotations
 import orjson
 from starlette.responses import Response
 
+CLIENT_CLOSED = 499
+"""nginx's status for "client closed request": the client left before its answer; in metrics only."""
+
 
 class OpenAIError(Exception):
     """An error to return to the client as `{"error": {...}}` with an HTTP status."""

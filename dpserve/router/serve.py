@@ -16,13 +16,14 @@ from dpserve.config import Settings
 from dpserve.router.access import check_bind, load_keys
 from dpserve.router.app import create_app
 from dpserve.router.http_protocol import bounded_protocol
+from dpserve.router.shutdown import Shutdown
 
 
 def serve_router(settings: Settings) -> int:
     """Serves until stopped; 2 with one line on stderr when the settings are wrong."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Process-wide switch (hence here, not in the app factory): no `*_created` series per counter.
-    prometheus_client.disable_created_metrics()
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     try:
         keys = load_keys(settings)
         check_bind(settings.host, keys, settings.insecure)
@@ -40,10 +41,11 @@ def serve_router(settings: Settings) -> int:
         log_level=settings.log_level,
         # On SIGTERM uvicorn stops listening at once, then requests in flight (streams too) get this
         # long to finish before they are cut.
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
+        # (uvicorn hints int; it hands the value to asyncio.wait_for, which takes seconds as a float.)
+        timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
     )
-    state = app.state.router
-    DrainingServer(config, lambda: state.begin_drain(settings.shutdown_grace_s)).run()
+    shutdown: Shutdown = app.state.shutdown
+    DrainingServer(config, lambda: shutdown.begin_drain(settings.shutdown_grace_s)).run()
     return 0
 
 

@@ -17,7 +17,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from dpserve.sim.cache import Allocation, KvEvent, NoRoom, PrefixCache, TooLarge
+from dpserve.kvindex.events import KvEvent
+from dpserve.sim.cache import Allocation, NoRoom, PrefixCache, TooLarge
 
 # A non-streamed request sleeps once per this many tokens rather than once per token: fewer timers.
 BUFFERED_TOKENS_PER_WAKE = 16

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from dpserve.sim.cache import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from dpserve.kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 MEDIUM = "GPU"
 SEND_HWM = 100_000
@@ -52,7 +52,7 @@ class KvEventPublisher:
     dropped, and the sequence numbers let a subscriber see the gap (as with vLLM)."""
 
     def __init__(self, endpoint: str, topic: str = "") -> None:
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._socket.setsockopt(zmq.LINGER, 0)

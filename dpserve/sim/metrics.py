@@ -8,7 +8,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from dpserve.sim.cache import PrefixCache
 from dpserve.sim.engine import EngineObserver, GenerationRequest, RequestStats, SimEngine
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+)
 TTFT_BUCKETS += (40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (
     0.01,
@@ -31,7 +49,25 @@ ITL_BUCKETS = (
     40.0,
     80.0,
 )
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+)
 LATENCY_BUCKETS += (480.0, 960.0, 1920.0, 7680.0)
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 

@@ -214,7 +214,7 @@ async def test_ready_turns_503_when_a_shutdown_begins() -> None:
     apps: list[FastAPI] = []
     async with running([ScriptedReplica()], apps=apps) as url, httpx.AsyncClient() as client:
         assert (await client.get(f"{url}/ready")).json()["ready"] is True
-        apps[0].state.router.begin_drain(30.0)  # what the SIGTERM handler calls
+        apps[0].state.shutdown.begin_drain(30.0)  # what the SIGTERM handler calls
         ready = await client.get(f"{url}/ready")
         served = await client.post(f"{url}/v1/completions", json={"prompt": "x"})
     # Load balancers stop sending; what still arrives on open connections is served.

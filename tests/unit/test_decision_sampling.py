@@ -9,13 +9,13 @@ from collections import Counter
 from dpserve.kvindex.events import BlockStored
 from dpserve.kvindex.index import KvIndex, block_keys
 from dpserve.policies import PrefixMatch, PrefixSource, RequestFeatures, make_policy
+from dpserve.policies.session import SessionAffinity
 from dpserve.replicas.health import HealthRules, Outcome
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.admission import Admission
-from dpserve.router.features import FeatureBuilder
 from dpserve.router.metrics import RouterMetrics
-from dpserve.router.proxy import Dispatcher, RetryRules
-from dpserve.router.upstream import UpstreamPool
+from dpserve.router.prefix_lookup import PrefixLookup
+from dpserve.router.selection import Selector
 
 MODEL = "m"
 REQUEST = RequestFeatures("completions", MODEL, False)
@@ -29,24 +29,22 @@ def fleet(count: int) -> ReplicaRegistry:
     return registry
 
 
-def dispatcher(
+def selector(
     registry: ReplicaRegistry,
     policy_name: str,
     sample: int = 8,
     limit: int = 256,
-    features: FeatureBuilder | None = None,
-) -> Dispatcher:
+    kv_index: KvIndex | None = None,
+) -> Selector:
     policy = make_policy(policy_name, random.Random(1))
-    return Dispatcher(
+    metrics = RouterMetrics(registry, policy.name)
+    return Selector(
         registry,
         policy,
-        UpstreamPool(),
-        RouterMetrics(registry, policy.name),
-        RetryRules(),
         Admission(limit, 16, 1.0),
+        metrics,
+        PrefixLookup(metrics, kv_index),
         rng=random.Random(2),
-        at_decision=features.at_decision if features else None,
-        likely_best=features.likely_best if features else None,
         sample_size=sample,
     )
 
@@ -55,7 +53,7 @@ def test_least_loaded_picks_the_least_loaded_of_a_window_and_spreads_over_the_fl
     registry = fleet(64)
     for index, replica in enumerate(registry):
         replica.in_flight = index % 5 + 1
-    router = dispatcher(registry, "least_loaded")
+    router = selector(registry, "least_loaded")
     chosen = Counter()
     for _ in range(2000):
         decision = router.decide(REQUEST)
@@ -72,9 +70,9 @@ def test_with_the_sample_off_the_whole_fleet_is_weighed() -> None:
     for replica in registry:
         replica.in_flight = 3
     registry.get("r40").in_flight = 0
-    assert {dispatcher(registry, "least_loaded", sample=0).decide(REQUEST).id for _ in range(50)} == {"r40"}
+    assert {selector(registry, "least_loaded", sample=0).decide(REQUEST).id for _ in range(50)} == {"r40"}
     # With a window of 8, the idle replica is chosen only when the window holds it.
-    sampled = dispatcher(registry, "least_loaded")
+    sampled = selector(registry, "least_loaded")
     assert len({sampled.decide(REQUEST).id for _ in range(50)}) > 1
 
 
@@ -83,7 +81,7 @@ def test_a_full_sample_falls_back_to_the_whole_fleet() -> None:
     for replica in registry:
         replica.in_flight = 4  # the admission limit: no room
     registry.get("r17").in_flight = 0
-    router = dispatcher(registry, "least_loaded", limit=4)
+    router = selector(registry, "least_loaded", limit=4)
     assert all(router.decide(REQUEST).id == "r17" for _ in range(20))
     registry.get("r17").in_flight = 4
     assert router.decide(REQUEST) is None
@@ -91,7 +89,7 @@ def test_a_full_sample_falls_back_to_the_whole_fleet() -> None:
 
 def test_round_robin_takes_every_replica_in_turn() -> None:
     registry = fleet(40)
-    router = dispatcher(registry, "round_robin")
+    router = selector(registry, "round_robin")
     chosen = [router.decide(REQUEST).id for _ in range(80)]
     assert Counter(chosen) == Counter({replica.id: 2 for replica in registry})
     assert chosen[:40] == chosen[40:]
@@ -106,10 +104,9 @@ def test_the_replicas_holding_the_prefix_join_the_window() -> None:
     index = KvIndex()
     prompt = list(range(64))
     index.store("r33", BlockStored(tuple(range(16)), None, tuple(prompt), 4))
-    features = FeatureBuilder(make_policy("kv_aware"), registry, RouterMetrics(registry, "kv_aware"), index)
     keys = tuple(block_keys(prompt, 4))
     request = RequestFeatures("completions", MODEL, False, PrefixMatch(PrefixSource.KV_EVENTS, len(keys), 4, keys=keys))
-    router = dispatcher(registry, "kv_aware", features=features)
+    router = selector(registry, "kv_aware", kv_index=index)
     assert all(router.decide(request).id == "r33" for _ in range(30))
 
 
@@ -136,26 +133,15 @@ def test_a_sample_of_replicas_backing_off_gives_way_to_the_rest_of_the_fleet() -
         if replica.id != "r5":
             registry.observe(replica.id, Outcome.BACKPRESSURE)  # answered 429: avoided while another has room
     for policy_name in ("round_robin", "least_loaded"):
-        router = dispatcher(registry, policy_name)
+        router = selector(registry, policy_name)
         assert {router.decide(REQUEST).id for _ in range(24)} == {"r5"}
 
 
 def test_a_session_keeps_its_replica_on_the_whole_fleets_ring_while_deciding_among_a_sample() -> None:
     registry = fleet(40)
-    policy = make_policy("session", random.Random(1))
-    features = FeatureBuilder(policy, registry, RouterMetrics(registry, "session"))
-    router = Dispatcher(
-        registry,
-        policy,
-        UpstreamPool(),
-        RouterMetrics(registry, "session"),
-        RetryRules(),
-        Admission(256, 16, 1.0),
-        rng=random.Random(2),
-        at_decision=features.at_decision,
-        likely_best=features.likely_best,
-        sample_size=8,
-    )
+    router = selector(registry, "session")
+    policy = router.policy
+    assert isinstance(policy, SessionAffinity)
     ring_order = list(policy.ring(tuple(sorted(r.id for r in registry))).walk("user-7"))
     request = RequestFeatures("chat", MODEL, False, session_key="user-7")
     assert {router.decide(request).id for _ in range(50)} == {ring_order[0]}

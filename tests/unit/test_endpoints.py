@@ -5,11 +5,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from dpserve.router.endpoints import PROXIED_ENDPOINTS, RESPONSES, BodyKind, Prompt
+from dpserve.router.endpoints import PROXIED_ENDPOINTS, RESPONSES, BodyKind, Prompt, by_id_endpoint
 from dpserve.router.engine_ops import ENGINE_OPS, engine_op
 from dpserve.router.errors import OpenAIError
 from dpserve.router.features import response_as_chat
-from dpserve.router.relay import by_id_endpoint, proxied_openapi_paths, request_id_error, upstream_path
+from dpserve.router.proxied_endpoints import proxied_openapi_paths, request_id_error, upstream_path
 from dpserve.router.request_body import parse_body, parse_form
 from dpserve.router.stored_responses import ResponseOwners, id_of_answer, id_of_stream
 

@@ -13,6 +13,7 @@ from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.endpoints import CHAT, COMPLETIONS, EMBEDDINGS
 from dpserve.router.features import FeatureBuilder
 from dpserve.router.metrics import RouterMetrics
+from dpserve.router.prefix_lookup import PrefixLookup
 from dpserve.router.prompt_tokens import TokenCache, TokenIds
 
 
@@ -39,24 +40,20 @@ async def test_kv_matches_are_read_at_decision_time() -> None:
     registry = fleet()
     now = [0.0]
     policy = make_policy("kv_aware")
-    builder = FeatureBuilder(
-        policy,
-        registry,
-        RouterMetrics(registry, policy.name),
-        kv_index=KvIndex(),
-        tokens=TokenCache(WordIds()),
-        recent=RecentRoutes(lambda: now[0]),
-    )
+    metrics = RouterMetrics(registry, policy.name)
+    kv_index = KvIndex()
+    builder = FeatureBuilder(policy.needs, registry, metrics, kv_index=kv_index, tokens=TokenCache(WordIds()))
+    lookup = PrefixLookup(metrics, kv_index, recent=RecentRoutes(lambda: now[0]))
     body = {"prompt": "a bb ccc dddd eeeee ffffff"}
     first = await builder.build(COMPLETIONS, "m", False, body, {})
     second = await builder.build(COMPLETIONS, "m", False, body, {})
     assert first.prefix is not None and first.prefix.total_blocks == 3 and not first.prefix.matched
     # The first is routed to r1 before the second decides: the second sees it as pending there.
     candidates = registry.candidates("m")
-    decided = builder.at_decision(first, candidates)
+    decided = lookup.match(first, candidates)
     assert decided.prefix is not None and decided.prefix.best == 0
-    builder.routed(decided, "r1")
-    later = builder.at_decision(second, candidates)
+    lookup.record(decided, "r1")
+    later = lookup.match(second, candidates)
     assert later.prefix is not None
     assert dict(later.prefix.matched) == {"r0": 0, "r1": 3}
     assert dict(later.prefix.held) == {"r0": 0, "r1": 3}
@@ -66,14 +63,17 @@ async def test_kv_matches_are_read_at_decision_time() -> None:
 async def test_text_prefix_and_session_features() -> None:
     registry = fleet()
     policy = make_policy("prefix")
-    builder = FeatureBuilder(policy, registry, RouterMetrics(registry, policy.name), text_index=TextPrefixIndex())
+    metrics = RouterMetrics(registry, policy.name)
+    text_index = TextPrefixIndex()
+    builder = FeatureBuilder(policy.needs, registry, metrics, text_index=text_index)
+    lookup = PrefixLookup(metrics, text_index=text_index)
     body = {"prompt": "x" * 300}
     features = await builder.build(COMPLETIONS, "m", False, body, {})
-    builder.routed(builder.at_decision(features, registry.candidates("m")), "r0")
-    again = builder.at_decision(await builder.build(COMPLETIONS, "m", False, body, {}), registry.candidates("m"))
+    lookup.record(lookup.match(features, registry.candidates("m")), "r0")
+    again = lookup.match(await builder.build(COMPLETIONS, "m", False, body, {}), registry.candidates("m"))
     assert again.prefix is not None and again.prefix.blocks("r0") == again.prefix.total_blocks > 0
     session = make_policy("session")
-    keyed = FeatureBuilder(session, registry, RouterMetrics(registry, session.name))
+    keyed = FeatureBuilder(session.needs, registry, RouterMetrics(registry, session.name))
     assert (await keyed.build(CHAT, "m", False, {"user": "u1"}, {})).session_key == "u1"
     assert (await keyed.build(CHAT, "m", False, {"user": "u1"}, {"x-session-id": "s9"})).session_key == "s9"
     assert (await keyed.build(EMBEDDINGS, "m", False, {"user": "u1"}, {})).session_key is None

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
-from dpserve.router import upstream
-from dpserve.router.upstream import (
+from dpserve.router import upstream_client as upstream
+from dpserve.router.upstream_client import (
     Address,
     Deadlines,
     InvalidHeader,

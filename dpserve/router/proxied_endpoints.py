@@ -12,53 +12,72 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
 
 from dpserve.disconnect import ClientGone
 from dpserve.policies.base import RequestFeatures
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.endpoints import RESPONSE_BY_ID, RESPONSES, VERSION, BodyKind, Endpoint
-from dpserve.router.errors import OpenAIError, bad_request, model_not_found, no_replica, upstream_error_body
-from dpserve.router.features import SESSION_HEADER
-from dpserve.router.proxy import Buffered, Outbound, Streaming
+from dpserve.router.dispatch import Buffered, Dispatcher, Outbound, Streaming
+from dpserve.router.endpoints import (
+    RESPONSE_BY_ID,
+    RESPONSES,
+    VERSION,
+    BodyKind,
+    Endpoint,
+    by_id_endpoint,
+    path_response_id,
+)
+from dpserve.router.errors import (
+    CLIENT_CLOSED,
+    OpenAIError,
+    bad_request,
+    model_not_found,
+    no_replica,
+    upstream_error_body,
+)
+from dpserve.router.features import SESSION_HEADER, FeatureBuilder
+from dpserve.router.metrics import RouterMetrics
 from dpserve.router.request_body import parse_body, parse_form, read_limited, request_schema, with_model
-from dpserve.router.stored_responses import id_of_answer, id_of_stream
-from dpserve.router.upstream import InvalidHeader, check_header
-
-if TYPE_CHECKING:
-    from dpserve.router.app import RouterState
+from dpserve.router.stored_responses import ResponseOwners, id_of_answer, id_of_stream
+from dpserve.router.upstream_client import InvalidHeader, check_header
 
 log = logging.getLogger("dpserve.router")
 
 REPLICA_HEADER = "x-dpserve-replica"
 REQUEST_ID_HEADER = "x-request-id"
-CLIENT_CLOSED = 499  # nginx's convention for "client closed request", used in metrics only
 _JSON = b"application/json"
 # The only request headers the hot path reads (the session header for the session policy; the content
 # type for multipart bodies, whose boundary the replica needs).
 _READ_HEADERS = frozenset({b"content-length", b"content-type", REQUEST_ID_HEADER.encode(), SESSION_HEADER.encode()})
 MAX_REQUEST_ID_CHARS = 128
 NO_BODY_STATUSES = frozenset({204, 304})
-_RESPONSE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,256}")  # vLLM's are resp_ and hex
+
+
+@dataclass(frozen=True, slots=True)
+class Relaying:
+    """What an exchange needs, all of it there from the start."""
+
+    registry: ReplicaRegistry
+    features: FeatureBuilder
+    dispatcher: Dispatcher
+    metrics: RouterMetrics
+    response_owners: ResponseOwners
+    """Which replica stored which response (`/v1/responses`)."""
+    max_body_bytes: int
 
 
 class ProxiedEndpoints:
     """Answers the proxied paths (`endpoints`, and stored responses by id); another method there gets 405."""
 
-    def __init__(self, state: RouterState, endpoints: Sequence[Endpoint]) -> None:
-        self._state = state
+    def __init__(self, relaying: Relaying, endpoints: Sequence[Endpoint]) -> None:
+        self._state = relaying
         self._endpoints = {endpoint.path: endpoint for endpoint in endpoints}
         self._request_ids = RequestIds()
-
-    def serves(self, path: str) -> bool:
-        return path in self._endpoints or path.startswith(RESPONSE_BY_ID)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
@@ -77,18 +96,6 @@ class ProxiedEndpoints:
         await exchange.run()
 
 
-def by_id_endpoint(path: str, method: str) -> Endpoint | None:
-    """GET /v1/responses/{id} or POST /v1/responses/{id}/cancel, as an endpoint of its own."""
-    if not path.startswith(RESPONSE_BY_ID):
-        return None
-    response_id, _, action = path[len(RESPONSE_BY_ID) :].partition("/")
-    if not _RESPONSE_ID.fullmatch(response_id) or action not in ("", "cancel"):
-        return None
-    if action == "cancel":
-        return Endpoint("responses_cancel", path, method="POST", body=BodyKind.NONE)
-    return Endpoint("responses_get", path, method="GET", body=BodyKind.NONE)
-
-
 @dataclass(slots=True)
 class _Prepared:
     """A request ready for a replica."""
@@ -103,7 +110,7 @@ class _Exchange:
     """One request and its answer."""
 
     def __init__(
-        self, state: RouterState, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send, ids: RequestIds
+        self, state: Relaying, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send, ids: RequestIds
     ) -> None:
         self.state = state
         self.endpoint = endpoint
@@ -175,13 +182,13 @@ class _Exchange:
         path = upstream_path(self.scope)
         if endpoint.body is BodyKind.NONE:
             # Nothing to relay (a replica ignores a body here too), but read it so the connection stays usable.
-            await read_limited(headers, _body_chunks(self.receive), state.settings.max_body_bytes)
+            await read_limited(headers, _body_chunks(self.receive), state.max_body_bytes)
             del upstream_headers["content-type"]
             stream = endpoint.method == "GET" and b"stream=true" in self.scope.get("query_string", b"")
             features = RequestFeatures(endpoint.name, "", stream)
             response_id = path_response_id(endpoint)
             return _Prepared(features, Outbound(endpoint.method, path, b"", upstream_headers), response_id)
-        raw = await read_limited(headers, _body_chunks(self.receive), state.settings.max_body_bytes)
+        raw = await read_limited(headers, _body_chunks(self.receive), state.max_body_bytes)
         if endpoint.body is BodyKind.FORM:
             content_type = headers.get("content-type")
             parsed = parse_form(raw, content_type, endpoint)
@@ -194,7 +201,6 @@ class _Exchange:
         else:
             parsed = parse_body(raw, endpoint)
         model = resolve_model(state.registry, parsed.model)
-        assert state.features is not None, "the lifespan has not started"
         features = await state.features.build(endpoint, model, parsed.stream, parsed.payload, headers)
         body = with_model(parsed, model) if endpoint.body is BodyKind.JSON else raw
         previous = parsed.payload.get("previous_response_id") if endpoint is RESPONSES else None
@@ -204,15 +210,10 @@ class _Exchange:
     async def _dispatch(self, prepared: _Prepared) -> Buffered | Streaming:
         state, endpoint = self.state, self.endpoint
         dispatcher = state.dispatcher
-        assert dispatcher is not None, "the lifespan has not started"
         features, request = prepared.features, prepared.request
         if endpoint is VERSION:
             # The same release everywhere (the engine is pinned): any healthy replica answers.
-            healthy = [replica for replica in state.registry.healthy() if not replica.draining]
-            if not healthy:
-                raise no_replica("No healthy replica to ask right now.")
-            least = min(healthy, key=lambda replica: replica.in_flight)
-            return await dispatcher.send_to(least.id, features, request, self.started)
+            return await dispatcher.send_to_any(features, request, self.started)
         response_id = prepared.response_id
         if response_id is None:
             return await dispatcher.send(features, request, self.started)
@@ -237,7 +238,6 @@ class _Exchange:
         state = self.state
         features = RequestFeatures("responses_find", "", False)
         request = Outbound("GET", f"{RESPONSE_BY_ID}{response_id}", b"", {REQUEST_ID_HEADER: self.request_id})
-        assert state.dispatcher is not None, "the lifespan has not started"
         for replica in state.registry.healthy():
             try:
                 outcome = await state.dispatcher.send_to(replica.id, features, request, self.started)
@@ -287,8 +287,6 @@ class _Exchange:
 
     async def _relay(self, stream: Streaming) -> None:
         """Relays a stream as it comes; the upstream is always closed and accounted for."""
-        open_streams = self.state.streams
-        open_streams.add(stream)
         try:
             headers = [
                 (b"content-type", stream.content_type.encode("latin-1")),
@@ -306,7 +304,6 @@ class _Exchange:
             self.answered = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            open_streams.discard(stream)
             stream.finish()
             metrics, name = self.state.metrics, self.endpoint.name
             status = str(stream.status)
@@ -363,15 +360,9 @@ def visible_ascii(text: str) -> bool:
 
 def upstream_path(scope: Scope) -> str:
     """The path and query as the client sent them (raw: percent-escapes kept)."""
-    raw = scope.get("raw_path") or scope["path"].encode()
+    raw: bytes = scope.get("raw_path") or scope["path"].encode()
     query = scope.get("query_string") or b""
     return (raw + b"?" + query if query else raw).decode("latin-1")
-
-
-def path_response_id(endpoint: Endpoint) -> str | None:
-    if not endpoint.path.startswith(RESPONSE_BY_ID):
-        return None
-    return endpoint.path[len(RESPONSE_BY_ID) :].partition("/")[0]
 
 
 def read_headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -1,4 +1,6 @@
-"""Sending one request to a replica and relaying its answer: retries before the first byte, never after."""
+"""Sending one request to the replica the selector chooses: admission (waiting for room), the attempt,
+retries on other replicas before the first byte (never after), and the replica's slot returned when the
+answer, buffered or streamed, is done."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ from dataclasses import dataclass
 
 import orjson
 
-from dpserve.policies.base import Decision, Policy, ReplicaView, RequestFeatures, Sampling
+from dpserve.policies.base import ReplicaView, RequestFeatures, pick_least_loaded
 from dpserve.replicas.health import Outcome, classify_status
-from dpserve.replicas.registry import Replica, ReplicaRegistry
+from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.admission import Admission
 from dpserve.router.errors import OpenAIError, no_replica
 from dpserve.router.metrics import RouterMetrics
-from dpserve.router.upstream import (
+from dpserve.router.selection import Selector
+from dpserve.router.upstream_client import (
     Address,
     ResponseTooLarge,
     UpstreamConnectError,
@@ -26,7 +29,7 @@ from dpserve.router.upstream import (
     UpstreamResponse,
 )
 
-log = logging.getLogger("dpserve.proxy")
+log = logging.getLogger("dpserve.dispatch")
 
 SSE_EVENT_END = b"\n\n"
 SSE_DONE = b"data: [DONE]\n\n"
@@ -46,7 +49,9 @@ class RetryRules:
     backoff_cap_s: float = 0.5
 
     def pause(self, attempt: int, rng: random.Random) -> float:
-        return rng.uniform(0.5, 1.0) * min(self.backoff_cap_s, self.backoff_s * 2 ** (attempt - 1))
+        return rng.uniform(0.5, 1.0) * min(  # type: ignore[no-any-return]  # typeshed: ** on ints is Any
+            self.backoff_cap_s, self.backoff_s * 2 ** (attempt - 1)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +76,24 @@ class Buffered:
     """The replica's Retry-After, relayed on 429 and 503."""
 
 
+class OpenStreams:
+    """The streams being relayed, so a shutdown past its grace period can end each one properly."""
+
+    def __init__(self) -> None:
+        self.streams: set[Streaming] = set()
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    def cut_all(self, reason: str) -> None:
+        for stream in list(self.streams):
+            stream.cut(reason)
+
+
 class Streaming:
-    """An open stream whose first event has arrived. Iterate it to relay the rest; `finish` (idempotent)
-    drops the upstream connection and returns the replica's slot, whether or not iteration ever began."""
+    """An open stream whose first event has arrived: its whole life on the replica's side. Iterate it to
+    relay the rest; `finish` (idempotent) drops the upstream connection, returns the replica's slot and
+    leaves the open streams, whether or not iteration ever began."""
 
     def __init__(
         self,
@@ -84,6 +104,7 @@ class Streaming:
         first: bytes,
         registry: ReplicaRegistry,
         metrics: RouterMetrics,
+        open_streams: OpenStreams,
     ) -> None:
         self.replica_id = replica_id
         self.status = status
@@ -96,6 +117,8 @@ class Streaming:
         self._metrics = metrics
         self._finished = False
         self._cut_reason: str | None = None
+        self._open = open_streams.streams
+        self._open.add(self)
 
     def cut(self, reason: str) -> None:
         """End the stream early on the router's own behalf (shutdown past its grace period): the
@@ -110,6 +133,7 @@ class Streaming:
         if self._finished:
             return
         self._finished = True
+        self._open.discard(self)
         if self.completed:
             self._resp.release()  # whole: the connection goes back to the pool
         else:
@@ -158,38 +182,28 @@ class Dispatcher:
     def __init__(
         self,
         registry: ReplicaRegistry,
-        policy: Policy,
+        selector: Selector,
         upstream: UpstreamPool,
         metrics: RouterMetrics,
         retry: RetryRules,
         admission: Admission,
+        open_streams: OpenStreams | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        on_routed: Callable[[RequestFeatures, str], None] | None = None,
-        at_decision: Callable[[RequestFeatures, Sequence[ReplicaView]], RequestFeatures] | None = None,
-        likely_best: Callable[[RequestFeatures, int], list[str]] | None = None,
-        sample_size: int = 0,
     ) -> None:
-        """`sample_size` > 0: a policy that allows it (`Policy.sampling`) sees at most that many replicas
-        of a larger fleet, so a decision costs the same with 64 replicas as with 8."""
         self._registry = registry
-        self._policy = policy
+        self._selector = selector
         self._upstream = upstream
         self._addresses: dict[str, Address] = {}
         self._metrics = metrics
         self._retry = retry
         self._admission = admission
+        self._open_streams = open_streams or OpenStreams()
         self._rng = rng or random.Random()
         self._clock = clock
-        self._on_routed = on_routed
-        self._at_decision = at_decision
-        self._likely_best = likely_best
-        self._sampling = policy.sampling if sample_size > 0 else Sampling.ALL
-        self._sample_size = sample_size
-        self._turn = 0
 
     async def send(self, features: RequestFeatures, request: Outbound, started: float) -> Buffered | Streaming:
-        """To the replica the policy chooses, retried on others before the first byte."""
+        """To the replica the selector chooses, retried on others before the first byte."""
         tried: list[str] = []
         last_failure: Buffered | None = None
         retries = self._retry.retries
@@ -199,12 +213,7 @@ class Dispatcher:
             candidates = await self._admitted(features, tried)
             if not candidates:
                 break
-            decision, features = self._choose(features, candidates)
-            replica_id = decision.id
-            self._metrics.labeled(self._metrics.decisions, self._policy.name, replica_id).inc()
-            self._metrics.labeled(self._metrics.decision_reasons, self._policy.name, decision.reason).inc()
-            if self._on_routed is not None:
-                self._on_routed(features, replica_id)
+            replica_id = self._selector.choose(features, candidates).id
             tried.append(replica_id)
             is_last = attempt == retries
             try:
@@ -235,6 +244,13 @@ class Dispatcher:
             code="upstream_unavailable",
         )
 
+    async def send_to_any(self, features: RequestFeatures, request: Outbound, started: float) -> Buffered | Streaming:
+        """To any healthy replica, the least loaded, for what every replica answers alike (no model named)."""
+        healthy = [replica for replica in self._registry.healthy() if not replica.draining]
+        if not healthy:
+            raise no_replica("No healthy replica to ask right now.")
+        return await self.send_to(pick_least_loaded(healthy, self._rng).id, features, request, started)
+
     async def send_to(
         self, replica_id: str, features: RequestFeatures, request: Outbound, started: float
     ) -> Buffered | Streaming:
@@ -254,65 +270,17 @@ class Dispatcher:
         self._registry.observe(replica_id, classify_status(outcome.status), f"HTTP {outcome.status}")
         return outcome
 
-    def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
-        """The routing decision alone, as `send` makes it when a replica has room (for measuring it)."""
-        candidates = self._candidates(features, tried)
-        return self._choose(features, candidates)[0] if candidates else None
-
-    def _choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> tuple[Decision, RequestFeatures]:
-        if self._at_decision is not None:
-            features = self._at_decision(features, candidates)
-        return self._policy.choose(features, candidates), features
-
-    def _candidates(self, features: RequestFeatures, tried: Sequence[str]) -> list[ReplicaView]:
-        """Replicas the policy may choose from now: routable, untried, with room; a sample of them in a
-        large fleet, the whole fleet only when none in the sample has room (or all are backing off)."""
-        registry, admission = self._registry, self._admission
-        view = registry.routable(features.model)
-        pool = self._sample(view, features)
-        if len(pool) < len(view):
-            candidates = admission.open(registry.available(pool, tried, fresh_only=True))
-            if candidates:
-                return candidates
-        return admission.open(registry.available(view, tried))
-
-    def _sample(self, view: Sequence[Replica], features: RequestFeatures) -> Sequence[Replica]:
-        size = self._sample_size
-        count = len(view)
-        if self._sampling is Sampling.TURN and count > 1:
-            # The next replica in turn is the round robin's whole choice (all of them when it has no room).
-            self._turn += 1
-            return view[self._turn % count : self._turn % count + 1]
-        if self._sampling is Sampling.ALL or count <= size:
-            return view
-        # The replicas likely to hold the prompt's prefix (at most half the sample), then a window at a
-        # random offset: every replica is as likely to be in it, at O(size) cost.
-        pool: list[Replica] = []
-        if self._likely_best is not None:
-            for rid in self._likely_best(features, size // 2):
-                replica = self._registry.find(rid)
-                if replica is not None and replica.routable and features.model in replica.models:
-                    pool.append(replica)
-        wanted = size - len(pool)
-        start = self._rng.randrange(count)
-        window = view[start : start + wanted]
-        if len(window) < wanted:
-            window += view[: wanted - len(window)]
-        if pool:
-            likely = {replica.id for replica in pool}
-            return pool + [replica for replica in window if replica.id not in likely]
-        return window
-
     async def _admitted(self, features: RequestFeatures, tried: Sequence[str]) -> list[ReplicaView]:
         """Candidates with room, after waiting in the admission queue when every one is full."""
         admission = self._admission
+        candidates = self._selector.candidates
         if admission.limit <= 0:
-            return self._candidates(features, tried)
+            return candidates(features, tried)
         found: list[ReplicaView] = []
 
         def has_room() -> bool:
             nonlocal found
-            found = self._candidates(features, tried)
+            found = candidates(features, tried)
             # No candidate at all is not a reason to wait: the caller answers at once.
             return bool(found) or all(r.id in tried for r in self._registry.routable(features.model))
 
@@ -358,7 +326,9 @@ class Dispatcher:
                 raise UpstreamError("stream closed before the first event")
             self._metrics.labeled(self._metrics.first_byte, features.endpoint, "true").observe(self._clock() - started)
             handed_over = True
-            return Streaming(replica_id, resp.status, content_type, resp, first, registry, self._metrics)
+            return Streaming(
+                replica_id, resp.status, content_type, resp, first, registry, self._metrics, self._open_streams
+            )
         except BaseException:
             if resp is not None:
                 resp.close()

@@ -1,0 +1,99 @@
+"""Choosing a replica for one request: the candidates (routable, untried, with room), a sample of them in
+a large fleet, what each holds of the prompt, and the policy's pick. No I/O: tests and the decision-time
+benchmark call it directly."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import replace
+
+from dpserve.policies.base import Decision, Policy, ReplicaView, RequestFeatures, Sampling
+from dpserve.replicas.registry import Replica, ReplicaRegistry
+from dpserve.router.admission import Admission
+from dpserve.router.metrics import RouterMetrics
+from dpserve.router.prefix_lookup import PrefixLookup
+
+
+class Selector:
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        policy: Policy,
+        admission: Admission,
+        metrics: RouterMetrics,
+        prefixes: PrefixLookup | None = None,
+        rng: random.Random | None = None,
+        sample_size: int = 0,
+    ) -> None:
+        """`sample_size` > 0: a policy that allows it (`Policy.sampling`) sees at most that many replicas
+        of a larger fleet, so a decision costs the same with 64 replicas as with 8."""
+        self.policy = policy
+        self._registry = registry
+        self._admission = admission
+        self._metrics = metrics
+        self._prefixes = prefixes or PrefixLookup(metrics)
+        self._rng = rng or random.Random()
+        self._sampling = policy.sampling if sample_size > 0 else Sampling.ALL
+        self._sample_size = sample_size
+
+    def candidates(self, features: RequestFeatures, tried: Sequence[str] = ()) -> list[ReplicaView]:
+        """Replicas the policy may choose from now: routable, untried, with room; a sample of them in a
+        large fleet, the whole fleet only when none in the sample has room (or all are backing off)."""
+        registry, admission = self._registry, self._admission
+        view = registry.routable(features.model)
+        pool = self._sample(view, features)
+        if len(pool) < len(view):
+            candidates = admission.open(registry.available(pool, tried, fresh_only=True))
+            if candidates:
+                return candidates
+        return admission.open(registry.available(view, tried))
+
+    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
+        """The policy's pick among `candidates` (not empty), counted and remembered where it went."""
+        policy = self.policy
+        features = self._prefixes.match(features, candidates)
+        fleet = self._registry.routable_ids(features.model)
+        if len(candidates) < len(fleet):  # a sample, or some tried or full: the policy's own view of the fleet
+            preferred = policy.preferred(features, fleet)
+            if preferred:
+                features = replace(features, preferred=preferred)
+        decision = policy.choose(features, candidates)
+        metrics = self._metrics
+        metrics.labeled(metrics.decisions, policy.name, decision.id).inc()
+        metrics.labeled(metrics.decision_reasons, policy.name, decision.reason).inc()
+        self._prefixes.record(features, decision.id)
+        return decision
+
+    def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
+        """The decision alone, as a dispatch makes it when a replica has room (for measuring it)."""
+        candidates = self.candidates(features, tried)
+        return self.choose(features, candidates) if candidates else None
+
+    def _sample(self, view: Sequence[Replica], features: RequestFeatures) -> Sequence[Replica]:
+        size, sampling, count = self._sample_size, self._sampling, len(view)
+        if sampling is Sampling.ALL or count <= 1 or (sampling is Sampling.WINDOW and count <= size):
+            return view
+        # What the policy itself prefers (the next in turn; a session's ring owners), then for a window the
+        # replicas likely to hold the prompt's prefix (together at most half the sample), then a window at
+        # a random offset: every replica is as likely to be in it, at O(size) cost.
+        wanted = count if sampling is Sampling.TURN else size // 2
+        preferred = self.policy.preferred(features, self._registry.routable_ids(features.model))[:wanted]
+        if sampling is Sampling.WINDOW:
+            preferred += tuple(self._prefixes.likely_best(features, wanted - len(preferred)))
+        pool: list[Replica] = []
+        for rid in preferred:
+            replica = self._registry.find(rid)
+            if replica is not None and replica.routable and features.model in replica.models:
+                pool.append(replica)
+        if sampling is Sampling.TURN:
+            return pool
+        wanted = size - len(pool)
+        start = self._rng.randrange(count)
+        window = list(view[start : start + wanted])
+        if len(window) < wanted:
+            window += view[: wanted - len(window)]
+        if pool:
+            likely = {replica.id for replica in pool}
+            return pool + [replica for replica in window if replica.id not in likely]
+        return window
