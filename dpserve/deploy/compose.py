@@ -14,8 +14,8 @@ from typing import Any
 
 from dpserve.config import Settings
 from dpserve.deploy.yaml_text import Reset, dump
-from dpserve.up.plan import VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
 from dpserve.replicas.registry import replica_ids
+from dpserve.up.plan import VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
 
 DEFAULT_GPUS = 2
 DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"

@@ -11,13 +11,13 @@ import uvicorn
 from starlette.applications import Starlette
 
 from dpserve.config import Settings
-from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.sim.api import SimApi, SimModel
 from dpserve.sim.cache import PrefixCache
 from dpserve.sim.engine import LatencyModel, SimEngine
 from dpserve.sim.kv_publisher import KvEventPublisher
 from dpserve.sim.metrics import SimMetrics
 from dpserve.sim.tokenizer import make_tokenizer
+from dpserve.tiny_model import TINY_MODEL_NAME
 
 log = logging.getLogger("dpserve.sim")
 

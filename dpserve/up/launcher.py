@@ -18,6 +18,7 @@ import aiohttp
 
 from dpserve.config import Settings
 from dpserve.gpu.nvml import count_nvidia_gpus
+from dpserve.router.access import check_bind, load_keys
 from dpserve.up.plan import (
     PlanError,
     ReplicaPlan,
@@ -28,7 +29,6 @@ from dpserve.up.plan import (
     router_env,
 )
 from dpserve.up.process import ManagedProcess, log_tail
-from dpserve.router.access import check_bind, load_keys
 
 log = logging.getLogger("dpserve.up")
 STOP_GRACE_S = 30.0

@@ -12,9 +12,9 @@ import openai
 import orjson
 import pytest
 
-from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.router.endpoints import PROXIED_ENDPOINTS, RESPONSE_BY_ID
 from dpserve.router.engine_ops import ENGINE_OPS, ROUTER_OWN
+from dpserve.tiny_model import TINY_MODEL_NAME
 from tests.integration.conftest import Fleet, RouterFactory
 
 pytestmark = pytest.mark.integration
