@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dpserve.bench.scaling import (
+from benchmarks.scaling import (
     ScalingRow,
     histogram_percentile,
     load_processes_for,

@@ -1,7 +1,7 @@
 """Screenshots of the router's status page in headless Chromium (Debian's `chromium` package).
 
-python -m dpserve.bench.screenshot http://127.0.0.1:8000/dashboard -o dashboard.png
-python -m dpserve.bench.screenshot --status-json status.json -o dashboard.png   (a saved /status)
+python -m benchmarks.screenshot http://127.0.0.1:8000/dashboard -o dashboard.png
+python -m benchmarks.screenshot --status-json status.json -o dashboard.png   (a saved /status)
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def screenshot(url: str, out: Path, profile: Path, size: tuple[int, int] = (1400
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpserve.bench.screenshot", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.screenshot", description=__doc__)
     parser.add_argument("url", nargs="?", help="the dashboard's URL")
     parser.add_argument("--status-json", type=Path, help="render this saved /status answer instead of a URL")
     parser.add_argument("-o", "--out", type=Path, required=True, help="PNG to write")

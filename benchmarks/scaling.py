@@ -34,10 +34,10 @@ import aiohttp
 import orjson
 import psutil
 
-from dpserve.bench.processes import UpPorts, progress, spawn, start_up
+from benchmarks.processes import UpPorts, progress, spawn, start_up
 from dpserve.up.process import terminate
 
-LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
+LOCUSTFILE = Path(__file__).resolve().parents[1] / "loadtests" / "locustfile.py"
 POST = "POST"
 WARMUP_PREFIX = "(warmup)"
 USERS_PER_LOAD_PROCESS = 100

@@ -4,7 +4,7 @@ Two generators, both closed loop (each connection sends its next POST when the p
   * `wrk` (when on PATH) with a Lua script that sets the POST body and prints the result from `done()`;
   * a Python generator (aiohttp on uvloop), this module run as a script:
 
-        python -m dpserve.bench.loadgen URL BODY CONNECTIONS DURATION [--expect-chunks N]
+        python -m benchmarks.loadgen URL BODY CONNECTIONS DURATION [--expect-chunks N]
 
 Both print one line `RESULT {"requests": ..., "seconds": ..., "p50_ms": ..., "p99_ms": ..., "errors": ...}`.
 `Generator` reaps its child with `os.wait4`, so every result also carries the generator's CPU seconds:
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from dpserve.bench.stats import percentile
+from benchmarks.processes import child_env
+from benchmarks.stats import percentile
 
 JSON_HEADERS = {"content-type": "application/json"}
 SSE_DONE = b"data: [DONE]\n\n"
@@ -90,7 +91,7 @@ def wrk_command(script: Path, url: str, connections: int, duration_s: float, thr
 
 def python_command(url: str, body: bytes, connections: int, duration_s: float, expect_chunks: int = 0) -> list[str]:
     """The Python generator; `expect_chunks` > 0: an answer counts only with that many SSE events and [DONE]."""
-    command = [sys.executable, "-m", "dpserve.bench.loadgen", url, body.decode(), str(connections), str(duration_s)]
+    command = [sys.executable, "-m", "benchmarks.loadgen", url, body.decode(), str(connections), str(duration_s)]
     return [*command, "--expect-chunks", str(expect_chunks)]
 
 
@@ -119,7 +120,7 @@ class Generator:
             stdin=subprocess.DEVNULL,
             stdout=self._out,
             stderr=self._err,
-            env=env,
+            env=child_env() if env is None else env,
             start_new_session=True,
             preexec_fn=preexec,
         )
@@ -235,7 +236,7 @@ def closed_loop(url: str, body: bytes, connections: int, duration_s: float, expe
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpserve.bench.loadgen", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.loadgen", description=__doc__)
     parser.add_argument("url")
     parser.add_argument("body", help="the JSON request body")
     parser.add_argument("connections", type=int)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import signal
 import subprocess
@@ -20,6 +21,17 @@ import aiohttp
 
 from dpserve.up.launcher import busy_ports
 from dpserve.up.process import terminate
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""The repository checkout the benchmarks run from: they are the package `benchmarks/` at its top."""
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child that runs a benchmark module (`python -m benchmarks.NAME`): this checkout
+    first on PYTHONPATH, so the child imports the benchmarks and dpserve as this process did, from any directory."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT), env.get("PYTHONPATH")]))
+    return env
 
 
 def port_block(count: int, rng: random.Random) -> int:

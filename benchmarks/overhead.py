@@ -38,8 +38,8 @@ from typing import Any
 import aiohttp
 import psutil
 
-from dpserve.bench.loadgen import python_command, run_all, write_wrk_script, wrk_command
-from dpserve.bench.processes import port_block, progress, sigterm_unwinds, spawn, stop_all, wait_ok
+from benchmarks.loadgen import python_command, run_all, write_wrk_script, wrk_command
+from benchmarks.processes import port_block, progress, sigterm_unwinds, spawn, stop_all, wait_ok
 from dpserve.up.process import log_tail, terminate
 
 HOST = "127.0.0.1"  # loopback only
@@ -583,9 +583,9 @@ def plot(runs: Sequence[Run], path: Path, connections: int) -> None:
 def decision_times(out: Path) -> None:
     """The policies' own decision time, from the module that measures it (written separately)."""
     try:
-        from dpserve.bench.decision_time import decision_report
+        from benchmarks.decision_time import decision_report
     except ImportError as exc:
-        print(f"decision time: dpserve.bench.decision_time is not available ({exc}); skipped")
+        print(f"decision time: benchmarks.decision_time is not available ({exc}); skipped")
         return
     progress("policy decision time ...")
     report = decision_report()
@@ -656,7 +656,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="py-spy dpserve's router (profile-POLICY-json.json)")
     parser.add_argument("--skip-decision", action="store_true", help="do not measure the policies' decision time")
     parser.add_argument("--decision-only", action="store_true", help="only the policies' decision time")
-    parser.add_argument("--out", type=Path, default=Path("dpserve/bench/results/overhead"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/overhead"))
     args = parser.parse_args(list(argv))
     args.targets = _comma_list(args.targets)
     args.dpserve_policies = _comma_list(args.dpserve_policies)

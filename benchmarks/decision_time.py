@@ -6,7 +6,7 @@ through the router's own `Dispatcher.decide`, in process and without sockets, on
 state: uneven loads and KV usage, KV and text indexes that hold the prompts' prefixes on a few
 replicas each, and requests cycling over those prompts and over session keys.
 
-    python -m dpserve.bench.decision_time [--counts 2,4,8,16,32,64] [--repeats 9] [--decisions 1000]
+    python -m benchmarks.decision_time [--counts 2,4,8,16,32,64] [--repeats 9] [--decisions 1000]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Starts, each in its own process on loopback:
 For every target (backend directly, each relay) and mode (JSON, SSE) it measures C connections
 (throughput) and 1 connection (added latency), prints a table and writes it as CSV.
 
-    python -m dpserve.bench.upstream_client [--duration S] [--connections C] [--out DIR]
+    python -m benchmarks.upstream_client [--duration S] [--connections C] [--out DIR]
 
 Every process shares the machine's cores, so the figures compare clients against each other
 on the same box; they are not absolute capacities.
@@ -41,7 +41,8 @@ from typing import Any
 
 import orjson
 
-from dpserve.bench.loadgen import die_with_parent, python_command, run_all, write_wrk_script, wrk_command
+from benchmarks.loadgen import die_with_parent, python_command, run_all, write_wrk_script, wrk_command
+from benchmarks.processes import child_env
 
 HOST = "127.0.0.1"  # loopback only: nothing here should be reachable from outside
 PATH = "/v1/completions"
@@ -400,19 +401,11 @@ class Processes:
 
 
 def _self_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dpserve.bench.upstream_client", *args]
-
-
-def _child_env() -> dict[str, str]:
-    # Children import dpserve the same way we did, wherever we run from.
-    env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
+    return [sys.executable, "-m", "benchmarks.upstream_client", *args]
 
 
 def _start_server(procs: Processes, args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    proc = procs.start(_self_cmd(*args), stdout=subprocess.PIPE, env=_child_env())
+    proc = procs.start(_self_cmd(*args), stdout=subprocess.PIPE, env=child_env())
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -465,7 +458,7 @@ def _measure(
         expect_chunks = N_STREAM_CHUNKS if mode == "sse" else 0
         command = python_command(url + PATH, REQUEST_BODIES[mode], connections, duration, expect_chunks)
     load1 = os.getloadavg()[0]
-    r = run_all([command], duration, env=_child_env())[0]
+    r = run_all([command], duration, env=child_env())[0]
     return Result(target, mode, connections, r.requests, r.seconds, r.p50_ms, r.p99_ms, r.errors, loadgen, load1)
 
 

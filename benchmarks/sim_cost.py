@@ -27,7 +27,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from dpserve.bench.stats import percentile
+from benchmarks.stats import percentile
 
 BODIES = {
     "json": b'{"model": "dpserve-tiny", "prompt": "Hello from the benchmark", "max_tokens": 16}',
