@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.processes import child_env
+from benchmarks.fleet import child_env
 from benchmarks.stats import percentile
 
 JSON_HEADERS = {"content-type": "application/json"}

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import csv
 import importlib.util
 import json
 import math
@@ -38,11 +36,23 @@ from typing import Any
 import aiohttp
 import psutil
 
+from benchmarks.fleet import (
+    HOST,
+    bench_tool,
+    cpu_seconds,
+    port_block,
+    progress,
+    relative_source_paths,
+    router_command,
+    sigterm_unwinds,
+    spawn,
+    stop_all,
+    wait_ok,
+)
 from benchmarks.loadgen import python_command, run_all, write_wrk_script, wrk_command
-from benchmarks.processes import port_block, progress, sigterm_unwinds, spawn, stop_all, wait_ok
+from benchmarks.report import figure, format_table, shown, write_csv
 from dpserve.up.process import log_tail, terminate
 
-HOST = "127.0.0.1"  # loopback only
 PATH = "/v1/completions"
 MODEL = "dpserve-tiny"
 PROMPT = "Hello, my name is"
@@ -52,6 +62,7 @@ MODE_NAMES = {"json": "non-streaming", "sse": "streaming"}
 TARGETS = ("direct", "dpserve", "vllm-router", "sglang-router")
 RUST_ROUTERS = ("vllm-router", "sglang-router")
 RUST_POLICY = "round_robin"
+NO_GPU = {"gpu_interval_s": 0.0}  # dpserve's router: no GPU telemetry (the backends are sims)
 START_TIMEOUT_S = 60.0
 LOADGEN_BUSY_CORES = 0.9  # above this, the generator may be what limits req/s
 GOAL_RPS_RATIO = 0.5  # dpserve req/s >= 0.5x vllm-router's
@@ -183,34 +194,12 @@ def sim_command(port: int) -> list[str]:
     return [sys.executable, "-m", "dpserve", "sim", "--speed", "0", "--port", str(port), "--log-level", "warning"]
 
 
-def _vllm_router_binary() -> str | None:
-    beside = Path(sys.executable).with_name("vllm-router")  # the bench extra installs it into the venv
-    return str(beside) if beside.exists() else shutil.which("vllm-router")
-
-
 def why_missing(target: Target) -> str | None:
-    if target.name == "vllm-router" and _vllm_router_binary() is None:
+    if target.name == "vllm-router" and bench_tool("vllm-router") is None:
         return "no vllm-router binary next to python or on PATH (pip install -e '.[bench]')"
     if target.name == "sglang-router" and importlib.util.find_spec("sglang_router") is None:
         return "the sglang_router package is not installed (pip install -e '.[bench]')"
     return None
-
-
-def router_command(target: Target, backend_urls: list[str], port: int, extra: Sequence[str]) -> list[str]:
-    """The router on `port`; the Rust routers also get `port + 1` for Prometheus (sglang-router panics
-    with "Address already in use" when two of anything share its default)."""
-    if target.name == "dpserve":
-        command = [sys.executable, "-m", "dpserve", "router", "--policy", target.policy, "--port", str(port)]
-        for url in backend_urls:
-            command += ["--replica", url]
-        # GPU telemetry off: the backends are sims.
-        return [*command, "--log-level", "warning", "--gpu-interval", "0", *extra]
-    if target.name == "vllm-router":
-        command = [_vllm_router_binary() or "vllm-router"]
-    else:
-        command = [sys.executable, "-m", "sglang_router.launch_router"]
-    command += ["--worker-urls", *backend_urls, "--policy", target.policy, "--host", HOST, "--port", str(port)]
-    return [*command, "--prometheus-port", str(port + 1), "--log-level", "error"]
 
 
 async def _wait_healthy(urls: list[str], processes: list[subprocess.Popen[bytes]]) -> None:
@@ -227,21 +216,6 @@ def start_backends(count: int, work: Path, processes: list[subprocess.Popen[byte
         processes.append(spawn(sim_command(base + index), work / f"sim{index}.log", dict(os.environ)))
     asyncio.run(_wait_healthy(urls, processes))
     return urls
-
-
-def cpu_seconds(processes: Sequence[psutil.Process]) -> float:
-    """User + system CPU seconds of these processes and their descendants (a router may run workers)."""
-    total = 0.0
-    for process in processes:
-        try:
-            family = [process, *process.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-        for member in family:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                times = member.cpu_times()
-                total += times.user + times.system
-    return total
 
 
 # -- measuring ------------------------------------------------------------------------------------------
@@ -345,7 +319,9 @@ def router_runs(ctx: Context, target: Target, backend_urls: list[str], connectio
     """The target's router over `backend_urls`, checked, then measured at `connections`."""
     port = port_block(2, random.Random())
     log_path = ctx.work / f"{target.label}-{len(backend_urls)}.log"
-    process = spawn(router_command(target, backend_urls, port, ctx.args.router_arg), log_path, dict(os.environ))
+    extra = ctx.args.router_arg if target.name == "dpserve" else ()
+    command = router_command(target.name, target.policy, backend_urls, port, settings=NO_GPU, extra=extra)
+    process = spawn(command, log_path, dict(os.environ))
     try:
         url = f"http://{HOST}:{port}"
         try:
@@ -360,8 +336,7 @@ def router_runs(ctx: Context, target: Target, backend_urls: list[str], connectio
 def profile_router(ctx: Context, target: Target, urls: list[str], pid: int, mode: str) -> None:
     """py-spy on the router during one more run like the C-connection one, not recorded: the sampler
     takes CPU too, so the measured figures are kept free of it."""
-    beside = Path(sys.executable).with_name("py-spy")
-    py_spy = str(beside) if beside.exists() else shutil.which("py-spy")
+    py_spy = bench_tool("py-spy")
     if py_spy is None:
         progress("  profile: py-spy not found; skipped")
         return
@@ -380,7 +355,9 @@ def profile_router(ctx: Context, target: Target, urls: list[str], pid: int, mode
     finally:
         terminate(spy, 5)
     if spy.returncode == 0 and output.exists():
-        progress(f"  profile: wrote {output}")
+        # Committed with the results: the sources' paths relative to the checkout, site-packages, stdlib.
+        output.write_text(relative_source_paths(output.read_text()))
+        progress(f"  profile: wrote {shown(output)}")
     else:
         progress(f"  profile: py-spy failed (rc={spy.returncode}): {log_tail(log_path, 5)}")
 
@@ -425,7 +402,7 @@ def run_benchmark(args: argparse.Namespace, loadgen: str) -> tuple[list[Run], li
                 except RuntimeError as exc:
                     failures.append(target.label)
                     progress(f"{target.label} failed, skipped: {exc}")
-                write_csv(runs, args.out / "overhead.csv")
+                save_runs(runs, args.out / "overhead.csv")
         finally:
             stop_all(sims, 10)
     return runs, failures
@@ -476,18 +453,8 @@ def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
     ]
 
 
-def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    widths = {c: max(len(c), *(len(str(row[c])) for row in rows)) for c in COLUMNS}
-    lines = ["  ".join(c.rjust(widths[c]) for c in COLUMNS)]
-    lines += ["  ".join(str(row[c]).rjust(widths[c]) for c in COLUMNS) for row in rows]
-    return "\n".join(lines)
-
-
-def write_csv(runs: Sequence[Run], path: Path) -> None:
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(table_rows(runs))
+def save_runs(runs: Sequence[Run], path: Path) -> None:
+    write_csv(path, table_rows(runs), COLUMNS)
 
 
 def rps_ratio(runs: Sequence[Run], policy: str, other: str, mode: str, connections: int) -> float | None:
@@ -536,48 +503,33 @@ def verdict_lines(runs: Sequence[Run], policies: Sequence[str], connections: int
 
 
 def plot(runs: Sequence[Run], path: Path, connections: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = list(dict.fromkeys(run.target for run in runs))
-    fig, (rps_axis, added_axis) = plt.subplots(1, 2, figsize=(13, 5.4))
-    width = 0.8 / max(1, len(shown))
-    for index, target in enumerate(shown):
-        xs, rps, added_xs, added = [], [], [], []
-        for m_index, mode in enumerate(MODES):
-            x = m_index - 0.4 + width * (index + 0.5)
-            many = find(runs, target.name, target.policy, mode, connections)
-            one = find(runs, target.name, target.policy, mode, 1)
-            if many is not None:
-                xs.append(x)
-                rps.append(many.req_s)
-            extra = None if one is None else added_p50(runs, one)
-            if extra is not None:
-                added_xs.append(x)
-                added.append(extra)
-        bars = rps_axis.bar(xs, rps, width, label=target.label, color=f"C{index}")
-        rps_axis.bar_label(bars, fmt="%.0f", fontsize=7)
-        bars = added_axis.bar(added_xs, added, width, label=target.label, color=f"C{index}")
-        added_axis.bar_label(bars, fmt="%.2f", fontsize=7)
-    goal = f"goal: {GOAL_ADDED_P50_MS:g} ms"
-    added_axis.axhline(GOAL_ADDED_P50_MS, color="black", linestyle="dashed", linewidth=1, label=goal)
-    for axis, title in (
-        (rps_axis, f"requests/s at {connections} connections"),
-        (added_axis, "added p50 at 1 connection (ms, over direct)"),
-    ):
-        axis.set_xticks(range(len(MODES)), [MODE_NAMES[mode] for mode in MODES])
-        axis.set_title(title)
-    # Every target is in the req/s panel; only the goal line is not.
-    handles, names = rps_axis.get_legend_handles_labels()
-    by_name = dict(zip(names, handles, strict=True))
-    for handle, name in zip(*added_axis.get_legend_handles_labels(), strict=True):
-        by_name.setdefault(name, handle)
-    fig.legend(by_name.values(), by_name.keys(), fontsize=8, ncol=6, loc="lower center")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    shown_targets = list(dict.fromkeys(run.target for run in runs))
+    titles = (f"requests/s at {connections} connections", "added p50 at 1 connection (ms, over direct)")
+    # Every target is in the req/s panel; the goal line only in the other: one legend for both, below them.
+    with figure(path, titles, (13, 5.4), legend="figure", legend_columns=6, legend_space=0.08) as axes:
+        rps_axis, added_axis = axes
+        width = 0.8 / max(1, len(shown_targets))
+        for index, target in enumerate(shown_targets):
+            xs, rps, added_xs, added = [], [], [], []
+            for m_index, mode in enumerate(MODES):
+                x = m_index - 0.4 + width * (index + 0.5)
+                many = find(runs, target.name, target.policy, mode, connections)
+                one = find(runs, target.name, target.policy, mode, 1)
+                if many is not None:
+                    xs.append(x)
+                    rps.append(many.req_s)
+                extra = None if one is None else added_p50(runs, one)
+                if extra is not None:
+                    added_xs.append(x)
+                    added.append(extra)
+            bars = rps_axis.bar(xs, rps, width, label=target.label, color=f"C{index}")
+            rps_axis.bar_label(bars, fmt="%.0f", fontsize=7)
+            bars = added_axis.bar(added_xs, added, width, label=target.label, color=f"C{index}")
+            added_axis.bar_label(bars, fmt="%.2f", fontsize=7)
+        goal = f"goal: {GOAL_ADDED_P50_MS:g} ms"
+        added_axis.axhline(GOAL_ADDED_P50_MS, color="black", linestyle="dashed", linewidth=1, label=goal)
+        for axis in axes:
+            axis.set_xticks(range(len(MODES)), [MODE_NAMES[mode] for mode in MODES])
 
 
 def decision_times(out: Path) -> None:
@@ -591,17 +543,14 @@ def decision_times(out: Path) -> None:
     report = decision_report()
     if report.rows:
         path = out / "decision_time.csv"
-        with open(path, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(report.rows[0]))
-            writer.writeheader()
-            writer.writerows(report.rows)
-        print(f"wrote {path}")
+        write_csv(path, report.rows)
+        print(f"wrote {shown(path)}")
     print(report.text)
 
 
 def report(runs: Sequence[Run], args: argparse.Namespace) -> None:
     print()
-    print(format_table(table_rows(runs)))
+    print(format_table(COLUMNS, [[row[c] for c in COLUMNS] for row in table_rows(runs)], align="right"))
     print()
     ratios = ratio_lines(runs, args.dpserve_policies, args.connections)
     for line in [*ratios, ""] if ratios else []:
@@ -615,7 +564,7 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> None:
             "those req/s may be the generator's limit"
         )
     plot(runs, args.out / "overhead.png", args.connections)
-    print(f"\nwrote {args.out / 'overhead.csv'}, {args.out / 'overhead.png'}")
+    print(f"\nwrote {shown(args.out / 'overhead.csv')}, {shown(args.out / 'overhead.png')}")
 
 
 # -- main ---------------------------------------------------------------------------------------------------

@@ -20,18 +20,17 @@ import csv
 import math
 import os
 import random
-import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import aiohttp
 import orjson
 
+from benchmarks.fleet import UpPorts, get_text, port_block, progress, router_command, spawn, start_up, wait_ok
 from benchmarks.policy_workloads import (
     BenchRequest,
     Workload,
@@ -40,7 +39,7 @@ from benchmarks.policy_workloads import (
     oracle_unbounded,
     shared_prefix,
 )
-from benchmarks.processes import UpPorts, get_text, port_block, progress, spawn, start_up, wait_ok
+from benchmarks.report import figure, format_table, shown, write_csv
 from benchmarks.stats import percentile
 from dpserve.kvindex.index import block_keys
 from dpserve.replicas.prometheus_text import parse_samples
@@ -145,24 +144,24 @@ async def start_fleet(
     return fleet
 
 
-def router_command(
+def contender_command(
     contender: Contender, fleet: Fleet, port: int, tokenizer: Path | None, extra: Sequence[str] = ()
 ) -> list[str]:
+    """The contender's router over the fleet, with every replica's KV events; `extra` goes to dpserve's only."""
     if contender.router == "dpserve":
-        command = [sys.executable, "-m", "dpserve", "router", "--policy", contender.policy, "--port", str(port)]
-        for url, endpoint in zip(fleet.urls, fleet.kv_endpoints, strict=True):
-            command += ["--replica", url, "--kv-events", f"{url}={endpoint}"]
-        if tokenizer is not None:
-            command += ["--tokenizer", str(tokenizer)]
-        return [*command, "--log-level", "warning", "--probe-interval", "0.5", *extra]
-    binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-    command = [binary, "--worker-urls", *fleet.urls, "--policy", contender.policy, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--prometheus-port", str(port + 1), "--log-level", "error"]
-    if contender.policy == "kv_aware":
-        for url, endpoint in zip(fleet.urls, fleet.kv_endpoints, strict=True):
-            command += ["--kv-event-source", f"{url}={endpoint}"]
-        command += ["--kv-event-model", TINY_MODEL_NAME, "--kv-event-block-size", str(fleet.block_size)]
-    return command
+        return router_command(
+            "dpserve",
+            contender.policy,
+            fleet.urls,
+            port,
+            kv_events=fleet.kv_endpoints,
+            tokenizer=None if tokenizer is None else str(tokenizer),
+            settings={"probe_interval_s": 0.5},
+            extra=extra,
+        )
+    return router_command(
+        contender.router, contender.policy, fleet.urls, port, kv_events=fleet.kv_endpoints, block_size=fleet.block_size
+    )
 
 
 # -- one run -----------------------------------------------------------------------------------------
@@ -259,7 +258,7 @@ async def run_contender(
     await reset_caches(session, fleet)
     port = port_block(2, random.Random())
     process = spawn(
-        router_command(contender, fleet, port, tokenizer, args.dpserve_args.split()), None, dict(os.environ)
+        contender_command(contender, fleet, port, tokenizer, args.dpserve_args.split()), None, dict(os.environ)
     )
     router_url = f"http://127.0.0.1:{port}"
     try:
@@ -384,41 +383,37 @@ async def tokenizer_cost(session: aiohttp.ClientSession, fleet: Fleet, workload:
 # -- output ------------------------------------------------------------------------------------------
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    header = (
-        "backend",
-        "workload",
-        "contender",
-        "hit",
-        "oracle",
-        "vs_oracle",
-        "ttft_p50",
-        "ttft_p99",
-        "req/s",
-        "max_share",
-        "per_replica",
-        "err",
+TABLE_HEADER = (
+    "backend",
+    "workload",
+    "contender",
+    "hit",
+    "oracle",
+    "vs_oracle",
+    "ttft_p50",
+    "ttft_p99",
+    "req/s",
+    "max_share",
+    "per_replica",
+    "err",
+)
+
+
+def table_cells(r: Row) -> tuple[str, ...]:
+    return (
+        r.backend,
+        r.workload,
+        r.contender,
+        f"{r.hit_rate:.3f}",
+        f"{r.oracle:.3f}",
+        f"{r.vs_oracle:.2f}",
+        f"{r.ttft_p50_ms:.0f}ms",
+        f"{r.ttft_p99_ms:.0f}ms",
+        f"{r.req_per_s:.1f}",
+        f"{r.max_share:.2f}",
+        r.per_replica,
+        str(r.errors),
     )
-    lines = [header]
-    for r in rows:
-        lines.append(
-            (
-                r.backend,
-                r.workload,
-                r.contender,
-                f"{r.hit_rate:.3f}",
-                f"{r.oracle:.3f}",
-                f"{r.vs_oracle:.2f}",
-                f"{r.ttft_p50_ms:.0f}ms",
-                f"{r.ttft_p99_ms:.0f}ms",
-                f"{r.req_per_s:.1f}",
-                f"{r.max_share:.2f}",
-                r.per_replica,
-                str(r.errors),
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) for line in lines)
 
 
 def markdown_table(rows: Sequence[Row]) -> str:
@@ -491,46 +486,36 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
 
 
 def plot(rows: Sequence[Row], path: Path, backend: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     subset = [r for r in rows if r.backend == backend]
     workloads = [w for w in WORKLOADS if any(r.workload == w for r in subset)]
     contenders = list(dict.fromkeys(r.contender for r in subset))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.4))
-    width = 0.8 / max(1, len(contenders))
-    for index, contender in enumerate(contenders):
-        xs, hits, ttfts = [], [], []
+    titles = (f"prefix-cache hit rate (replica metrics), {backend}", f"TTFT p50 (ms), {backend}")
+    with figure(path, titles, (13, 5.4), legend="figure", legend_columns=5, legend_space=0.1) as axes:
+        width = 0.8 / max(1, len(contenders))
+        for index, contender in enumerate(contenders):
+            xs, hits, ttfts = [], [], []
+            for w_index, workload in enumerate(workloads):
+                row = next((r for r in subset if r.workload == workload and r.contender == contender), None)
+                if row is not None:
+                    xs.append(w_index + index * width - 0.4 + width / 2)
+                    hits.append(row.hit_rate)
+                    ttfts.append(row.ttft_p50_ms)
+            hatch = "//" if contender.startswith("vllm-router") else None
+            axes[0].bar(xs, hits, width, label=contender, hatch=hatch)
+            axes[1].bar(xs, ttfts, width, label=contender, hatch=hatch)
         for w_index, workload in enumerate(workloads):
-            row = next((r for r in subset if r.workload == workload and r.contender == contender), None)
-            if row is not None:
-                xs.append(w_index + index * width - 0.4 + width / 2)
-                hits.append(row.hit_rate)
-                ttfts.append(row.ttft_p50_ms)
-        hatch = "//" if contender.startswith("vllm-router") else None
-        axes[0].bar(xs, hits, width, label=contender, hatch=hatch)
-        axes[1].bar(xs, ttfts, width, label=contender, hatch=hatch)
-    for w_index, workload in enumerate(workloads):
-        oracle = next(r.oracle for r in subset if r.workload == workload)
-        axes[0].hlines(
-            oracle,
-            w_index - 0.42,
-            w_index + 0.42,
-            colors="black",
-            linestyles="dashed",
-            label="oracle" if w_index == 0 else None,
-        )
-    for axis, title in ((axes[0], "prefix-cache hit rate (replica metrics)"), (axes[1], "TTFT p50 (ms)")):
-        axis.set_xticks(range(len(workloads)), workloads)
-        axis.set_title(f"{title}, {backend}")
-    axes[0].set_ylim(0, 1.05)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, ncol=5, loc="lower center")
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+            oracle = next(r.oracle for r in subset if r.workload == workload)
+            axes[0].hlines(
+                oracle,
+                w_index - 0.42,
+                w_index + 0.42,
+                colors="black",
+                linestyles="dashed",
+                label="oracle" if w_index == 0 else None,
+            )
+        for axis in axes:
+            axis.set_xticks(range(len(workloads)), workloads)
+        axes[0].set_ylim(0, 1.05)
 
 
 # -- main --------------------------------------------------------------------------------------------
@@ -630,19 +615,13 @@ def main(argv: Sequence[str]) -> int:
     costs: list[dict] = []
     for backend in backends:
         asyncio.run(run_backend(args, backend, contenders, rows, costs))
-    with open(args.out / "policies.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
-    with open(args.out / "tokenize.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(costs[0]))
-        writer.writeheader()
-        writer.writerows(costs)
+    write_csv(args.out / "policies.csv", [asdict(r) for r in rows], [f.name for f in fields(Row)])
+    write_csv(args.out / "tokenize.csv", costs)
     (args.out / "policies.md").write_text(summary_table(rows) + "\n" + markdown_table(rows))
     for backend in backends:
         plot(rows, args.out / f"policies-{backend}.png", backend)
     print()
-    print(format_table(rows))
+    print(format_table(TABLE_HEADER, [table_cells(r) for r in rows]))
     print()
     for cost in costs:
         print(
@@ -652,7 +631,7 @@ def main(argv: Sequence[str]) -> int:
     print()
     print("\n".join(verdicts(rows)))
     print(
-        f"\nwrote {args.out}/policies.csv, policies.md, tokenize.csv, "
+        f"\nwrote {shown(args.out)}/policies.csv, policies.md, tokenize.csv, "
         + ", ".join(f"policies-{b}.png" for b in backends)
     )
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import math
 import os
@@ -34,10 +35,12 @@ import aiohttp
 import orjson
 import psutil
 
-from benchmarks.processes import UpPorts, progress, spawn, start_up
+from benchmarks.fleet import CHECKOUT, UpPorts, cpu_seconds, progress, spawn, start_up
+from benchmarks.report import figure, format_table, shown, write_csv
 from dpserve.up.process import terminate
 
-LOCUSTFILE = Path(__file__).resolve().parents[1] / "loadtests" / "locustfile.py"
+LOCUSTFILE = CHECKOUT / "loadtests" / "locustfile.py"
+"""The repository's Locust file, beside benchmarks/ in the checkout (pass --locustfile for another)."""
 POST = "POST"
 WARMUP_PREFIX = "(warmup)"
 USERS_PER_LOAD_PROCESS = 100
@@ -162,30 +165,17 @@ def load_processes_for(args: argparse.Namespace, count: int) -> int:
 # -- CPU accounting ----------------------------------------------------------------------------------
 
 
-def _tree_cpu(process: psutil.Process) -> float:
-    total = 0.0
-    for member in [process, *process.children(recursive=True)]:
-        try:
-            times = member.cpu_times()
-            total += times.user + times.system
-        except psutil.Error:
-            continue
-    return total
-
-
 def cpu_snapshot(stack: Stack, locust: subprocess.Popen[bytes]) -> dict[str, float]:
     """CPU seconds so far: router, replicas (with their children), Locust (with its workers), machine."""
     snapshot = {"router": 0.0, "replicas": 0.0, "locust": 0.0}
     try:
         for child in psutil.Process(stack.process.pid).children():
             role = "router" if " router " in " ".join(child.cmdline()) + " " else "replicas"
-            snapshot[role] += _tree_cpu(child)
+            snapshot[role] += cpu_seconds([child])
     except psutil.Error:
         pass
-    try:
-        snapshot["locust"] = _tree_cpu(psutil.Process(locust.pid))
-    except psutil.Error:
-        pass
+    with contextlib.suppress(psutil.Error):
+        snapshot["locust"] = cpu_seconds([psutil.Process(locust.pid)])
     machine = psutil.cpu_times()
     snapshot["machine"] = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
     snapshot["clock"] = time.monotonic()
@@ -380,13 +370,9 @@ def with_efficiency(rows: list[ScalingRow]) -> list[ScalingRow]:
     return rows
 
 
-def write_csv(rows: Sequence[ScalingRow], path: Path) -> None:
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=[f.name for f in fields(ScalingRow)])
-        writer.writeheader()
-        for row in rows:
-            values = asdict(row)
-            writer.writerow({key: round(v, 4) if isinstance(v, float) else v for key, v in values.items()})
+def save_rows(rows: Sequence[ScalingRow], path: Path) -> None:
+    records = [{key: round(v, 4) if isinstance(v, float) else v for key, v in asdict(row).items()} for row in rows]
+    write_csv(path, records, [f.name for f in fields(ScalingRow)])
 
 
 def load_rows(path: Path) -> list[ScalingRow]:
@@ -425,14 +411,6 @@ def _cells(row: ScalingRow) -> list[str]:
     return [fmt.format(getattr(row, name)) for name, _, fmt in TABLE_COLUMNS]
 
 
-def format_table(rows: Sequence[ScalingRow]) -> str:
-    header = [title for _, title, _ in TABLE_COLUMNS]
-    body = [_cells(row) for row in rows]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in [header, *body]]
-    return "\n".join(lines)
-
-
 def markdown_table(rows: Sequence[ScalingRow]) -> str:
     header = [title for _, title, _ in TABLE_COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
@@ -441,40 +419,29 @@ def markdown_table(rows: Sequence[ScalingRow]) -> str:
 
 
 def plot(rows: Sequence[ScalingRow], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = sorted(rows, key=lambda r: r.replicas)
     counts = [r.replicas for r in rows]
     base = rows[0]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for axis, attribute, title in (
-        (axes[0], "req_per_s", "requests/s"),
-        (axes[1], "output_tok_per_s", "output tokens/s"),
-    ):
-        measured = [getattr(r, attribute) for r in rows]
-        ideal = [getattr(base, attribute) * n / base.replicas for n in counts]
-        axis.plot(counts, ideal, linestyle="dashed", color="grey", label=f"ideal: N x thr({base.replicas})")
-        axis.plot(counts, measured, marker="o", label="measured")
-        for row, value in zip(rows, measured, strict=True):
-            axis.annotate(f"{row.efficiency:.2f}", (row.replicas, value), textcoords="offset points", xytext=(4, -12))
-        axis.set_xticks(counts)
-        axis.set_xlabel("replicas")
-        axis.set_title(title)
-        axis.set_ylim(bottom=0)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8, loc="upper left")
     processes = sorted({r.load_processes for r in rows})
-    fig.suptitle(
+    suptitle = (
         f"dpserve throughput vs replicas: {base.backend}, policy {base.policy}, "
-        f"Locust processes {'/'.join(map(str, processes))} (labels: scaling efficiency)",
-        fontsize=10,
+        f"Locust processes {'/'.join(map(str, processes))} (labels: scaling efficiency)"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    titles = ("requests/s", "output tokens/s")
+    with figure(
+        path, titles, (11, 4.2), xlabel="replicas", grid=True, legend_loc="upper left", suptitle=suptitle
+    ) as axes:
+        for axis, attribute in zip(axes, ("req_per_s", "output_tok_per_s"), strict=True):
+            measured = [getattr(r, attribute) for r in rows]
+            ideal = [getattr(base, attribute) * n / base.replicas for n in counts]
+            axis.plot(counts, ideal, linestyle="dashed", color="grey", label=f"ideal: N x thr({base.replicas})")
+            axis.plot(counts, measured, marker="o", label="measured")
+            for row, value in zip(rows, measured, strict=True):
+                axis.annotate(
+                    f"{row.efficiency:.2f}", (row.replicas, value), textcoords="offset points", xytext=(4, -12)
+                )
+            axis.set_xticks(counts)
+            axis.set_ylim(bottom=0)
 
 
 # -- main --------------------------------------------------------------------------------------------
@@ -531,17 +498,19 @@ def main(argv: Sequence[str]) -> int:
     for count in args.counts:
         rows.append(asyncio.run(measure(args, count, work, out)))
         with_efficiency(rows)
-        write_csv(rows, out / "scaling.csv")  # after every N: a cut-short run keeps what it measured
+        save_rows(rows, out / "scaling.csv")  # after every N: a cut-short run keeps what it measured
     plot(rows, out / "scaling.png")
     table = markdown_table(rows)
     (out / "scaling.md").write_text(table + "\n")
     print()
-    print(format_table(rows))
+    print(format_table([title for _, title, _ in TABLE_COLUMNS], [_cells(row) for row in rows], align="right"))
     largest = max(rows, key=lambda r: r.replicas)
     ideal = largest.req_per_s / largest.efficiency if largest.efficiency else 0.0
     print(
         f"\nscaling efficiency at {largest.replicas} replicas: {largest.efficiency:.3f} "
         f"(req/s {largest.req_per_s:.1f} vs ideal {ideal:.1f})"
     )
-    print(f"wrote scaling.csv, scaling.md, scaling.png in {out}; Locust's CSV and HTML in {out / 'locust'}")
+    print(
+        f"wrote scaling.csv, scaling.md, scaling.png in {shown(out)}; Locust's CSV and HTML in {shown(out / 'locust')}"
+    )
     return 0 if all(row.requests for row in rows) else 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import os
 import signal
 import socket
@@ -27,6 +26,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from benchmarks.fleet import cpu_seconds
+from benchmarks.report import shown, write_csv
 from benchmarks.stats import percentile
 
 BODIES = {
@@ -87,14 +88,6 @@ async def wait_healthy(urls: list[str], timeout_s: float = 120) -> None:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{url} did not start in {timeout_s:.0f}s")
                 await asyncio.sleep(0.1)
-
-
-def cpu_seconds(processes: list[psutil.Process]) -> float:
-    total = 0.0
-    for process in processes:
-        times = process.cpu_times()
-        total += times.user + times.system
-    return total
 
 
 async def drive(urls: list[str], mode: str, connections: int, duration_s: float) -> tuple[list[float], int]:
@@ -202,14 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / "sim_cost.csv"
-    with out_file.open("w", newline="") as handle:
-        fields = [*asdict(rows[0]), "sims", "startup_s", "idle_rss_mib", "idle_cpu_pct_per_sim"]
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        for row in rows:
-            extra = {"sims": args.sims, "startup_s": round(startup_s, 2), "idle_rss_mib": round(rss_mib, 1)}
-            writer.writerow({**asdict(row), **extra, "idle_cpu_pct_per_sim": round(idle_cpu_pct, 3)})
-    print(f"wrote {out_file}")
+    extra = {"sims": args.sims, "startup_s": round(startup_s, 2), "idle_rss_mib": round(rss_mib, 1)}
+    extra["idle_cpu_pct_per_sim"] = round(idle_cpu_pct, 3)
+    write_csv(out_file, [{**asdict(row), **extra} for row in rows])
+    print(f"wrote {shown(out_file)}")
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import itertools
 import os
 import random
@@ -38,7 +37,17 @@ import aiohttp
 import orjson
 import psutil
 
-from benchmarks.processes import UpPorts, get_text, progress, sigterm_unwinds, spawn, stop_all, wait_ok
+from benchmarks.fleet import (
+    UpPorts,
+    get_text,
+    progress,
+    router_command,
+    sigterm_unwinds,
+    spawn,
+    stop_all,
+    wait_ok,
+)
+from benchmarks.report import figure, format_table, shown, write_csv
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.process import log_tail
@@ -280,13 +289,18 @@ def sim_command(args: argparse.Namespace, port: int, kv_endpoint: str) -> list[s
     return [*command, "--tokenizer", args.sim_tokenizer, "--log-level", "warning"]
 
 
-def router_command(policy: str, ports: UpPorts) -> list[str]:
+def soak_router_command(policy: str, ports: UpPorts) -> list[str]:
     port = ports.base + 2 * ports.count  # UpPorts' layout: replicas, their KV-event ports, the router
-    command = [sys.executable, "-m", "dpserve", "router", "--policy", policy, "--port", str(port)]
-    for url, endpoint in zip(ports.replica_urls, ports.kv_endpoints, strict=True):
-        command += ["--replica", url, "--kv-events", f"{url}={endpoint}"]
     # Remote tokens: the router needs no model files; GPU telemetry off: these hosts have none.
-    return [*command, "--tokenizer", "remote", "--gpu-interval", "0", "--log-level", "warning"]
+    return router_command(
+        "dpserve",
+        policy,
+        ports.replica_urls,
+        port,
+        kv_events=ports.kv_endpoints,
+        tokenizer="remote",
+        settings={"gpu_interval_s": 0.0},
+    )
 
 
 def router_env(args: argparse.Namespace) -> dict[str, str]:
@@ -319,7 +333,7 @@ async def soak_policy(
             await wait_started(session, f"{url}/health", processes[-1], log_path)
         # The sims answer before the router starts, so its first probes find every replica healthy.
         log_path = logs / f"{policy}-router.log"
-        router = spawn(router_command(policy, ports), log_path, router_env(args))
+        router = spawn(soak_router_command(policy, ports), log_path, router_env(args))
         processes.append(router)
         await wait_started(session, f"{ports.router_url}/ready", router, log_path)
     await asyncio.sleep(1.0)  # ZMQ subscribers connected: no event lost to a late subscription
@@ -403,12 +417,11 @@ def _cell(value: object) -> str:
 
 def format_series(samples: Sequence[Sample]) -> str:
     header = ("t_s", "requests", "errors", "rss_MiB", "cpu_%", "kv_entries", "kv_evicted", "prefix_chunks", "tokens")
-    lines = [header]
+    lines = []
     for s in samples:
         values = (s.elapsed_s, s.requests, s.errors, s.rss_mib, s.router_cpu_pct, s.kv_entries, s.kv_evicted)
         lines.append(tuple(_cell(v) for v in (*values, s.prefix_chunks, s.token_cache_entries)))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in lines)
+    return format_table(header, lines, align="right")
 
 
 def _bound_text(end: int | None, largest: int | None, bound: int, reached_s: float | None) -> str:
@@ -443,13 +456,6 @@ def verdict_line(s: Summary, threshold_pct: float) -> str:
     return f"{s.policy}: NOT FLAT ({'; '.join(s.problems)})"
 
 
-def write_csv(samples: Sequence[Sample], path: Path) -> None:
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=[f.name for f in fields(Sample)])
-        writer.writeheader()
-        writer.writerows(asdict(s) for s in samples)
-
-
 def known(points: Sequence[tuple[float, int | None]]) -> tuple[list[float], list[int]]:
     """Times and values of the points whose value was read."""
     pairs = [(t, value) for t, value in points if value is not None]
@@ -457,32 +463,22 @@ def known(points: Sequence[tuple[float, int | None]]) -> tuple[list[float], list
 
 
 def plot(samples: Sequence[Sample], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (rss_axis, index_axis) = plt.subplots(1, 2, figsize=(13, 5))
-    for policy in dict.fromkeys(s.policy for s in samples):
-        mine = [s for s in samples if s.policy == policy]
-        times = [s.elapsed_s for s in mine]
-        line = rss_axis.plot(times, [s.rss_mib for s in mine], marker=".", label=policy)[0]
-        entries = known([(s.elapsed_s, s.kv_entries) for s in mine])
-        index_axis.plot(*entries, color=line.get_color(), label=f"{policy}: KV index entries")
-        chunks = known([(s.elapsed_s, s.prefix_chunks) for s in mine])
-        if chunks[0]:
-            index_axis.plot(*chunks, color=line.get_color(), ls="--", label=f"{policy}: prefix index chunks")
-    end = samples[-1]
-    index_axis.axhline(end.kv_bound, color="grey", ls=":", label="KV index bound")
-    if any(s.prefix_chunks is not None for s in samples):
-        index_axis.axhline(end.prefix_bound, color="black", ls=":", label="prefix index bound")
-    rss_axis.set(title="router RSS (MiB)", xlabel="seconds", ylim=(0, None))
-    index_axis.set(title="router index sizes (from /metrics)", xlabel="seconds")
-    rss_axis.legend(fontsize=8)
-    index_axis.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    titles = ("router RSS (MiB)", "router index sizes (from /metrics)")
+    with figure(path, titles, (13, 5), xlabel="seconds") as (rss_axis, index_axis):
+        for policy in dict.fromkeys(s.policy for s in samples):
+            mine = [s for s in samples if s.policy == policy]
+            times = [s.elapsed_s for s in mine]
+            line = rss_axis.plot(times, [s.rss_mib for s in mine], marker=".", label=policy)[0]
+            entries = known([(s.elapsed_s, s.kv_entries) for s in mine])
+            index_axis.plot(*entries, color=line.get_color(), label=f"{policy}: KV index entries")
+            chunks = known([(s.elapsed_s, s.prefix_chunks) for s in mine])
+            if chunks[0]:
+                index_axis.plot(*chunks, color=line.get_color(), ls="--", label=f"{policy}: prefix index chunks")
+        end = samples[-1]
+        index_axis.axhline(end.kv_bound, color="grey", ls=":", label="KV index bound")
+        if any(s.prefix_chunks is not None for s in samples):
+            index_axis.axhline(end.prefix_bound, color="black", ls=":", label="prefix index bound")
+        rss_axis.set_ylim(0, None)
 
 
 # -- main --------------------------------------------------------------------------------------------
@@ -531,7 +527,8 @@ def main(argv: Sequence[str]) -> int:
             summaries.append(summarize(args, mine, counters))
             if counters.kinds:
                 progress(f"{policy}: errors by kind: {dict(counters.kinds)}")
-            write_csv(samples, args.out / "soak.csv")  # after every policy: a cut-short run keeps what it had
+            # After every policy: a cut-short run keeps what it had.
+            write_csv(args.out / "soak.csv", [asdict(s) for s in samples], [f.name for f in fields(Sample)])
     plot(samples, args.out / "soak.png")
     for summary in summaries:
         print(f"\n{summary.policy}:")
@@ -544,5 +541,5 @@ def main(argv: Sequence[str]) -> int:
         print(verdict_line(summary, args.max_growth_pct))
         for note in late_bounds(summary, args.duration):
             print(f"  note: {note}")
-    print(f"\nwrote {args.out / 'soak.csv'}, {args.out / 'soak.png'}")
+    print(f"\nwrote {shown(args.out / 'soak.csv')}, {shown(args.out / 'soak.png')}")
     return 1 if any(s.errors for s in summaries) else 0

@@ -20,7 +20,6 @@ on the same box; they are not absolute capacities.
 import argparse
 import asyncio
 import contextlib
-import csv
 import os
 import selectors
 import shutil
@@ -41,8 +40,9 @@ from typing import Any
 
 import orjson
 
+from benchmarks.fleet import child_env
 from benchmarks.loadgen import die_with_parent, python_command, run_all, write_wrk_script, wrk_command
-from benchmarks.processes import child_env
+from benchmarks.report import format_table, shown, write_csv
 
 HOST = "127.0.0.1"  # loopback only: nothing here should be reachable from outside
 PATH = "/v1/completions"
@@ -488,13 +488,6 @@ def _rows(results: list[Result]) -> list[dict[str, Any]]:
     return rows
 
 
-def _print_table(rows: list[dict[str, Any]]) -> None:
-    widths = {c: max(len(c), *(len(str(row[c])) for row in rows)) for c in COLUMNS}
-    print("  ".join(c.rjust(widths[c]) for c in COLUMNS))
-    for row in rows:
-        print("  ".join(str(row[c]).rjust(widths[c]) for c in COLUMNS))
-
-
 def _raise_on_sigterm(signum: int, _frame: Any) -> None:
     # Turn SIGTERM into an exception so the finally-block stops every child.
     raise KeyboardInterrupt(f"signal {signum}")
@@ -626,15 +619,12 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = _rows(results)
     print()
-    _print_table(rows)
+    print(format_table(COLUMNS, [[row[c] for c in COLUMNS] for row in rows], align="right"))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / "upstream_client.csv"
-    with out_file.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"\nwrote {out_file}")
+    write_csv(out_file, rows, COLUMNS)
+    print(f"\nwrote {shown(out_file)}")
     return 0
 
 
