@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from dpserve.config import Settings
@@ -128,6 +131,46 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--access-log", action="store_true", default=None, dest="access_log")
     parser.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+
+
+# `dpserve bench NAME`: the module under benchmarks/ that runs it. The benchmarks live beside the package in a
+# checkout of the repository and are not installed with it.
+BENCH_MODULES = {
+    "upstream-client": "upstream_client",
+    "sim": "sim_cost",
+    "policies": "policies",
+    "scaling": "scaling",
+    "soak": "soak",
+    "overhead": "overhead",
+}
+NO_BENCHMARKS = (
+    "dpserve bench needs a checkout of the dpserve repository (the benchmarks are not part of the installed "
+    "package): git clone the repository, run `make install` in it and use its .venv/bin/dpserve bench"
+)
+
+
+def benchmarks_dir() -> Path:
+    """Where a checkout keeps the benchmarks: `benchmarks/` beside the `dpserve/` package directory."""
+    import dpserve
+
+    return Path(dpserve.__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_module(name: str) -> ModuleType | None:
+    """`benchmarks.NAME` from the checkout this dpserve runs from; None (and one line on stderr) when this
+    dpserve is an installed package without the benchmarks beside it."""
+    directory = benchmarks_dir()
+    if not (directory / "__init__.py").is_file():
+        print(NO_BENCHMARKS, file=sys.stderr)
+        return None
+    spec = importlib.util.find_spec("benchmarks")
+    found = spec.origin if spec is not None else None
+    if found is None or Path(found).resolve().parent != directory:
+        # Not importable, or another `benchmarks` would be: the checkout's comes first.
+        sys.path.insert(0, str(directory.parent))
+        sys.modules.pop("benchmarks", None)
+        importlib.invalidate_caches()
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,29 +335,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return print_gpus(as_json=args.json)
     if args.command == "bench":
-        if args.bench == "policies":
-            from dpserve.bench.policies import main as policies_main
-
-            return policies_main(rest)
-        if args.bench == "scaling":
-            from dpserve.bench.scaling import main as scaling_main
-
-            return scaling_main(rest)
-        if args.bench == "soak":
-            from dpserve.bench.soak import main as soak_main
-
-            return soak_main(rest)
-        if args.bench == "overhead":
-            from dpserve.bench.overhead import main as overhead_main
-
-            return overhead_main(rest)
-        if args.bench == "sim":
-            from dpserve.bench.sim_cost import main as sim_cost_main
-
-            return sim_cost_main(rest)
-        from dpserve.bench.upstream_client import main as bench_main
-
-        return bench_main(rest)
+        module = benchmark_module(BENCH_MODULES[args.bench])
+        if module is None:
+            return 2
+        status: int = module.main(rest)  # every benchmark's `main(argv) -> int`
+        return status
 
     overrides = _overrides(args)
     if args.command == "sim":

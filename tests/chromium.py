@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpserve.bench.screenshot import find_chromium
+from benchmarks.screenshot import find_chromium
 
 
 def require_chromium() -> None:

@@ -117,16 +117,13 @@ def router_targets(options: ComposeOptions) -> list[RouterTarget]:
     ]
 
 
-def router_command(options: ComposeOptions) -> list[str]:
-    settings = Settings(host="0.0.0.0", port=ROUTER_PORT, policy=var("POLICY", "kv_aware"), insecure=True)
-    return list(router_flags(settings, router_targets(options)))
-
-
 def _router_service(options: ComposeOptions) -> dict[str, Any]:
+    # The container's command: `dpserve up`'s own router flags (router_flags), for the replica services.
+    settings = Settings(host="0.0.0.0", port=ROUTER_PORT, policy=var("POLICY", "kv_aware"), insecure=True)
     return {
         "build": {"context": ".", "dockerfile": ROUTER_DOCKERFILE},
         "image": "dpserve-router",
-        "command": router_command(options),
+        "command": list(router_flags(settings, router_targets(options))),
         # Comma-separated keys from the shell, like HF_TOKEN: never written into .env.
         "environment": {"DPSERVE_API_KEYS": "${API_KEYS:-}", "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}"},
         "ports": [f"{PUBLISH_ADDRESS}:{var('ROUTER_PORT', ROUTER_PORT)}:{ROUTER_PORT}"],

@@ -9,6 +9,7 @@ import psutil
 
 from dpserve.gpu.nvml import Nvml, NvmlUnavailable, load_nvml, open_reader
 from dpserve.gpu.sample import GpuSample
+from dpserve.text_table import format_table
 
 GIB = 2**30
 COMMAND_WIDTH = 80
@@ -32,7 +33,7 @@ def _value(value: float | None, fmt: str) -> str:
 
 def format_gpus(gpus: Sequence[GpuSample], describe: Callable[[int], str] = describe_process) -> str:
     header = ("GPU", "name", "util", "mem util", "memory used / total", "power", "temp", "SM clock")
-    rows: list[tuple[str, ...]] = [header]
+    rows: list[tuple[str, ...]] = []
     notes: list[str] = []
     for gpu in gpus:
         if not gpu.readable:
@@ -62,9 +63,7 @@ def format_gpus(gpus: Sequence[GpuSample], describe: Callable[[int], str] = desc
         for process in gpu.processes:
             used = "-" if process.used_memory_bytes is None else f"{process.used_memory_bytes / GIB:.1f} GiB"
             notes.append(f"  pid {process.pid:>7}  {used:>9}  {describe(process.pid)}")
-    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
-    return "\n".join([*lines, "", *notes])
+    return "\n".join([format_table(header, rows), "", *notes])
 
 
 def print_gpus(as_json: bool = False, load: Callable[[], Nvml] = load_nvml) -> int:

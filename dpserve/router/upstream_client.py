@@ -2,7 +2,7 @@
 
 General-purpose clients spend most of a proxied request's CPU on features the router never uses
 (cookies, redirects, auto headers, payload registries, per-read timeout rescheduling); measured in
-dpserve/bench/README.md. This one does what relaying needs and no more, and what it does follows
+benchmarks/README.md. This one does what relaying needs and no more, and what it does follows
 HTTP/1.1 as httpcore/h11 do (tests/unit/test_upstream_wire.py holds the cases):
 - keep-alive connections pooled per replica, reused only when both sides finished the exchange; an idle
   connection the replica has closed is found before reuse (a readable idle socket is EOF or garbage), and

@@ -11,7 +11,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 import aiohttp
@@ -19,6 +19,7 @@ import aiohttp
 from dpserve.config import Settings
 from dpserve.gpu.nvml import count_nvidia_gpus
 from dpserve.router.access import check_bind, load_keys
+from dpserve.text_table import format_table
 from dpserve.up.plan import (
     PlanError,
     ReplicaPlan,
@@ -38,13 +39,7 @@ class StartupFailed(RuntimeError):
     pass
 
 
-def format_table(rows: Sequence[Sequence[str]]) -> str:
-    header = ("REPLICA", "URL", "DEVICE", "STATE", "PID", "LOG")
-    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in (header, *rows)
-    )
+TABLE_HEADER = ("REPLICA", "URL", "DEVICE", "STATE", "PID", "LOG")
 
 
 class Launcher:
@@ -81,7 +76,7 @@ class Launcher:
                 "(this terminal)",
             )
         )
-        return format_table(rows)
+        return format_table(TABLE_HEADER, rows)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -216,7 +211,7 @@ def _plan(settings: Settings) -> tuple[list[ReplicaPlan], str | None]:
         # The router logs the reason (`no NVIDIA GPU found: ...`) once, as its GPU section's state.
         print("dpserve: no GPU, so vLLM runs on the CPU", flush=True)
     model, served_name = _resolve_model(settings)
-    # Measured (dpserve/bench/README.md): the router's own tokenizer costs far less than a
+    # Measured (benchmarks/README.md): the router's own tokenizer costs far less than a
     # round trip to a replica's /tokenize, so use it whenever the model's files are here.
     tokenizer = model if (Path(model) / "tokenizer.json").is_file() else None
     return plan_replicas(settings, model, served_name, gpus, sorted(os.sched_getaffinity(0))), tokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dpserve.bench.scaling import load_rows
+from benchmarks.scaling import load_rows
 
 pytestmark = pytest.mark.integration
 

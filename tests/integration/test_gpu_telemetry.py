@@ -18,7 +18,7 @@ import httpx
 import pynvml
 import pytest
 
-from dpserve.bench.screenshot import rendered_dom, screenshot
+from benchmarks.screenshot import rendered_dom, screenshot
 from dpserve.config import Settings
 from dpserve.router.app import create_app
 from tests.chromium import require_chromium

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dpserve.bench.decision_time import decision_report
+from benchmarks.decision_time import decision_report
 from dpserve.policies import POLICY_NAMES
 
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from dpserve.bench.scaling import (
+from benchmarks.scaling import (
     ScalingRow,
     histogram_percentile,
     load_processes_for,
     load_rows,
+    save_rows,
     summarize,
     with_efficiency,
-    write_csv,
 )
 
 
@@ -89,7 +89,7 @@ def test_efficiency_is_relative_to_the_smallest_count(tmp_path: Path) -> None:
     assert [round(r.efficiency, 3) for r in rows] == [1.0, 0.95, 0.95]
     # Starting at 2 replicas: thr(N) / (N/2 x thr(2)).
     assert [round(r.efficiency, 3) for r in with_efficiency([_row(2, 20.0), _row(4, 36.0)])] == [1.0, 0.9]
-    write_csv(rows, tmp_path / "scaling.csv")
+    save_rows(rows, tmp_path / "scaling.csv")
     assert load_rows(tmp_path / "scaling.csv") == rows
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dpserve.bench.policy_workloads import (
+from benchmarks.policy_workloads import (
     multi_turn,
     oracle_partitioned,
     oracle_unbounded,

@@ -1,0 +1,246 @@
+"""What the benchmarks share for the fleets they start: free loopback ports, spawning with a log, waiting for
+an endpoint to answer, starting a fleet with `dpserve up`, the routers' command lines (dpserve's, vllm-router's
+and sglang-router's), the CPU time a process tree used, stopping children, and progress lines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import aiohttp
+import psutil
+
+from dpserve.config import Settings
+from dpserve.tiny_model import TINY_MODEL_NAME
+from dpserve.up.launcher import busy_ports
+from dpserve.up.plan import RouterTarget, router_flags
+from dpserve.up.process import terminate
+
+HOST = "127.0.0.1"  # everything the benchmarks start listens on loopback only
+ROUTERS = ("dpserve", "vllm-router", "sglang-router")
+
+BENCHMARKS = Path(__file__).resolve().parent
+CHECKOUT = BENCHMARKS.parent
+"""The repository checkout the benchmarks run from: they are the package `benchmarks/` at its top, beside
+`dpserve/` and `loadtests/`."""
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child that runs a benchmark module (`python -m benchmarks.NAME`): this checkout
+    first on PYTHONPATH, so the child imports the benchmarks and dpserve as this process did, from any directory."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT), env.get("PYTHONPATH")]))
+    return env
+
+
+def port_block(count: int, rng: random.Random) -> int:
+    """The first of `count` consecutive free loopback ports."""
+    for _ in range(200):
+        start = rng.randrange(20000, 60000 - count)
+        if not busy_ports(range(start, start + count)):
+            return start
+    raise RuntimeError("no block of free ports found")
+
+
+def spawn(command: list[str], log_path: Path | None, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    if log_path is None:
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+async def get_text(session: aiohttp.ClientSession, url: str) -> str | None:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            return await resp.text() if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
+async def wait_ok(session: aiohttp.ClientSession, url: str, timeout_s: float, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while await get_text(session, url) is None:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[:4]} exited with {process.returncode} while starting")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready after {timeout_s:.0f}s")
+        await asyncio.sleep(0.5)
+
+
+@dataclass(frozen=True)
+class UpPorts:
+    """Where `dpserve up` puts `count` replicas: replicas, then their KV-event ports, then the router, in
+    one block of free loopback ports."""
+
+    count: int
+    base: int
+
+    @classmethod
+    def free(cls, count: int) -> UpPorts:
+        return cls(count, port_block(2 * count + 1, random.Random()))
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.base + 2 * self.count}"
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.base + i}" for i in range(self.count)]
+
+    @property
+    def kv_endpoints(self) -> list[str]:
+        return [f"tcp://127.0.0.1:{self.base + self.count + i}" for i in range(self.count)]
+
+    def command(self, run_dir: Path, policy: str) -> list[str]:
+        """`dpserve up` on these ports; the caller adds the replicas (`--sim N` or `--replicas N`)."""
+        command = [sys.executable, "-m", "dpserve", "up", "--port", str(self.base + 2 * self.count)]
+        command += ["--base-port", str(self.base), "--kv-events-base-port", str(self.base + self.count)]
+        return [*command, "--run-dir", str(run_dir), "--policy", policy, "--log-level", "warning"]
+
+
+async def start_up(
+    session: aiohttp.ClientSession,
+    ports: UpPorts,
+    command: list[str],
+    log_path: Path,
+    env: dict[str, str],
+    timeout_s: float,
+) -> subprocess.Popen[bytes]:
+    """Run `command` (a `dpserve up`) until its router and every replica answer; stopped if they never do."""
+    process = spawn(command, log_path, env)
+    try:
+        await wait_ok(session, f"{ports.router_url}/ready", timeout_s, process)
+        # /ready answers once one replica is up: wait for all of them.
+        for url in ports.replica_urls:
+            await wait_ok(session, f"{url}/v1/models", timeout_s, process)
+    except BaseException:
+        terminate(process, 60)
+        raise
+    return process
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def stop_all(processes: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """Stop every child, the last started first (a router before its replicas)."""
+    for process in reversed(processes):
+        terminate(process, grace_s)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While the block runs, SIGTERM unwinds like Ctrl-C, so every `finally` stops the children it
+    started. Signal handlers can only be set from the main thread: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# -- the routers -------------------------------------------------------------------------------------
+
+
+def bench_tool(name: str) -> str | None:
+    """A program of the bench extra (vllm-router, py-spy): the one installed beside this Python (its venv, the
+    version pinned in pyproject.toml) first, then one on PATH; None when there is neither."""
+    beside = Path(sys.executable).with_name(name)
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
+def router_command(
+    router: str,
+    policy: str,
+    replicas: Sequence[str],
+    port: int,
+    *,
+    kv_events: Sequence[str] = (),
+    tokenizer: str | None = None,
+    settings: Mapping[str, Any] | None = None,
+    extra: Sequence[str] = (),
+    block_size: int = 16,
+) -> list[str]:
+    """One router (`router`, of ROUTERS) with `policy` over `replicas` (base URLs), listening on HOST:`port`.
+
+    `kv_events`: each replica's KV-event endpoint, in the same order. dpserve subscribes to them all
+    (`--kv-events`); vllm-router only with its kv_aware policy (`--kv-event-source`, with the tiny model's name
+    and `block_size`). dpserve's flags are `dpserve up`'s own (`dpserve.up.plan.router_flags`), from Settings
+    with `settings` (field: value) over the defaults, at log level warning; `extra` comes last, so it wins. The
+    Rust routers also get `port + 1` for Prometheus (sglang-router panics with "Address already in use" when
+    two of anything share its default)."""
+    if router == "dpserve":
+        values = {"policy": policy, "host": HOST, "port": port, "log_level": "warning", **(settings or {})}
+        targets = [
+            RouterTarget(url, None, events)
+            for url, events in zip(replicas, kv_events or [""] * len(replicas), strict=True)
+        ]
+        flags = router_flags(Settings(**values), targets, tokenizer, events=bool(kv_events))
+        return [sys.executable, "-m", "dpserve", "router", *flags, *extra]
+    if router == "vllm-router":
+        command = [bench_tool("vllm-router") or "vllm-router"]
+    elif router == "sglang-router":
+        command = [sys.executable, "-m", "sglang_router.launch_router"]
+    else:
+        raise ValueError(f"unknown router {router!r}, not one of {ROUTERS}")
+    command += ["--worker-urls", *replicas, "--policy", policy, "--host", HOST, "--port", str(port)]
+    command += ["--prometheus-port", str(port + 1), "--log-level", "error"]
+    if router == "vllm-router" and policy == "kv_aware" and kv_events:
+        for url, endpoint in zip(replicas, kv_events, strict=True):
+            command += ["--kv-event-source", f"{url}={endpoint}"]
+        command += ["--kv-event-model", TINY_MODEL_NAME, "--kv-event-block-size", str(block_size)]
+    return [*command, *extra]
+
+
+# -- measuring processes -----------------------------------------------------------------------------
+
+
+def cpu_seconds(processes: Sequence[psutil.Process]) -> float:
+    """User + system CPU seconds so far of these processes and of all their descendants (recursively: a
+    router's or a replica's workers, Locust's worker processes), as psutil reads them now. A process or child
+    that has exited is left out, so take the difference of two readings over a window in which the tree's
+    members stay alive."""
+    total = 0.0
+    for process in processes:
+        try:
+            family = [process, *process.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for member in family:
+            with contextlib.suppress(psutil.Error):
+                times = member.cpu_times()
+                total += times.user + times.system
+    return total
+
+
+def relative_source_paths(text: str, checkout: Path = CHECKOUT) -> str:
+    """A profile's paths without this machine's: the checkout's files relative to it (`dpserve/router/relay.py`),
+    installed packages from `site-packages/`, the standard library from `python3.X/`, and the interpreter in a
+    process's command line as `python`."""
+    path = r"[^\"\s()\\]*"  # up to a quote (JSON's, escaped or not), a space or a bracket
+    text = re.sub(path + r"/site-packages/", "site-packages/", text)
+    text = re.sub(path + r"/lib/(python3\.\d+)/", r"\1/", text)
+    text = re.sub(path + r"/bin/(python[\d.]*)(?=[\s\\\"])", r"\1", text)
+    return text.replace(f"{checkout}{os.sep}", "")

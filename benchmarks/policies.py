@@ -1,0 +1,637 @@
+"""`dpserve bench policies`: prefix-cache hit rate, TTFT, throughput and load spread per routing policy,
+dpserve's and vllm-router's, on the same replicas in the same run.
+
+For each backend (real vLLM CPU replicas, or `dpserve sim` replicas) it starts the replicas once with
+`dpserve up` (KV events on, prefix-cache reset allowed), tokenizes every workload request on a replica
+(the ids vLLM sees) to compute the oracle hit rates, then for each workload and contender: resets every
+replica's prefix cache, starts the contender's router, runs the workload through it, and reads the hit
+rate from the replicas' own `vllm:prefix_cache_hits_total / queries_total` and the request spread from
+their `vllm:request_success_total`. The cache-pressure workload runs on replicas restarted with a small
+KV cache (sized from the workload: the groups' prefixes exceed one replica's cache but fit the fleet's).
+
+Writes `policies.csv`, `tokenize.csv` and one PNG per backend under --out, and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import math
+import os
+import random
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from benchmarks.fleet import UpPorts, get_text, port_block, progress, router_command, spawn, start_up, wait_ok
+from benchmarks.policy_workloads import (
+    BenchRequest,
+    Workload,
+    multi_turn,
+    oracle_partitioned,
+    oracle_unbounded,
+    shared_prefix,
+)
+from benchmarks.report import figure, format_table, shown, write_csv
+from benchmarks.stats import percentile
+from dpserve.kvindex.index import block_keys
+from dpserve.replicas.prometheus_text import parse_samples
+from dpserve.router.prompt_tokens import LocalTokenizer, RemoteTokenizer
+from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+from dpserve.up.process import terminate
+
+DPSERVE_POLICIES = ("kv_aware", "prefix", "session", "least_loaded", "round_robin")
+VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
+WORKLOADS = ("shared_prefix", "cache_pressure", "multi_turn")
+HITS, QUERIES, SUCCESS = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total"
+CACHE_CONFIG = "vllm:cache_config_info"
+
+
+@dataclass(frozen=True)
+class Contender:
+    router: str
+    policy: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.router}:{self.policy}"
+
+
+@dataclass
+class Fleet:
+    backend: str
+    process: subprocess.Popen[bytes]
+    urls: list[str]
+    kv_endpoints: list[str]
+    block_size: int
+    capacity_blocks: int
+    log_path: Path
+
+
+@dataclass
+class Row:
+    backend: str
+    workload: str
+    contender: str
+    requests: int
+    errors: int
+    hit_rate: float
+    oracle: float
+    vs_oracle: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    req_per_s: float
+    max_share: float
+    """Requests on the busiest replica over the fair share (1.0 = perfectly even)."""
+    per_replica: str
+    reasons: str = ""
+    """dpserve's decision reasons (dpserve_routing_decision_reasons_total) over the run."""
+
+
+# -- processes ---------------------------------------------------------------------------------------
+
+
+async def start_fleet(
+    session: aiohttp.ClientSession,
+    args: argparse.Namespace,
+    backend: str,
+    work: Path,
+    num_blocks: int | None,
+    max_model_len: int | None,
+) -> Fleet:
+    count = args.replicas or (2 if backend == "vllm" else 8)
+    ports = UpPorts.free(count)
+    name = f"{backend}-{'small' if num_blocks else 'large'}"
+    run_dir = work / name
+    command = ports.command(run_dir, "round_robin")
+    if max_model_len:
+        command += ["--max-model-len", str(max_model_len)]
+    if backend == "sim":
+        command += ["--sim", str(count), "--", "--block-size", str(args.sim_block_size), "--speed", str(args.sim_speed)]
+        command += ["--num-blocks", str(num_blocks or 1_000_000)]
+    else:
+        command += ["--replicas", str(count), "--cache-dir", str(args.cache_dir)]
+        # Scale-out endpoints: vllm-router's kv_aware reads token ids from /render (403 without them).
+        command += ["--", "--enable-scale-out"]
+        if num_blocks:
+            command += ["--num-gpu-blocks-override", str(num_blocks)]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "up.log"
+    progress(f"starting {count} {backend} replicas ({name}) ...")
+    # Dev mode: vLLM serves POST /reset_prefix_cache only with it (the sim always does).
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    process = await start_up(session, ports, command, log_path, env, 900)
+    urls = ports.replica_urls
+    text = await get_text(session, f"{urls[0]}/metrics") or ""
+    labels = parse_samples(text, {CACHE_CONFIG}).first_labels(CACHE_CONFIG) or {}
+    fleet = Fleet(
+        backend,
+        process,
+        urls,
+        ports.kv_endpoints,
+        int(labels.get("block_size", 16)),
+        int(float(labels.get("num_gpu_blocks", 0) or 0)),
+        log_path,
+    )
+    progress(f"{count} {backend} replicas ready: block size {fleet.block_size}, {fleet.capacity_blocks} blocks each")
+    return fleet
+
+
+def contender_command(
+    contender: Contender, fleet: Fleet, port: int, tokenizer: Path | None, extra: Sequence[str] = ()
+) -> list[str]:
+    """The contender's router over the fleet, with every replica's KV events; `extra` goes to dpserve's only."""
+    if contender.router == "dpserve":
+        return router_command(
+            "dpserve",
+            contender.policy,
+            fleet.urls,
+            port,
+            kv_events=fleet.kv_endpoints,
+            tokenizer=None if tokenizer is None else str(tokenizer),
+            settings={"probe_interval_s": 0.5},
+            extra=extra,
+        )
+    return router_command(
+        contender.router, contender.policy, fleet.urls, port, kv_events=fleet.kv_endpoints, block_size=fleet.block_size
+    )
+
+
+# -- one run -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    ttft_s: float
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes) -> Outcome:
+    started = time.perf_counter()
+    first: float | None = None
+    try:
+        async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return Outcome(False, math.nan)
+            done = False
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                if first is None:
+                    first = time.perf_counter() - started
+                if b'"error"' in line[:40]:
+                    return Outcome(False, math.nan)
+                if line.strip() == b"data: [DONE]":
+                    done = True
+            return Outcome(done, first if first is not None else math.nan)
+    except (aiohttp.ClientError, TimeoutError):
+        return Outcome(False, math.nan)
+
+
+async def drive(router_url: str, workload: Workload, concurrency: int, max_tokens: int) -> tuple[list[Outcome], float]:
+    """Each thread's requests in order; at most `concurrency` in flight; returns outcomes and seconds."""
+    threads: dict[int, list[BenchRequest]] = {}
+    for request in workload.requests:
+        threads.setdefault(request.thread, []).append(request)
+    gate = asyncio.Semaphore(concurrency)
+    outcomes: list[Outcome] = []
+    url = f"{router_url}/v1/chat/completions"
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def thread(requests: list[BenchRequest]) -> None:
+            for request in requests:
+                body = orjson.dumps(request.body(TINY_MODEL_NAME, max_tokens, stream=True))
+                async with gate:
+                    outcomes.append(await _one(session, url, body))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(thread(requests) for requests in threads.values()))
+        return outcomes, time.perf_counter() - started
+
+
+async def replica_counters(session: aiohttp.ClientSession, fleet: Fleet) -> list[tuple[float, float, float]]:
+    counters = []
+    for url in fleet.urls:
+        text = await get_text(session, f"{url}/metrics") or ""
+        samples = parse_samples(text, {HITS, QUERIES, SUCCESS})
+        counters.append(tuple(samples.total(name) or 0.0 for name in (HITS, QUERIES, SUCCESS)))
+    return counters  # type: ignore[return-value]
+
+
+async def decision_reasons(session: aiohttp.ClientSession, router_url: str) -> str:
+    name = "dpserve_routing_decision_reasons_total"
+    samples = parse_samples(await get_text(session, f"{router_url}/metrics") or "", {name})
+    return " ".join(f"{labels.get('reason')}={int(value)}" for labels, value in samples.by_name.get(name, []))
+
+
+async def reset_caches(session: aiohttp.ClientSession, fleet: Fleet) -> None:
+    for url in fleet.urls:
+        for _ in range(50):
+            async with session.post(f"{url}/reset_prefix_cache") as resp:
+                if resp.status == 200:
+                    break
+                await resp.read()
+            await asyncio.sleep(0.2)  # a replica still finishing a request refuses the reset
+        else:
+            raise RuntimeError(f"{url}/reset_prefix_cache kept failing (is VLLM_SERVER_DEV_MODE set?)")
+
+
+async def run_contender(
+    session: aiohttp.ClientSession,
+    args: argparse.Namespace,
+    fleet: Fleet,
+    workload: Workload,
+    name: str,
+    contender: Contender,
+    oracle: float,
+    tokenizer: Path | None,
+) -> Row:
+    await reset_caches(session, fleet)
+    port = port_block(2, random.Random())
+    process = spawn(
+        contender_command(contender, fleet, port, tokenizer, args.dpserve_args.split()), None, dict(os.environ)
+    )
+    router_url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ok(session, f"{router_url}/v1/models", 60, process)
+        await asyncio.sleep(1.0)  # subscribers connected, first probes done
+        before = await replica_counters(session, fleet)
+        outcomes, seconds = await drive(
+            router_url, workload, args.concurrency or (4 if fleet.backend == "vllm" else 16), args.max_tokens
+        )
+        after = await replica_counters(session, fleet)
+        reasons = await decision_reasons(session, router_url) if contender.router == "dpserve" else ""
+    finally:
+        terminate(process, 30)
+    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    served = [a[2] - b[2] for a, b in zip(after, before, strict=True)]
+    ttfts = sorted(o.ttft_s * 1000 for o in outcomes if o.ok)
+    fair = sum(served) / len(served) if served else 0
+    hit_rate = hits / queries if queries else 0.0
+    return Row(
+        backend=fleet.backend,
+        workload=name,
+        contender=contender.label,
+        requests=len(outcomes),
+        errors=sum(1 for o in outcomes if not o.ok),
+        hit_rate=round(hit_rate, 4),
+        oracle=round(oracle, 4),
+        vs_oracle=round(hit_rate / oracle, 3) if oracle else math.nan,
+        ttft_p50_ms=round(percentile(ttfts, 50), 1),
+        ttft_p99_ms=round(percentile(ttfts, 99), 1),
+        req_per_s=round(len(outcomes) / seconds, 2),
+        max_share=round(max(served) / fair, 3) if fair else math.nan,
+        per_replica="/".join(str(int(s)) for s in served),
+        reasons=reasons,
+    )
+
+
+# -- workloads, oracles, sizes -----------------------------------------------------------------------
+
+
+def build_workloads(args: argparse.Namespace, backend: str, replicas: int) -> dict[str, Workload]:
+    groups = args.groups or (4 * replicas)
+    prefix = shared_prefix(groups, args.prompts, args.prefix_words, args.question_words, args.seed)
+    turns = multi_turn(
+        args.conversations or (4 * replicas), args.turns, args.prefix_words, args.question_words, args.seed + 1
+    )
+    return {"shared_prefix": prefix, "cache_pressure": prefix, "multi_turn": turns}
+
+
+async def tokenize_all(session: aiohttp.ClientSession, fleet: Fleet, workloads: Sequence[Workload]) -> None:
+    remote = RemoteTokenizer(session, timeout_s=60)
+    for workload in workloads:
+        for request in workload.requests:
+            if request.token_ids:
+                continue
+            ids = await remote.tokens("chat", {"messages": request.messages}, TINY_MODEL_NAME, fleet.urls[0])
+            if ids is None:
+                raise RuntimeError("could not tokenize a benchmark request on the replica")
+            request.token_ids = ids
+
+
+def pressure_capacity(workload: Workload, block_size: int, replicas: int, concurrency: int, max_tokens: int) -> int:
+    """Blocks per replica: its share of the groups' prefixes plus room for the requests in flight. A perfect
+    partition fits; all the groups' prefixes together do not fit in one replica."""
+    by_group: dict[int, list[BenchRequest]] = {}
+    for request in workload.requests:
+        by_group.setdefault(request.group, []).append(request)
+    prefix_blocks = []
+    for requests in by_group.values():
+        keys = [block_keys(r.token_ids, block_size) for r in requests]
+        shared = 0
+        while all(len(k) > shared and k[shared] == keys[0][shared] for k in keys):
+            shared += 1
+        prefix_blocks.append(shared)
+    per_group = max(prefix_blocks)
+    request_blocks = max(math.ceil((len(r.token_ids) + max_tokens) / block_size) for r in workload.requests)
+    groups_per_replica = math.ceil(len(by_group) / replicas)
+    in_flight = math.ceil(concurrency / replicas) + 1
+    # Each request in flight holds its own blocks beyond the shared prefix (already counted).
+    return groups_per_replica * per_group + in_flight * (request_blocks - per_group + 1) + 1
+
+
+def oracle_for(name: str, workload: Workload, fleet: Fleet, max_tokens: int) -> float:
+    if name == "cache_pressure":
+        return oracle_partitioned(
+            workload.requests, fleet.block_size, len(fleet.urls), fleet.capacity_blocks, max_tokens
+        )
+    return oracle_unbounded(workload.requests, fleet.block_size)
+
+
+# -- tokenizer cost ----------------------------------------------------------------------------------
+
+
+async def tokenizer_cost(session: aiohttp.ClientSession, fleet: Fleet, workload: Workload, model_dir: Path) -> dict:
+    local = LocalTokenizer(model_dir)
+    remote = RemoteTokenizer(session)
+    local_us, remote_us = [], []
+    for request in workload.requests:
+        payload = {"messages": request.messages}
+        t0 = time.perf_counter()
+        ids = local.tokens_now("chat", payload)
+        local_us.append((time.perf_counter() - t0) * 1e6)
+        t0 = time.perf_counter()
+        remote_ids = await remote.tokens("chat", payload, TINY_MODEL_NAME, fleet.urls[0])
+        remote_us.append((time.perf_counter() - t0) * 1e6)
+        if ids != remote_ids:
+            raise RuntimeError("the router's local tokenizer disagrees with the replica's /tokenize")
+    local_us.sort()
+    remote_us.sort()
+    tokens = sum(len(r.token_ids) for r in workload.requests) / len(workload.requests)
+    return {
+        "backend": fleet.backend,
+        "requests": len(workload.requests),
+        "mean_prompt_tokens": round(tokens),
+        "local_p50_us": round(percentile(local_us, 50), 1),
+        "local_p99_us": round(percentile(local_us, 99), 1),
+        "remote_p50_us": round(percentile(remote_us, 50), 1),
+        "remote_p99_us": round(percentile(remote_us, 99), 1),
+    }
+
+
+# -- output ------------------------------------------------------------------------------------------
+
+
+TABLE_HEADER = (
+    "backend",
+    "workload",
+    "contender",
+    "hit",
+    "oracle",
+    "vs_oracle",
+    "ttft_p50",
+    "ttft_p99",
+    "req/s",
+    "max_share",
+    "per_replica",
+    "err",
+)
+
+
+def table_cells(r: Row) -> tuple[str, ...]:
+    return (
+        r.backend,
+        r.workload,
+        r.contender,
+        f"{r.hit_rate:.3f}",
+        f"{r.oracle:.3f}",
+        f"{r.vs_oracle:.2f}",
+        f"{r.ttft_p50_ms:.0f}ms",
+        f"{r.ttft_p99_ms:.0f}ms",
+        f"{r.req_per_s:.1f}",
+        f"{r.max_share:.2f}",
+        r.per_replica,
+        str(r.errors),
+    )
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    lines = [
+        "| backend | workload | contender | hit rate | oracle | of oracle | TTFT p50 | TTFT p99 | req/s | max share |"
+        " requests per replica |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = f"**{r.contender}**" if r.contender == "dpserve:kv_aware" else r.contender
+        lines.append(
+            f"| {r.backend} | {r.workload} | {name} | {r.hit_rate:.3f} | {r.oracle:.3f} | {r.vs_oracle:.2f} | "
+            f"{r.ttft_p50_ms:.0f} ms | {r.ttft_p99_ms:.0f} ms | {r.req_per_s:.1f} | {r.max_share:.2f} | "
+            f"{r.per_replica} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def summary_table(rows: Sequence[Row]) -> str:
+    """Hit rate as a share of the oracle: one row per contender, one column per backend and workload."""
+    columns = list(dict.fromkeys((r.backend, r.workload) for r in rows))
+    contenders = list(dict.fromkeys(r.contender for r in rows))
+    by_key = {(r.backend, r.workload, r.contender): r for r in rows}
+    lines = [
+        "| contender | " + " | ".join(f"{b} {w}" for b, w in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for contender in contenders:
+        cells = []
+        for backend, workload in columns:
+            row = by_key.get((backend, workload, contender))
+            cells.append(f"{row.vs_oracle:.2f}" if row is not None else "")
+        name = f"**{contender}**" if contender == "dpserve:kv_aware" else contender
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def load_rows(path: Path) -> list[Row]:
+    """Rows back from a policies.csv (to redraw the plot or the tables without rerunning)."""
+    types = {name: field.type for name, field in Row.__dataclass_fields__.items()}
+    with open(path, newline="") as handle:
+        return [
+            Row(
+                **{k: (float(v) if types[k] == "float" else int(v) if types[k] == "int" else v) for k, v in rec.items()}
+            )
+            for rec in csv.DictReader(handle)
+        ]
+
+
+def verdicts(rows: Sequence[Row]) -> list[str]:
+    """The issue's criteria, checked on this run's figures."""
+    out = []
+    for backend in sorted({r.backend for r in rows}):
+        for workload in WORKLOADS:
+            subset = [r for r in rows if r.backend == backend and r.workload == workload]
+            ours = next((r for r in subset if r.contender == "dpserve:kv_aware"), None)
+            if ours is None:
+                continue
+            peers = [r for r in subset if r.contender.startswith("vllm-router:")]
+            best_peer = max((r.hit_rate for r in peers), default=0.0)
+            checks = [
+                f"kv_aware/oracle {ours.vs_oracle:.2f} {'>=' if ours.vs_oracle >= 0.95 else '<'} 0.95",
+                f"vs best vllm-router {ours.hit_rate:.3f} {'>=' if ours.hit_rate >= best_peer else '<'} "
+                f"{best_peer:.3f}",
+            ]
+            if workload == "shared_prefix":
+                checks.append(f"max share {ours.max_share:.2f} {'<=' if ours.max_share <= 1.5 else '>'} 1.5")
+            out.append(f"{backend:5} {workload:15} " + "; ".join(checks))
+    return out
+
+
+def plot(rows: Sequence[Row], path: Path, backend: str) -> None:
+    subset = [r for r in rows if r.backend == backend]
+    workloads = [w for w in WORKLOADS if any(r.workload == w for r in subset)]
+    contenders = list(dict.fromkeys(r.contender for r in subset))
+    titles = (f"prefix-cache hit rate (replica metrics), {backend}", f"TTFT p50 (ms), {backend}")
+    with figure(path, titles, (13, 5.4), legend="figure", legend_columns=5, legend_space=0.1) as axes:
+        width = 0.8 / max(1, len(contenders))
+        for index, contender in enumerate(contenders):
+            xs, hits, ttfts = [], [], []
+            for w_index, workload in enumerate(workloads):
+                row = next((r for r in subset if r.workload == workload and r.contender == contender), None)
+                if row is not None:
+                    xs.append(w_index + index * width - 0.4 + width / 2)
+                    hits.append(row.hit_rate)
+                    ttfts.append(row.ttft_p50_ms)
+            hatch = "//" if contender.startswith("vllm-router") else None
+            axes[0].bar(xs, hits, width, label=contender, hatch=hatch)
+            axes[1].bar(xs, ttfts, width, label=contender, hatch=hatch)
+        for w_index, workload in enumerate(workloads):
+            oracle = next(r.oracle for r in subset if r.workload == workload)
+            axes[0].hlines(
+                oracle,
+                w_index - 0.42,
+                w_index + 0.42,
+                colors="black",
+                linestyles="dashed",
+                label="oracle" if w_index == 0 else None,
+            )
+        for axis in axes:
+            axis.set_xticks(range(len(workloads)), workloads)
+        axes[0].set_ylim(0, 1.05)
+
+
+# -- main --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="dpserve bench policies", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--backend", choices=("vllm", "sim", "both"), default="both")
+    parser.add_argument("--replicas", type=int, help="replicas per backend (default: 2 vLLM, 8 sims)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
+    parser.add_argument("--policies", default=",".join(DPSERVE_POLICIES), help="dpserve policies to run")
+    parser.add_argument(
+        "--vllm-router-policies",
+        default=",".join(VLLM_ROUTER_POLICIES),
+        help="vllm-router policies to run (empty: none)",
+    )
+    parser.add_argument("--groups", type=int, help="shared-prefix groups (default 4 per replica)")
+    parser.add_argument("--prompts", type=int, default=6, help="prompts per group")
+    parser.add_argument("--conversations", type=int, help="multi-turn conversations (default 4 per replica)")
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--prefix-words", type=int, default=350, help="words in each group's system prompt")
+    parser.add_argument("--question-words", type=int, default=30)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, help="requests in flight (default: 4 vLLM, 16 sims)")
+    parser.add_argument("--sim-block-size", type=int, default=16)
+    parser.add_argument("--sim-speed", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dpserve-args", default="", help="extra flags for every dpserve router, e.g. tuning")
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/policies"))
+    return parser.parse_args(list(argv))
+
+
+async def run_backend(
+    args: argparse.Namespace, backend: str, contenders: list[Contender], rows: list[Row], costs: list[dict]
+) -> None:
+    replicas = args.replicas or (2 if backend == "vllm" else 8)
+    concurrency = args.concurrency or (4 if backend == "vllm" else 16)
+    workloads = build_workloads(args, backend, replicas)
+    wanted = [w for w in args.workloads.split(",") if w]
+    model_dir = ensure_tiny_model(args.cache_dir)
+    work = Path(tempfile.mkdtemp(prefix="dpserve-bench-policies-"))  # replica logs
+    async with aiohttp.ClientSession() as session:
+        large = [w for w in wanted if w != "cache_pressure"]
+        fleet = await start_fleet(session, args, backend, work, None, None)
+        try:
+            await tokenize_all(session, fleet, list({id(w): w for w in workloads.values()}.values()))
+            costs.append(await tokenizer_cost(session, fleet, workloads["shared_prefix"], model_dir))
+            progress(f"tokenizer cost: {costs[-1]}")
+            for name in large:
+                await _run_workload(session, args, fleet, name, workloads[name], contenders, rows, model_dir)
+        finally:
+            terminate(fleet.process, 60)
+        if "cache_pressure" in wanted:
+            workload = workloads["cache_pressure"]
+            blocks = pressure_capacity(workload, fleet.block_size, replicas, concurrency, args.max_tokens)
+            longest = max(len(r.token_ids) for r in workload.requests) + args.max_tokens
+            max_len = min(blocks * fleet.block_size, 4096, math.ceil(longest / fleet.block_size + 1) * fleet.block_size)
+            small = await start_fleet(session, args, backend, work, blocks, max_len)
+            try:
+                await _run_workload(session, args, small, "cache_pressure", workload, contenders, rows, model_dir)
+            finally:
+                terminate(small.process, 60)
+
+
+async def _run_workload(
+    session: aiohttp.ClientSession,
+    args: argparse.Namespace,
+    fleet: Fleet,
+    name: str,
+    workload: Workload,
+    contenders: list[Contender],
+    rows: list[Row],
+    model_dir: Path,
+) -> None:
+    oracle = oracle_for(name, workload, fleet, args.max_tokens)
+    progress(f"{fleet.backend} {name}: {workload.description}; {len(workload.requests)} requests, oracle {oracle:.3f}")
+    for contender in contenders:
+        row = await run_contender(session, args, fleet, workload, name, contender, oracle, model_dir)
+        rows.append(row)
+        progress(
+            f"  {contender.label:26} hit {row.hit_rate:.3f} ({row.vs_oracle:.2f} of oracle), "
+            f"ttft p50 {row.ttft_p50_ms:.0f} ms, {row.req_per_s:.1f} req/s, spread {row.per_replica}, "
+            f"errors {row.errors}"
+        )
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    contenders = [Contender("dpserve", p) for p in args.policies.split(",") if p]
+    contenders += [Contender("vllm-router", p) for p in args.vllm_router_policies.split(",") if p]
+    backends = ("vllm", "sim") if args.backend == "both" else (args.backend,)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    costs: list[dict] = []
+    for backend in backends:
+        asyncio.run(run_backend(args, backend, contenders, rows, costs))
+    write_csv(args.out / "policies.csv", [asdict(r) for r in rows], [f.name for f in fields(Row)])
+    write_csv(args.out / "tokenize.csv", costs)
+    (args.out / "policies.md").write_text(summary_table(rows) + "\n" + markdown_table(rows))
+    for backend in backends:
+        plot(rows, args.out / f"policies-{backend}.png", backend)
+    print()
+    print(format_table(TABLE_HEADER, [table_cells(r) for r in rows]))
+    print()
+    for cost in costs:
+        print(
+            f"tokens for kv_aware ({cost['backend']}, {cost['mean_prompt_tokens']} tokens/prompt): "
+            f"router-side tokenizer p50 {cost['local_p50_us']} us, replica /tokenize p50 {cost['remote_p50_us']} us"
+        )
+    print()
+    print("\n".join(verdicts(rows)))
+    print(
+        f"\nwrote {shown(args.out)}/policies.csv, policies.md, tokenize.csv, "
+        + ", ".join(f"policies-{b}.png" for b in backends)
+    )
+    return 0

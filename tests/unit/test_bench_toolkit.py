@@ -1,0 +1,103 @@
+"""The benchmarks' shared toolkit: tables, CSV, figures, router commands, CPU time, paths in results."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from benchmarks.fleet import CHECKOUT, bench_tool, cpu_seconds, relative_source_paths, router_command
+from benchmarks.report import figure, format_table, shown, write_csv
+from dpserve.config import Settings
+from dpserve.up.plan import RouterTarget, router_flags
+
+URLS = ["http://127.0.0.1:8100", "http://127.0.0.1:8101"]
+EVENTS = ["tcp://127.0.0.1:8200", "tcp://127.0.0.1:8201"]
+
+
+def test_format_table_aligns_columns_without_trailing_spaces() -> None:
+    assert format_table(("a", "bb"), [(1, "x"), (22, "")]) == "a   bb\n1   x\n22"
+    assert format_table(("a", "bb"), [(1, "x"), (22, "")], align="right") == " a  bb\n 1   x\n22"
+    with pytest.raises(ValueError):
+        format_table(("a",), [], align="centre")
+
+
+def test_write_csv_writes_the_columns_given_or_the_first_rows(tmp_path: Path) -> None:
+    write_csv(tmp_path / "a.csv", [{"x": 1, "y": 2.5}, {"x": 3, "y": ""}])
+    with open(tmp_path / "a.csv", newline="") as handle:
+        assert list(csv.DictReader(handle)) == [{"x": "1", "y": "2.5"}, {"x": "3", "y": ""}]
+    write_csv(tmp_path / "b.csv", [], ["x", "y"])
+    assert (tmp_path / "b.csv").read_bytes() == b"x,y\r\n"
+
+
+def test_figure_draws_titles_and_saves_a_png(tmp_path: Path) -> None:
+    path = tmp_path / "f.png"
+    with figure(path, ("left", "right"), (6, 3), xlabel="x", legend="figure", legend_columns=2) as axes:
+        assert len(axes) == 2
+        axes[0].plot([1, 2], [3, 4], label="one")
+        axes[1].plot([1, 2], [4, 3], label="one")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(RuntimeError), figure(tmp_path / "g.png", ("only",), (3, 3)):
+        raise RuntimeError("a failed drawing saves nothing")
+    assert not (tmp_path / "g.png").exists()
+
+
+def test_dpserves_router_command_is_dpserve_ups_router_flags() -> None:
+    command = router_command(
+        "dpserve", "kv_aware", URLS, 9000, kv_events=EVENTS, tokenizer="remote", settings={"gpu_interval_s": 0.0}
+    )
+    settings = Settings(policy="kv_aware", port=9000, log_level="warning", gpu_interval_s=0.0)
+    targets = [RouterTarget(url, None, events) for url, events in zip(URLS, EVENTS, strict=True)]
+    assert command == [sys.executable, "-m", "dpserve", "router", *router_flags(settings, targets, "remote")]
+    plain = router_command("dpserve", "least_loaded", URLS, 9000, extra=["--retries=0"])
+    assert "--kv-events" not in plain and plain[-1] == "--retries=0"
+
+
+def test_rust_routers_commands() -> None:
+    vllm = router_command("vllm-router", "kv_aware", URLS, 9000, kv_events=EVENTS, block_size=32)
+    assert vllm[0] == (bench_tool("vllm-router") or "vllm-router")
+    assert vllm[vllm.index("--prometheus-port") + 1] == "9001"
+    assert vllm.count("--kv-event-source") == 2 and vllm[-1] == "32"
+    assert "--kv-event-source" not in router_command("vllm-router", "round_robin", URLS, 9000, kv_events=EVENTS)
+    sglang = router_command("sglang-router", "round_robin", URLS, 9000)
+    assert sglang[1:3] == ["-m", "sglang_router.launch_router"]
+    with pytest.raises(ValueError):
+        router_command("nginx", "round_robin", URLS, 9000)
+
+
+def test_cpu_seconds_counts_children_recursively() -> None:
+    spin = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\ntime.sleep(60)"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"]
+    )
+    try:
+        process = psutil.Process(parent.pid)
+        deadline = time.monotonic() + 20
+        while cpu_seconds([process]) - sum(process.cpu_times()[:2]) < 0.5:
+            assert time.monotonic() < deadline, "the grandchild's CPU time was never counted"
+            time.sleep(0.1)
+    finally:
+        for child in psutil.Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+        parent.wait()
+    assert cpu_seconds([process]) == 0.0  # gone: nothing to count, no error
+
+
+def test_results_name_paths_as_the_repository_does(tmp_path: Path) -> None:
+    assert shown(CHECKOUT / "benchmarks" / "results" / "overhead") == "benchmarks/results/overhead"
+    assert shown(tmp_path) == str(tmp_path)
+    text = (
+        f'"file":"{CHECKOUT}/dpserve/router/relay.py" "/x/.venv/lib/python3.11/site-packages/aiohttp/client.py" '
+        '"name":"f (/root/.pyenv/versions/3.11.7/lib/python3.11/asyncio/locks.py:3)" '
+        '"name":"process 7:\\"/x/.venv/bin/python -m dpserve router\\""'
+    )
+    assert relative_source_paths(text) == (
+        '"file":"dpserve/router/relay.py" "site-packages/aiohttp/client.py" "name":"f (python3.11/asyncio/locks.py:3)" '
+        '"name":"process 7:\\"python -m dpserve router\\""'
+    )
