@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "dpserve"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # Lowest first. A module may import its own package and anything in a lower layer, nothing else.
-    ("dpserve.config", "dpserve.disconnect", "dpserve.tiny_model"),  # settings, an ASGI helper, the model builder
+    # Settings, an ASGI helper, the tiny-model builder, terminal tables.
+    ("dpserve.config", "dpserve.disconnect", "dpserve.tiny_model", "dpserve.text_table"),
     ("dpserve.kvindex", "dpserve.gpu"),  # pure data: the KV-block index, NVML samples
     ("dpserve.policies",),  # pure routing decisions
     ("dpserve.replicas",),  # the router's view of replicas: registry, health, probes, KV-event subscribers
@@ -24,7 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dpserve.router",),  # the gateway
     ("dpserve.up",),  # the `dpserve up` supervisor, which starts the router as a child
     ("dpserve.deploy",),  # compose files, dashboards
-    ("dpserve.cli", "dpserve.__main__"),  # the commands
+    ("dpserve.cli",),  # the commands
+    ("dpserve.__main__",),  # python -m dpserve
 )
 
 ROUTER_PATH: tuple[str, ...] = (
@@ -120,10 +122,10 @@ def test_every_module_is_in_a_layer_and_imports_only_downwards() -> None:
         if module == "dpserve":
             continue
         for target in targets:
+            if target == "dpserve":  # the package itself (its location), not a layer
+                continue
             if package_of(target) != package_of(module):
                 packages.setdefault(package_of(module), set()).add(package_of(target))
-            if target == "dpserve":
-                continue
             if layer_of(target) > layer_of(module) or (
                 layer_of(target) == layer_of(module) and package_of(target) != package_of(module)
             ):
