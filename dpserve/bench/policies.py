@@ -43,10 +43,10 @@ from dpserve.bench.policy_workloads import (
 from dpserve.bench.processes import UpPorts, get_text, port_block, progress, spawn, start_up, wait_ok
 from dpserve.bench.stats import percentile
 from dpserve.kvindex.index import block_keys
-from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
-from dpserve.up.process import terminate
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.router.prompt_tokens import LocalTokenizer, RemoteTokenizer
+from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+from dpserve.up.process import terminate
 
 DPSERVE_POLICIES = ("kv_aware", "prefix", "session", "least_loaded", "round_robin")
 VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")

@@ -39,9 +39,9 @@ import orjson
 import psutil
 
 from dpserve.bench.processes import UpPorts, get_text, progress, sigterm_unwinds, spawn, stop_all, wait_ok
+from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.process import log_tail
-from dpserve.replicas.prometheus_text import parse_samples
 
 KV_ENTRIES = "dpserve_kv_index_entries"
 KV_BOUND = "dpserve_kv_index_max_entries"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.deploy.yaml_text import Reset, dump
 from dpserve.replicas.registry import replica_ids
 from dpserve.up.plan import VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
@@ -118,7 +118,7 @@ def router_targets(options: ComposeOptions) -> list[RouterTarget]:
 
 
 def router_command(options: ComposeOptions) -> list[str]:
-    settings = Settings(host="0.0.0.0", port=ROUTER_PORT, policy=var("POLICY", "kv_aware"), insecure=True)
+    settings = RouterSettings(host="0.0.0.0", port=ROUTER_PORT, policy=var("POLICY", "kv_aware"), insecure=True)
     return list(router_flags(settings, router_targets(options)))
 
 
