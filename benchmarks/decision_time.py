@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.kvindex.events import BlockStored
 from dpserve.kvindex.index import KvIndex, block_keys
 from dpserve.kvindex.recent import RecentRoutes
@@ -91,7 +91,7 @@ def _text(prompt: list[int]) -> str:
 
 def _selector(policy_name: str, count: int, seed: int) -> tuple[Selector, list[RequestFeatures]]:
     rng = random.Random(seed)
-    settings = Settings()
+    settings = RouterSettings()
     registry = _fleet(count, rng)
     policy = make_policy(policy_name, random.Random(seed), policy_tuning(settings))
     metrics = RouterMetrics(registry, policy.name)
@@ -153,7 +153,7 @@ def decision_report(
 def format_report(rows: list[dict[str, Any]], counts: Sequence[int], policies: Sequence[str]) -> str:
     """The table, and per policy whether the time stays flat once the fleet outgrows the route sample."""
     micros = {(row["policy"], row["replicas"]): row["us_per_decision"] for row in rows}
-    sample = Settings().route_sample
+    sample = RouterSettings().route_sample
     # The first size the router samples at: from there on a decision must not cost more with more replicas.
     reference = min((count for count in counts if count > sample), default=counts[0])
     width = max(len(name) for name in policies)

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.launcher import busy_ports
 from dpserve.up.plan import RouterTarget, router_flags
@@ -187,7 +187,7 @@ def router_command(
 
     `kv_events`: each replica's KV-event endpoint, in the same order. dpserve subscribes to them all
     (`--kv-events`); vllm-router only with its kv_aware policy (`--kv-event-source`, with the tiny model's name
-    and `block_size`). dpserve's flags are `dpserve up`'s own (`dpserve.up.plan.router_flags`), from Settings
+    and `block_size`). dpserve's flags are `dpserve up`'s own (`dpserve.up.plan.router_flags`), from RouterSettings
     with `settings` (field: value) over the defaults, at log level warning; `extra` comes last, so it wins. The
     Rust routers also get `port + 1` for Prometheus (sglang-router panics with "Address already in use" when
     two of anything share its default)."""
@@ -197,7 +197,7 @@ def router_command(
             RouterTarget(url, None, events)
             for url, events in zip(replicas, kv_events or [""] * len(replicas), strict=True)
         ]
-        flags = router_flags(Settings(**values), targets, tokenizer, events=bool(kv_events))
+        flags = router_flags(RouterSettings(**values), targets, tokenizer, events=bool(kv_events))
         return [sys.executable, "-m", "dpserve", "router", *flags, *extra]
     if router == "vllm-router":
         command = [bench_tool("vllm-router") or "vllm-router"]

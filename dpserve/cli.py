@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings, SimSettings, UpSettings, load_settings
 from dpserve.policies import POLICY_NAMES
 
 
@@ -302,12 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    names = Settings.__dataclass_fields__
-    return {
-        key: tuple(value) if isinstance(value, list) else value
-        for key, value in vars(args).items()
-        if key in names and value is not None
-    }
+    """The flags given, by settings field name (the loader takes those of its group)."""
+    return {key: tuple(value) if isinstance(value, list) else value for key, value in vars(args).items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,19 +341,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sim":
         from dpserve.sim.server import serve_sim
 
-        serve_sim(Settings.load(overrides))
+        serve_sim(load_settings(SimSettings, overrides))
         return 0
     if args.command == "router":
         overrides["replicas"] = tuple(args.replicas)
         overrides["kv_events"] = tuple(args.kv_events or ())
-        settings = Settings.load(overrides)
         from dpserve.router.serve import serve_router
 
-        return serve_router(settings)
+        return serve_router(load_settings(RouterSettings, overrides))
 
     overrides["vllm_args"] = tuple(vllm_args)
-    settings = Settings.load(overrides)
     from dpserve.up.launcher import run_launcher
+
+    settings = load_settings(UpSettings, overrides)
 
     return run_launcher(settings)
 

@@ -1,4 +1,5 @@
-"""One settings object for every dpserve command: defaults < environment (DPSERVE_*) < flags."""
+"""Settings, one group per command (`dpserve router`, `dpserve up`, `dpserve sim`), and the one loader that
+fills any of them: defaults < environment (DPSERVE_<FIELD>) < flags."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ENV_PREFIX = "DPSERVE_"
 
@@ -18,8 +22,9 @@ def default_cache_dir() -> Path:
 
 
 @dataclass(frozen=True)
-class Settings:
-    # Router
+class RouterSettings:
+    """`dpserve router`."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     replicas: tuple[str, ...] = ()
@@ -89,7 +94,19 @@ class Settings:
     """Seconds between NVML samples of every GPU; 0 turns GPU telemetry off."""
     access_log: bool = False
     log_level: str = "info"
-    # Launcher (`dpserve up`)
+
+    @property
+    def routing_policy(self) -> str:
+        if self.policy:
+            return self.policy
+        return "kv_aware" if self.kv_events else "least_loaded"
+
+
+@dataclass(frozen=True)
+class UpSettings:
+    """`dpserve up`: the replicas it starts, and the router it starts in front of them."""
+
+    router: RouterSettings = field(default_factory=RouterSettings)
     num_replicas: int | None = None
     model: str | None = None
     served_model_name: str | None = None
@@ -103,7 +120,19 @@ class Settings:
     vllm_args: tuple[str, ...] = ()
     sim_replicas: int = 0
     """`dpserve up --sim N`: N simulator replicas instead of vLLM."""
-    # Simulator (`dpserve sim`)
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """`dpserve sim`: one simulated vLLM replica."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int = 4096
+    access_log: bool = False
+    log_level: str = "info"
     sim_block_size: int = 16
     sim_num_blocks: int = 8192
     sim_max_num_seqs: int = 256
@@ -117,26 +146,31 @@ class Settings:
     sim_kv_events: str | None = None
     """ZMQ endpoint the sim publishes KV events on, e.g. tcp://127.0.0.1:5557 (none: no events)."""
 
-    @property
-    def routing_policy(self) -> str:
-        if self.policy:
-            return self.policy
-        return "kv_aware" if self.kv_events else "least_loaded"
 
-    @classmethod
-    def load(cls, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Settings:
-        """Build from environment variables and explicit overrides (flags); `None` overrides are unset."""
-        env = os.environ if env is None else env
-        hints = get_type_hints(cls)
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is not None and raw != "":
-                values[f.name] = _coerce(f.name, hints[f.name], raw)
-        for name, value in (overrides or {}).items():
-            if value is not None:
-                values[name] = value
-        return dataclasses.replace(cls(), **values)
+S = TypeVar("S", bound="DataclassInstance")
+
+
+def load_settings(
+    group: type[S], overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> S:
+    """`group` from environment variables and explicit overrides (flags, by field name; `None` is unset
+    and names of other groups are ignored). A group inside a group (`UpSettings.router`) is loaded from
+    the same environment and flags."""
+    env = os.environ if env is None else env
+    overrides = overrides or {}
+    hints = get_type_hints(group)
+    values: dict[str, Any] = {}
+    for f in fields(group):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            values[f.name] = load_settings(hint, overrides, env)
+            continue
+        raw = env.get(ENV_PREFIX + f.name.upper())
+        if raw is not None and raw != "":
+            values[f.name] = _coerce(f.name, hint, raw)
+        if overrides.get(f.name) is not None:
+            values[f.name] = overrides[f.name]
+    return group(**values)
 
 
 def _coerce(name: str, hint: Any, raw: str) -> Any:

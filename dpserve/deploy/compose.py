@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.deploy.yaml_text import Reset, dump
 from dpserve.replicas.registry import replica_ids
 from dpserve.up.plan import VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
@@ -119,7 +119,7 @@ def router_targets(options: ComposeOptions) -> list[RouterTarget]:
 
 def _router_service(options: ComposeOptions) -> dict[str, Any]:
     # The container's command: `dpserve up`'s own router flags (router_flags), for the replica services.
-    settings = Settings(host="0.0.0.0", port=ROUTER_PORT, policy=var("POLICY", "kv_aware"), insecure=True)
+    settings = RouterSettings(host="0.0.0.0", port=ROUTER_PORT, policy=var("POLICY", "kv_aware"), insecure=True)
     return {
         "build": {"context": ".", "dockerfile": ROUTER_DOCKERFILE},
         "image": "dpserve-router",

@@ -27,7 +27,7 @@ from dpserve.policies.session import SessionAffinity
 
 @dataclass(frozen=True, slots=True)
 class PolicyTuning:
-    """The knobs of the affinity policies (from Settings; defaults documented in each policy)."""
+    """The knobs of the affinity policies (from RouterSettings; defaults documented in each policy)."""
 
     kv_weights: KvAwareWeights = field(default_factory=KvAwareWeights)
     guard: BalanceGuard = field(default_factory=BalanceGuard)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.router.errors import OpenAIError
 
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -61,7 +61,7 @@ def read_key_file(path: Path) -> list[str]:
     return keys
 
 
-def load_keys(settings: Settings) -> Keys:
+def load_keys(settings: RouterSettings) -> Keys:
     users = list(settings.api_keys) + (read_key_file(settings.api_key_file) if settings.api_key_file else [])
     admins = list(settings.admin_keys) + (read_key_file(settings.admin_key_file) if settings.admin_key_file else [])
     for key in users + admins:

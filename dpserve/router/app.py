@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.disconnect import ClientGone
 from dpserve.gpu.local_processes import ReplicaProcesses
 from dpserve.gpu.nvml import Nvml, load_nvml
@@ -75,7 +75,7 @@ class RouterState:
     started_at: float
 
 
-def policy_tuning(settings: Settings) -> PolicyTuning:
+def policy_tuning(settings: RouterSettings) -> PolicyTuning:
     return PolicyTuning(
         kv_weights=KvAwareWeights(
             load_weight=settings.kv_load_weight,
@@ -89,12 +89,12 @@ def policy_tuning(settings: Settings) -> PolicyTuning:
     )
 
 
-def admission_for(settings: Settings) -> Admission:
+def admission_for(settings: RouterSettings) -> Admission:
     return Admission(settings.max_in_flight, settings.queue_size, settings.queue_timeout_s)
 
 
 def selector_for(
-    settings: Settings,
+    settings: RouterSettings,
     registry: ReplicaRegistry,
     policy: Policy,
     admission: Admission,
@@ -106,7 +106,7 @@ def selector_for(
     return Selector(registry, policy, admission, metrics, prefixes, rng=rng, sample_size=settings.route_sample)
 
 
-def kv_event_endpoints(settings: Settings, registry: ReplicaRegistry) -> dict[str, str]:
+def kv_event_endpoints(settings: RouterSettings, registry: ReplicaRegistry) -> dict[str, str]:
     """Replica id -> ZMQ endpoint, from `--kv-events URL=ENDPOINT` (the URL must be a known replica)."""
     endpoints: dict[str, str] = {}
     for text in settings.kv_events:
@@ -118,7 +118,7 @@ def kv_event_endpoints(settings: Settings, registry: ReplicaRegistry) -> dict[st
     return endpoints
 
 
-def local_tokenizer(settings: Settings) -> LocalTokenizer | None:
+def local_tokenizer(settings: RouterSettings) -> LocalTokenizer | None:
     """The model's tokenizer in the router, when `--tokenizer` names a directory that has one."""
     if not settings.tokenizer or settings.tokenizer == "remote":
         return None
@@ -128,7 +128,7 @@ def local_tokenizer(settings: Settings) -> LocalTokenizer | None:
     return LocalTokenizer(path)
 
 
-def gpu_sampler(settings: Settings, registry: ReplicaRegistry, nvml: Callable[[], Nvml]) -> GpuSampler | None:
+def gpu_sampler(settings: RouterSettings, registry: ReplicaRegistry, nvml: Callable[[], Nvml]) -> GpuSampler | None:
     """NVML sampling, with each GPU tied to its replica by hint or, for replicas on this host, by process."""
     if settings.gpu_interval_s <= 0:
         return None
@@ -142,7 +142,7 @@ def gpu_sampler(settings: Settings, registry: ReplicaRegistry, nvml: Callable[[]
     return GpuSampler(nvml, settings.gpu_interval_s, clues=clues)
 
 
-def upstream_deadlines(settings: Settings) -> Deadlines:
+def upstream_deadlines(settings: RouterSettings) -> Deadlines:
     return Deadlines(
         connect_s=settings.connect_timeout_s,
         write_s=settings.write_timeout_s,
@@ -151,7 +151,7 @@ def upstream_deadlines(settings: Settings) -> Deadlines:
     )
 
 
-def health_rules(settings: Settings) -> HealthRules:
+def health_rules(settings: RouterSettings) -> HealthRules:
     return HealthRules(
         fail_threshold=settings.fail_threshold,
         rise_threshold=settings.rise_threshold,
@@ -174,7 +174,7 @@ def _document_proxied(app: FastAPI) -> None:
 
 
 def create_app(
-    settings: Settings,
+    settings: RouterSettings,
     *,
     registry: ReplicaRegistry | None = None,
     policy: Policy | None = None,

@@ -12,14 +12,14 @@ from types import FrameType
 import prometheus_client
 import uvicorn
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.router.access import check_bind, load_keys
 from dpserve.router.app import create_app
 from dpserve.router.http_protocol import bounded_protocol
 from dpserve.router.shutdown import Shutdown
 
 
-def serve_router(settings: Settings) -> int:
+def serve_router(settings: RouterSettings) -> int:
     """Serves until stopped; 2 with one line on stderr when the settings are wrong."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Process-wide switch (hence here, not in the app factory): no `*_created` series per counter.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import uvicorn
 from starlette.applications import Starlette
 
-from dpserve.config import Settings
+from dpserve.config import SimSettings
 from dpserve.sim.api import SimApi, SimModel
 from dpserve.sim.cache import PrefixCache
 from dpserve.sim.engine import LatencyModel, SimEngine
@@ -43,11 +43,11 @@ class Simulator:
         return app
 
 
-def sim_model_name(settings: Settings) -> str:
+def sim_model_name(settings: SimSettings) -> str:
     return settings.served_model_name or settings.model or TINY_MODEL_NAME
 
 
-def build_simulator(settings: Settings) -> Simulator:
+def build_simulator(settings: SimSettings) -> Simulator:
     name = sim_model_name(settings)
     cache = PrefixCache(settings.sim_num_blocks, settings.sim_block_size)
     latency = LatencyModel(
@@ -73,7 +73,7 @@ def build_simulator(settings: Settings) -> Simulator:
     return Simulator(api, publisher)
 
 
-def serve_sim(settings: Settings) -> None:
+def serve_sim(settings: SimSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     simulator = build_simulator(settings)
     log.info(

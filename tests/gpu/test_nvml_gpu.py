@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.gpu.local_processes import ReplicaProcesses
 from dpserve.gpu.nvml import NvmlReader, count_nvidia_gpus, load_nvml
 from dpserve.gpu.placement import ReplicaClue
@@ -117,7 +117,7 @@ async def test_router_reports_the_gpu_of_its_replica(busy_replica: tuple[str, su
         plain,
         _,
     ):
-        app = create_app(Settings(replicas=(url, plain), gpu_interval_s=0.2, probe_interval_s=0.5))
+        app = create_app(RouterSettings(replicas=(url, plain), gpu_interval_s=0.2, probe_interval_s=0.5))
         async with serving(app, "warning") as router, httpx.AsyncClient(base_url=router, timeout=30) as client:
             body = {"prompt": "hello", "max_tokens": 64}
             streams = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(6)]

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.deploy import grafana
 from dpserve.deploy.env_file import read_env_file
 from dpserve.deploy.yaml_text import load
@@ -141,7 +141,7 @@ def test_vllm_accepts_the_replica_commands_of_both_files() -> None:
 async def test_dashboard_queries_read_series_the_router_and_vllm_export(fleet: Fleet) -> None:
     """Every dpserve_* and vllm:* name in the Grafana dashboard is exported: by the router (GPUs faked at
     NVML, so the GPU gauges exist) and by a real vLLM CPU replica after a few requests."""
-    settings = Settings(replicas=tuple(fleet.replica_urls), probe_interval_s=0.2, gpu_interval_s=0.05)
+    settings = RouterSettings(replicas=tuple(fleet.replica_urls), probe_interval_s=0.2, gpu_interval_s=0.05)
     async with serving(create_app(settings, nvml=two_gpus)) as url, httpx.AsyncClient(timeout=60) as client:
         for _ in range(40):
             if (await client.get(f"{url}/ready")).status_code == 200:

@@ -19,7 +19,7 @@ import pynvml
 import pytest
 
 from benchmarks.screenshot import rendered_dom, screenshot
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.router.app import create_app
 from tests.chromium import require_chromium
 from tests.conftest import free_port, serving
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.integration
 
 @contextlib.asynccontextmanager
 async def in_process_router(specs: list[str], nvml: FakeNvml) -> AsyncIterator[str]:
-    settings = Settings(replicas=tuple(specs), policy="round_robin", probe_interval_s=0.2, gpu_interval_s=0.05)
+    settings = RouterSettings(replicas=tuple(specs), policy="round_robin", probe_interval_s=0.2, gpu_interval_s=0.05)
     async with serving(create_app(settings, nvml=lambda: nvml)) as url:
         yield url
 

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from fastapi import FastAPI
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.router.app import create_app
 from tests.conftest import free_port, serving
 
@@ -89,7 +89,7 @@ async def running(
         await web.TCPSite(runner, "127.0.0.1", port).start()
         replica.url = f"http://127.0.0.1:{port}"
         runners.append(runner)
-    settings = Settings(
+    settings = RouterSettings(
         replicas=(*[r.url for r in replicas], *extra_urls), policy=policy, probe_interval_s=0.2, **overrides
     )
     app = create_app(settings)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dpserve.config import Settings
+from dpserve.config import RouterSettings, load_settings
 from dpserve.router.access import Access, Keys, authorize, check_bind, load_keys, required_access
 
 KEYS = Keys(users=(b"user-key-1", b"user-key-2"), admins=(b"admin-key-1",))
@@ -71,24 +71,25 @@ def test_a_401_is_openai_shaped_and_asks_for_a_bearer_token() -> None:
 def test_keys_come_from_flags_and_files(tmp_path: Path) -> None:
     users = tmp_path / "keys"
     users.write_text("# team A\nfile-key-0001\n\n  file-key-0002  \n")
-    keys = load_keys(Settings(api_keys=("flag-key-0001",), api_key_file=users, admin_keys=("admin-key-01",)))
+    keys = load_keys(RouterSettings(api_keys=("flag-key-0001",), api_key_file=users, admin_keys=("admin-key-01",)))
     assert keys.users == (b"flag-key-0001", b"file-key-0001", b"file-key-0002")
     assert keys.admins == (b"admin-key-01",) and keys.enabled
-    assert not load_keys(Settings()).enabled
+    assert not load_keys(RouterSettings()).enabled
 
 
 def test_bad_keys_and_key_files_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="8 characters"):
-        load_keys(Settings(api_keys=("short",)))
+        load_keys(RouterSettings(api_keys=("short",)))
     with pytest.raises(ValueError, match="cannot read"):
-        load_keys(Settings(api_key_file=tmp_path / "missing"))
+        load_keys(RouterSettings(api_key_file=tmp_path / "missing"))
     (tmp_path / "empty").write_text("# nothing\n")
     with pytest.raises(ValueError, match="no key"):
-        load_keys(Settings(admin_key_file=tmp_path / "empty"))
+        load_keys(RouterSettings(admin_key_file=tmp_path / "empty"))
 
 
 def test_keys_from_the_environment() -> None:
-    settings = Settings.load(env={"DPSERVE_API_KEYS": "env-key-0001,env-key-0002", "DPSERVE_INSECURE": "1"})
+    env = {"DPSERVE_API_KEYS": "env-key-0001,env-key-0002", "DPSERVE_INSECURE": "1"}
+    settings = load_settings(RouterSettings, env=env)
     assert settings.api_keys == ("env-key-0001", "env-key-0002") and settings.insecure
     assert "env-key" not in repr(settings)  # keys never reach logs through the settings' repr
 

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.fleet import CHECKOUT, bench_tool, cpu_seconds, relative_source_paths, router_command
 from benchmarks.report import figure, format_table, shown, write_csv
-from dpserve.config import Settings
+from dpserve.config import RouterSettings
 from dpserve.up.plan import RouterTarget, router_flags
 
 URLS = ["http://127.0.0.1:8100", "http://127.0.0.1:8101"]
@@ -51,7 +51,7 @@ def test_dpserves_router_command_is_dpserve_ups_router_flags() -> None:
     command = router_command(
         "dpserve", "kv_aware", URLS, 9000, kv_events=EVENTS, tokenizer="remote", settings={"gpu_interval_s": 0.0}
     )
-    settings = Settings(policy="kv_aware", port=9000, log_level="warning", gpu_interval_s=0.0)
+    settings = RouterSettings(policy="kv_aware", port=9000, log_level="warning", gpu_interval_s=0.0)
     targets = [RouterTarget(url, None, events) for url, events in zip(URLS, EVENTS, strict=True)]
     assert command == [sys.executable, "-m", "dpserve", "router", *router_flags(settings, targets, "remote")]
     plain = router_command("dpserve", "least_loaded", URLS, 9000, extra=["--retries=0"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dpserve.cli import build_parser
-from dpserve.config import Settings
+from dpserve.config import RouterSettings, UpSettings, load_settings
 from dpserve.up.launcher import busy_ports
 from dpserve.up.plan import PlanError, plan_replicas, plan_sims, router_argv, router_env, split_cores
 
@@ -20,7 +20,7 @@ def test_split_cores_disjoint_and_covering() -> None:
 
 
 def test_cpu_plan_defaults_to_two_pinned_replicas_with_prefix_caching_and_kv_events() -> None:
-    plans = plan_replicas(Settings(base_port=9100, kv_events_base_port=6000), "/m", "tiny", 0, [0, 1])
+    plans = plan_replicas(UpSettings(base_port=9100, kv_events_base_port=6000), "/m", "tiny", 0, [0, 1])
     assert [p.id for p in plans] == ["r0", "r1"]
     assert [p.url for p in plans] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
     assert [p.cpus for p in plans] == [(0,), (1,)]
@@ -36,30 +36,30 @@ def test_cpu_plan_defaults_to_two_pinned_replicas_with_prefix_caching_and_kv_eve
 
 
 def test_gpu_plan_is_one_replica_per_gpu() -> None:
-    plans = plan_replicas(Settings(), "org/model", None, 4, [0, 1])
+    plans = plan_replicas(UpSettings(), "org/model", None, 4, [0, 1])
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["0", "1", "2", "3"]
     assert [p.device for p in plans] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert all(p.cpus is None for p in plans)
     assert "--served-model-name" not in plans[0].argv
     # CUDA's order made NVML's, so the router's `@gpu=N` names the GPU the replica's CUDA sees.
     assert all(p.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for p in plans)
-    args = build_parser().parse_args(list(router_argv(Settings(gpu_interval_s=0.5), plans)[3:]))
+    args = build_parser().parse_args(list(router_argv(UpSettings(RouterSettings(gpu_interval_s=0.5)), plans)[3:]))
     assert args.replicas == [f"http://127.0.0.1:{8100 + i}@gpu={i}" for i in range(4)]
     assert args.gpu_interval_s == 0.5
     with pytest.raises(PlanError, match="more replicas than the 4 GPUs"):
-        plan_replicas(Settings(num_replicas=5), "org/model", None, 4, [0])
+        plan_replicas(UpSettings(num_replicas=5), "org/model", None, 4, [0])
 
 
 def test_extra_vllm_flags_pass_through_and_win() -> None:
     extra = ("--served-model-name=mine", "--no-enable-prefix-caching", "--max-model-len", "512", "--seed", "3")
-    argv = plan_replicas(Settings(vllm_args=extra), "/m", "tiny", 0, [0, 1])[0].argv
+    argv = plan_replicas(UpSettings(vllm_args=extra), "/m", "tiny", 0, [0, 1])[0].argv
     assert argv[-len(extra) :] == extra
     assert "tiny" not in argv and "--enable-prefix-caching" not in argv
     assert argv.count("--max-model-len") == 1
 
 
 def test_sim_plan_runs_dpserve_sim_with_kv_events_and_passes_extra_flags() -> None:
-    settings = Settings(sim_replicas=3, base_port=9100, kv_events_base_port=6000, vllm_args=("--speed", "0"))
+    settings = UpSettings(sim_replicas=3, base_port=9100, kv_events_base_port=6000, vllm_args=("--speed", "0"))
     plans = plan_sims(settings, "tiny")
     assert [p.url for p in plans] == [f"http://127.0.0.1:{9100 + i}" for i in range(3)]
     assert all(p.device == "sim" and p.cpus is None for p in plans)
@@ -68,11 +68,12 @@ def test_sim_plan_runs_dpserve_sim_with_kv_events_and_passes_extra_flags() -> No
     args = build_parser().parse_args(list(argv[3:]))
     assert (args.port, args.model, args.sim_kv_events, args.sim_speed) == (9102, "tiny", "tcp://127.0.0.1:6002", 0.0)
     with pytest.raises(PlanError):
-        plan_sims(Settings(sim_replicas=0), "tiny")
+        plan_sims(UpSettings(sim_replicas=0), "tiny")
 
 
 def test_router_argv_is_the_public_router_command() -> None:
-    settings = Settings(policy="round_robin", port=8123, access_log=True, sim_replicas=2, base_port=9100)
+    router = RouterSettings(policy="round_robin", port=8123, access_log=True)
+    settings = UpSettings(router, sim_replicas=2, base_port=9100)
     argv = router_argv(settings, plan_sims(settings, "tiny"), tokenizer="/models/tiny")
     assert argv[:4] == (sys.executable, "-m", "dpserve", "router")
     args = build_parser().parse_args(list(argv[3:]))
@@ -86,8 +87,7 @@ def test_router_argv_is_the_public_router_command() -> None:
 
 def test_router_argv_carries_reliability_flags_and_keys_go_through_the_environment(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
-    settings = Settings(
-        sim_replicas=1,
+    router = RouterSettings(
         api_keys=("secret-user-key",),
         admin_keys=("secret-admin-key",),
         api_key_file=keys,
@@ -98,24 +98,25 @@ def test_router_argv_carries_reliability_flags_and_keys_go_through_the_environme
         shutdown_grace_s=7.0,
         insecure=True,
     )
+    settings = UpSettings(router, sim_replicas=1)
     argv = router_argv(settings, plan_sims(settings, "tiny"))
     assert not any("secret" in arg for arg in argv)  # `ps` shows argv to every user of the machine
     args = build_parser().parse_args(list(argv[3:]))
     assert (args.max_in_flight, args.queue_timeout_s, args.fail_threshold) == (8, 2.5, 4)
     assert args.kv_index_max_entries == 5000
     assert (args.shutdown_grace_s, args.insecure, args.api_key_file) == (7.0, True, keys)
-    env = router_env(settings)
+    env = router_env(settings.router)
     assert env == {"DPSERVE_API_KEYS": "secret-user-key", "DPSERVE_ADMIN_KEYS": "secret-admin-key"}
-    assert Settings.load(env=env).api_keys == ("secret-user-key",)
-    assert router_env(Settings()) == {}
+    assert load_settings(RouterSettings, env=env).api_keys == ("secret-user-key",)
+    assert router_env(RouterSettings()) == {}
 
 
 def test_router_argv_leaves_the_policy_default_and_events_to_what_is_known() -> None:
-    settings = Settings(sim_replicas=1, vllm_args=("--kv-events-config", "{}"))
+    settings = UpSettings(sim_replicas=1, vllm_args=("--kv-events-config", "{}"))
     args = build_parser().parse_args(list(router_argv(settings, plan_sims(settings, "tiny"))[3:]))
     assert (args.policy, args.kv_events, args.tokenizer) == (None, None, None)
-    assert Settings().routing_policy == "least_loaded"
-    assert Settings(kv_events=("u=tcp://h:1",)).routing_policy == "kv_aware"
+    assert RouterSettings().routing_policy == "least_loaded"
+    assert RouterSettings(kv_events=("u=tcp://h:1",)).routing_policy == "kv_aware"
 
 
 def test_busy_ports_finds_a_port_something_listens_on() -> None:

@@ -9,14 +9,14 @@ import orjson
 import pytest
 from starlette.testclient import TestClient
 
-from dpserve.config import Settings
+from dpserve.config import SimSettings
 from dpserve.sim.server import build_simulator
 from dpserve.sim.tokenizer import FastTokenizer, TinyTokenizer
 
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    settings = Settings(sim_speed=0, sim_num_blocks=64, sim_block_size=16, max_model_len=2048)
+    settings = SimSettings(sim_speed=0, sim_num_blocks=64, sim_block_size=16, max_model_len=2048)
     with TestClient(build_simulator(settings).app()) as test_client:
         yield test_client
 
@@ -103,7 +103,7 @@ def test_tokenizers_are_deterministic_across_instances() -> None:
 
 
 def test_fast_tokenizer_serves_chat_and_tokenize() -> None:
-    settings = Settings(sim_speed=0, sim_tokenizer="fast")
+    settings = SimSettings(sim_speed=0, sim_tokenizer="fast")
     with TestClient(build_simulator(settings).app()) as fast:
         chat = fast.post(
             "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
