@@ -198,7 +198,7 @@ class Dispatcher:
         self._metrics = metrics
         self._retry = retry
         self._admission = admission
-        self._open_streams = open_streams or OpenStreams()
+        self._open_streams = open_streams if open_streams is not None else OpenStreams()
         self._rng = rng or random.Random()
         self._clock = clock
 
