@@ -28,7 +28,6 @@ from dpserve.policies import POLICY_NAMES, PrefixMatch, PrefixSource, RequestFea
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.app import admission_for, policy_tuning, selector_for
 from dpserve.router.metrics import RouterMetrics
-from dpserve.router.prefix_lookup import PrefixLookup
 from dpserve.router.selection import Selector
 
 MODEL = "dpserve-tiny"
@@ -107,8 +106,9 @@ def _selector(policy_name: str, count: int, seed: int) -> tuple[Selector, list[R
                 kv_index.store(holder, BlockStored(hashes, None, tuple(prompt), BLOCK_SIZE))
             if text_index is not None:
                 text_index.record(text_keys(f"{MODEL}\0{_text(prompt)}"), holder)
-    prefixes = PrefixLookup(metrics, kv_index, text_index, recent)
-    selector = selector_for(settings, registry, policy, admission_for(settings), metrics, prefixes, random.Random(seed))
+    admission = admission_for(settings)
+    indexes = (kv_index, text_index, recent)
+    selector = selector_for(settings, registry, policy, admission, metrics, *indexes, rng=random.Random(seed))
     return selector, [_features(policy_name, prompts, i) for i in range(PROMPTS * 2)]
 
 

@@ -46,11 +46,10 @@ from dpserve.router.errors import CLIENT_CLOSED, OpenAIError, bad_request, statu
 from dpserve.router.features import FeatureBuilder
 from dpserve.router.gpu_metrics import GpuCollector
 from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
-from dpserve.router.prefix_lookup import PrefixLookup
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
 from dpserve.router.proxied_endpoints import ProxiedEndpoints, Relaying, proxied_openapi_paths
 from dpserve.router.proxied_paths import HotPath, ProxiedPaths
-from dpserve.router.selection import Selector
+from dpserve.router.selection import PrefixLookup, Selector
 from dpserve.router.shutdown import Shutdown
 from dpserve.router.stored_responses import ResponseOwners
 from dpserve.router.upstream_client import Deadlines, UpstreamPool
@@ -99,10 +98,15 @@ def selector_for(
     policy: Policy,
     admission: Admission,
     metrics: RouterMetrics,
-    prefixes: PrefixLookup,
+    kv_index: KvIndex | None,
+    text_index: TextPrefixIndex | None,
+    recent: RecentRoutes | None,
     rng: random.Random | None = None,
 ) -> Selector:
-    """How the router chooses replicas (also what `benchmarks/decision_time.py` times)."""
+    """How the router chooses replicas (also what `benchmarks/decision_time.py` times); the prefix lookup
+    only for a policy that reads prefixes."""
+    reads_prefix = policy.needs & {Need.KV_PREFIX, Need.TEXT_PREFIX}
+    prefixes = PrefixLookup(metrics, kv_index, text_index, recent) if reads_prefix else None
     return Selector(registry, policy, admission, metrics, prefixes, rng=rng, sample_size=settings.route_sample)
 
 
@@ -218,8 +222,7 @@ def create_app(
             tokenizer: PromptTokenizer = local or RemoteTokenizer(control)
             tokens = TokenCache(tokenizer, settings.token_cache_entries)
         recent = RecentRoutes(time.monotonic, settings.recent_route_ttl_s) if tokens is not None else None
-        prefixes = PrefixLookup(metrics, kv_index, text_index, recent)
-        selector = selector_for(settings, registry, policy, admission, metrics, prefixes, rng)
+        selector = selector_for(settings, registry, policy, admission, metrics, kv_index, text_index, recent, rng)
         retry = RetryRules(settings.retries, settings.retry_backoff_s)
         dispatcher = Dispatcher(registry, selector, hot, metrics, retry, admission, open_streams, rng=rng)
         features = FeatureBuilder(policy.needs, registry, metrics, kv_index, text_index, tokens)

@@ -2,7 +2,7 @@
 
 Only what the policy declares it needs is computed (`Policy.needs`), so round robin and least loaded
 pay nothing for tokenization. Which replica holds how much of the prefix is read later, at decision
-time (`prefix_lookup.py`); the policy that consumes the result stays a pure function.
+time (`selection.py`); the policy that consumes the result stays a pure function.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class FeatureBuilder:
             return None
         keys = block_keys(tokens, block_size)
         self._metrics.prompt_tokens.inc(len(tokens))
-        # Matches are read at decision time (`PrefixLookup.match`): requests tokenized side by side must see
+        # Matches are read at decision time (`selection.PrefixLookup.match`): requests tokenized side by side must see
         # each other's routing, so the index is not read here.
         return PrefixMatch(PrefixSource.KV_EVENTS, len(keys), block_size, keys=tuple(keys))
 

@@ -14,10 +14,10 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from dpserve.disconnect import ClientGone
 from dpserve.policies.base import RequestFeatures
@@ -42,7 +42,14 @@ from dpserve.router.errors import (
 )
 from dpserve.router.features import SESSION_HEADER, FeatureBuilder
 from dpserve.router.metrics import RouterMetrics
-from dpserve.router.request_body import parse_body, parse_form, read_limited, request_schema, with_model
+from dpserve.router.request_body import (
+    body_chunks,
+    parse_body,
+    parse_form,
+    read_limited,
+    request_schema,
+    with_model,
+)
 from dpserve.router.stored_responses import ResponseOwners, id_of_answer, id_of_stream
 from dpserve.router.upstream_client import InvalidHeader, check_header
 
@@ -182,13 +189,13 @@ class _Exchange:
         path = upstream_path(self.scope)
         if endpoint.body is BodyKind.NONE:
             # Nothing to relay (a replica ignores a body here too), but read it so the connection stays usable.
-            await read_limited(headers, _body_chunks(self.receive), state.max_body_bytes)
+            await read_limited(headers, body_chunks(self.receive), state.max_body_bytes)
             del upstream_headers["content-type"]
             stream = endpoint.method == "GET" and b"stream=true" in self.scope.get("query_string", b"")
             features = RequestFeatures(endpoint.name, "", stream)
             response_id = path_response_id(endpoint)
             return _Prepared(features, Outbound(endpoint.method, path, b"", upstream_headers), response_id)
-        raw = await read_limited(headers, _body_chunks(self.receive), state.max_body_bytes)
+        raw = await read_limited(headers, body_chunks(self.receive), state.max_body_bytes)
         if endpoint.body is BodyKind.FORM:
             content_type = headers.get("content-type")
             parsed = parse_form(raw, content_type, endpoint)
@@ -373,16 +380,6 @@ def read_headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
         if name in _READ_HEADERS:
             found.setdefault(name.decode("latin-1"), value.decode("latin-1"))
     return found
-
-
-async def _body_chunks(receive: Receive) -> AsyncIterator[bytes]:
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        yield message.get("body", b"")
-        if not message.get("more_body", False):
-            return
 
 
 async def _send_error(send: Send, error: OpenAIError, request_id: str) -> None:

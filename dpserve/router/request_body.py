@@ -10,6 +10,7 @@ import orjson
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect
+from starlette.types import Message, Receive
 
 from dpserve.disconnect import ClientGone
 from dpserve.router.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, Endpoint
@@ -22,6 +23,17 @@ class ParsedBody:
     raw: bytes
     model: str | None
     stream: bool
+
+
+async def body_chunks(receive: Receive) -> AsyncIterator[bytes]:
+    """An ASGI request's body as it arrives; ClientGone when the client leaves first."""
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
+            return
 
 
 async def read_limited(headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int) -> bytes:

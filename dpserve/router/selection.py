@@ -8,11 +8,13 @@ import random
 from collections.abc import Sequence
 from dataclasses import replace
 
-from dpserve.policies.base import Decision, Policy, ReplicaView, RequestFeatures, Sampling
+from dpserve.kvindex.index import KvIndex
+from dpserve.kvindex.recent import RecentRoutes
+from dpserve.kvindex.text_prefix import TextPrefixIndex
+from dpserve.policies.base import Decision, Policy, PrefixSource, ReplicaView, RequestFeatures, Sampling
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.admission import Admission
 from dpserve.router.metrics import RouterMetrics
-from dpserve.router.prefix_lookup import PrefixLookup
 
 
 class Selector:
@@ -32,7 +34,8 @@ class Selector:
         self._registry = registry
         self._admission = admission
         self._metrics = metrics
-        self._prefixes = prefixes or PrefixLookup(metrics)
+        self._prefixes = prefixes
+        """None for a policy that reads no prefix: nothing to look up or record."""
         self._rng = rng or random.Random()
         self._sampling = policy.sampling if sample_size > 0 else Sampling.ALL
         self._sample_size = sample_size
@@ -51,8 +54,9 @@ class Selector:
 
     def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
         """The policy's pick among `candidates` (not empty), counted and remembered where it went."""
-        policy = self.policy
-        features = self._prefixes.match(features, candidates)
+        policy, prefixes = self.policy, self._prefixes
+        if prefixes is not None:
+            features = prefixes.match(features, candidates)
         fleet = self._registry.routable_ids(features.model)
         if len(candidates) < len(fleet):  # a sample, or some tried or full: the policy's own view of the fleet
             preferred = policy.preferred(features, fleet)
@@ -62,7 +66,8 @@ class Selector:
         metrics = self._metrics
         metrics.labeled(metrics.decisions, policy.name, decision.id).inc()
         metrics.labeled(metrics.decision_reasons, policy.name, decision.reason).inc()
-        self._prefixes.record(features, decision.id)
+        if prefixes is not None:
+            prefixes.record(features, decision.id)
         return decision
 
     def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
@@ -79,7 +84,7 @@ class Selector:
         # a random offset: every replica is as likely to be in it, at O(size) cost.
         wanted = count if sampling is Sampling.TURN else size // 2
         preferred = self.policy.preferred(features, self._registry.routable_ids(features.model))[:wanted]
-        if sampling is Sampling.WINDOW:
+        if sampling is Sampling.WINDOW and self._prefixes is not None:
             preferred += tuple(self._prefixes.likely_best(features, wanted - len(preferred)))
         pool: list[Replica] = []
         for rid in preferred:
@@ -97,3 +102,70 @@ class Selector:
             likely = {replica.id for replica in pool}
             return pool + [replica for replica in window if replica.id not in likely]
         return window
+
+
+class PrefixLookup:
+    """What the router knows of where prompts' prefixes are cached, read at decision time: features carry
+    a prompt's block keys (`features.py`); this reads, for the candidates of one decision, how many leading
+    blocks each holds (the KV index fed by the replicas' events, plus what was routed in the last seconds;
+    or the router's own record of routed text), which replicas are likely to hold the most (so a sample of
+    a large fleet does not miss them), and records where each prompt went."""
+
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        kv_index: KvIndex | None = None,
+        text_index: TextPrefixIndex | None = None,
+        recent: RecentRoutes | None = None,
+    ) -> None:
+        self._metrics = metrics
+        self._kv_index = kv_index
+        self._text_index = text_index
+        self._recent = recent
+
+    def match(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> RequestFeatures:
+        """The prefix matches and cache ownership as they are now, for these candidates (cheap, sync):
+        requests tokenized side by side must see each other's routing."""
+        prefix = features.prefix
+        if prefix is None:
+            return features
+        ids = [c.id for c in candidates]
+        if prefix.source is PrefixSource.ROUTED_TEXT:
+            if self._text_index is None:
+                return features
+            matched = self._text_index.match(prefix.keys, ids)
+            return replace(features, prefix=replace(prefix, matched=matched))
+        if self._kv_index is None:
+            return features
+        matched = self._kv_index.match(prefix.keys, ids)
+        held = {rid: self._kv_index.blocks(rid) for rid in ids}
+        if self._recent is not None:
+            # What was just sent somewhere counts as cached there: its events are a prefill away.
+            pending = self._recent.match(prefix.keys, ids)
+            matched = {rid: max(blocks, pending[rid]) for rid, blocks in matched.items()}
+            held = {rid: blocks + self._recent.pending_blocks(rid) for rid, blocks in held.items()}
+        return replace(features, prefix=replace(prefix, matched=matched, held=held))
+
+    def likely_best(self, features: RequestFeatures, limit: int) -> list[str]:
+        """Replicas likely to hold the longest run of the prompt."""
+        prefix = features.prefix
+        if prefix is None or not prefix.keys:
+            return []
+        if prefix.source is PrefixSource.ROUTED_TEXT:
+            return self._text_index.likely_best(prefix.keys, limit) if self._text_index is not None else []
+        found = self._kv_index.likely_best(prefix.keys, limit) if self._kv_index is not None else []
+        if self._recent is not None:
+            found += [rid for rid in self._recent.likely_best(prefix.keys, limit) if rid not in found]
+        return found
+
+    def record(self, features: RequestFeatures, replica_id: str) -> None:
+        """Once the policy chose: the approximate indexes learn where the prompt went."""
+        prefix = features.prefix
+        if prefix is None:
+            return
+        if prefix.source is PrefixSource.ROUTED_TEXT and self._text_index is not None:
+            self._text_index.record(prefix.keys, replica_id)
+        elif prefix.source is PrefixSource.KV_EVENTS and self._recent is not None:
+            self._recent.record(prefix.keys, replica_id)
+        predicted = prefix.blocks(replica_id) * prefix.tokens_per_block
+        self._metrics.labeled(self._metrics.predicted_cached_tokens, prefix.source.value).observe(predicted)

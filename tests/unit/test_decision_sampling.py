@@ -14,8 +14,7 @@ from dpserve.replicas.health import HealthRules, Outcome
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.admission import Admission
 from dpserve.router.metrics import RouterMetrics
-from dpserve.router.prefix_lookup import PrefixLookup
-from dpserve.router.selection import Selector
+from dpserve.router.selection import PrefixLookup, Selector
 
 MODEL = "m"
 REQUEST = RequestFeatures("completions", MODEL, False)

@@ -13,8 +13,8 @@ from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.endpoints import CHAT, COMPLETIONS, EMBEDDINGS
 from dpserve.router.features import FeatureBuilder
 from dpserve.router.metrics import RouterMetrics
-from dpserve.router.prefix_lookup import PrefixLookup
 from dpserve.router.prompt_tokens import TokenCache, TokenIds
+from dpserve.router.selection import PrefixLookup
 
 
 class WordIds:

@@ -41,7 +41,6 @@ ROUTER_PATH: tuple[str, ...] = (
     "features",
     "dispatch",
     "selection",
-    "prefix_lookup",
     "request_body",
     "engine_ops",
     "admission",
