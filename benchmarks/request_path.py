@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import sys
 import threading
 import time
@@ -31,7 +32,6 @@ from benchmarks.report import format_table
 from dpserve.config import RouterSettings
 from dpserve.router.app import create_app
 from dpserve.router.http_protocol import bounded_protocol
-from tests.conftest import free_port
 
 PACKAGE = Path(dpserve.__file__).resolve().parent
 CHAT = {
@@ -71,6 +71,13 @@ class Visits:
 def _dpserve_file(frame: FrameType) -> str | None:
     path = Path(frame.f_code.co_filename)
     return str(path.relative_to(PACKAGE.parent)) if path.is_relative_to(PACKAGE) else None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 async def trace_one_request(policy: str) -> Visits:
