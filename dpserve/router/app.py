@@ -249,10 +249,11 @@ def create_app(
             gpus.start()
         await monitor.probe_all()
         monitor.start()
-        hot_path.app = ProxiedEndpoints(relaying, PROXIED_ENDPOINTS)
+        hot_path.serve(ProxiedEndpoints(relaying, PROXIED_ENDPOINTS))
         try:
             yield
         finally:
+            hot_path.stop()
             await monitor.stop()
             if gpus is not None:
                 await gpus.stop()

@@ -20,6 +20,12 @@ class HotPath:
         self._paths = frozenset(paths)
         self.app: ASGIApp = _not_serving
 
+    def serve(self, app: ASGIApp) -> None:
+        self.app = app
+
+    def stop(self) -> None:
+        self.app = _not_serving
+
     def serves(self, path: str) -> bool:
         return path in self._paths or path.startswith(RESPONSE_BY_ID)
 
@@ -38,5 +44,5 @@ class ProxiedPaths:
 
 
 async def _not_serving(scope: Scope, receive: Receive, send: Send) -> None:
-    error = OpenAIError(503, "The router is not serving yet.", type="service_unavailable", code="not_serving")
+    error = OpenAIError(503, "The router is not serving (it is starting or stopping).", type="service_unavailable", code="not_serving")
     await error.to_response()(scope, receive, send)
