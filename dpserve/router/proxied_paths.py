@@ -44,5 +44,7 @@ class ProxiedPaths:
 
 
 async def _not_serving(scope: Scope, receive: Receive, send: Send) -> None:
-    error = OpenAIError(503, "The router is not serving (it is starting or stopping).", type="service_unavailable", code="not_serving")
+    error = OpenAIError(
+        503, "The router is not serving (it is starting or stopping).", type="service_unavailable", code="not_serving"
+    )
     await error.to_response()(scope, receive, send)
