@@ -48,7 +48,7 @@ from dpserve.router.gpu_metrics import GpuCollector
 from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
 from dpserve.router.proxied_endpoints import ProxiedEndpoints, Relaying, proxied_openapi_paths
-from dpserve.router.proxied_paths import HotPath, ProxiedPaths
+from dpserve.router.proxied_paths import HotPath, RouterApp
 from dpserve.router.selection import PrefixLookup, Selector
 from dpserve.router.shutdown import Shutdown
 from dpserve.router.stored_responses import ResponseOwners
@@ -263,10 +263,8 @@ def create_app(
             hot.close()
             await control.close()
 
-    app = FastAPI(title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = RouterApp(hot_path, title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.shutdown = state.shutdown
-    # Innermost first: the proxied paths leave for the hot path inside access control.
-    app.add_middleware(ProxiedPaths, hot_path=hot_path)
     app.add_middleware(Guard, keys=keys, max_header_bytes=settings.max_header_bytes)
     _install_error_handlers(app)
     _document_proxied(app)

@@ -1,10 +1,12 @@
 """The proxied OpenAI endpoints as one raw ASGI app: the router's hot path.
 
-Every request and every streamed chunk passes through here, so it skips the framework: no routing
-table, no dependency solving, no Request or Response objects, one task (not two) watching for the
-client leaving. The body is parsed once for what routing needs and relayed as the bytes it came in;
-the answer is relayed as the bytes the replica sent. The rest of the router (admin, status, metrics)
-stays on FastAPI, where per-request cost does not matter.
+Every request and every streamed chunk passes through here, so it skips the framework's own per-request
+work: no routing table, no dependency solving, no Request or Response objects, one task (not two)
+watching for the client leaving. It still sits inside the app's middleware (`proxied_paths.py`), so
+access control, and anything added later, wraps it as it wraps the rest. The body is parsed once for
+what routing needs and relayed as the bytes it came in; the answer is relayed as the bytes the replica
+sent. The rest of the router (admin, status, metrics) is FastAPI's routes, where per-request cost does
+not matter.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class ProxiedEndpoints:
     """Answers the proxied paths (`endpoints`, and stored responses by id); another method there gets 405."""
 
     def __init__(self, relaying: Relaying, endpoints: Sequence[Endpoint]) -> None:
-        self._state = relaying
+        self._relaying = relaying
         self._endpoints = {endpoint.path: endpoint for endpoint in endpoints}
         self._request_ids = RequestIds()
 
@@ -99,7 +101,7 @@ class ProxiedEndpoints:
             )
             await _send_error(send, error, self._request_ids.next())
             return
-        exchange = _Exchange(self._state, endpoint, scope, receive, send, self._request_ids)
+        exchange = _Exchange(self._relaying, endpoint, scope, receive, send, self._request_ids)
         await exchange.run()
 
 

