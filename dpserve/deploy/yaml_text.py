@@ -48,7 +48,7 @@ _Dumper.add_representer(list, _represent_list)
 _Dumper.add_representer(Reset, _represent_reset)
 
 
-class ComposeLoader(yaml.SafeLoader):  # type: ignore[misc]
+class ComposeLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no types
     """Reads what `dump` writes, `!reset` included."""
 
 

@@ -174,7 +174,7 @@ def _document_proxied(app: FastAPI) -> None:
         assert app.openapi_schema is not None
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI documents this override
 
 
 def create_app(

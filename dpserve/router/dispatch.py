@@ -49,9 +49,7 @@ class RetryRules:
     backoff_cap_s: float = 0.5
 
     def pause(self, attempt: int, rng: random.Random) -> float:
-        return rng.uniform(0.5, 1.0) * min(  # type: ignore[no-any-return]  # typeshed: ** on ints is Any
-            self.backoff_cap_s, self.backoff_s * 2 ** (attempt - 1)
-        )
+        return rng.uniform(0.5, 1.0) * min(self.backoff_cap_s, self.backoff_s * 2.0 ** (attempt - 1))
 
 
 @dataclass(frozen=True, slots=True)

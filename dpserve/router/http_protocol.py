@@ -27,9 +27,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     _in_head = True
     _refused = False
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn narrows the base type
         super().connection_made(transport)
-        self.transport = _HeadHoldingTransport(transport, self.loop)  # type: ignore[assignment]
+        self.transport = _HeadHoldingTransport(transport, self.loop)  # type: ignore[assignment]  # a wrapper that quacks
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

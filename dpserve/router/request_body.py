@@ -169,7 +169,7 @@ def _form_fields(raw: bytes, boundary: bytes) -> tuple[dict[str, str], set[str]]
         "on_part_end": on_part_end,
         "on_end": on_end,
     }
-    parser = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
+    parser = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]  # its callbacks are a TypedDict we fill as a dict
     try:
         parser.write(raw)
         parser.finalize()

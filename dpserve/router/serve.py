@@ -23,7 +23,7 @@ def serve_router(settings: RouterSettings) -> int:
     """Serves until stopped; 2 with one line on stderr when the settings are wrong."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Process-wide switch (hence here, not in the app factory): no `*_created` series per counter.
-    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
     try:
         keys = load_keys(settings)
         check_bind(settings.host, keys, settings.insecure)
