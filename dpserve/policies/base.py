@@ -152,7 +152,7 @@ class Policy(Protocol):
     def preferred(self, features: RequestFeatures, fleet: tuple[str, ...]) -> tuple[str, ...]:
         """Replicas of the whole fleet (ids, sorted) this request should go to if they can take it, best
         first. When the router samples a large fleet they join the sample and reach `choose` as
-        `features.preferred`; with `Sampling.TURN` they are the whole sample. None by default."""
+        `features.preferred`; with `Sampling.TURN` they are the whole sample. Nothing by default."""
         return ()
 
 

@@ -209,7 +209,7 @@ def create_app(
     local = local_tokenizer(settings)
     open_streams = OpenStreams()
     state = RouterState(registry, policy, metrics, kv_index, [], gpus, Shutdown(open_streams), time.time())
-    hot_path = HotPath(endpoint.path for endpoint in PROXIED_ENDPOINTS)
+    hot_path = HotPath()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -78,14 +78,20 @@ class OpenStreams:
     """The streams being relayed, so a shutdown past its grace period can end each one properly."""
 
     def __init__(self) -> None:
-        self.streams: set[Streaming] = set()
+        self._streams: set[Streaming] = set()
 
-    def __len__(self) -> int:
-        return len(self.streams)
+    def add(self, stream: Streaming) -> None:
+        self._streams.add(stream)
 
-    def cut_all(self, reason: str) -> None:
-        for stream in list(self.streams):
+    def discard(self, stream: Streaming) -> None:
+        self._streams.discard(stream)
+
+    def cut_all(self, reason: str) -> int:
+        """Ends every open stream (see `Streaming.cut`); how many there were."""
+        streams = list(self._streams)
+        for stream in streams:
             stream.cut(reason)
+        return len(streams)
 
 
 class Streaming:
@@ -115,8 +121,8 @@ class Streaming:
         self._metrics = metrics
         self._finished = False
         self._cut_reason: str | None = None
-        self._open = open_streams.streams
-        self._open.add(self)
+        self._open = open_streams
+        open_streams.add(self)
 
     def cut(self, reason: str) -> None:
         """End the stream early on the router's own behalf (shutdown past its grace period): the
@@ -185,7 +191,7 @@ class Dispatcher:
         metrics: RouterMetrics,
         retry: RetryRules,
         admission: Admission,
-        open_streams: OpenStreams | None = None,
+        open_streams: OpenStreams,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -196,7 +202,7 @@ class Dispatcher:
         self._metrics = metrics
         self._retry = retry
         self._admission = admission
-        self._open_streams = open_streams if open_streams is not None else OpenStreams()
+        self._open_streams = open_streams
         self._rng = rng or random.Random()
         self._clock = clock
 

@@ -4,13 +4,12 @@ handlers, routing), which every other path (admin, status, metrics) goes on to."
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from dpserve.router.endpoints import RESPONSE_BY_ID
+from dpserve.router.endpoints import is_proxied
 from dpserve.router.errors import OpenAIError
 
 
@@ -18,8 +17,7 @@ class HotPath:
     """Where the proxied paths are answered: the app the lifespan builds (it needs a running loop); until
     then, and after it ends, a 503."""
 
-    def __init__(self, paths: Iterable[str]) -> None:
-        self._paths = frozenset(paths)
+    def __init__(self) -> None:
         self.app: ASGIApp = _not_serving
 
     def serve(self, app: ASGIApp) -> None:
@@ -28,9 +26,6 @@ class HotPath:
     def stop(self) -> None:
         self.app = _not_serving
 
-    def serves(self, path: str) -> bool:
-        return path in self._paths or path.startswith(RESPONSE_BY_ID)
-
 
 class ProxiedPaths:
     def __init__(self, app: ASGIApp, hot_path: HotPath) -> None:
@@ -38,9 +33,8 @@ class ProxiedPaths:
         self.hot_path = hot_path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        hot = self.hot_path
-        if scope["type"] == "http" and hot.serves(scope["path"]):
-            await hot.app(scope, receive, send)
+        if scope["type"] == "http" and is_proxied(scope["path"]):
+            await self.hot_path.app(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -31,6 +31,6 @@ class Shutdown:
         loop.call_soon_threadsafe(loop.call_later, cut_after, self._cut_streams)
 
     def _cut_streams(self) -> None:
-        if self._open_streams:
-            log.warning("shutdown grace period ending: cutting %d stream(s) in flight", len(self._open_streams))
-        self._open_streams.cut_all("The router is shutting down; this stream was ended before it finished.")
+        cut = self._open_streams.cut_all("The router is shutting down; this stream was ended before it finished.")
+        if cut:
+            log.warning("shutdown grace period ending: cut %d stream(s) in flight", cut)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from dpserve.router.endpoints import PROXIED_ENDPOINTS, RESPONSES, BodyKind, Prompt, by_id_endpoint
+from dpserve.router.endpoints import PROXIED_ENDPOINTS, RESPONSES, BodyKind, Prompt, by_id_endpoint, is_proxied
 from dpserve.router.engine_ops import ENGINE_OPS, engine_op
 from dpserve.router.errors import OpenAIError
 from dpserve.router.features import response_as_chat
@@ -126,3 +126,9 @@ def test_the_upstream_path_keeps_the_raw_path_and_query() -> None:
     scope = {"path": "/v1/responses/r 1", "raw_path": b"/v1/responses/r%201", "query_string": b"stream=true&x=1"}
     assert upstream_path(scope) == "/v1/responses/r%201?stream=true&x=1"
     assert upstream_path({"path": "/version", "query_string": b""}) == "/version"
+
+
+def test_the_hot_path_answers_the_proxied_endpoints_and_stored_responses_only() -> None:
+    assert all(is_proxied(endpoint.path) for endpoint in PROXIED_ENDPOINTS)
+    assert is_proxied("/v1/responses/resp_1") and is_proxied("/v1/responses/resp_1/cancel")
+    assert not any(is_proxied(path) for path in ("/health", "/v1/models", "/metrics", "/admin/replicas", "/v1/x"))
