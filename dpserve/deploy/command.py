@@ -1,4 +1,4 @@
-"""`dpserve compose`: write the Compose stack (or its CPU override) for N GPUs."""
+"""`dpserve compose`: write the Compose stack (or one of its overrides) for N GPUs."""
 
 from __future__ import annotations
 
@@ -10,35 +10,44 @@ from dpserve.deploy.compose import DEFAULT_GPUS, DEFAULT_MODEL, ComposeOptions, 
 from dpserve.deploy.env_file import read_env_file
 
 
-def compose_options(gpus: int | None, model: str | None, env: Mapping[str, str]) -> ComposeOptions:
+def compose_options(
+    gpus: int | None, model: str | None, env: Mapping[str, str], scaled: bool = False
+) -> ComposeOptions:
     """Flags win; then GPUS and MODEL from the env file (the `.env` docker compose reads too); then defaults."""
     if gpus is None:
         raw = env.get("GPUS", str(DEFAULT_GPUS))
         if not raw.isdigit():
             raise ValueError(f"GPUS={raw!r} in the env file is not a whole number")
         gpus = int(raw)
-    return ComposeOptions(gpus=gpus, model=model or env.get("MODEL") or DEFAULT_MODEL)
+    return ComposeOptions(gpus=gpus, model=model or env.get("MODEL") or DEFAULT_MODEL, scaled=scaled)
 
 
-def run_compose(gpus: int | None, model: str | None, cpu: bool, output: Path | None, env_file: Path | None) -> int:
+def run_compose(
+    gpus: int | None,
+    model: str | None,
+    overlay: str | None,
+    output: Path | None,
+    env_file: Path | None,
+    scaled: bool = False,
+) -> int:
     try:
         env = read_env_file(env_file) if env_file and env_file.is_file() else {}
-        options = compose_options(gpus, model, env)
+        options = compose_options(gpus, model, env, scaled)
     except ValueError as exc:
         print(f"dpserve compose: {exc}", file=sys.stderr)
         return 2
-    if not cpu and env.get("MODEL", options.model) != options.model:
+    if overlay is None and env.get("MODEL", options.model) != options.model:
         # compose.yaml says ${MODEL:-<model>}: the env file's MODEL is what docker compose will serve.
         print(
             f"dpserve compose: note: {env_file} sets MODEL={env['MODEL']}, which docker compose serves instead "
             f"of {options.model}; change it there too",
             file=sys.stderr,
         )
-    text = render(options, cpu=cpu)
+    text = render(options, overlay)
     if output is None:
         sys.stdout.write(text)
         return 0
     output.write_text(text)
-    what = f"{options.gpus} CPU replica(s)" if cpu else f"{options.gpus} GPU(s), {options.model}"
+    what = f"{options.gpus} {overlay} replica(s)" if overlay else f"{options.gpus} GPU(s), {options.model}"
     print(f"dpserve compose: wrote {output} ({what})", file=sys.stderr)
     return 0

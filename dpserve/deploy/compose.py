@@ -5,6 +5,14 @@ from `router/Dockerfile` and told of each replica by service name; the `monitori
 (Prometheus, Grafana) and the `loadtest` profile (Locust master and workers). What a user tunes (model,
 images, ports) is read from `.env` through Compose's `${VAR:-default}`; the GPU count is the number of
 services, so it is chosen when the file is written.
+
+The scaled variant (compose.scaled.yaml) has one replica service, `vllm`, run as REPLICAS containers
+(`docker compose up --scale vllm=N`), each asking the runtime for one GPU; the router finds them through
+Docker's embedded DNS (`--discover dns:vllm:8000`), which answers with one address per container.
+
+Override files lay another engine over either: `cpu` (vllm-cpu and the tiny model, built from
+replicas/Dockerfile.cpu) and `sim` (`dpserve sim`, from the router's image: the whole container stack
+in seconds, for tests).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ KV_EVENTS_PORT = 5557
 ROUTER_PORT = 8000
 ROUTER_SERVICE = "router"
 ROUTER_DOCKERFILE = "router/Dockerfile"
+ROUTER_IMAGE = "dpserve-router"
 ROUTER_ENTRYPOINT = ("dpserve", "router")
 """router/Dockerfile's ENTRYPOINT: the console script, then the compose file's `command` (its flags)."""
 CPU_REPLICA_DOCKERFILE = "replicas/Dockerfile.cpu"
@@ -34,6 +43,10 @@ CPU_REPLICA_IMAGE = "dpserve-vllm-cpu"
 CPU_MODEL_DIR = "/models/tiny"
 CPU_SERVED_NAME = "dpserve-tiny"
 CPU_MAX_MODEL_LEN = 4096
+SCALED_SERVICE = "vllm"
+DISCOVERY_INTERVAL_S = 2
+"""How often the scaled stack's router asks Docker's DNS which replicas exist (compose.scaled.yaml)."""
+OVERLAYS = ("cpu", "sim")
 HF_CACHE_DIR = "/root/.cache/huggingface"
 GRAFANA_DASHBOARDS_DIR = "/etc/dpserve/dashboards"
 LOADTESTS_DIR = "/mnt/loadtests"
@@ -55,6 +68,8 @@ def var(name: str, default: object) -> str:
 class ComposeOptions:
     gpus: int = DEFAULT_GPUS
     model: str = DEFAULT_MODEL
+    scaled: bool = False
+    """One replica service scaled to `gpus` containers, found by DNS, instead of one service per GPU."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -64,7 +79,12 @@ class ComposeOptions:
 
     @property
     def replica_services(self) -> list[str]:
+        if self.scaled:
+            return [SCALED_SERVICE]
         return [replica_service(index) for index in range(self.gpus)]
+
+    def file_name(self, overlay: str | None = None) -> str:
+        return "compose" + (".scaled" if self.scaled else "") + (f".{overlay}" if overlay else "") + ".yaml"
 
 
 def replica_service(index: int) -> str:
@@ -73,14 +93,14 @@ def replica_service(index: int) -> str:
 
 def _http_health(port: int, path: str, start_period: str) -> dict[str, Any]:
     # Python is in every image here (vLLM's, the router's, the CPU replica's); curl is not promised.
+    # No `start_interval`: Compose refuses it before Docker Engine 25, and a 5 s interval costs little.
     probe = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=5)"
     return {
         "test": ["CMD", "python3", "-c", probe],
-        "interval": "10s",
+        "interval": "5s",
         "timeout": "10s",
         "retries": 3,
         "start_period": start_period,
-        "start_interval": "5s",
     }
 
 
@@ -88,10 +108,26 @@ def _gpu_reservation(**device: Any) -> dict[str, Any]:
     return {"resources": {"reservations": {"devices": [{"driver": "nvidia", **device}]}}}
 
 
-def _vllm_service(options: ComposeOptions, gpu: int) -> dict[str, Any]:
+def _build(dockerfile: str, **args: str) -> dict[str, Any]:
+    # BASE_IMAGE: the upstream Python image unless the shell says otherwise (`make compose-up` does,
+    # where Docker Hub is out of reach).
+    return {
+        "context": ".",
+        "dockerfile": dockerfile,
+        "args": {"BASE_IMAGE": var("BASE_IMAGE", "python:3.11-slim"), **args},
+    }
+
+
+def _vllm_service(options: ComposeOptions, gpu: int | None) -> dict[str, Any]:
     command = ["--model", var("MODEL", options.model), "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
     command += ["--gpu-memory-utilization", var("GPU_MEMORY_UTILIZATION", "0.90")]
     command += vllm_engine_flags(None, KV_EVENTS_PORT, var("MAX_MODEL_LEN", 8192))
+    if gpu is None:
+        # Scaled: each container asks for one GPU and the runtime picks it. Docker Engine alone gives every
+        # container the same first GPU: on such a host use compose.yaml, which pins one per service.
+        deploy = {"replicas": var("REPLICAS", options.gpus), **_gpu_reservation(count=1, capabilities=["gpu"])}
+    else:
+        deploy = _gpu_reservation(device_ids=[str(gpu)], capabilities=["gpu"])
     return {
         "image": var("VLLM_IMAGE", DEFAULT_VLLM_IMAGE),
         "entrypoint": ["python3", "-m", VLLM_SERVER_MODULE],
@@ -100,7 +136,7 @@ def _vllm_service(options: ComposeOptions, gpu: int) -> dict[str, Any]:
         # PyTorch shares tensors between vLLM's processes through /dev/shm.
         "ipc": "host",
         "volumes": [f"hf-cache:{HF_CACHE_DIR}"],
-        "deploy": _gpu_reservation(device_ids=[str(gpu)], capabilities=["gpu"]),
+        "deploy": deploy,
         # Downloading and loading weights, then compiling, can take many minutes on first start.
         "healthcheck": _http_health(REPLICA_PORT, "/health", "30m"),
         "restart": "unless-stopped",
@@ -108,7 +144,10 @@ def _vllm_service(options: ComposeOptions, gpu: int) -> dict[str, Any]:
 
 
 def router_targets(options: ComposeOptions) -> list[RouterTarget]:
-    """Each replica by service name, with the GPU it reserves (NVML index, host order) for telemetry."""
+    """Each replica by service name, with the GPU it reserves (NVML index, host order) for telemetry;
+    none in the scaled stack, where the router discovers them."""
+    if options.scaled:
+        return []
     return [
         RouterTarget(
             f"http://{replica_service(gpu)}:{REPLICA_PORT}", str(gpu), f"tcp://{replica_service(gpu)}:{KV_EVENTS_PORT}"
@@ -120,10 +159,15 @@ def router_targets(options: ComposeOptions) -> list[RouterTarget]:
 def _router_service(options: ComposeOptions) -> dict[str, Any]:
     # The container's command: `dpserve up`'s own router flags (router_flags), for the replica services.
     settings = RouterSettings(host="0.0.0.0", port=ROUTER_PORT, policy=var("POLICY", "kv_aware"), insecure=True)
+    command = list(router_flags(settings, router_targets(options)))
+    if options.scaled:
+        # Every address Docker's DNS gives for the service is a replica; KV events at the same address.
+        command += ["--discover", f"dns:{SCALED_SERVICE}:{REPLICA_PORT}"]
+        command += ["--discover-interval", str(DISCOVERY_INTERVAL_S), "--discover-kv-port", str(KV_EVENTS_PORT)]
     return {
-        "build": {"context": ".", "dockerfile": ROUTER_DOCKERFILE},
-        "image": "dpserve-router",
-        "command": list(router_flags(settings, router_targets(options))),
+        "build": _build(ROUTER_DOCKERFILE),
+        "image": ROUTER_IMAGE,
+        "command": command,
         # Comma-separated keys from the shell, like HF_TOKEN: never written into .env.
         "environment": {"DPSERVE_API_KEYS": "${API_KEYS:-}", "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}"},
         "ports": [f"{PUBLISH_ADDRESS}:{var('ROUTER_PORT', ROUTER_PORT)}:{ROUTER_PORT}"],
@@ -136,17 +180,28 @@ def _router_service(options: ComposeOptions) -> dict[str, Any]:
 
 
 def prometheus_config(options: ComposeOptions) -> dict[str, Any]:
-    replicas = [
-        {"targets": [f"{name}:{REPLICA_PORT}"], "labels": {"replica": rid, "gpu": str(index)}}
-        for index, (name, rid) in enumerate(zip(options.replica_services, replica_ids(options.gpus), strict=True))
-    ]
+    if options.scaled:
+        # Prometheus asks Docker's DNS too: one target per container, whatever the scale.
+        vllm: dict[str, Any] = {
+            "job_name": "vllm",
+            "dns_sd_configs": [{"names": [SCALED_SERVICE], "type": "A", "port": REPLICA_PORT}],
+        }
+    else:
+        vllm = {"job_name": "vllm", "static_configs": _static_replica_targets(options)}
     return {
         "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
         "scrape_configs": [
             {"job_name": "dpserve-router", "static_configs": [{"targets": [f"{ROUTER_SERVICE}:{ROUTER_PORT}"]}]},
-            {"job_name": "vllm", "static_configs": replicas},
+            vllm,
         ],
     }
+
+
+def _static_replica_targets(options: ComposeOptions) -> list[dict[str, Any]]:
+    return [
+        {"targets": [f"{name}:{REPLICA_PORT}"], "labels": {"replica": rid, "gpu": str(index)}}
+        for index, (name, rid) in enumerate(zip(options.replica_services, replica_ids(options.gpus), strict=True))
+    ]
 
 
 def _monitoring_services() -> dict[str, dict[str, Any]]:
@@ -216,7 +271,10 @@ def _loadtest_services(options: ComposeOptions) -> dict[str, dict[str, Any]]:
 
 
 def compose_document(options: ComposeOptions) -> dict[str, Any]:
-    services: dict[str, Any] = {name: _vllm_service(options, gpu) for gpu, name in enumerate(options.replica_services)}
+    services: dict[str, Any] = {
+        name: _vllm_service(options, None if options.scaled else gpu)
+        for gpu, name in enumerate(options.replica_services)
+    }
     services[ROUTER_SERVICE] = _router_service(options)
     services.update(_monitoring_services())
     services.update(_loadtest_services(options))
@@ -228,40 +286,88 @@ def compose_document(options: ComposeOptions) -> dict[str, Any]:
     }
 
 
+def _replica_deploy_reset(options: ComposeOptions) -> Any:
+    # Per-GPU services lose their whole `deploy` (a GPU each); the scaled one keeps its `replicas`.
+    return {"resources": Reset()} if options.scaled else Reset()
+
+
 def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
     """Laid over compose.yaml: the same replicas run vllm-cpu with the tiny model, and nothing asks for a GPU."""
     command = ["--model", CPU_MODEL_DIR, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
     command += vllm_engine_flags(CPU_SERVED_NAME, KV_EVENTS_PORT, CPU_MAX_MODEL_LEN)
     replica = {
         "image": CPU_REPLICA_IMAGE,
-        "build": {"context": ".", "dockerfile": CPU_REPLICA_DOCKERFILE},
+        # TORCH_INDEX: PyTorch's CPU index unless the shell says otherwise (empty where torch's wheel is
+        # on disk, which `make compose-up` copies into replicas/wheels/).
+        # `-`, not `:-`: an empty TORCH_INDEX means no index, not the default.
+        "build": _build(CPU_REPLICA_DOCKERFILE, TORCH_INDEX="${TORCH_INDEX-https://download.pytorch.org/whl/cpu}"),
         "command": command,
         "environment": {
             "VLLM_CPU_KVCACHE_SPACE": var("CPU_KV_CACHE_GIB", 1),
             # Replicas in separate containers cannot see each other's core pinning: let the OS place threads.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         },
-        "deploy": Reset(),
+        "deploy": _replica_deploy_reset(options),
         "healthcheck": {"start_period": "10m"},
     }
+    return _override(options, replica)
+
+
+def sim_override_document(options: ComposeOptions) -> dict[str, Any]:
+    """Laid over compose.yaml: `dpserve sim` replicas (the router's image), so the container stack starts in
+    seconds. Same ports, KV events and service names as vLLM's; health checked every 2 s."""
+    command = ["--host", "0.0.0.0", "--port", str(REPLICA_PORT), "--model", CPU_SERVED_NAME]
+    command += ["--kv-events", f"tcp://*:{KV_EVENTS_PORT}", "--decode-ms-per-token", var("SIM_DECODE_MS", 5)]
+    replica = {
+        "image": ROUTER_IMAGE,
+        "build": _build(ROUTER_DOCKERFILE),
+        "entrypoint": ["dpserve", "sim"],
+        "command": command,
+        "deploy": _replica_deploy_reset(options),
+        "healthcheck": {"interval": "2s", "start_period": "1m"},
+    }
+    return _override(options, replica, router={"healthcheck": {"interval": "2s"}})
+
+
+def _override(options: ComposeOptions, replica: dict[str, Any], router: dict[str, Any] | None = None) -> dict[str, Any]:
     services: dict[str, Any] = {name: dict(replica) for name in options.replica_services}
-    services[ROUTER_SERVICE] = {"deploy": Reset()}
+    services[ROUTER_SERVICE] = {"deploy": Reset(), **(router or {})}
     for name, command in locust_commands(CPU_SERVED_NAME).items():
         services[name] = {"command": command}
     return {"services": services}
 
 
-def render(options: ComposeOptions, cpu: bool = False) -> str:
-    if cpu:
+def render(options: ComposeOptions, overlay: str | None = None) -> str:
+    flags = f"--gpus {options.gpus}" + (" --scaled" if options.scaled else "")
+    base = options.file_name()
+    if overlay is not None:
+        if overlay not in OVERLAYS:
+            raise ValueError(f"no `{overlay}` override: one of {', '.join(OVERLAYS)}")
+        what = {
+            "cpu": "The same replicas run vllm-cpu with the tiny model built into replicas/Dockerfile.cpu.",
+            "sim": "The same replicas run `dpserve sim` from the router's image: the container stack in seconds.",
+        }[overlay]
         header = (
-            f"Generated by `dpserve compose --gpus {options.gpus} --cpu`; regenerate rather than edit.\n"
-            "On a host without GPUs: docker compose -f compose.yaml -f compose.cpu.yaml up -d\n"
-            "The same replicas run vllm-cpu with the tiny model built into replicas/Dockerfile.cpu."
+            f"Generated by `dpserve compose {flags} --{overlay}`; regenerate rather than edit.\n"
+            f"docker compose -f {base} -f {options.file_name(overlay)} up -d (or: make compose-up VARIANT={overlay}"
+            + (" SCALED=1" if options.scaled else "")
+            + ")\n"
+            + what
         )
-        return dump(cpu_override_document(options), header)
-    header = (
-        f"Generated by `dpserve compose --gpus {options.gpus} --model {options.model}`; regenerate rather than edit.\n"
-        "One vLLM service per GPU, the router, and profiles `monitoring` (Prometheus, Grafana), `loadtest` (Locust).\n"
-        'Model, images and ports come from .env. See README.md, "Run on a multi-GPU host".'
-    )
+        document = cpu_override_document(options) if overlay == "cpu" else sim_override_document(options)
+        return dump(document, header)
+    if options.scaled:
+        header = (
+            f"Generated by `dpserve compose {flags} --model {options.model}`; regenerate rather than edit.\n"
+            "One replica service, `vllm`, scaled to REPLICAS containers (docker compose up --scale vllm=N);\n"
+            "the router finds them through Docker's DNS. Use it where the runtime hands each container its own\n"
+            "GPU; on a plain Docker host compose.yaml pins one GPU per service. Settings come from .env."
+        )
+    else:
+        header = (
+            f"Generated by `dpserve compose {flags} --model {options.model}`; regenerate rather than edit.\n"
+            "One vLLM service per GPU, the router, and profiles `monitoring` (Prometheus, Grafana), "
+            "`loadtest` (Locust).\n"
+            'Model, images and ports come from .env. See README.md, "Run on a multi-GPU host".'
+        )
     return dump(compose_document(options), header)

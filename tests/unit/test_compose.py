@@ -21,12 +21,14 @@ from dpserve.deploy.compose import (
     CPU_MODEL_DIR,
     CPU_SERVED_NAME,
     DEFAULT_MODEL,
+    OVERLAYS,
     ROUTER_ENTRYPOINT,
     SECRET_VARIABLES,
     ComposeOptions,
     compose_document,
     cpu_override_document,
     render,
+    sim_override_document,
 )
 from dpserve.deploy.env_file import read_env_file
 from dpserve.deploy.yaml_text import load
@@ -45,6 +47,9 @@ from tests.compose_files import (
 
 GPU_COUNTS = (1, 2, 8)
 ENV = read_env_file(ROOT / ".env")
+COMMITTED = [
+    ComposeOptions(scaled=scaled).file_name(overlay) for scaled in (False, True) for overlay in (None, *OVERLAYS)
+]
 
 
 def _vllm_services(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -61,10 +66,14 @@ def _generated(*args: str, capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_committed_compose_files_are_the_generated_defaults(capsys: pytest.CaptureFixture[str]) -> None:
-    assert (ROOT / "compose.yaml").read_text() == _generated(capsys=capsys), "run: dpserve compose -o compose.yaml"
-    assert (ROOT / "compose.cpu.yaml").read_text() == _generated("--cpu", capsys=capsys), (
-        "run: dpserve compose --cpu -o compose.cpu.yaml"
-    )
+    assert len(COMMITTED) == 6
+    for scaled in ((), ("--scaled",)):
+        for overlay in ((), *((f"--{name}",) for name in OVERLAYS)):
+            name = ComposeOptions(scaled=bool(scaled)).file_name(overlay[0][2:] if overlay else None)
+            flags = " ".join([*scaled, *overlay])
+            assert (ROOT / name).read_text() == _generated(*scaled, *overlay, capsys=capsys), (
+                f"run: dpserve compose {flags} -o {name}"
+            )
     # .env names the same defaults, so plain `dpserve compose` in the repository writes the same file.
     assert (ENV["GPUS"], ENV["MODEL"]) == ("2", DEFAULT_MODEL)
     assert _generated("--gpus", "2", "--model", DEFAULT_MODEL, capsys=capsys) == (ROOT / "compose.yaml").read_text()
@@ -84,22 +93,24 @@ def test_vendored_schema_is_the_shared_one() -> None:
     assert SCHEMA.read_bytes() == shared.read_bytes()
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("gpus", GPU_COUNTS)
-def test_generated_files_are_valid_compose(gpus: int) -> None:
-    options = ComposeOptions(gpus=gpus)
+def test_generated_files_are_valid_compose(gpus: int, scaled: bool) -> None:
+    options = ComposeOptions(gpus=gpus, scaled=scaled)
     document = load(render(options))
     assert schema_errors(document) == []
-    override = load(render(options, cpu=True))
-    assert schema_errors(merge(None, override)) == []
-    assert schema_errors(merge(document, override)) == []
+    for overlay in OVERLAYS:
+        override = load(render(options, overlay))
+        assert schema_errors(merge(None, override)) == []
+        assert schema_errors(merge(document, override)) == []
     # Interpolated with .env, as docker compose does: still valid.
     assert schema_errors(interpolate(document, ENV)) == []
 
 
-def test_committed_file_is_valid_compose() -> None:
-    document = load((ROOT / "compose.yaml").read_text())
-    assert schema_errors(document) == []
-    assert schema_errors(merge(document, load((ROOT / "compose.cpu.yaml").read_text()))) == []
+def test_committed_files_are_valid_compose() -> None:
+    for name in COMMITTED:
+        base = ROOT / ("compose.scaled.yaml" if ".scaled." in name else "compose.yaml")
+        assert schema_errors(merge(load(base.read_text()), load((ROOT / name).read_text()))) == [], name
 
 
 @pytest.mark.parametrize("gpus", GPU_COUNTS)
@@ -109,7 +120,7 @@ def test_docker_compose_itself_resolves_both_files_with_every_profile(gpus: int,
     options = ComposeOptions(gpus=gpus)
     base, override = tmp_path / "compose.yaml", tmp_path / "compose.cpu.yaml"
     base.write_text(render(options))
-    override.write_text(render(options, cpu=True))
+    override.write_text(render(options, "cpu"))
     profiles = ("monitoring", "loadtest")
     gpu_stack = compose_config(base, profiles=profiles)
     cpu_stack = compose_config(base, override, profiles=profiles)
@@ -200,7 +211,11 @@ def test_router_finds_every_replica_by_service_name_and_waits_for_them(gpus: int
     document = load(render(ComposeOptions(gpus=gpus)))
     services = _vllm_services(document)
     router = document["services"]["router"]
-    assert router["build"] == {"context": ".", "dockerfile": "router/Dockerfile"}
+    assert router["build"] == {
+        "context": ".",
+        "dockerfile": "router/Dockerfile",
+        "args": {"BASE_IMAGE": "${BASE_IMAGE:-python:3.11-slim}"},
+    }
     args = build_parser().parse_args(["router", *interpolate(router["command"], ENV)])
     assert args.replicas == [f"http://{name}:8000@gpu={index}" for index, name in enumerate(services)]
     assert args.kv_events == [f"http://{name}:8000=tcp://{name}:5557" for name in services]
@@ -271,7 +286,7 @@ def test_loadtest_profile_runs_the_repository_locustfile_against_the_router() ->
 
 
 def test_every_variable_comes_from_env_file_and_no_dollar_is_stray() -> None:
-    documents = [load((ROOT / name).read_text()) for name in ("compose.yaml", "compose.cpu.yaml")]
+    documents = [load((ROOT / name).read_text()) for name in COMMITTED]
     used = set().union(*(variables(document) for document in documents))
     assert used - set(SECRET_VARIABLES) == set(ENV) - {"GPUS"}, "each .env setting is used, each used one is in .env"
     assert not any(secret in ENV for secret in SECRET_VARIABLES)
@@ -286,7 +301,8 @@ def test_cpu_override_runs_the_same_replicas_on_vllm_cpu_without_gpus() -> None:
         {name: service for name, service in merged["services"].items() if name != "locust-worker"}
     )
     for service in _vllm_services(merged).values():
-        assert service["build"] == {"context": ".", "dockerfile": "replicas/Dockerfile.cpu"}
+        assert service["build"]["dockerfile"] == "replicas/Dockerfile.cpu"
+        assert service["build"]["args"] == {"BASE_IMAGE": "python:3.11-slim", "TORCH_INDEX": ENV["TORCH_INDEX"]}
         command = service["command"]
         assert _flag_values(command, "--model") == [CPU_MODEL_DIR]
         assert _flag_values(command, "--served-model-name") == [CPU_SERVED_NAME]
@@ -329,7 +345,8 @@ def test_compose_command_flags_env_file_and_errors(tmp_path: Path, capsys: pytes
 def test_router_dockerfile_installs_the_package_and_runs_dpserve_router() -> None:
     instructions = dockerfile_instructions(ROOT / "router" / "Dockerfile")
     keywords = [keyword for keyword, _ in instructions]
-    assert keywords[0] == "FROM"
+    # The base is a build argument (a Debian-made one where Docker Hub is out of reach), upstream by default.
+    assert instructions[:2] == [("ARG", "BASE_IMAGE=python:3.11-slim"), ("FROM", "${BASE_IMAGE}")]
     # Built from this repository's package by pip; nothing of the source tree is copied in by hand.
     assert "COPY" not in keywords and "ADD" not in keywords
     installs = [args for keyword, args in instructions if keyword == "RUN" and "pip install" in args]
@@ -345,7 +362,10 @@ def test_router_dockerfile_installs_the_package_and_runs_dpserve_router() -> Non
 def test_cpu_replica_dockerfile_builds_the_tiny_model_and_serves_it_with_vllm() -> None:
     instructions = dockerfile_instructions(ROOT / "replicas" / "Dockerfile.cpu")
     runs = [args for keyword, args in instructions if keyword == "RUN"]
-    assert any('pip install --extra-index-url https://download.pytorch.org/whl/cpu "/src[cpu]"' in run for run in runs)
+    assert instructions[:2] == [("ARG", "BASE_IMAGE=python:3.11-slim"), ("FROM", "${BASE_IMAGE}")]
+    assert ("ARG", "TORCH_INDEX=https://download.pytorch.org/whl/cpu") in instructions
+    wheels = 'PIP_FIND_LINKS=/src/replicas/wheels PIP_EXTRA_INDEX_URL="$TORCH_INDEX" pip install "/src[cpu]"'
+    assert any(wheels in run for run in runs)
     assert f"dpserve model tiny {CPU_MODEL_DIR}" in runs
     assert exec_form(instructions, "ENTRYPOINT") == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     command = exec_form(instructions, "CMD")
@@ -406,3 +426,39 @@ def test_package_builds_from_the_docker_context(tmp_path: Path) -> None:
         entry_points = archive.read(next(name for name in names if name.endswith("entry_points.txt"))).decode()
     assert "dpserve/cli.py" in names and "dpserve/router/app.py" in names and "dpserve/deploy/compose.py" in names
     assert "dpserve = dpserve.cli:main" in entry_points
+
+
+def test_sim_override_runs_dpserve_sim_from_the_routers_image_with_kv_events() -> None:
+    options = ComposeOptions(gpus=2)
+    merged = interpolate(merge(compose_document(options), sim_override_document(options)), ENV)
+    router_command = merged["services"]["router"]["command"]
+    for service in _vllm_services(merged).values():
+        assert service["image"] == "dpserve-router" and service["build"] == merged["services"]["router"]["build"]
+        assert service["entrypoint"] == ["dpserve", "sim"] and "deploy" not in service
+        args = build_parser().parse_args(["sim", *service["command"]])
+        assert (args.host, args.port, args.model) == ("0.0.0.0", 8000, CPU_SERVED_NAME)
+        assert args.sim_kv_events == "tcp://*:5557"
+        assert service["healthcheck"]["interval"] == "2s"
+    # The router is the GPU file's, replicas and KV events by service name.
+    assert router_command == interpolate(compose_document(options), ENV)["services"]["router"]["command"]
+
+
+@pytest.mark.parametrize("overlay", [None, *OVERLAYS])
+def test_scaled_stack_is_one_replica_service_the_router_discovers_by_dns(overlay: str | None) -> None:
+    options = ComposeOptions(gpus=3, scaled=True)
+    document = compose_document(options)
+    if overlay is not None:
+        document = merge(document, load(render(options, overlay)))
+    services = interpolate(document, ENV)["services"]
+    assert "vllm" in services and not _vllm_services(document)
+    replica = services["vllm"]
+    assert replica["deploy"]["replicas"] == ENV["REPLICAS"]
+    devices = replica["deploy"].get("resources", {}).get("reservations", {}).get("devices")
+    assert devices == ([{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}] if overlay is None else None)
+    args = build_parser().parse_args(["router", *services["router"]["command"]])
+    assert args.replicas in (None, []) and args.kv_events in (None, [])
+    assert args.discover == ["dns:vllm:8000"] and args.discover_kv_port == 5557
+    assert services["router"]["depends_on"] == {"vllm": {"condition": "service_healthy"}}
+    prometheus = load(compose_document(options)["configs"]["prometheus"]["content"])
+    (job,) = [job for job in prometheus["scrape_configs"] if job["job_name"] == "vllm"]
+    assert job["dns_sd_configs"] == [{"names": ["vllm"], "type": "A", "port": 8000}]

@@ -1,0 +1,190 @@
+"""The Compose stack on the real Docker engine: `make compose-up VARIANT=sim` (the router over `dpserve sim`
+containers: the same images, networks, healthchecks, service names and KV-event ports as the vLLM stack), the
+SDK through the published port, a replica container killed under load, the scaled variant following
+`--scale`, and `make compose-down` leaving nothing. Skipped, saying why, where no engine can run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.integration.docker_stack import (
+    MODEL,
+    Load,
+    Stack,
+    chat,
+    compose_stack,
+    docker,
+    engine_problem,
+    needs_engine,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.docker]
+
+FOLLOW_S = 10  # the scaled stack's router must follow `--scale` within this
+
+
+@pytest.fixture(scope="module")
+def sim_stack() -> Iterator[Stack]:
+    needs_engine()
+    with compose_stack("sim") as stack:
+        yield stack
+
+
+def _replicas(stack: Stack) -> dict[str, dict[str, object]]:
+    return {replica["url"]: replica for replica in stack.status()["replicas"]}
+
+
+def _healthy(stack: Stack) -> set[str]:
+    return {url for url, replica in _replicas(stack).items() if replica["healthy"]}
+
+
+def test_published_port_binds_loopback_only(sim_stack: Stack) -> None:
+    (router,) = sim_stack.containers("router")
+    assert router["Ports"] == f"127.0.0.1:{sim_stack.port}->8000/tcp"
+    for replica in sim_stack.containers("vllm-0") + sim_stack.containers("vllm-1"):
+        assert "->" not in replica["Ports"], "replicas publish nothing"
+
+
+def test_sdk_chat_and_stream_through_the_published_port_and_kv_events_from_every_replica(sim_stack: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{sim_stack.url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6)
+    assert reply.choices[0].message.content and reply.usage and reply.usage.completion_tokens == 6
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "stream please"}], max_tokens=6, stream=True
+    )
+    pieces = [chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
+    assert len(pieces) == 6
+    # Distinct prompts spread over both replicas (ties go at random); each one's KV events reach the router
+    # across the container network, from tcp://vllm-N:5557.
+    for index in range(24):
+        assert chat(sim_stack.url, f"prompt {index} about networks").status_code == 200
+
+    def every_replica_publishes() -> bool:
+        replicas = _replicas(sim_stack)
+        return len(replicas) == 2 and all(r["kv_events"]["batches"] > 0 for r in replicas.values())  # type: ignore[index]
+
+    wait_for(every_replica_publishes, 10, "KV events from both replicas")
+    replicas = _replicas(sim_stack)
+    assert set(replicas) == {"http://vllm-0:8000", "http://vllm-1:8000"}
+    for url, replica in replicas.items():
+        assert replica["healthy"] and replica["kv_events"]["endpoint"] == url.replace(":8000", ":5557").replace(  # type: ignore[index]
+            "http", "tcp"
+        )
+
+
+def _served(stack: Stack, url: str) -> int:
+    return int(_replicas(stack)[url]["served_total"])  # type: ignore[call-overload]
+
+
+def test_killed_replica_is_ejected_restarted_and_readmitted_with_no_failed_request(sim_stack: Stack) -> None:
+    victim = "http://vllm-1:8000"
+    wait_for(lambda: _healthy(sim_stack) == {"http://vllm-0:8000", victim}, 30, "both replicas healthy")
+    load = Load(sim_stack.url)
+    with load.running():
+        wait_for(lambda: load.count() >= 20, 30, "load flowing")
+        (container,) = sim_stack.containers("vllm-1")
+        # `docker kill`: the engine counts it a manual stop and does not restart it; compose brings it back.
+        docker("kill", container["ID"])
+        ejected_after = wait_for(lambda: victim not in _healthy(sim_stack), 30, "the killed replica ejected")
+        served_while_down = load.count()
+        sim_stack.compose("up", "-d", "--no-recreate", "--wait", "vllm-1")
+        wait_for(lambda: victim in _healthy(sim_stack), 30, "the replica re-admitted")
+        before = _served(sim_stack, victim)
+        wait_for(lambda: _served(sim_stack, victim) > before + 5, 30, "the re-admitted replica serving")
+
+        # A crash (its process killed from outside, not `docker kill`): the engine restarts it by the
+        # service's `restart: unless-stopped`, with no one's help.
+        (container,) = sim_stack.containers("vllm-1")
+        pid = int(docker("inspect", "-f", "{{.State.Pid}}", container["ID"]).strip())
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: victim not in _healthy(sim_stack), 30, "the crashed replica ejected")
+        wait_for(lambda: victim in _healthy(sim_stack), 60, "the crashed replica restarted and re-admitted")
+        restarts = docker("inspect", "-f", "{{.RestartCount}}", container["ID"]).strip()
+        before = _served(sim_stack, victim)
+        wait_for(lambda: _served(sim_stack, victim) > before + 5, 30, "the restarted replica serving")
+    assert load.failures == [], load.failures[:5]
+    assert load.ok > served_while_down > 0
+    assert int(restarts) >= 1
+    print(f"\nkill: ejected after {ejected_after:.1f}s; {load.ok} requests, 0 failed; crash: restarts={restarts}")
+
+
+@pytest.mark.disruptive
+def test_compose_down_leaves_no_container_network_or_volume() -> None:
+    needs_engine()
+    with compose_stack("sim") as stack:
+        made = stack.leftovers()
+        assert len(made["containers"]) == 3 and made["networks"] and made["volumes"]
+        assert chat(stack.url, "one request").status_code == 200
+    # compose_stack has run `make compose-down` and asserted that nothing of the stack remains.
+    assert stack.leftovers() == {"containers": [], "networks": [], "volumes": []}
+    images = docker("image", "ls", "--format", "{{.Repository}}").split()
+    assert "dpserve-router" in images, "compose-down keeps the images it built"
+
+
+@pytest.fixture(scope="module")
+def scaled_stack() -> Iterator[Stack]:
+    needs_engine()
+    with compose_stack("sim", scaled=True) as stack:
+        yield stack
+
+
+def _scale(stack: Stack, count: int) -> None:
+    stack.compose("up", "-d", "--no-recreate", "--no-build", "--scale", f"vllm={count}", "--wait")
+
+
+def _replica_addresses(stack: Stack) -> set[str]:
+    addresses = set()
+    for container in stack.containers("vllm"):
+        networks = docker("inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}", container["ID"])
+        addresses.update(f"http://{address}:8000" for address in networks.split())
+    return addresses
+
+
+def test_scaled_stack_follows_scale_up_and_down_with_no_failed_request(scaled_stack: Stack) -> None:
+    stack = scaled_stack
+    wait_for(lambda: _healthy(stack) == _replica_addresses(stack) and len(_healthy(stack)) == 2, 30, "2 replicas")
+    load = Load(stack.url)
+    with load.running():
+        wait_for(lambda: load.count() >= 10, 30, "load flowing")
+        started = time.monotonic()
+        _scale(stack, 4)
+        scaled_at = time.monotonic() - started
+        grown = wait_for(lambda: len(_healthy(stack)) == 4 and _healthy(stack) == _replica_addresses(stack), 30, "4")
+        four = _healthy(stack)
+        _scale(stack, 2)
+        shrunk = wait_for(
+            lambda: set(_replicas(stack)) == _replica_addresses(stack) and len(_replica_addresses(stack)) == 2,
+            30,
+            "the router back to 2",
+        )
+        served_by = {url: int(replica["served_total"]) for url, replica in _replicas(stack).items()}  # type: ignore[call-overload]
+    assert load.failures == [], load.failures[:5]
+    assert grown <= FOLLOW_S and shrunk <= FOLLOW_S, (grown, shrunk)
+    assert len(four) == 4 and all(count > 0 for count in served_by.values())
+    discovery = stack.status()["discovery"]
+    print(
+        f"\nscale 2->4: compose {scaled_at:.1f}s, router followed {grown:.1f}s later; 4->2 followed in {shrunk:.1f}s;"
+        f" {load.ok} requests, 0 failed; discovery: {discovery}"
+    )
+
+
+def test_every_stack_make_compose_up_can_run_is_accepted_by_the_engines_compose() -> None:
+    """What `make compose-up` would run, for each variant, checked by the Compose that runs it (the Compose
+    of the unit tests is a newer release, with no engine behind it)."""
+    needs_engine()
+    for scaled in (False, True):
+        for variant in ("sim", "cpu", "gpu"):
+            Stack("dpserve-config-check", variant, scaled, 8000).compose("config", "--quiet")
+
+
+def test_engine_problem_says_why_when_docker_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    problem = engine_problem()
+    assert problem is not None and "docker" in problem
