@@ -58,7 +58,7 @@ docker-engine:
 
 compose-up: docker-engine
 	$(if $(filter cpu gpu sim,$(VARIANT)),,$(error VARIANT=$(VARIANT): one of cpu, gpu, sim))
-	set -a; eval "$$(tools/compose-build-args.sh)"; set +a; \
+	set -a; eval "$$(tools/compose-build-args.sh $(VARIANT))"; set +a; \
 	docker compose $(COMPOSE_FILES) up --build -d $(COMPOSE_UP_FLAGS)
 	docker compose $(COMPOSE_FILES) ps
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The images' build arguments for this host, as shell assignments for `make compose-up`:
+# The images' build arguments for this host, as shell assignments for `make compose-up VARIANT=...`:
+#   tools/compose-build-args.sh [VARIANT]
 #   BASE_IMAGE  python:3.11-slim where Docker Hub answers, else a base made from Debian's packages
 #               (tools/debian-base-image.sh);
-#   TORCH_INDEX empty where this host's pip keeps torch's CPU wheel on disk (copied into replicas/wheels/),
+#   TORCH_INDEX `none` where this host's pip keeps torch's CPU wheel on disk (copied into replicas/wheels/),
 #               else PyTorch's CPU index (the Dockerfile's default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,8 @@ else
     echo "BASE_IMAGE=$LOCAL"
 fi
 
+# Only the CPU replica's image installs torch (and the wheel would swell every other build's context).
+[ "${1:-cpu}" = cpu ] || exit 0
 # Where pip looks for local wheels: PIP_FIND_LINKS and pip's own configuration.
 links=$( (echo "${PIP_FIND_LINKS:-}"; python3 -m pip config list 2>/dev/null | sed -n "s/^.*find-links='\(.*\)'$/\1/p") | tr ' ' '\n')
 found=""
@@ -29,5 +32,5 @@ for dir in $links; do
     done
 done
 if [ -n "$found" ]; then
-    echo "TORCH_INDEX="
+    echo "TORCH_INDEX=none"
 fi

@@ -297,10 +297,9 @@ def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
     command += vllm_engine_flags(CPU_SERVED_NAME, KV_EVENTS_PORT, CPU_MAX_MODEL_LEN)
     replica = {
         "image": CPU_REPLICA_IMAGE,
-        # TORCH_INDEX: PyTorch's CPU index unless the shell says otherwise (empty where torch's wheel is
+        # TORCH_INDEX: PyTorch's CPU index unless the shell says otherwise (`none` where torch's wheel is
         # on disk, which `make compose-up` copies into replicas/wheels/).
-        # `-`, not `:-`: an empty TORCH_INDEX means no index, not the default.
-        "build": _build(CPU_REPLICA_DOCKERFILE, TORCH_INDEX="${TORCH_INDEX-https://download.pytorch.org/whl/cpu}"),
+        "build": _build(CPU_REPLICA_DOCKERFILE, TORCH_INDEX=var("TORCH_INDEX", "https://download.pytorch.org/whl/cpu")),
         "command": command,
         "environment": {
             "VLLM_CPU_KVCACHE_SPACE": var("CPU_KV_CACHE_GIB", 1),

@@ -1,0 +1,56 @@
+"""The real vLLM CPU stack on the Docker engine: `make compose-up` (VARIANT=cpu: two vllm-cpu containers of the
+tiny model, built here, and the router), the official SDK through the published port, and `docker stats` of
+each container. Minutes, not seconds: deselected from `make test`, run on changes to the compose files or
+Dockerfiles with `pytest -m vllm_stack -s` (the closing note keeps what it printed)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+
+from tests.integration.docker_stack import MODEL, compose_stack, docker, needs_engine, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.docker, pytest.mark.vllm_stack]
+
+
+def test_vllm_cpu_stack_serves_the_sdk_through_the_router() -> None:
+    needs_engine()
+    started = time.monotonic()
+    with compose_stack("cpu") as stack:
+        ready_s = time.monotonic() - started  # `make compose-up` returns once every healthcheck passes (--wait)
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [model.id for model in client.models.list()] == [MODEL]
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=8
+        )
+        assert reply.usage and reply.usage.completion_tokens == 8
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Stream it"}], max_tokens=8, stream=True
+        )
+        assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) >= 1
+        completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8)
+        assert completion.choices[0].text
+        for index in range(12):
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"question {index}"}], max_tokens=4
+            )
+
+        def every_replica_publishes() -> bool:
+            replicas = stack.status()["replicas"]
+            return len(replicas) == 2 and all(r["healthy"] and r["kv_events"]["batches"] > 0 for r in replicas)
+
+        wait_for(every_replica_publishes, 30, "KV events from both vLLM containers")
+        stats = [
+            json.loads(line)
+            for line in docker("stats", "--no-stream", "--format", "{{json .}}").splitlines()
+            if stack.project in line
+        ]
+        assert len(stats) == 3
+        print(f"\nvLLM CPU stack ready in {ready_s:.0f}s (make compose-up, images cached or not: see above)")
+        for entry in sorted(stats, key=lambda entry: entry["Name"]):
+            print(f"  {entry['Name']}: CPU {entry['CPUPerc']}, memory {entry['MemUsage']}, PIDs {entry['PIDs']}")
+        for replica in stack.status()["replicas"]:
+            print(f"  {replica['id']} {replica['url']}: served {replica['served_total']}, kv {replica['kv_events']}")
