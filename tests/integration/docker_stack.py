@@ -123,6 +123,12 @@ def compose_stack(variant: str, scaled: bool = False) -> Iterator[Stack]:
     assert stack.leftovers() == {"containers": [], "networks": [], "volumes": []}
 
 
+def long_prompt(first_word: str) -> str:
+    """Hundreds of tokens for the tiny model, several of vLLM's 128-token CPU blocks (KV events come per
+    full block), starting with `first_word` so prompts with different first words share no prefix."""
+    return " ".join([first_word, *(f"{first_word[::-1]}{index}" for index in range(60))])
+
+
 def chat(url: str, text: str, max_tokens: int = 8, timeout_s: float = 30) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout_s)

@@ -1,7 +1,8 @@
-"""The compose stack's commands, run here for real on loopback (no Docker engine runs on these machines):
-the router's container command (router/Dockerfile's ENTRYPOINT + compose.yaml's flags) over two sims,
-the services' healthchecks, the loadtest profile's Locust master and worker, vLLM's own parser on the
-replicas' commands, and the Grafana dashboard's queries against what the router and real vLLM export."""
+"""The compose stack's commands, run on loopback without containers (test_compose_docker.py starts the
+stack itself on the Docker engine): the router's container command (router/Dockerfile's ENTRYPOINT +
+compose.yaml's flags) over two sims, the services' healthchecks, the loadtest profile's Locust master and
+worker, vLLM's own parser on the replicas' commands, and the Grafana dashboard's queries against what the
+router and real vLLM export."""
 
 from __future__ import annotations
 

@@ -6,18 +6,21 @@ Dockerfiles with `pytest -m vllm_stack -s` (the closing note keeps what it print
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import openai
 import pytest
 
-from tests.integration.docker_stack import MODEL, compose_stack, docker, needs_engine, wait_for
+from tests.integration.docker_stack import MODEL, compose_stack, docker, long_prompt, needs_engine, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker, pytest.mark.vllm_stack]
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
 
 def test_vllm_cpu_stack_serves_the_sdk_through_the_router() -> None:
     needs_engine()
+    cached = subprocess.run(["docker", "image", "inspect", "dpserve-vllm-cpu"], capture_output=True).returncode == 0
     started = time.monotonic()
     with compose_stack("cpu") as stack:
         ready_s = time.monotonic() - started  # `make compose-up` returns once every healthcheck passes (--wait)
@@ -33,23 +36,30 @@ def test_vllm_cpu_stack_serves_the_sdk_through_the_router() -> None:
         assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) >= 1
         completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8)
         assert completion.choices[0].text
-        for index in range(12):
-            client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"question {index}"}], max_tokens=4
-            )
+        # Chat prompts share the template's prefix, so kv_aware keeps them on one replica; long plain prompts
+        # (several of vLLM's 128-token CPU blocks: it reports a block once full) with different first words
+        # share nothing and go to either (ties at random), until both have published.
+        for word in WORDS:
+            if all(replica["kv_events"]["batches"] > 0 for replica in stack.status()["replicas"]):
+                break
+            client.completions.create(model=MODEL, prompt=long_prompt(word), max_tokens=4)
 
         def every_replica_publishes() -> bool:
             replicas = stack.status()["replicas"]
             return len(replicas) == 2 and all(r["healthy"] and r["kv_events"]["batches"] > 0 for r in replicas)
 
-        wait_for(every_replica_publishes, 30, "KV events from both vLLM containers")
+        try:
+            wait_for(every_replica_publishes, 30, "KV events from both vLLM containers")
+        except AssertionError:
+            raise AssertionError(json.dumps(stack.status()["replicas"], indent=1)) from None
         stats = [
             json.loads(line)
             for line in docker("stats", "--no-stream", "--format", "{{json .}}").splitlines()
             if stack.project in line
         ]
         assert len(stats) == 3
-        print(f"\nvLLM CPU stack ready in {ready_s:.0f}s (make compose-up, images cached or not: see above)")
+        built = "images already built" if cached else "replica image built first"
+        print(f"\nvLLM CPU stack ready in {ready_s:.0f}s from make compose-up ({built})")
         for entry in sorted(stats, key=lambda entry: entry["Name"]):
             print(f"  {entry['Name']}: CPU {entry['CPUPerc']}, memory {entry['MemUsage']}, PIDs {entry['PIDs']}")
         for replica in stack.status()["replicas"]:
