@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -173,6 +174,16 @@ def benchmark_module(name: str) -> ModuleType | None:
     return importlib.import_module(f"benchmarks.{name}")
 
 
+def _discovery_source(text: str) -> str:
+    from dpserve.replicas.discovery import parse_discovery_source
+
+    try:
+        parse_discovery_source(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -183,9 +194,29 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         dest="replicas",
         metavar="URL[@gpu=N]",
-        required=True,
         help="a replica's base URL, e.g. http://127.0.0.1:8100, optionally with the GPU it runs on "
         "(http://10.0.0.2:8000@gpu=1, an NVML index or UUID); repeat for each replica",
+    )
+    router.add_argument(
+        "--discover",
+        action="append",
+        dest="discover",
+        type=_discovery_source,
+        metavar="dns:NAME:PORT|srv:_service._proto.NAME",
+        help="find replicas by DNS: every A/AAAA address of NAME at PORT, or every SRV record's host and port; "
+        "repeatable, with or without --replica",
+    )
+    router.add_argument(
+        "--discover-interval", type=float, dest="discover_interval_s", help="seconds between lookups (default 5)"
+    )
+    router.add_argument(
+        "--discover-kv-port", type=int, dest="discover_kv_port", help="discovered replicas' KV-event port (5557)"
+    )
+    router.add_argument(
+        "--discover-nameserver",
+        dest="discover_nameserver",
+        metavar="HOST[:PORT]",
+        help="DNS server to ask (default: the system's, from /etc/resolv.conf)",
     )
     router.add_argument(
         "--kv-events",
@@ -353,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         serve_sim(load_settings(SimSettings, overrides))
         return 0
     if args.command == "router":
-        overrides["replicas"] = tuple(args.replicas)
+        if not args.replicas and not args.discover and not os.environ.get("DPSERVE_DISCOVER"):
+            parser.error("router: give replicas, with --replica URL or --discover dns:NAME:PORT")
+        overrides["replicas"] = tuple(args.replicas or ())
         overrides["kv_events"] = tuple(args.kv_events or ())
         from dpserve.router.serve import serve_router
 

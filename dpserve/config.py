@@ -29,9 +29,16 @@ class RouterSettings:
     port: int = 8000
     replicas: tuple[str, ...] = ()
     policy: str | None = None
-    """None: kv_aware when replicas publish KV events (`kv_events`), else least_loaded."""
+    """None: kv_aware when replicas publish KV events (`kv_events`, or discovered ones), else least_loaded."""
     kv_events: tuple[str, ...] = ()
     """`REPLICA_URL=tcp://HOST:PORT` per replica that publishes KV-cache events."""
+    discover: tuple[str, ...] = ()
+    """Replicas found by DNS: `dns:NAME:PORT` (A/AAAA) or `srv:_service._proto.NAME` (SRV)."""
+    discover_interval_s: float = 5.0
+    discover_kv_port: int = 5557
+    """Where discovered replicas publish KV events (tcp://ADDRESS:PORT)."""
+    discover_nameserver: str | None = None
+    """`HOST[:PORT]` to ask instead of the system's resolver (resolv.conf)."""
     tokenizer: str | None = None
     """Where KV-aware routing gets token ids: a model directory with tokenizer.json (loaded in the
     router), or "remote" (the replica's /tokenize). None: the model directory when the router is
@@ -99,7 +106,7 @@ class RouterSettings:
     def routing_policy(self) -> str:
         if self.policy:
             return self.policy
-        return "kv_aware" if self.kv_events else "least_loaded"
+        return "kv_aware" if self.kv_events or self.discover else "least_loaded"
 
 
 @dataclass(frozen=True)

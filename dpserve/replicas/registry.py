@@ -81,14 +81,14 @@ class ReplicaRegistry:
         rules: HealthRules | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`specs`: replica URLs, each optionally followed by `@gpu=N` (see `parse_replica_spec`)."""
-        if not specs:
-            raise ValueError("at least one replica URL is needed")
+        """`specs`: replica URLs, each optionally followed by `@gpu=N` (see `parse_replica_spec`); none
+        where replicas are all discovered or added later."""
         self._replicas: dict[str, Replica] = {}
         self._next_id = 0
         self._tracker = HealthTracker(rules or HealthRules())
         self._clock = clock
         self._listeners: list[Callable[[], None]] = []
+        self._refused_listeners: list[Callable[[str], None]] = []
         # Routable replicas per model, rebuilt only when routability or models change (`_reshaped`),
         # so the hot path never scans the whole fleet to find its candidates.
         self._views: dict[str, tuple[Replica, ...]] = {}
@@ -140,6 +140,10 @@ class ReplicaRegistry:
     def on_change(self, listener: Callable[[], None]) -> None:
         """`listener` runs whenever a replica may have gained room: a slot freed, a replica admitted."""
         self._listeners.append(listener)
+
+    def on_refused(self, listener: Callable[[str], None]) -> None:
+        """`listener(replica_id)` runs when nothing accepted a connection to a replica: it may be gone."""
+        self._refused_listeners.append(listener)
 
     def healthy(self) -> list[Replica]:
         """Replicas routing may use: healthy and not draining."""
@@ -259,6 +263,9 @@ class ReplicaRegistry:
             return
         if outcome not in (Outcome.OK, Outcome.CLIENT_ERROR) and reason:
             replica.last_error = reason
+        if outcome is Outcome.REFUSED:
+            for listener in self._refused_listeners:
+                listener(replica_id)
         # Scanned only for the outcomes it can spare from ejection, not on every request's success.
         last_standing = (
             outcome in SOFT_FAILURES

@@ -32,6 +32,7 @@ from dpserve.kvindex.text_prefix import TextPrefixIndex
 from dpserve.policies import Need, Policy, PolicyTuning, make_policy
 from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.kv_aware import KvAwareWeights
+from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
 from dpserve.replicas.health import HealthRules
 from dpserve.replicas.kv_events import KvEventSubscriber, parse_kv_event_source
 from dpserve.replicas.monitor import ReplicaMonitor
@@ -40,6 +41,7 @@ from dpserve.router.access import Guard, Keys, load_keys
 from dpserve.router.admin import FleetControl, add_admin_routes
 from dpserve.router.admission import Admission
 from dpserve.router.dashboard import dashboard_html
+from dpserve.router.discovery import Discovery, DiscoveryCollector, SourceState
 from dpserve.router.dispatch import Dispatcher, OpenStreams, RetryRules
 from dpserve.router.endpoints import PROXIED_ENDPOINTS
 from dpserve.router.errors import CLIENT_CLOSED, OpenAIError, bad_request, status_type
@@ -72,6 +74,8 @@ class RouterState:
     """None with GPU telemetry off (--gpu-interval 0)."""
     shutdown: Shutdown
     started_at: float
+    discovery: list[SourceState]
+    """One per --discover source; empty without."""
 
 
 def policy_tuning(settings: RouterSettings) -> PolicyTuning:
@@ -188,6 +192,9 @@ def create_app(
 ) -> FastAPI:
     """`nvml` loads the NVML library (the `pynvml` module); tests pass a fake, as these hosts have no GPU.
     `keys`: API and admin keys, read from the settings when not given."""
+    sources = [SourceState(parse_discovery_source(text)) for text in settings.discover]
+    if registry is None and not settings.replicas and not sources:
+        raise ValueError("no replicas: give --replica URL or --discover dns:NAME:PORT")
     registry = registry or ReplicaRegistry(settings.replicas, health_rules(settings))
     policy = policy or make_policy(settings.routing_policy, rng, policy_tuning(settings))
     keys = keys if keys is not None else load_keys(settings)
@@ -208,7 +215,9 @@ def create_app(
     text_index = TextPrefixIndex(settings.prefix_index_max_chunks) if Need.TEXT_PREFIX in policy.needs else None
     local = local_tokenizer(settings)
     open_streams = OpenStreams()
-    state = RouterState(registry, policy, metrics, kv_index, [], gpus, Shutdown(open_streams), time.time())
+    state = RouterState(registry, policy, metrics, kv_index, [], gpus, Shutdown(open_streams), time.time(), sources)
+    if sources:
+        metrics.registry.register(DiscoveryCollector(sources))
     hot_path = HotPath()
 
     @contextlib.asynccontextmanager
@@ -238,6 +247,11 @@ def create_app(
             )
         fleet = FleetControl(registry, monitor, subscribers, kv_index, zmq_context, control)
         add_admin_routes(app, fleet, lambda replica: _replica_status(replica, state))
+        discovery = None
+        if sources:
+            resolver = DnsResolver(settings.discover_nameserver)
+            interval, kv_port = settings.discover_interval_s, settings.discover_kv_port
+            discovery = Discovery(sources, resolver, fleet, registry, interval, kv_port)
         metrics.registry.register(RoutingStateCollector(kv_index, subscribers, text_index, tokens))
         for subscriber in subscribers:
             subscriber.start()
@@ -249,11 +263,17 @@ def create_app(
             gpus.start()
         await monitor.probe_all()
         monitor.start()
+        if discovery is not None:
+            # The first answer before serving: discovered replicas are probed as they are added.
+            await discovery.refresh()
+            discovery.start()
         hot_path.serve(ProxiedEndpoints(relaying, PROXIED_ENDPOINTS))
         try:
             yield
         finally:
             hot_path.stop()
+            if discovery is not None:
+                await discovery.stop()
             await monitor.stop()
             if gpus is not None:
                 await gpus.stop()
@@ -319,6 +339,7 @@ def _status(state: RouterState) -> dict[str, Any]:
         "uptime_s": round(time.time() - state.started_at, 1),
         "replicas": replicas,
         "gpus": gpus,
+        **({"discovery": [source.to_dict(time.time()) for source in state.discovery]} if state.discovery else {}),
     }
 
 

@@ -14,18 +14,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.integration.docker_stack import (
-    MODEL,
-    Load,
-    Stack,
-    chat,
-    compose_stack,
-    docker,
-    engine_problem,
-    long_prompt,
-    needs_engine,
-    wait_for,
-)
+from tests.integration.docker_stack import Stack, compose_stack, docker, engine_problem, needs_engine
+from tests.integration.traffic import MODEL, Load, chat, long_prompt, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker]
 

@@ -12,7 +12,8 @@ import time
 import openai
 import pytest
 
-from tests.integration.docker_stack import MODEL, compose_stack, docker, long_prompt, needs_engine, wait_for
+from tests.integration.docker_stack import compose_stack, docker, needs_engine
+from tests.integration.traffic import MODEL, long_prompt, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker, pytest.mark.vllm_stack]
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()

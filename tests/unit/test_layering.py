@@ -34,6 +34,7 @@ ROUTER_PATH: tuple[str, ...] = (
     # list (endpoints -> features -> selection -> dispatch -> upstream client) and its answer comes back up.
     "serve",
     "app",
+    "discovery",
     "admin",
     "proxied_paths",
     "shutdown",
