@@ -3,8 +3,10 @@
 `dns:NAME:PORT`: every A and AAAA address of NAME is a replica at PORT (a scaled compose service, a
 Kubernetes headless Service). `srv:_service._proto.NAME`: every SRV record's target and port (Consul,
 Kubernetes named ports), targets resolved to their addresses. The resolver is dnspython's: it reads the
-system's resolv.conf (Docker's embedded DNS inside a container) unless given a nameserver, does SRV, and
-cost 0.3 ms a lookup against dnsmasq here, as aiodns did (benchmarks/resolver.py)."""
+system's resolv.conf (Docker's embedded DNS inside a container) unless given a nameserver, and does SRV.
+Measured against dnsmasq here (benchmarks/resolver.py): 0.65 ms of CPU per A+AAAA lookup, aiodns 0.15 ms;
+at one lookup per interval (refusals debounced to two a second at most) either is under 0.2% of a core, so
+the pure-Python, typed one won over a C extension in the router's image."""
 
 from __future__ import annotations
 
