@@ -109,9 +109,11 @@ def docker(*args: str, timeout_s: float = 120) -> str:
 
 
 @contextlib.contextmanager
-def compose_stack(variant: str, scaled: bool = False) -> Iterator[Stack]:
-    """`make compose-up` for this variant, then `make compose-down` (which must leave nothing behind)."""
-    stack = Stack(f"dpserve-test-{os.getpid()}-{variant}{'-scaled' if scaled else ''}", variant, scaled, free_port())
+def compose_stack(variant: str, scaled: bool = False, name: str = "") -> Iterator[Stack]:
+    """`make compose-up` for this variant, then `make compose-down` (which must leave nothing behind).
+    `name` sets this stack's project apart from another of the same variant that may still be up."""
+    project = f"dpserve-test-{os.getpid()}-{variant}{'-scaled' if scaled else ''}{name and '-' + name}"
+    stack = Stack(project, variant, scaled, free_port())
     try:
         stack.make("compose-up")
         yield stack

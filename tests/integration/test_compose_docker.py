@@ -113,7 +113,7 @@ def test_killed_replica_is_ejected_restarted_and_readmitted_with_no_failed_reque
 @pytest.mark.disruptive
 def test_compose_down_leaves_no_container_network_or_volume() -> None:
     needs_engine()
-    with compose_stack("sim") as stack:
+    with compose_stack("sim", name="down") as stack:
         made = stack.leftovers()
         assert len(made["containers"]) == 3 and made["networks"] and made["volumes"]
         assert chat(stack.url, "one request").status_code == 200
