@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import dns.asyncresolver
 import dns.exception
-import dns.rdatatype
 import dns.resolver
 
 LOOKUP_TIMEOUT_S = 2.0
@@ -121,14 +120,20 @@ class DnsResolver:
 
 
 def split_nameserver(text: str) -> tuple[str, int]:
-    """`HOST`, `HOST:PORT` or `[V6]:PORT`."""
+    """`HOST`, `HOST:PORT` or `[V6]:PORT` (an address: the server is what resolves names); ValueError else."""
+    host, port = text, "53"
     if text.startswith("["):
         host, _, port = text[1:].partition("]:")
-        return host.rstrip("]"), int(port) if port else 53
-    if text.count(":") == 1:
+        host, port = host.rstrip("]"), port or "53"
+    elif text.count(":") == 1:
         host, port = text.split(":")
-        return host, int(port)
-    return text, 53
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"--discover-nameserver {text!r}: expected an IP address, optionally with :PORT") from None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--discover-nameserver {text!r}: {port!r} is not a port")
+    return host, int(port)
 
 
 def _describe(exc: BaseException) -> str:

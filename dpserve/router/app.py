@@ -193,6 +193,7 @@ def create_app(
     """`nvml` loads the NVML library (the `pynvml` module); tests pass a fake, as these hosts have no GPU.
     `keys`: API and admin keys, read from the settings when not given."""
     sources = [SourceState(parse_discovery_source(text)) for text in settings.discover]
+    resolver = DnsResolver(settings.discover_nameserver) if sources else None  # a bad nameserver fails here
     if registry is None and not settings.replicas and not sources:
         raise ValueError("no replicas: give --replica URL or --discover dns:NAME:PORT")
     registry = registry or ReplicaRegistry(settings.replicas, health_rules(settings))
@@ -248,8 +249,7 @@ def create_app(
         fleet = FleetControl(registry, monitor, subscribers, kv_index, zmq_context, control)
         add_admin_routes(app, fleet, lambda replica: _replica_status(replica, state))
         discovery = None
-        if sources:
-            resolver = DnsResolver(settings.discover_nameserver)
+        if resolver is not None:
             interval, kv_port = settings.discover_interval_s, settings.discover_kv_port
             discovery = Discovery(sources, resolver, fleet, registry, interval, kv_port)
         metrics.registry.register(RoutingStateCollector(kv_index, subscribers, text_index, tokens))

@@ -232,7 +232,6 @@ def test_discovered_replicas_publish_kv_events_at_the_kv_port(tmp_path: Path) ->
         dns.set_records({"vllm.test": ["127.0.0.2", "127.0.0.3"]})
         flags = ["--discover", f"dns:vllm.test:{port}", "--discover-nameserver", dns.nameserver]
         flags += ["--discover-kv-port", str(kv_port)]
-        # No --policy: with --discover the default is kv_aware, as with --kv-events.
         router = start_router([], "kv_aware", *flags, expect_healthy=2)
         try:
             words = iter("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split())
@@ -281,3 +280,8 @@ def test_bad_discover_values_are_clear_errors() -> None:
         assert "--discover" in result.stderr and "Traceback" not in result.stderr, result.stderr
     result = subprocess.run([*sim_command(0, "x")[:3], "router"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "--replica URL or --discover" in result.stderr
+    for bad in ("dns.example", "127.0.0.1:port", "127.0.0.1:70000"):
+        command = [*sim_command(0, "x")[:3], "router", "--discover", "dns:vllm:8000", "--discover-nameserver", bad]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        assert result.returncode == 2 and "--discover-nameserver" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
