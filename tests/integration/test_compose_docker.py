@@ -88,7 +88,7 @@ def test_killed_replica_is_ejected_restarted_and_readmitted_with_no_failed_reque
         # `docker kill`: the engine counts it a manual stop and does not restart it; compose brings it back.
         docker("kill", container["ID"])
         ejected_after = wait_for(lambda: victim not in _healthy(sim_stack), 30, "the killed replica ejected")
-        served_while_down = load.count()
+        ok_at_ejection = load.count()
         sim_stack.compose("up", "-d", "--no-recreate", "--wait", "vllm-1")
         wait_for(lambda: victim in _healthy(sim_stack), 30, "the replica re-admitted")
         before = _served(sim_stack, victim)
@@ -104,8 +104,20 @@ def test_killed_replica_is_ejected_restarted_and_readmitted_with_no_failed_reque
         restarts = docker("inspect", "-f", "{{.RestartCount}}", container["ID"]).strip()
         before = _served(sim_stack, victim)
         wait_for(lambda: _served(sim_stack, victim) > before + 5, 30, "the restarted replica serving")
+        # Its KV events come back too: the router's subscriber reconnects to tcp://vllm-1:5557.
+        words = iter(WORDS)
+        batches = _replicas(sim_stack)[victim]["kv_events"]["batches"]
+
+        def publishing_again() -> bool:
+            if _replicas(sim_stack)[victim]["kv_events"]["batches"] > batches:
+                return True
+            client = openai.OpenAI(base_url=f"{sim_stack.url}/v1", api_key="unused", max_retries=0)
+            client.completions.create(model=MODEL, prompt=long_prompt(next(words)), max_tokens=2)
+            return False
+
+        wait_for(publishing_again, 30, "KV events from the restarted replica")
     assert load.failures == [], load.failures[:5]
-    assert load.ok > served_while_down > 0
+    assert load.ok > ok_at_ejection > 0
     assert int(restarts) >= 1
     print(f"\nkill: ejected after {ejected_after:.1f}s; {load.ok} requests, 0 failed; crash: restarts={restarts}")
 
