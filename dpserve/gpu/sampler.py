@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 
+from dpserve.background import cancel_and_wait
 from dpserve.gpu.nvml import Nvml, NvmlReader, NvmlUnavailable, open_reader
 from dpserve.gpu.placement import ReplicaClue, place_replicas
 from dpserve.gpu.sample import GpuSnapshot
@@ -91,11 +91,8 @@ class GpuSampler:
         self._task = asyncio.create_task(self._run(), name="gpu-sampler")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._reader is not None:
             await asyncio.to_thread(self._reader.close)
             self._reader = None

@@ -8,7 +8,6 @@ both cases the index forgets that replica's blocks, since it can no longer know 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from dpserve.background import cancel_and_wait
 from dpserve.kvindex.events import EventDecodeError, decode_message
 from dpserve.kvindex.index import KvIndex
 
@@ -95,10 +95,7 @@ class KvEventSubscriber:
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.replica_id}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def handle(self, frames: list[bytes]) -> None:
         """Apply one multipart message (public so tests can drive it without a socket)."""

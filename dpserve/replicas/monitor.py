@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
 import aiohttp
 import orjson
 
+from dpserve.background import cancel_and_wait
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 
@@ -53,10 +53,7 @@ class ReplicaMonitor:
         self._task = asyncio.create_task(self._run(), name="replica-monitor")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         tick = 0

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dpserve.background import cancel_and_wait
 from dpserve.replicas.discovery import DiscoveryError, DiscoverySource
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.admin import FleetControl
@@ -163,10 +164,7 @@ class Discovery:
         self._task = asyncio.create_task(self._run(), name="discovery")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         next_lookup = self._clock() + self._interval

@@ -16,8 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "dpserve"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # Lowest first. A module may import its own package and anything in a lower layer, nothing else.
-    # Settings, an ASGI helper, the tiny-model builder, terminal tables.
-    ("dpserve.config", "dpserve.disconnect", "dpserve.tiny_model", "dpserve.text_table"),
+    # Settings, an ASGI helper, background tasks' end, the tiny-model builder, terminal tables.
+    ("dpserve.config", "dpserve.disconnect", "dpserve.background", "dpserve.tiny_model", "dpserve.text_table"),
     ("dpserve.kvindex", "dpserve.gpu"),  # pure data: the KV-block index, NVML samples
     ("dpserve.policies",),  # pure routing decisions
     ("dpserve.replicas",),  # the router's view of replicas: registry, health, probes, KV-event subscribers
