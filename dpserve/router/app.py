@@ -251,7 +251,7 @@ def create_app(
         discovery = None
         if resolver is not None:
             interval, kv_port = settings.discover_interval_s, settings.discover_kv_port
-            discovery = Discovery(sources, resolver, fleet, registry, interval, kv_port)
+            discovery = Discovery(sources, resolver, fleet, interval, kv_port)
         metrics.registry.register(RoutingStateCollector(kv_index, subscribers, text_index, tokens))
         for subscriber in subscribers:
             subscriber.start()

@@ -22,7 +22,6 @@ from prometheus_client.registry import Collector
 
 from dpserve.background import cancel_and_wait
 from dpserve.replicas.discovery import DiscoveryError, DiscoverySource
-from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.admin import FleetControl
 from dpserve.router.errors import OpenAIError
 
@@ -69,7 +68,6 @@ class Discovery:
         states: list[SourceState],
         resolver: Resolver,
         fleet: FleetControl,
-        registry: ReplicaRegistry,
         interval_s: float,
         kv_port: int,
         clock: Callable[[], float] = time.monotonic,
@@ -78,7 +76,7 @@ class Discovery:
         self._states = states
         self._resolver = resolver
         self._fleet = fleet
-        self._registry = registry
+        self._registry = fleet.registry
         self._interval = interval_s
         self._kv_port = kv_port
         self._clock = clock
@@ -87,7 +85,7 @@ class Discovery:
         self._leaving: dict[str, float] = {}  # url -> when it left DNS
         self._poked = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        registry.on_refused(self._refused)
+        fleet.registry.on_refused(self._refused)
 
     def _refused(self, replica_id: str) -> None:
         if replica_id in self._owned.values():
