@@ -98,7 +98,27 @@ class RouterSettings:
     shutdown_grace_s: float = 30.0
     """On SIGTERM: how long requests in flight (streams included) get to finish."""
     gpu_interval_s: float = 1.0
-    """Seconds between NVML samples of every GPU; 0 turns GPU telemetry off."""
+    """Seconds between NVML samples of every GPU (and polls of each GPU agent); 0 turns GPU telemetry off."""
+    gpu_agents: tuple[str, ...] = ()
+    """`dpserve agent` URLs (http://HOST:9400), one per GPU host, whose GPUs the router reads."""
+    discover_agents: tuple[str, ...] = ()
+    """GPU agents found by DNS: `dns:NAME:PORT` (every address of NAME) or `srv:...`."""
+    # GPU health (gpu/health.py): a replica on a degraded GPU takes no new requests while another has room.
+    # The defaults are GpuHealthRules' (a unit test holds them equal).
+    gpu_health: bool = True
+    """Soft-drain replicas on degraded GPUs; off: GPU health is shown, not acted on."""
+    gpu_throttle_reasons: tuple[str, ...] = ("hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
+    """NVML throttle reasons that degrade a GPU (sw_power_cap is normal at full load, so not by default)."""
+    gpu_ignored_xids: tuple[str, ...] = ("13", "31", "43", "45")
+    """Xid codes an application's own faults raise: they do not degrade the GPU."""
+    gpu_event_hold_s: float = 300.0
+    """A new Xid or uncorrected ECC error keeps its GPU degraded this long."""
+    gpu_degrade_after_s: float = 2.0
+    """A throttle or PCIe condition must last this long before it degrades the GPU."""
+    gpu_recover_after_s: float = 30.0
+    """Every condition must be gone this long before the GPU's replica takes new requests again."""
+    gpu_pcie_busy_utilization: float = 0.5
+    """A PCIe generation below the maximum counts only while the GPU is at least this busy."""
     access_log: bool = False
     log_level: str = "info"
 

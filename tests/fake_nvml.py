@@ -30,14 +30,36 @@ class FakeGpu:
     """Calls this GPU answers with NVMLError_NotSupported (e.g. "power")."""
     lost: bool = False
     """Every call on this GPU raises NVMLError_GpuIsLost."""
+    # Health readings, as NVML gives them.
+    ecc_uncorrected: int = 0
+    throttle_reasons: int = 0
+    """pynvml.nvmlClocksEventReason* bits."""
+    pcie_gen: int = 5
+    pcie_gen_max: int = 5
+    pcie_width: int = 16
+    pcie_width_max: int = 16
+    remap_pending: bool = False
+    remap_failed: bool = False
+    retired_pending: bool = False
+    xid_queue: list[int] = field(default_factory=list)
+    """Xid events NVML has for this GPU's event set, oldest first (`raise_xid` adds one)."""
+
+    def raise_xid(self, code: int) -> None:
+        self.xid_queue.append(code)
 
 
 class FakeNvml:
     NVMLError = pynvml.NVMLError
     NVMLError_NotSupported = pynvml.NVMLError_NotSupported
     NVMLError_GpuIsLost = pynvml.NVMLError_GpuIsLost
+    NVMLError_Timeout = pynvml.NVMLError_Timeout
+    NVMLError_FunctionNotFound = pynvml.NVMLError_FunctionNotFound
+    NVMLError_NoPermission = pynvml.NVMLError_NoPermission
     NVML_TEMPERATURE_GPU = pynvml.NVML_TEMPERATURE_GPU
     NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    NVML_VOLATILE_ECC = pynvml.NVML_VOLATILE_ECC
+    nvmlEventTypeXidCriticalError = pynvml.nvmlEventTypeXidCriticalError
 
     def __init__(self, gpus: list[FakeGpu], call_delay_s: float = 0.0) -> None:
         self.gpus = gpus
@@ -48,6 +70,9 @@ class FakeNvml:
         self.inits = 0
         self.shutdowns = 0
         self.initialised = False
+        self.event_sets: dict[int, list[int]] = {}
+        """Event set id -> the GPU handles registered on it."""
+        self.freed_event_sets = 0
 
     def _check(self) -> None:
         if self.call_delay_s:
@@ -119,6 +144,57 @@ class FakeNvml:
     def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
         gpu = self._gpu(handle, "processes")
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in gpu.processes]
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: int, error_type: int, counter_type: int) -> int:
+        assert (error_type, counter_type) == (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
+        return self._gpu(handle, "ecc").ecc_uncorrected
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: int) -> int:
+        return self._gpu(handle, "throttle").throttle_reasons
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: int) -> int:
+        return self._gpu(handle, "pcie").pcie_gen
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: int) -> int:
+        return self._gpu(handle, "pcie").pcie_gen_max
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: int) -> int:
+        return self._gpu(handle, "pcie").pcie_width
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: int) -> int:
+        return self._gpu(handle, "pcie").pcie_width_max
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: int) -> int:
+        gpu = self._gpu(handle, "retired")
+        return pynvml.NVML_FEATURE_ENABLED if gpu.retired_pending else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetRemappedRows(self, handle: int) -> tuple[int, int, int, int]:
+        gpu = self._gpu(handle, "remap")
+        return (0, 0, int(gpu.remap_pending), int(gpu.remap_failed))
+
+    def nvmlEventSetCreate(self) -> int:
+        self._check()
+        event_set = len(self.event_sets) + 1
+        self.event_sets[event_set] = []
+        return event_set
+
+    def nvmlDeviceRegisterEvents(self, handle: int, event_types: int, event_set: int) -> None:
+        self._gpu(handle, "events")
+        assert event_types == pynvml.nvmlEventTypeXidCriticalError
+        self.event_sets[event_set].append(handle)
+
+    def nvmlEventSetWait_v2(self, event_set: int, timeout_ms: int) -> Any:
+        self._check()
+        for handle in self.event_sets[event_set]:
+            queue = self.gpus[handle].xid_queue
+            if queue:
+                return SimpleNamespace(
+                    device=handle, eventType=pynvml.nvmlEventTypeXidCriticalError, eventData=queue.pop(0)
+                )
+        raise pynvml.NVMLError_Timeout()
+
+    def nvmlEventSetFree(self, event_set: int) -> None:
+        self.freed_event_sets += 1
 
 
 def two_gpus() -> FakeNvml:

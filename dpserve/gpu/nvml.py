@@ -7,6 +7,7 @@ in unit tests a fake with the same calls (these machines have no GPU).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dpserve.gpu.sample import GpuProcess, GpuSample
@@ -20,8 +21,14 @@ class Nvml(Protocol):
     NVMLError: type[Exception]
     NVMLError_NotSupported: type[Exception]
     NVMLError_GpuIsLost: type[Exception]
+    NVMLError_Timeout: type[Exception]
+    NVMLError_FunctionNotFound: type[Exception]
+    NVMLError_NoPermission: type[Exception]
     NVML_TEMPERATURE_GPU: int
     NVML_CLOCK_SM: int
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED: int
+    NVML_VOLATILE_ECC: int
+    nvmlEventTypeXidCriticalError: int
 
     def nvmlInit(self) -> None: ...
     def nvmlShutdown(self) -> None: ...
@@ -36,6 +43,19 @@ class Nvml(Protocol):
     def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int: ...
     def nvmlDeviceGetClockInfo(self, handle: Any, clock: int) -> int: ...
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]: ...
+    # What tells a sick GPU from a healthy one (gpu/health.py reads them).
+    def nvmlDeviceGetTotalEccErrors(self, handle: Any, error_type: int, counter_type: int) -> int: ...
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int: ...
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int: ...
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int: ...
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int: ...
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int: ...
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Any) -> int: ...
+    def nvmlDeviceGetRemappedRows(self, handle: Any) -> tuple[int, int, int, int]: ...
+    def nvmlEventSetCreate(self) -> Any: ...
+    def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None: ...
+    def nvmlEventSetWait_v2(self, event_set: Any, timeout_ms: int) -> Any: ...
+    def nvmlEventSetFree(self, event_set: Any) -> None: ...
 
 
 def load_nvml() -> Nvml:
@@ -44,6 +64,20 @@ def load_nvml() -> Nvml:
 
     nvml: Nvml = pynvml  # the module is the library: it has every function the protocol names
     return nvml
+
+
+MAX_EVENTS_PER_READ = 64
+"""Xid events drained per GPU per reading: a storm of them must not stall the sampler."""
+
+
+@dataclass
+class XidWatch:
+    """One GPU's Xid event set (one per GPU, so each event's GPU is known without comparing handles)."""
+
+    event_set: Any
+    """None where Xid events cannot be had (not supported, no permission): not asked again."""
+    count: int = 0
+    last: int | None = None
 
 
 class NvmlUnavailable(RuntimeError):
@@ -58,6 +92,7 @@ class NvmlReader:
         self._open = False
         self._names: dict[int, tuple[str, str]] = {}
         """index -> (uuid, name), remembered so a GPU that is lost later is still named."""
+        self._xids: dict[int, XidWatch] = {}
 
     def open(self) -> None:
         """Initialise NVML; raises NvmlUnavailable with `no NVIDIA GPU found: ...` when it cannot."""
@@ -78,6 +113,13 @@ class NvmlReader:
     def close(self) -> None:
         if self._open:
             self._open = False
+            for watch in self._xids.values():
+                if watch.event_set is not None:
+                    try:
+                        self._nvml.nvmlEventSetFree(watch.event_set)
+                    except Exception:  # the library may already be gone: nothing to free then
+                        pass
+            self._xids.clear()
             try:
                 self._nvml.nvmlShutdown()
             except Exception:  # shutting down a library that already failed: nothing left to do
@@ -104,6 +146,20 @@ class NvmlReader:
             temperature = self._optional(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
             sm_clock = self._optional(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM)
             processes = self._optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or []
+            uncorrected, volatile = nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+            ecc = self._optional(nvml.nvmlDeviceGetTotalEccErrors, handle, uncorrected, volatile)
+            throttle = self._optional(nvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
+            pcie = [
+                self._optional(call, handle)
+                for call in (
+                    nvml.nvmlDeviceGetCurrPcieLinkGeneration,
+                    nvml.nvmlDeviceGetMaxPcieLinkGeneration,
+                    nvml.nvmlDeviceGetCurrPcieLinkWidth,
+                    nvml.nvmlDeviceGetMaxPcieLinkWidth,
+                )
+            ]
+            pending = self._pages_pending(handle)
+            xids = self._read_xids(index, handle)
         except nvml.NVMLError as exc:
             # GPU lost, unknown error, ...: this GPU only. Its next read tries again.
             return GpuSample(index=index, uuid=uuid, name=name, error=str(exc) or type(exc).__name__)
@@ -123,13 +179,57 @@ class NvmlReader:
                 GpuProcess(int(p.pid), None if getattr(p, "usedGpuMemory", None) is None else int(p.usedGpuMemory))
                 for p in processes
             ),
+            xid_errors=None if xids.event_set is None else xids.count,
+            last_xid=xids.last,
+            ecc_uncorrected=None if ecc is None else int(ecc),
+            throttle_reasons=None if throttle is None else int(throttle),
+            pcie_gen=None if pcie[0] is None else int(pcie[0]),
+            pcie_gen_max=None if pcie[1] is None else int(pcie[1]),
+            pcie_width=None if pcie[2] is None else int(pcie[2]),
+            pcie_width_max=None if pcie[3] is None else int(pcie[3]),
+            pages_pending=pending,
         )
 
+    def _pages_pending(self, handle: Any) -> bool | None:
+        """Memory a reset must fix: row remapping pending or failed (Ampere and newer), else dynamic page
+        retirement pending (older boards). None where the board has neither."""
+        remapped = self._optional(self._nvml.nvmlDeviceGetRemappedRows, handle)
+        if remapped is not None:
+            _corrected, _uncorrected, pending, failed = remapped
+            return bool(pending) or bool(failed)
+        retired = self._optional(self._nvml.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+        return None if retired is None else bool(retired)
+
+    def _read_xids(self, index: int, handle: Any) -> XidWatch:
+        """Xid errors since this reader opened: NVML queues them as events; drained without waiting."""
+        nvml = self._nvml
+        watch = self._xids.get(index)
+        if watch is None:
+            try:
+                event_set = nvml.nvmlEventSetCreate()
+                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, event_set)
+            except nvml.NVMLError:  # NotSupported, NoPermission (containers without it): no Xid reading
+                event_set = None
+            watch = self._xids[index] = XidWatch(event_set)
+        if watch.event_set is None:
+            return watch
+        for _ in range(MAX_EVENTS_PER_READ):
+            try:
+                event = nvml.nvmlEventSetWait_v2(watch.event_set, 0)
+            except nvml.NVMLError_Timeout:  # none left
+                break
+            if int(event.eventType) & nvml.nvmlEventTypeXidCriticalError:
+                watch.count += 1
+                watch.last = int(event.eventData)
+        return watch
+
     def _optional(self, call: Any, *args: Any) -> Any:
-        """A reading some GPUs do not support (power on some boards, say): None instead of failing."""
+        """A reading some GPUs, drivers or containers do not give (power on some boards, ECC with ECC off,
+        a call older drivers lack): None instead of failing."""
+        nvml = self._nvml
         try:
             return call(*args)
-        except self._nvml.NVMLError_NotSupported:
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound, nvml.NVMLError_NoPermission):
             return None
 
 

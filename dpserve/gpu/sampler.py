@@ -42,6 +42,8 @@ class GpuSampler:
         self.snapshot = GpuSnapshot()
         self.failures = 0
         """Whole-NVML failures since start (GPU-level errors are in the samples)."""
+        self.on_sample: Callable[[], None] = lambda: None
+        """Runs on the event loop after each background reading (the router rebuilds its GPU view)."""
 
     def sample_once(self) -> GpuSnapshot:
         now = self._clock()
@@ -101,6 +103,7 @@ class GpuSampler:
         while True:
             try:
                 await asyncio.to_thread(self.sample_once)
+                self.on_sample()
             except Exception:  # sample_once catches NVML's errors; anything else must not end sampling
                 log.exception("GPU sampling failed")
             await asyncio.sleep(self._interval_s)

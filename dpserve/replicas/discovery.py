@@ -31,27 +31,27 @@ class DiscoverySource:
         return f"dns:{self.name}:{self.port}" if self.kind == "dns" else f"srv:{self.name}"
 
 
-def parse_discovery_source(text: str) -> DiscoverySource:
+def parse_discovery_source(text: str, flag: str = "--discover") -> DiscoverySource:
     """`dns:NAME:PORT` or `srv:_service._proto.NAME`; ValueError saying what is wrong otherwise."""
     kind, _, rest = text.strip().partition(":")
     if kind == "dns":
         name, _, port = rest.rpartition(":")
         if not name or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"--discover {text!r}: expected dns:NAME:PORT, e.g. dns:vllm:8000")
-        _check_name(text, name)
+            raise ValueError(f"{flag} {text!r}: expected dns:NAME:PORT, e.g. dns:vllm:8000")
+        _check_name(text, name, flag)
         return DiscoverySource("dns", name.rstrip("."), int(port))
     if kind == "srv":
         labels = rest.split(".")
         if len(labels) < 3 or not labels[0].startswith("_") or not labels[1].startswith("_"):
-            raise ValueError(f"--discover {text!r}: expected srv:_service._proto.NAME, e.g. srv:_vllm._tcp.example")
-        _check_name(text, rest)
+            raise ValueError(f"{flag} {text!r}: expected srv:_service._proto.NAME, e.g. srv:_vllm._tcp.example")
+        _check_name(text, rest, flag)
         return DiscoverySource("srv", rest.rstrip("."))
-    raise ValueError(f"--discover {text!r}: expected dns:NAME:PORT or srv:_service._proto.NAME")
+    raise ValueError(f"{flag} {text!r}: expected dns:NAME:PORT or srv:_service._proto.NAME")
 
 
-def _check_name(text: str, name: str) -> None:
+def _check_name(text: str, name: str, flag: str) -> None:
     if any(char.isspace() or char in "/@?#[]" for char in name) or ".." in name or len(name) > 253:
-        raise ValueError(f"--discover {text!r}: {name!r} is not a DNS name")
+        raise ValueError(f"{flag} {text!r}: {name!r} is not a DNS name")
 
 
 def replica_url(address: str, port: int) -> str:

@@ -39,6 +39,9 @@ class Replica(LoadFromCounts):
     served_total: int = 0
     gpu_hint: tuple[str, ...] = ()
     """GPU indices or UUIDs from `--replica URL@gpu=N` (the launcher gives them for replicas it starts)."""
+    degraded: tuple[str, ...] = ()
+    """Why its GPU is unfit (throttling, Xid errors, ...): soft-drained, still routable when no other
+    replica has room. Empty: fit, or not known."""
 
     @property
     def healthy(self) -> bool:
@@ -52,7 +55,9 @@ class Replica(LoadFromCounts):
     def state(self) -> str:
         if self.draining:
             return "draining"
-        return "healthy" if self.health.healthy else ("ejected" if self.health.ever_healthy else "starting")
+        if self.health.healthy:
+            return "degraded" if self.degraded else "healthy"
+        return "ejected" if self.health.ever_healthy else "starting"
 
     def set_model_cards(self, cards: tuple[dict[str, Any], ...]) -> None:
         """Call through `ReplicaRegistry.set_model_cards`, which keeps routing's cached view current."""
@@ -94,6 +99,8 @@ class ReplicaRegistry:
         self._views: dict[str, tuple[Replica, ...]] = {}
         self._view_ids: dict[str, tuple[str, ...]] = {}
         self._served: list[str] | None = None
+        self.degraded_ids: frozenset[str] = frozenset()
+        """Replicas whose GPU is unfit (`set_degraded`): read on every decision, so kept as a set."""
         for spec in specs:
             self.add(spec)
 
@@ -129,6 +136,7 @@ class ReplicaRegistry:
     def remove(self, replica_id: str) -> Replica:
         """Out of the registry at once; requests in flight on it finish (their release is a no-op)."""
         replica = self._replicas.pop(replica_id)
+        self.degraded_ids = self.degraded_ids - {replica_id}
         self._reshaped()
         return replica
 
@@ -136,6 +144,25 @@ class ReplicaRegistry:
         self._replicas[replica_id].draining = draining
         self._reshaped()
         self._changed()
+
+    def set_degraded(self, replica_id: str, reasons: tuple[str, ...]) -> bool:
+        """Mark (reasons) or clear (empty) a replica's GPU trouble; True when that changed whether it is
+        degraded. Clearing it may give waiting requests room, so listeners hear of it."""
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return False
+        was = bool(replica.degraded)
+        replica.degraded = reasons
+        if bool(reasons) == was:
+            return False
+        if reasons:
+            self.degraded_ids = self.degraded_ids | {replica_id}
+            log.warning("replica %s degraded: %s; new requests go elsewhere", replica_id, "; ".join(reasons))
+        else:
+            self.degraded_ids = self.degraded_ids - {replica_id}
+            log.info("replica %s no longer degraded: its GPU is fit again", replica_id)
+            self._changed()
+        return True
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """`listener` runs whenever a replica may have gained room: a slot freed, a replica admitted."""

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import zmq.asyncio
@@ -22,6 +23,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from dpserve.config import RouterSettings
 from dpserve.disconnect import ClientGone
+from dpserve.gpu.health import GpuHealthRules, GpuHealthTracker
 from dpserve.gpu.local_processes import ReplicaProcesses
 from dpserve.gpu.nvml import Nvml, load_nvml
 from dpserve.gpu.placement import ReplicaClue
@@ -46,6 +48,8 @@ from dpserve.router.dispatch import Dispatcher, OpenStreams, RetryRules
 from dpserve.router.endpoints import PROXIED_ENDPOINTS
 from dpserve.router.errors import CLIENT_CLOSED, OpenAIError, bad_request, status_type
 from dpserve.router.features import FeatureBuilder
+from dpserve.router.gpu_agents import GpuAgents
+from dpserve.router.gpu_fleet import GpuFleet
 from dpserve.router.gpu_metrics import GpuCollector
 from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
@@ -70,8 +74,8 @@ class RouterState:
     """None when no policy reads KV events (not a state to wait for: it never comes)."""
     subscribers: list[KvEventSubscriber]
     """One per replica publishing KV events; filled as the app starts and as replicas are added."""
-    gpus: GpuSampler | None
-    """None with GPU telemetry off (--gpu-interval 0)."""
+    gpus: GpuFleet
+    """Every GPU: this host's (NVML) or, with GPU agents, every host's; off with --gpu-interval 0."""
     shutdown: Shutdown
     started_at: float
     discovery: list[SourceState]
@@ -136,6 +140,48 @@ def local_tokenizer(settings: RouterSettings) -> LocalTokenizer | None:
     return LocalTokenizer(path)
 
 
+def gpu_health_rules(settings: RouterSettings) -> GpuHealthRules:
+    try:
+        ignored = tuple(int(code) for code in settings.gpu_ignored_xids)
+    except ValueError:
+        raise ValueError(f"--gpu-ignored-xids {','.join(settings.gpu_ignored_xids)}: Xid codes are numbers") from None
+    return GpuHealthRules(
+        throttle=settings.gpu_throttle_reasons,
+        ignored_xids=ignored,
+        event_hold_s=settings.gpu_event_hold_s,
+        pcie_busy_utilization=settings.gpu_pcie_busy_utilization,
+        degrade_after_s=settings.gpu_degrade_after_s,
+        recover_after_s=settings.gpu_recover_after_s,
+    )
+
+
+def gpu_agents(settings: RouterSettings, resolver: DnsResolver | None) -> GpuAgents | None:
+    """The other hosts' GPU agents, given by URL or found by DNS; None without any."""
+    if settings.gpu_interval_s <= 0 or not (settings.gpu_agents or settings.discover_agents):
+        return None
+    for url in settings.gpu_agents:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+            raise ValueError(f"--gpu-agent {url!r}: expected an agent's base URL, e.g. http://10.0.0.2:9400")
+    sources = [parse_discovery_source(text, "--discover-agents") for text in settings.discover_agents]
+    return GpuAgents(settings.gpu_agents, sources, resolver, settings.gpu_interval_s, settings.discover_interval_s)
+
+
+def gpu_fleet(
+    settings: RouterSettings, registry: ReplicaRegistry, nvml: Callable[[], Nvml], resolver: DnsResolver | None
+) -> GpuFleet:
+    """This host's GPUs through NVML, or, given GPU agents, every host's through its agent (this host's
+    agent included: the router then reads no GPU itself, so none is counted twice)."""
+    agents = gpu_agents(settings, resolver)
+    local = gpu_sampler(settings, registry, nvml) if agents is None else None
+    fleet = GpuFleet(registry, local, agents, GpuHealthTracker(gpu_health_rules(settings)), act=settings.gpu_health)
+    if local is not None:
+        local.on_sample = fleet.refresh
+    if agents is not None:
+        agents.on_update = fleet.refresh_remote
+    return fleet
+
+
 def gpu_sampler(settings: RouterSettings, registry: ReplicaRegistry, nvml: Callable[[], Nvml]) -> GpuSampler | None:
     """NVML sampling, with each GPU tied to its replica by hint or, for replicas on this host, by process."""
     if settings.gpu_interval_s <= 0:
@@ -193,7 +239,8 @@ def create_app(
     """`nvml` loads the NVML library (the `pynvml` module); tests pass a fake, as these hosts have no GPU.
     `keys`: API and admin keys, read from the settings when not given."""
     sources = [SourceState(parse_discovery_source(text)) for text in settings.discover]
-    resolver = DnsResolver(settings.discover_nameserver) if sources else None  # a bad nameserver fails here
+    # A bad nameserver fails here.
+    resolver = DnsResolver(settings.discover_nameserver) if sources or settings.discover_agents else None
     if registry is None and not settings.replicas and not sources:
         raise ValueError("no replicas: give --replica URL or --discover dns:NAME:PORT")
     registry = registry or ReplicaRegistry(settings.replicas, health_rules(settings))
@@ -203,10 +250,9 @@ def create_app(
     registry.on_change(admission.notify)
     metrics = RouterMetrics(registry, policy.name)
     metrics.queue_depth.set_function(lambda: admission.depth)
-    gpus = gpu_sampler(settings, registry, nvml)
-    if gpus is not None:
-        sampler = gpus
-        metrics.registry.register(GpuCollector(lambda: sampler.snapshot, lambda: sampler.failures))
+    gpus = gpu_fleet(settings, registry, nvml, resolver)
+    if gpus.enabled:
+        metrics.registry.register(GpuCollector(gpus))
     endpoints = kv_event_endpoints(settings, registry)
     kv_index: KvIndex | None = None
     if endpoints or Need.KV_PREFIX in policy.needs:
@@ -256,11 +302,15 @@ def create_app(
         for subscriber in subscribers:
             subscriber.start()
         state.shutdown.serving(asyncio.get_running_loop())
-        if gpus is not None:
+        if gpus.local is not None:
             # First reading before serving: /status has the GPUs at once, and a host without one
             # logs its single `no NVIDIA GPU found: ...` line at start.
-            await asyncio.to_thread(gpus.sample_once)
-            gpus.start()
+            await asyncio.to_thread(gpus.local.sample_once)
+            gpus.refresh()
+            gpus.local.start()
+        if gpus.agents is not None:
+            await gpus.agents.poll_once(control)
+            gpus.agents.start(control)
         await monitor.probe_all()
         monitor.start()
         if discovery is not None:
@@ -275,8 +325,10 @@ def create_app(
             if discovery is not None:
                 await discovery.stop()
             await monitor.stop()
-            if gpus is not None:
-                await gpus.stop()
+            if gpus.local is not None:
+                await gpus.local.stop()
+            if gpus.agents is not None:
+                await gpus.agents.stop()
             for subscriber in list(subscribers):
                 await subscriber.stop()
             zmq_context.destroy(linger=0)
@@ -328,7 +380,7 @@ def create_app(
 
 
 def _status(state: RouterState) -> dict[str, Any]:
-    gpus = _gpu_status(state)
+    gpus = state.gpus.status()
     replicas = []
     for replica in state.registry:
         entry = _replica_status(replica, state)
@@ -340,19 +392,6 @@ def _status(state: RouterState) -> dict[str, Any]:
         "replicas": replicas,
         "gpus": gpus,
         **({"discovery": [source.to_dict(time.time()) for source in state.discovery]} if state.discovery else {}),
-    }
-
-
-def _gpu_status(state: RouterState) -> dict[str, Any]:
-    if state.gpus is None:
-        return {"available": False, "reason": "GPU telemetry is off (--gpu-interval 0)", "devices": []}
-    snapshot = state.gpus.snapshot
-    devices = [{**gpu.to_dict(), "replica": snapshot.replica_of(gpu.index)} for gpu in snapshot.gpus]
-    return {
-        "available": bool(snapshot.gpus),
-        "reason": snapshot.unavailable,
-        "sampled_at": snapshot.taken_at,
-        "devices": devices,
     }
 
 
@@ -380,6 +419,7 @@ def _replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
         "healthy": replica.healthy,
         "state": replica.state,
         "draining": replica.draining,
+        "degraded": list(replica.degraded),
         "ejections": replica.health.ejections,
         "in_flight": replica.in_flight,
         "running": replica.running,

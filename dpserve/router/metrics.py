@@ -144,6 +144,11 @@ class _ReplicaStateCollector(Collector):
             "draining": GaugeMetricFamily(
                 "dpserve_replica_draining", "1 while the admin API drains the replica.", labels=["replica"]
             ),
+            "degraded": GaugeMetricFamily(
+                "dpserve_replica_degraded",
+                "1 while the replica's GPU is degraded: it gets new requests only when no other replica has room.",
+                labels=["replica"],
+            ),
             "in_flight": GaugeMetricFamily(
                 "dpserve_replica_in_flight_requests",
                 "Requests the router has in flight on the replica.",
@@ -176,6 +181,7 @@ class _ReplicaStateCollector(Collector):
         for replica in self._replicas:
             gauges["healthy"].add_metric([replica.id], 1.0 if replica.healthy else 0.0)
             gauges["draining"].add_metric([replica.id], 1.0 if replica.draining else 0.0)
+            gauges["degraded"].add_metric([replica.id], 1.0 if replica.degraded else 0.0)
             ejections.add_metric([replica.id], replica.health.ejections)
             gauges["in_flight"].add_metric([replica.id], replica.in_flight)
             gauges["running"].add_metric([replica.id], replica.running)

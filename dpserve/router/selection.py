@@ -42,15 +42,23 @@ class Selector:
 
     def candidates(self, features: RequestFeatures, tried: Sequence[str] = ()) -> list[ReplicaView]:
         """Replicas the policy may choose from now: routable, untried, with room; a sample of them in a
-        large fleet, the whole fleet only when none in the sample has room (or all are backing off)."""
+        large fleet, the whole fleet only when none in the sample has room (or all are backing off).
+        Replicas on a degraded GPU only when no other has room."""
         registry, admission = self._registry, self._admission
+        degraded = registry.degraded_ids
         view = registry.routable(features.model)
         pool = self._sample(view, features)
         if len(pool) < len(view):
             candidates = admission.open(registry.available(pool, tried, fresh_only=True))
+            if degraded:
+                candidates = [c for c in candidates if c.id not in degraded]
             if candidates:
                 return candidates
-        return admission.open(registry.available(view, tried))
+        candidates = admission.open(registry.available(view, tried))
+        if degraded:
+            fit = [c for c in candidates if c.id not in degraded]
+            return fit or candidates
+        return candidates
 
     def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
         """The policy's pick among `candidates` (not empty), counted and remembered where it went."""

@@ -84,11 +84,12 @@ async def test_gpus_are_tied_to_replicas_and_a_lost_gpu_does_not_disturb_request
             assert r1["gpus"][0]["utilization_gpu"] == pytest.approx(0.87)
             assert r1["model"] == "dpserve-tiny" and r1["healthy"] is True
             metrics = (await client.get(f"{url}/metrics")).text
-            assert 'dpserve_gpu_utilization_ratio{gpu="0",replica="r1",uuid="GPU-aaaa"} 0.87' in metrics
-            assert 'dpserve_gpu_memory_used_bytes{gpu="0",replica="r1",uuid="GPU-aaaa"} 6.442450944e+10' in metrics
-            assert 'dpserve_gpu_power_watts{gpu="1",replica="r0",uuid="GPU-bbbb"} 95.5' in metrics
-            assert 'dpserve_gpu_temperature_celsius{gpu="1",replica="r0",uuid="GPU-bbbb"} 41.0' in metrics
-            assert 'dpserve_gpu_sm_clock_hertz{gpu="0",replica="r1",uuid="GPU-aaaa"} 1.98e+09' in metrics
+            r1_labels = 'gpu="0",host="",replica="r1",uuid="GPU-aaaa"'
+            assert 'dpserve_gpu_utilization_ratio{gpu="0",host="",replica="r1",uuid="GPU-aaaa"} 0.87' in metrics
+            assert f"dpserve_gpu_memory_used_bytes{{{r1_labels}}} 6.442450944e+10" in metrics
+            assert 'dpserve_gpu_power_watts{gpu="1",host="",replica="r0",uuid="GPU-bbbb"} 95.5' in metrics
+            assert 'dpserve_gpu_temperature_celsius{gpu="1",host="",replica="r0",uuid="GPU-bbbb"} 41.0' in metrics
+            assert 'dpserve_gpu_sm_clock_hertz{gpu="0",host="",replica="r1",uuid="GPU-aaaa"} 1.98e+09' in metrics
 
             # GPU 1 is lost while streams run on both replicas: every stream still completes.
             streams = [asyncio.create_task(stream_chat(client, url)) for _ in range(8)]
@@ -101,8 +102,8 @@ async def test_gpus_are_tied_to_replicas_and_a_lost_gpu_does_not_disturb_request
             assert [r["healthy"] for r in status["replicas"]] == [True, True]
             assert status["replicas"][0]["gpus"][0]["readable"] is False
             metrics = (await client.get(f"{url}/metrics")).text
-            assert 'dpserve_gpu_up{gpu="1",replica="r0",uuid="GPU-bbbb"} 0.0' in metrics
-            assert 'dpserve_gpu_up{gpu="0",replica="r1",uuid="GPU-aaaa"} 1.0' in metrics
+            assert 'dpserve_gpu_up{gpu="1",host="",replica="r0",uuid="GPU-bbbb"} 0.0' in metrics
+            assert 'dpserve_gpu_up{gpu="0",host="",replica="r1",uuid="GPU-aaaa"} 1.0' in metrics
             assert 'dpserve_gpu_power_watts{gpu="1"' not in metrics
 
             # Then the driver fails as a whole: the GPU section says why, routing carries on.

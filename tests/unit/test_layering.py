@@ -47,6 +47,8 @@ ROUTER_PATH: tuple[str, ...] = (
     "admission",
     "metrics",
     "gpu_metrics",
+    "gpu_fleet",
+    "gpu_agents",
     "access",
     "http_protocol",
     "dashboard",
