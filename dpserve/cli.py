@@ -1,4 +1,4 @@
-"""The `dpserve` command: up, router, sim, gpus, compose, model, bench."""
+"""The `dpserve` command: up, router, sim, agent, gpus, compose, model, bench."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dpserve.config import RouterSettings, SimSettings, UpSettings, load_settings
+from dpserve.config import AgentSettings, RouterSettings, SimSettings, UpSettings, load_settings
 from dpserve.policies import POLICY_NAMES
 
 
@@ -130,8 +130,48 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-interval", type=float, dest="gpu_interval_s", help="seconds between NVML samples (default 1; 0: off)"
     )
+    _add_gpu_health_flags(parser)
     parser.add_argument("--access-log", action="store_true", default=None, dest="access_log")
     parser.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+
+
+def _add_gpu_health_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-gpu-health",
+        action="store_false",
+        default=None,
+        dest="gpu_health",
+        help="show GPU health in /status and /metrics, but do not drain replicas on degraded GPUs",
+    )
+    parser.add_argument(
+        "--gpu-throttle-reasons",
+        dest="gpu_throttle_reasons",
+        metavar="R1,R2",
+        type=_names,
+        help="NVML throttle reasons that degrade a GPU (hw_slowdown,sw_thermal,hw_thermal,hw_power_brake)",
+    )
+    parser.add_argument(
+        "--gpu-ignored-xids", dest="gpu_ignored_xids", metavar="X1,X2", type=_names, help="Xids ignored (13,31,43,45)"
+    )
+    parser.add_argument(
+        "--gpu-event-hold", type=float, dest="gpu_event_hold_s", help="seconds a new Xid/ECC error degrades (300)"
+    )
+    parser.add_argument(
+        "--gpu-degrade-after", type=float, dest="gpu_degrade_after_s", help="seconds a throttle/PCIe state lasts (2)"
+    )
+    parser.add_argument(
+        "--gpu-recover-after", type=float, dest="gpu_recover_after_s", help="seconds clear before recovery (30)"
+    )
+    parser.add_argument(
+        "--gpu-pcie-busy",
+        type=float,
+        dest="gpu_pcie_busy_utilization",
+        help="utilization from which a PCIe generation below max counts (0.5)",
+    )
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name for name in text.replace(",", " ").split() if name)
 
 
 # `dpserve bench NAME`: the module under benchmarks/ that runs it. The benchmarks live beside the package in a
@@ -219,6 +259,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="DNS server to ask (default: the system's, from /etc/resolv.conf)",
     )
     router.add_argument(
+        "--gpu-agent",
+        action="append",
+        dest="gpu_agents",
+        metavar="URL",
+        help="a `dpserve agent` (http://HOST:9400) whose GPUs the router reads; repeat per GPU host. "
+        "Given agents, the router reads no GPUs itself",
+    )
+    router.add_argument(
+        "--discover-agents",
+        action="append",
+        dest="discover_agents",
+        type=_discovery_source,
+        metavar="dns:NAME:PORT|srv:_service._proto.NAME",
+        help="find GPU agents by DNS, as --discover finds replicas; repeatable",
+    )
+    router.add_argument(
         "--kv-events",
         action="append",
         dest="kv_events",
@@ -288,6 +344,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
     sim.add_argument("--access-log", action="store_true", default=None, dest="access_log")
+
+    agent = commands.add_parser(
+        "agent",
+        help="serve this host's GPU readings (NVML) to routers on other hosts: /gpus, /metrics (DCGM names)",
+    )
+    agent.add_argument("--host", help="address to bind (default 0.0.0.0: routers elsewhere read it)")
+    agent.add_argument("--port", type=int, help="port (default 9400, as DCGM's exporter)")
+    agent.add_argument("--interval", type=float, dest="interval_s", help="seconds between NVML readings (1)")
+    agent.add_argument("--hostname", help="the host name to report (default: this machine's; a node name)")
+    agent.add_argument("--nvml", metavar="MODULE:CALLABLE", help=argparse.SUPPRESS)  # a GPU-less rehearsal's NVML
+    agent.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+    agent.add_argument("--access-log", action="store_true", default=None, dest="access_log")
 
     gpus = commands.add_parser("gpus", help="the NVIDIA GPUs here (NVML) and what runs on them")
     gpus.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -383,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
 
         serve_sim(load_settings(SimSettings, overrides))
         return 0
+    if args.command == "agent":
+        from dpserve.agent.serve import serve_agent
+
+        return serve_agent(load_settings(AgentSettings, overrides))
     if args.command == "router":
         if not args.replicas and not args.discover and not os.environ.get("DPSERVE_DISCOVER"):
             parser.error("router: give replicas, with --replica URL or --discover dns:NAME:PORT")

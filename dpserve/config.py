@@ -174,6 +174,24 @@ class SimSettings:
     """ZMQ endpoint the sim publishes KV events on, e.g. tcp://127.0.0.1:5557 (none: no events)."""
 
 
+@dataclass(frozen=True)
+class AgentSettings:
+    """`dpserve agent`: one per GPU host, serving that host's NVML readings to routers elsewhere."""
+
+    host: str = "0.0.0.0"
+    """All addresses by default, as DCGM's exporter: routers on other hosts read it. It serves
+    readings only (no prompts, no keys); keep port 9400 inside the cluster's network."""
+    port: int = 9400
+    interval_s: float = 1.0
+    """Seconds between NVML readings."""
+    hostname: str | None = None
+    """The name the agent reports (default: the machine's host name; a Kubernetes node name)."""
+    nvml: str | None = None
+    """`MODULE:CALLABLE` returning a pynvml-like module, in place of pynvml (a GPU-less rehearsal)."""
+    access_log: bool = False
+    log_level: str = "info"
+
+
 S = TypeVar("S", bound="DataclassInstance")
 
 

@@ -5,8 +5,12 @@ raises; everything else is plain data a test sets and changes mid-run."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -204,3 +208,39 @@ def two_gpus() -> FakeNvml:
             FakeGpu("GPU-bbbb", util_gpu=12, util_memory=3, power_mw=95_500, temperature=41),
         ]
     )
+
+
+FAKE_NVML_FILE = "DPSERVE_FAKE_NVML_FILE"
+"""The environment variable `from_file` reads: a JSON list of FakeGpu fields, one object per GPU."""
+
+
+class FileNvml(FakeNvml):
+    """FakeNvml whose GPUs come from a JSON file, read again whenever it changes: for a process the
+    test does not run in (`dpserve agent --nvml tests.fake_nvml:from_file`)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._mtime = -1.0
+        super().__init__([])
+        self._reload()
+
+    def _reload(self) -> None:
+        mtime = self._path.stat().st_mtime
+        if mtime != self._mtime:
+            self._mtime = mtime
+            self.gpus = [FakeGpu(**item) for item in json.loads(self._path.read_text())]
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._reload()
+        return super().nvmlDeviceGetCount()
+
+
+def write_gpus(path: Path, gpus: list[FakeGpu]) -> None:
+    """Writes what `FileNvml` reads (atomically: a reader never sees half a file)."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps([dataclasses.asdict(gpu) for gpu in gpus], default=sorted))
+    os.replace(partial, path)
+
+
+def from_file() -> FakeNvml:
+    return FileNvml(Path(os.environ[FAKE_NVML_FILE]))

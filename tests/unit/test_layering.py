@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dpserve.kvindex", "dpserve.gpu"),  # pure data: the KV-block index, NVML samples
     ("dpserve.policies",),  # pure routing decisions
     ("dpserve.replicas",),  # the router's view of replicas: registry, health, probes, KV-event subscribers
-    ("dpserve.sim",),  # the vLLM-compatible simulator
+    ("dpserve.sim", "dpserve.agent"),  # the vLLM-compatible simulator; the per-host GPU agent
     ("dpserve.router",),  # the gateway
     ("dpserve.up",),  # the `dpserve up` supervisor, which starts the router as a child
     ("dpserve.deploy",),  # compose files, dashboards
