@@ -2,7 +2,7 @@
 
 A replica on a GPU that throttles, logs Xid or uncorrected ECC errors, runs its PCIe link below its
 width, or waits for a reset to retire memory still answers `/health`, but it is slow or wrong. The
-router soft-drains such a replica (router/gpu_health.py); this module only says which GPUs are
+router soft-drains such a replica (router/gpu_fleet.py); this module only says which GPUs are
 degraded and why. Pure: the clock is passed in, so tests step through time.
 """
 
@@ -127,16 +127,19 @@ class GpuHealthTracker:
             return track.verdict or HEALTHY
         instant = self._events(track, gpu, now)
         sustained = sustained_conditions(gpu, self.rules)
-        if sustained:
-            track.sustained_since = now if track.sustained_since is None else track.sustained_since
-        else:
+        if not sustained:
             track.sustained_since = None
-        held = bool(sustained) and now - (track.sustained_since or now) >= self.rules.degrade_after_s
+        elif track.sustained_since is None:
+            track.sustained_since = now
+        held = track.sustained_since is not None and now - track.sustained_since >= self.rules.degrade_after_s
         reasons = tuple(instant + (sustained if held else []))
         before = track.verdict or HEALTHY
         if reasons:
             track.clear_since = None
             verdict = GpuVerdict(True, reasons, before.since if before.degraded else now)
+        elif before.degraded and sustained:  # back before it held again: the clear stretch starts over
+            track.clear_since = None
+            verdict = GpuVerdict(True, before.reasons, before.since)
         elif before.degraded:
             track.clear_since = now if track.clear_since is None else track.clear_since
             if now - track.clear_since >= self.rules.recover_after_s:
