@@ -1,0 +1,131 @@
+"""GPU health in routing, end to end: three `dpserve sim` replicas behind the real router, their GPUs
+faked at the NVML boundary. One GPU starts throttling under load: its replica's share of new requests
+drops to about zero within two sampling intervals, no request fails, and it gets traffic again once
+the condition has been gone for the recovery time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import pynvml
+import pytest
+
+from dpserve.config import RouterSettings
+from dpserve.router.app import create_app
+from tests.conftest import serving
+from tests.fake_nvml import FakeGpu, FakeNvml
+from tests.integration.conftest import running_sim
+
+pytestmark = pytest.mark.integration
+
+INTERVAL_S = 0.2
+RECOVER_S = 1.0
+WORKERS = 12
+
+
+@dataclass
+class Record:
+    started: float
+    replica: str
+    ok: bool
+
+
+@dataclass
+class Traffic:
+    url: str
+    records: list[Record] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    async def worker(self, client: httpx.AsyncClient, number: int) -> None:
+        body = {"model": "dpserve-tiny", "messages": [{"role": "user", "content": f"hi {number}"}], "max_tokens": 8}
+        turn = 0
+        while True:
+            turn += 1
+            stream = turn % 2 == 0
+            started = time.monotonic()
+            try:
+                async with client.stream(
+                    "POST", f"{self.url}/v1/chat/completions", json={**body, "stream": stream}
+                ) as response:
+                    text = (await response.aread()).decode()
+                    ok = response.status_code == 200 and (not stream or text.rstrip().endswith("data: [DONE]"))
+                    replica = response.headers.get("x-dpserve-replica", "?")
+            except httpx.HTTPError as exc:
+                ok, replica, text = False, "?", repr(exc)
+            self.records.append(Record(started, replica, ok))
+            if not ok:
+                self.errors.append(text[:200])
+
+    def share(self, replica: str, start: float, end: float) -> tuple[float, int]:
+        picked = [r.replica for r in self.records if start <= r.started < end]
+        return (Counter(picked)[replica] / len(picked) if picked else 0.0), len(picked)
+
+
+async def test_a_throttling_gpu_is_drained_of_new_requests_and_refilled_after_it_clears() -> None:
+    nvml = FakeNvml([FakeGpu(f"GPU-{i}", util_gpu=80) for i in range(3)])
+    with contextlib.ExitStack() as stack:
+        sims = [stack.enter_context(running_sim("--decode-ms-per-token", "4")) for _ in range(3)]
+        settings = RouterSettings(
+            replicas=tuple(f"{sim.url}@gpu={i}" for i, sim in enumerate(sims)),
+            policy="least_loaded",
+            probe_interval_s=INTERVAL_S,
+            gpu_interval_s=INTERVAL_S,
+            gpu_degrade_after_s=0.0,
+            gpu_recover_after_s=RECOVER_S,
+        )
+        async with serving(create_app(settings, nvml=lambda: nvml)) as url, httpx.AsyncClient(timeout=30) as client:
+
+            async def status() -> dict[str, dict]:  # type: ignore[type-arg]
+                return {r["id"]: r for r in (await client.get(f"{url}/status")).json()["replicas"]}
+
+            async def wait(predicate, timeout_s: float) -> float:  # type: ignore[no-untyped-def]
+                start = time.monotonic()
+                while not predicate(await status()):
+                    assert time.monotonic() - start < timeout_s, "timed out"
+                    await asyncio.sleep(0.02)
+                return time.monotonic()
+
+            await wait(lambda s: len(s) == 3 and all(r["healthy"] and r["gpus"] for r in s.values()), 15)
+            traffic = Traffic(url)
+            workers = [asyncio.create_task(traffic.worker(client, n)) for n in range(WORKERS)]
+            try:
+                await asyncio.sleep(1.5)
+                hot_at = time.monotonic()
+                nvml.gpus[1].throttle_reasons = pynvml.nvmlClocksEventReasonHwThermalSlowdown
+                degraded_at = await wait(lambda s: s["r1"]["state"] == "degraded", 5)
+                shown = (await status())["r1"]
+                await asyncio.sleep(1.5)
+                clear_at = time.monotonic()
+                nvml.gpus[1].throttle_reasons = 0
+                back_at = await wait(lambda s: s["r1"]["state"] != "degraded", 5)
+                await asyncio.sleep(1.5)
+                end = time.monotonic()
+            finally:
+                for task in workers:
+                    task.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+            metrics = (await client.get(f"{url}/metrics")).text
+
+    assert traffic.errors == [], traffic.errors[:3]
+    before, n_before = traffic.share("r1", hot_at - 1.0, hot_at)
+    drained, n_drained = traffic.share("r1", hot_at + 2 * INTERVAL_S, clear_at)
+    after, n_after = traffic.share("r1", back_at + INTERVAL_S, end)
+    print(
+        f"\nr1's share of new requests: {before:.0%} of {n_before} before; {drained:.1%} of {n_drained} from "
+        f"2 intervals after the throttle began; {after:.0%} of {n_after} after it cleared. Degraded "
+        f"{degraded_at - hot_at:.2f} s after the throttle began (interval {INTERVAL_S} s); back "
+        f"{back_at - clear_at:.2f} s after it cleared (recover_after {RECOVER_S} s)"
+    )
+    assert before > 0.2 and n_drained > 50
+    assert degraded_at - hot_at <= 2 * INTERVAL_S
+    assert drained <= 0.01
+    assert back_at - clear_at >= RECOVER_S
+    assert after > 0.15
+    assert shown["degraded"] == ["GPU 1: throttled: hw_thermal"]
+    assert 'dpserve_replica_gpu_degradations_total{replica="r1"} 1.0' in metrics
+    assert 'dpserve_replica_degraded{replica="r1"} 0.0' in metrics
