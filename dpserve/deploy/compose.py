@@ -1,7 +1,8 @@
 """The Docker Compose stack for one multi-GPU host, for any number of GPUs.
 
 One vLLM service per GPU (`vllm-0` ... `vllm-{N-1}`), each reserving its own GPU; the router, built
-from `router/Dockerfile` and told of each replica by service name; the `monitoring` profile
+from `router/Dockerfile` and told of each replica by service name; the host's GPU agent (`dpserve
+agent`, same image), which reads every GPU through NVML and which the router polls; the `monitoring` profile
 (Prometheus, Grafana) and the `loadtest` profile (Locust master and workers). What a user tunes (model,
 images, ports) is read from `.env` through Compose's `${VAR:-default}`; the GPU count is the number of
 services, so it is chosen when the file is written.
@@ -37,6 +38,8 @@ ROUTER_SERVICE = "router"
 ROUTER_DOCKERFILE = "router/Dockerfile"
 ROUTER_IMAGE = "dpserve-router"
 ROUTER_ENTRYPOINT = ("dpserve", "router")
+AGENT_SERVICE = "gpu-agent"
+AGENT_PORT = 9400
 """router/Dockerfile's ENTRYPOINT: the console script, then the compose file's `command` (its flags)."""
 CPU_REPLICA_DOCKERFILE = "replicas/Dockerfile.cpu"
 CPU_REPLICA_IMAGE = "dpserve-vllm-cpu"
@@ -158,7 +161,14 @@ def router_targets(options: ComposeOptions) -> list[RouterTarget]:
 
 def _router_service(options: ComposeOptions) -> dict[str, Any]:
     # The container's command: `dpserve up`'s own router flags (router_flags), for the replica services.
-    settings = RouterSettings(host="0.0.0.0", port=ROUTER_PORT, policy=var("POLICY", "kv_aware"), insecure=True)
+    # GPU telemetry and health come from the host's agent: the router itself needs no GPU device.
+    settings = RouterSettings(
+        host="0.0.0.0",
+        port=ROUTER_PORT,
+        policy=var("POLICY", "kv_aware"),
+        insecure=True,
+        gpu_agents=(f"http://{AGENT_SERVICE}:{AGENT_PORT}",),
+    )
     command = list(router_flags(settings, router_targets(options)))
     if options.scaled:
         # Every address Docker's DNS gives for the service is a replica; KV events at the same address.
@@ -171,10 +181,28 @@ def _router_service(options: ComposeOptions) -> dict[str, Any]:
         # Comma-separated keys from the shell, like HF_TOKEN: never written into .env.
         "environment": {"DPSERVE_API_KEYS": "${API_KEYS:-}", "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}"},
         "ports": [f"{PUBLISH_ADDRESS}:{var('ROUTER_PORT', ROUTER_PORT)}:{ROUTER_PORT}"],
-        "depends_on": {name: {"condition": "service_healthy"} for name in options.replica_services},
-        # NVML only (`utility`, no compute): per-GPU telemetry for /metrics, /status and /dashboard.
-        "deploy": _gpu_reservation(count="all", capabilities=["gpu", "utility"]),
+        "depends_on": {
+            **{name: {"condition": "service_healthy"} for name in options.replica_services},
+            AGENT_SERVICE: {"condition": "service_started"},
+        },
         "healthcheck": _http_health(ROUTER_PORT, "/ready", "1m"),
+        "restart": "unless-stopped",
+    }
+
+
+def _agent_service() -> dict[str, Any]:
+    """One per host: every GPU's NVML reading, and which process (so which replica) holds it."""
+    return {
+        "build": _build(ROUTER_DOCKERFILE),
+        "image": ROUTER_IMAGE,
+        "entrypoint": ["dpserve", "agent"],
+        "command": ["--host", "0.0.0.0", "--port", str(AGENT_PORT)],
+        # The host's process table: NVML names GPU processes by host pid, and the agent reads their sockets
+        # in /proc to tell which replica listens there.
+        "pid": "host",
+        # NVML only (`utility`, no compute): per-GPU telemetry and health for the router.
+        "deploy": _gpu_reservation(count="all", capabilities=["gpu", "utility"]),
+        "healthcheck": _http_health(AGENT_PORT, "/health", "30s"),
         "restart": "unless-stopped",
     }
 
@@ -192,6 +220,8 @@ def prometheus_config(options: ComposeOptions) -> dict[str, Any]:
         "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
         "scrape_configs": [
             {"job_name": "dpserve-router", "static_configs": [{"targets": [f"{ROUTER_SERVICE}:{ROUTER_PORT}"]}]},
+            # DCGM-named GPU metrics, as dashboards written for NVIDIA's dcgm-exporter expect them.
+            {"job_name": "gpu-agent", "static_configs": [{"targets": [f"{AGENT_SERVICE}:{AGENT_PORT}"]}]},
             vllm,
         ],
     }
@@ -276,6 +306,7 @@ def compose_document(options: ComposeOptions) -> dict[str, Any]:
         for gpu, name in enumerate(options.replica_services)
     }
     services[ROUTER_SERVICE] = _router_service(options)
+    services[AGENT_SERVICE] = _agent_service()
     services.update(_monitoring_services())
     services.update(_loadtest_services(options))
     return {
@@ -330,7 +361,10 @@ def sim_override_document(options: ComposeOptions) -> dict[str, Any]:
 
 def _override(options: ComposeOptions, replica: dict[str, Any], router: dict[str, Any] | None = None) -> dict[str, Any]:
     services: dict[str, Any] = {name: dict(replica) for name in options.replica_services}
-    services[ROUTER_SERVICE] = {"deploy": Reset(), **(router or {})}
+    if router:
+        services[ROUTER_SERVICE] = router
+    # No GPU here: the agent runs without one and says so (the router shows `no NVIDIA GPU found`).
+    services[AGENT_SERVICE] = {"deploy": Reset()}
     for name, command in locust_commands(CPU_SERVED_NAME).items():
         services[name] = {"command": command}
     return {"services": services}

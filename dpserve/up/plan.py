@@ -192,6 +192,13 @@ def router_flags(
     for flag, name in _ROUTER_VALUE_FLAGS:
         if getattr(settings, name) != getattr(defaults, name):
             argv += [flag, str(getattr(settings, name))]
+    for flag, name in _ROUTER_LIST_FLAGS:
+        if getattr(settings, name) != getattr(defaults, name):
+            argv += [flag, ",".join(getattr(settings, name))]
+    for url in settings.gpu_agents:
+        argv += ["--gpu-agent", url]
+    if not settings.gpu_health:
+        argv.append("--no-gpu-health")
     if settings.access_log:
         argv.append("--access-log")
     if settings.insecure:
@@ -233,6 +240,14 @@ _ROUTER_VALUE_FLAGS = (
     ("--shutdown-grace", "shutdown_grace_s"),
     ("--log-level", "log_level"),
     ("--gpu-interval", "gpu_interval_s"),
+    ("--gpu-event-hold", "gpu_event_hold_s"),
+    ("--gpu-degrade-after", "gpu_degrade_after_s"),
+    ("--gpu-recover-after", "gpu_recover_after_s"),
+    ("--gpu-pcie-busy", "gpu_pcie_busy_utilization"),
+)
+_ROUTER_LIST_FLAGS = (
+    ("--gpu-throttle-reasons", "gpu_throttle_reasons"),
+    ("--gpu-ignored-xids", "gpu_ignored_xids"),
 )
 
 

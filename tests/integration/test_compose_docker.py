@@ -195,3 +195,17 @@ def test_engine_problem_says_why_when_docker_is_missing(monkeypatch: pytest.Monk
     monkeypatch.setenv("PATH", "/nonexistent")
     problem = engine_problem()
     assert problem is not None and "docker" in problem
+
+
+def test_the_gpu_agent_container_answers_the_router_across_the_network(sim_stack: Stack) -> None:
+    # No GPU on this host: the agent (the router's image, `dpserve agent`, the host's pids) must say so.
+    def answered() -> bool:
+        agents = sim_stack.status()["gpus"]["agents"]
+        return bool(agents) and agents[0]["read_at"] is not None
+
+    wait_for(answered, 30, "the router reading the GPU agent")
+    (agent,) = sim_stack.status()["gpus"]["agents"]
+    assert agent["url"] == "http://gpu-agent:9400" and agent["error"] is None
+    assert "no NVIDIA" in agent["unavailable"]
+    (container,) = sim_stack.containers("gpu-agent")
+    assert "->" not in container["Ports"], "the agent publishes nothing"

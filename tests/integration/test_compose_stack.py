@@ -72,6 +72,15 @@ def test_router_container_command_healthchecks_and_loadtest_profile_run_over_two
     with running_sim("--decode-ms-per-token", "2") as sim0, running_sim("--decode-ms-per-token", "2") as sim1:
         hosts = {"http://vllm-0:8000": sim0.url, "http://vllm-1:8000": sim1.url}
         hosts |= {"tcp://vllm-0:5557": sim0.kv_events, "tcp://vllm-1:5557": sim1.kv_events}
+        # The GPU agent's container command (the router's image, `dpserve agent` as its entrypoint), on this
+        # host's real NVML: there is no GPU here, and it must say so rather than fail.
+        agent_port = free_port()
+        agent_flags = _replace_flag(
+            _replace_flag(services["gpu-agent"]["command"], "--host", "127.0.0.1"), "--port", str(agent_port)
+        )
+        agent_entry = services["gpu-agent"]["entrypoint"]
+        agent = subprocess.Popen([str(BIN / agent_entry[0]), *agent_entry[1:], *agent_flags], stderr=subprocess.DEVNULL)
+        hosts["http://gpu-agent:9400"] = f"http://127.0.0.1:{agent_port}"
         port = free_port()
         flags = _replace_flag(_on_loopback(services["router"]["command"], hosts), "--host", "127.0.0.1")
         flags = _replace_flag(flags, "--port", str(port))
@@ -88,6 +97,10 @@ def test_router_container_command_healthchecks_and_loadtest_profile_run_over_two
             assert [r["url"] for r in status["replicas"]] == [sim0.url, sim1.url]
             assert [r["kv_events"]["endpoint"] for r in status["replicas"]] == [sim0.kv_events, sim1.kv_events]
             assert all(r["healthy"] for r in status["replicas"])
+            wait_until(lambda: _agent_answered(url), 20, what="the router reading the GPU agent")
+            (agent_state,) = httpx.get(f"{url}/status", timeout=5).json()["gpus"]["agents"]
+            assert agent_state["url"] == hosts["http://gpu-agent:9400"] and agent_state["error"] is None
+            assert "no NVIDIA" in agent_state["unavailable"]
 
             # The loadtest profile: its master and one worker, headless for a few seconds.
             loadtests = str(ROOT / "loadtests")
@@ -115,11 +128,18 @@ def test_router_container_command_healthchecks_and_loadtest_profile_run_over_two
             status = httpx.get(f"{url}/status", timeout=5).json()
             assert all(r["served_total"] > 0 and r["kv_events"]["batches"] > 0 for r in status["replicas"])
         finally:
+            agent.terminate()
+            agent.wait(timeout=30)
             router.terminate()
             _, router_err = router.communicate(timeout=30)
     # As `docker compose stop` stops it: SIGTERM, a clean shutdown (uvicorn then re-raises the signal).
     assert router.returncode in (0, -signal.SIGTERM), router_err.decode()[-2000:]
     assert "Application shutdown complete" in router_err.decode()
+
+
+def _agent_answered(url: str) -> bool:
+    agents = httpx.get(f"{url}/status", timeout=5).json()["gpus"]["agents"]
+    return bool(agents) and agents[0]["read_at"] is not None
 
 
 def test_vllm_accepts_the_replica_commands_of_both_files() -> None:

@@ -125,7 +125,15 @@ def test_docker_compose_itself_resolves_both_files_with_every_profile(gpus: int,
     gpu_stack = compose_config(base, profiles=profiles)
     cpu_stack = compose_config(base, override, profiles=profiles)
     names = [f"vllm-{index}" for index in range(gpus)]
-    assert set(gpu_stack["services"]) == {*names, "router", "prometheus", "grafana", "locust-master", "locust-worker"}
+    assert set(gpu_stack["services"]) == {
+        *names,
+        "router",
+        "gpu-agent",
+        "prometheus",
+        "grafana",
+        "locust-master",
+        "locust-worker",
+    }
     device_ids = [gpu_stack["services"][name]["deploy"]["resources"]["reservations"]["devices"] for name in names]
     assert [devices[0]["device_ids"] for devices in device_ids] == [[str(index)] for index in range(gpus)]
     assert gpu_stack["services"]["vllm-0"]["ipc"] == "host"
@@ -223,11 +231,31 @@ def test_router_finds_every_replica_by_service_name_and_waits_for_them(gpus: int
     # 0.0.0.0 inside the stack's network needs --insecure; keys come from the shell, as HF_TOKEN does.
     assert args.insecure is True
     assert router["environment"] == {"DPSERVE_API_KEYS": "${API_KEYS:-}", "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}"}
-    assert router["depends_on"] == {name: {"condition": "service_healthy"} for name in services}
+    replicas_ready = {name: {"condition": "service_healthy"} for name in services}
+    assert router["depends_on"] == {**replicas_ready, "gpu-agent": {"condition": "service_started"}}
     assert router["ports"] == ["${PUBLISH_ADDRESS:-127.0.0.1}:${ROUTER_PORT:-8000}:8000"]
-    # NVML only: every GPU is read, none is used for compute.
-    (device,) = router["deploy"]["resources"]["reservations"]["devices"]
+    # GPUs are the host agent's to read: the router asks it, and reserves no GPU device of its own.
+    assert args.gpu_agents == ["http://gpu-agent:9400"] and "deploy" not in router
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_one_gpu_agent_reads_every_gpu_of_the_host_without_computing(scaled: bool) -> None:
+    options = ComposeOptions(gpus=3, scaled=scaled)
+    agent = interpolate(compose_document(options), ENV)["services"]["gpu-agent"]
+    assert agent["entrypoint"] == ["dpserve", "agent"] and agent["image"] == "dpserve-router"
+    args = build_parser().parse_args(["agent", *agent["command"]])
+    assert (args.host, args.port) == ("0.0.0.0", 9400)
+    # NVML only: every GPU is read, none is used for compute; the host's pids, as NVML names them.
+    (device,) = agent["deploy"]["resources"]["reservations"]["devices"]
     assert device == {"driver": "nvidia", "count": "all", "capabilities": ["gpu", "utility"]}
+    assert agent["pid"] == "host"
+    assert "/health" in " ".join(agent["healthcheck"]["test"]) and "9400" in " ".join(agent["healthcheck"]["test"])
+    prometheus = load(compose_document(options)["configs"]["prometheus"]["content"])
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
+    assert jobs["gpu-agent"]["static_configs"] == [{"targets": ["gpu-agent:9400"]}]
+    for overlay in OVERLAYS:  # no GPU there: the agent runs without a device and says so
+        merged = merge(compose_document(options), load(render(options, overlay)))
+        assert "deploy" not in merged["services"]["gpu-agent"]
 
 
 @pytest.mark.parametrize("gpus", GPU_COUNTS)
@@ -458,7 +486,10 @@ def test_scaled_stack_is_one_replica_service_the_router_discovers_by_dns(overlay
     args = build_parser().parse_args(["router", *services["router"]["command"]])
     assert args.replicas in (None, []) and args.kv_events in (None, [])
     assert args.discover == ["dns:vllm:8000"] and args.discover_kv_port == 5557
-    assert services["router"]["depends_on"] == {"vllm": {"condition": "service_healthy"}}
+    assert services["router"]["depends_on"] == {
+        "vllm": {"condition": "service_healthy"},
+        "gpu-agent": {"condition": "service_started"},
+    }
     prometheus = load(compose_document(options)["configs"]["prometheus"]["content"])
     (job,) = [job for job in prometheus["scrape_configs"] if job["job_name"] == "vllm"]
     assert job["dns_sd_configs"] == [{"names": ["vllm"], "type": "A", "port": 8000}]

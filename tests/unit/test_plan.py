@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dpserve.cli import build_parser
+from dpserve.cli import _overrides, build_parser
 from dpserve.config import RouterSettings, UpSettings, load_settings
 from dpserve.up.launcher import busy_ports
 from dpserve.up.plan import PlanError, plan_replicas, plan_sims, router_argv, router_env, split_cores
@@ -126,3 +126,33 @@ def test_busy_ports_finds_a_port_something_listens_on() -> None:
         taken = listener.getsockname()[1]
         assert busy_ports([taken]) == [taken]
     assert busy_ports([taken]) == []
+
+
+def test_gpu_health_settings_reach_the_router_as_flags_and_read_back_the_same() -> None:
+    router = RouterSettings(
+        gpu_agents=("http://10.0.0.5:9400", "http://10.0.0.6:9400"),
+        gpu_health=False,
+        gpu_throttle_reasons=("hw_slowdown", "sw_power_cap"),
+        gpu_ignored_xids=("13",),
+        gpu_event_hold_s=60.0,
+        gpu_degrade_after_s=5.0,
+        gpu_recover_after_s=90.0,
+        gpu_pcie_busy_utilization=0.25,
+    )
+    settings = UpSettings(router, sim_replicas=1)
+    argv = router_argv(settings, plan_sims(settings, "tiny"))
+    assert argv[3] == "router"
+    read = load_settings(RouterSettings, _overrides(build_parser().parse_args(list(argv[3:]))), env={})
+    fields = (
+        "gpu_agents",
+        "gpu_health",
+        "gpu_throttle_reasons",
+        "gpu_ignored_xids",
+        "gpu_event_hold_s",
+        "gpu_degrade_after_s",
+        "gpu_recover_after_s",
+        "gpu_pcie_busy_utilization",
+    )
+    assert {name: getattr(read, name) for name in fields} == {name: getattr(router, name) for name in fields}
+    defaults = router_argv(UpSettings(sim_replicas=1), plan_sims(UpSettings(sim_replicas=1), "tiny"))
+    assert not any(arg.startswith(("--gpu-", "--no-gpu")) for arg in defaults)
