@@ -38,7 +38,7 @@ PAGE = """<!doctype html>
   th { color: var(--dim); font-weight: 500; font-size: 12px; }
   td.num { text-align: right; font-variant-numeric: tabular-nums; }
   .dot { display: inline-block; width: 9px; height: 9px; border-radius: 50%; margin-right: 6px; }
-  .up { background: var(--ok); } .down { background: var(--bad); }
+  .up { background: var(--ok); } .down { background: var(--bad); } .degraded { background: var(--warn); }
   .meter { display: flex; align-items: center; gap: 8px; }
   .meter > em { font-style: normal; font-size: 12px; color: var(--text); min-width: 44px; }
   .bar { position: relative; width: 140px; height: 12px; background: var(--line);
@@ -53,6 +53,7 @@ PAGE = """<!doctype html>
   .gpu .row .bar { width: 150px; }
   .gpu .meter > em { min-width: 120px; }
   .error { color: var(--bad); }
+  .warning { color: var(--warn); }
   .none { color: var(--dim); background: var(--panel); border-radius: 8px; padding: 12px 14px; }
   .stale { color: var(--warn); }
 </style>
@@ -98,6 +99,14 @@ function bar(fraction, label, kind) {
 }
 function gpuLabel(g) { return "GPU " + g.index + (g.readable === false ? " (lost)" : " " + pct(g.utilization_gpu)); }
 
+function replicaState(r) {
+  // Degraded: healthy, but on a GPU in a bad state (Xid, ECC, throttling...): no new requests while others have room.
+  const degraded = r.healthy && r.degraded && r.degraded.length;
+  const kind = degraded ? "degraded" : (r.healthy ? "up" : "down");
+  return el("td", degraded ? {title: r.degraded.join("; "), class: "warning"} : {},
+            el("span", {class: "dot " + kind}), degraded ? "degraded" : (r.healthy ? "healthy" : "down"));
+}
+
 function renderReplicas(status) {
   const body = document.querySelector("#replicas tbody");
   const peak = Math.max(8, ...status.replicas.map(r => r.in_flight));
@@ -105,7 +114,7 @@ function renderReplicas(status) {
     el("td", {}, el("b", {}, r.id)),
     el("td", {}, r.url),
     el("td", {}, r.model || DASH),
-    el("td", {}, el("span", {class: "dot " + (r.healthy ? "up" : "down")}), r.healthy ? "healthy" : "down"),
+    replicaState(r),
     el("td", {}, bar(r.in_flight / peak, String(r.in_flight), "load")),
     el("td", {class: "num"}, r.running),
     el("td", {class: "num"}, r.waiting),
@@ -122,10 +131,17 @@ function renderGpus(gpus) {
     box.replaceChildren(el("div", {class: "none", id: "no-gpu"}, "None. " + (gpus.reason || "")));
     return;
   }
-  box.replaceChildren(el("div", {class: "gpus"}, ...gpus.devices.map(g => {
-    const card = el("div", {class: "gpu", "data-gpu": g.index},
-      el("div", {class: "title"}, "GPU " + g.index + " · " + (g.name || "?") + " · " +
-         (g.replica ? "replica " + g.replica : "no replica")));
+  const failing = (gpus.agents || []).filter(a => a.error);
+  const notes = failing.map(a => el("div", {class: "error"}, "GPU agent " + a.url + ": " + a.error));
+  box.replaceChildren(...notes, el("div", {class: "gpus"}, ...gpus.devices.map(g => {
+    const card = el("div", {class: "gpu", "data-gpu": g.index, "data-host": g.host || ""},
+      el("div", {class: "title"}, "GPU " + g.index + (g.host ? " on " + g.host : "") + " · " + (g.name || "?") +
+         " · " + (g.replica ? "replica " + g.replica : "no replica")));
+    const health = g.health || {degraded: false, reasons: []};
+    if (health.degraded) {
+      card.append(el("div", {class: "warning health"}, (health.recovering ? "recovering from: " : "degraded: ") +
+                     health.reasons.join("; ")));
+    }
     if (g.error) {
       card.append(el("div", {class: "error"}, "cannot be read: " + g.error));
       return card;

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import httpx
 import pynvml
 import pytest
 
+from benchmarks.screenshot import rendered_dom
+from tests.chromium import find_chromium
 from tests.fake_nvml import FAKE_NVML_FILE, FakeGpu, write_gpus
 from tests.integration.conftest import answers, start_router, stop_process, stop_router, wait_until
 from tests.integration.hosts import dns_server, free_port_on, sims_at
@@ -113,6 +116,17 @@ def test_one_router_ties_every_gpu_of_two_hosts_to_its_replica(tmp_path: Path) -
             != sick_id
             for i in range(12)
         )
+
+        # The status page shows every host's GPUs and the one in trouble (a real browser runs its script).
+        if find_chromium() is not None:
+            dom = rendered_dom(f"{router.url}/dashboard", tmp_path / "profile")
+            cards = re.findall(r'<div class="gpu" data-gpu="(\d)" data-host="([^"]*)">(.*?)</div></div>', dom, re.S)
+            assert sorted((host, gpu) for gpu, host, _ in cards) == sorted(
+                (host, str(i)) for host in HOSTS.values() for i in range(3)
+            )
+            assert "GPU 1 on host-b" in dom and "degraded: throttled: hw_power_brake" in dom
+            (row,) = re.findall(rf'<tr data-replica="{sick_id}">(.*?)</tr>', dom, re.S)
+            assert "degraded" in row and 'title="GPU 1 on host-b: throttled: hw_power_brake"' in row
 
 
 def _degraded(state: dict[str, Any]) -> dict[str, list[str]]:
