@@ -247,6 +247,8 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"]},
             "seccompProfile": {"type": "RuntimeDefault"},
         },
+        # The root filesystem is read-only; whatever a library spools to a temporary file goes here.
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
     spread = {
         "weight": 100,
@@ -267,6 +269,7 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
                     # Longer than the router's own 30 s drain of in-flight requests on SIGTERM.
                     "terminationGracePeriodSeconds": 45,
                     "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}],
                 },
             },
         },

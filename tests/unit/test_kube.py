@@ -127,6 +127,16 @@ def test_every_object_but_the_namespace_is_in_the_namespace() -> None:
     assert all(doc["metadata"]["namespace"] == "llm" for doc in docs if doc is not ns)
 
 
+def test_every_mount_names_a_volume_of_its_pod_and_every_selector_its_pods() -> None:
+    """What the schema cannot see: references inside a workload."""
+    docs = documents(KubeOptions(replicas=2, model_cache_pvc="models"))
+    for workload, spec in pod_specs(docs):
+        volumes = {volume["name"] for volume in spec.get("volumes", [])}
+        for container in spec["containers"]:
+            assert {m["name"] for m in container.get("volumeMounts", [])} <= volumes
+        assert selects(workload["spec"]["selector"]["matchLabels"], template_labels(workload))
+
+
 # (b) GPUs
 
 
