@@ -383,6 +383,35 @@ def build_parser() -> argparse.ArgumentParser:
     compose.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     compose.add_argument("--env-file", type=Path, default=Path(".env"), help="where GPUS and MODEL are read (.env)")
 
+    kube = commands.add_parser(
+        "kube",
+        help="write Kubernetes manifests: a vLLM StatefulSet (one GPU per pod), the routers, the GPU agents",
+        description="Writes one multi-document YAML (to stdout unless -o). API keys are never written: the "
+        "router reads them from the Secret dpserve-keys, which the file's header says how to create.",
+    )
+    kube.add_argument("--replicas", type=int, required=True, help="vLLM pods, one GPU each")
+    kube.add_argument("--model", help="model served (default Qwen/Qwen2.5-1.5B-Instruct)")
+    kube.add_argument("--namespace", help="namespace for everything (default dpserve)")
+    kube.add_argument("--router-replicas", type=int, dest="router_replicas", help="router pods (default 2)")
+    kube.add_argument("--image", help="vLLM image (default vllm/vllm-openai:v0.32.0)")
+    kube.add_argument(
+        "--router-image", dest="router_image", help="router/Dockerfile's image, run by router and agent pods"
+    )
+    kube.add_argument("--gpu-resource", dest="gpu_resource", help="extended resource of a GPU (nvidia.com/gpu)")
+    kube.add_argument(
+        "--model-cache-pvc",
+        dest="model_cache_pvc",
+        metavar="NAME",
+        help="an existing ReadWriteMany PVC for the Hugging Face cache (default: an emptyDir per pod)",
+    )
+    kube.add_argument(
+        "--service-monitor",
+        action="store_true",
+        dest="service_monitor",
+        help="also write Prometheus Operator ServiceMonitors",
+    )
+    kube.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
+
     model = commands.add_parser("model", help="build models for demos and tests")
     model_kinds = model.add_subparsers(dest="kind", required=True)
     tiny = model_kinds.add_parser("tiny", help="build the deterministic tiny Llama that vLLM's CPU backend serves")
@@ -434,6 +463,21 @@ def main(argv: list[str] | None = None) -> int:
         from dpserve.deploy.command import run_compose
 
         return run_compose(args.gpus, args.model, args.overlay, args.output, args.env_file, args.scaled)
+    if args.command == "kube":
+        from dpserve.deploy.kube_command import run_kube
+
+        return run_kube(
+            args.replicas,
+            args.output,
+            model=args.model,
+            namespace=args.namespace,
+            router_replicas=args.router_replicas,
+            image=args.image,
+            router_image=args.router_image,
+            gpu_resource=args.gpu_resource,
+            model_cache_pvc=args.model_cache_pvc,
+            service_monitor=args.service_monitor,
+        )
     if args.command == "gpus":
         from dpserve.gpu.table import print_gpus
 

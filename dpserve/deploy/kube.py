@@ -1,0 +1,408 @@
+"""Kubernetes manifests for a GPU cluster: `dpserve kube` writes them as one multi-document YAML.
+
+- a StatefulSet `vllm`: N pods, each asking for one GPU, behind the headless Service `vllm` (one DNS
+  address per ready pod);
+- the router Deployment `dpserve-router`, which finds the replicas through that Service's DNS name
+  (`--discover`) and the GPU agents through theirs (`--discover-agents`), with a PodDisruptionBudget and
+  a ClusterIP Service;
+- the DaemonSet `dpserve-agent` on every GPU node: NVML readings for the routers, no GPU taken;
+- optionally ServiceMonitors for the Prometheus Operator.
+
+Keys never appear here: the router reads them from the Secret `dpserve-keys`, made by hand with kubectl.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dpserve.config import RouterSettings
+from dpserve.deploy.compose import (
+    DEFAULT_MODEL,
+    DEFAULT_VLLM_IMAGE,
+    HF_CACHE_DIR,
+    KV_EVENTS_PORT,
+    REPLICA_PORT,
+    ROUTER_ENTRYPOINT,
+    ROUTER_IMAGE,
+)
+from dpserve.deploy.yaml_text import dump
+from dpserve.up.plan import router_flags, vllm_engine_flags
+
+DEFAULT_NAMESPACE = "dpserve"
+DEFAULT_ROUTER_REPLICAS = 2
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_KEYS_SECRET = "dpserve-keys"
+GPU_TAINT = "nvidia.com/gpu"
+"""The taint GPU nodes usually carry (NVIDIA's GPU Operator, the managed clouds): tolerated by what runs there."""
+GPU_NODE_LABEL = "nvidia.com/gpu.present"
+"""Set by NVIDIA's GPU feature discovery on nodes with a GPU: where the agent runs."""
+HF_TOKEN_SECRET = "hf-token"
+API_KEYS_ENTRY = "api-keys"
+ADMIN_KEYS_ENTRY = "admin-keys"
+
+VLLM_NAME = "vllm"
+ROUTER_NAME = "dpserve-router"
+AGENT_NAME = "dpserve-agent"
+ROUTER_PORT = 8080
+ROUTER_SERVICE_PORT = 80
+AGENT_PORT = 9400
+MAX_MODEL_LEN = 8192
+"""compose.yaml's default context length."""
+STARTUP_PERIOD_S = 10
+STARTUP_FAILURES = 180
+"""10 s x 180: half an hour for the first start, which downloads the weights and compiles."""
+ROUTER_USER = 65534
+"""router/Dockerfile's USER (nobody)."""
+
+
+@dataclass(frozen=True)
+class KubeOptions:
+    replicas: int
+    model: str = DEFAULT_MODEL
+    namespace: str = DEFAULT_NAMESPACE
+    router_replicas: int = DEFAULT_ROUTER_REPLICAS
+    image: str = DEFAULT_VLLM_IMAGE
+    router_image: str = ROUTER_IMAGE
+    """Runs `dpserve` (router and agent): router/Dockerfile's image, pushed where the cluster can pull it."""
+    gpu_resource: str = DEFAULT_GPU_RESOURCE
+    service_monitor: bool = False
+    model_cache_pvc: str | None = None
+    """An existing ReadWriteMany claim shared by every replica; none: each pod downloads into an emptyDir."""
+    keys_secret: str = DEFAULT_KEYS_SECRET
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas {self.replicas}: at least one vLLM replica")
+        if self.router_replicas < 1:
+            raise ValueError(f"--router-replicas {self.router_replicas}: at least one router")
+        for flag, value in (
+            ("--model", self.model),
+            ("--namespace", self.namespace),
+            ("--image", self.image),
+            ("--router-image", self.router_image),
+            ("--gpu-resource", self.gpu_resource),
+            ("--model-cache-pvc", self.model_cache_pvc),
+        ):
+            if value is not None and not value.strip():
+                raise ValueError(f"{flag} must not be empty")
+
+    def dns_name(self, service: str) -> str:
+        return f"{service}.{self.namespace}.svc.cluster.local"
+
+
+def _labels(component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": component, "app.kubernetes.io/part-of": "dpserve"}
+
+
+def _metadata(options: KubeOptions, name: str, component: str) -> dict[str, Any]:
+    return {"name": name, "namespace": options.namespace, "labels": _labels(component)}
+
+
+def _scrape(port: int) -> dict[str, str]:
+    # For Prometheus set up to scrape annotated pods (the common kubernetes-pods job).
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
+def _http_probe(path: str, port: int, period_s: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period_s,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _gpu_tolerations() -> list[dict[str, str]]:
+    return [{"key": GPU_TAINT, "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def _secret_env(name: str, secret: str, key: str, optional: bool) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": optional}}}
+
+
+def namespace(options: KubeOptions) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": options.namespace, "labels": {"app.kubernetes.io/part-of": "dpserve"}},
+    }
+
+
+def vllm_command(options: KubeOptions) -> list[str]:
+    command = ["vllm", "serve", options.model, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
+    command += ["--gpu-memory-utilization", "0.90"]
+    # The same engine flags as `dpserve up` and compose: prefix caching, KV events on tcp://*:5557 (which the
+    # router subscribes to at each discovered pod's address), cached-token counts.
+    return command + vllm_engine_flags(None, KV_EVENTS_PORT, MAX_MODEL_LEN)
+
+
+def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
+    gpu = {options.gpu_resource: 1}
+    cache: dict[str, Any] = (
+        {"persistentVolumeClaim": {"claimName": options.model_cache_pvc}}
+        if options.model_cache_pvc
+        else {"emptyDir": {}}
+    )
+    container = {
+        "name": "vllm",
+        "image": options.image,
+        "command": vllm_command(options),
+        "ports": [
+            {"name": "http", "containerPort": REPLICA_PORT},
+            {"name": "kv-events", "containerPort": KV_EVENTS_PORT},
+        ],
+        "env": [_secret_env("HF_TOKEN", HF_TOKEN_SECRET, "token", optional=True)],
+        # One GPU per pod: the GPU is the unit of data parallelism, and the device plugin pins it.
+        "resources": {"requests": {"cpu": "4", "memory": "24Gi", **gpu}, "limits": dict(gpu)},
+        "startupProbe": _http_probe("/health", REPLICA_PORT, STARTUP_PERIOD_S, STARTUP_FAILURES),
+        "readinessProbe": _http_probe("/health", REPLICA_PORT, 5, 3),
+        "livenessProbe": _http_probe("/health", REPLICA_PORT, 10, 6),
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "hf-cache", "mountPath": HF_CACHE_DIR},
+        ],
+    }
+    labels = _labels(VLLM_NAME)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(options, VLLM_NAME, VLLM_NAME),
+        "spec": {
+            "replicas": options.replicas,
+            "serviceName": VLLM_NAME,
+            # Replicas are independent: start and replace them all at once, not one after another.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels, "annotations": _scrape(REPLICA_PORT)},
+                "spec": {
+                    "terminationGracePeriodSeconds": 60,
+                    "tolerations": _gpu_tolerations(),
+                    "containers": [container],
+                    "volumes": [
+                        # PyTorch shares tensors between vLLM's processes through /dev/shm (compose: ipc host).
+                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+                        {"name": "hf-cache", **cache},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def vllm_service(options: KubeOptions) -> dict[str, Any]:
+    # Headless: the name resolves to every ready pod's address, which is what the router's --discover reads.
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(options, VLLM_NAME, VLLM_NAME),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": _labels(VLLM_NAME),
+            "ports": [
+                {"name": "http", "port": REPLICA_PORT, "targetPort": REPLICA_PORT},
+                {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": KV_EVENTS_PORT},
+            ],
+        },
+    }
+
+
+def router_command(options: KubeOptions) -> list[str]:
+    settings = RouterSettings(host="0.0.0.0", port=ROUTER_PORT)
+    command = [*ROUTER_ENTRYPOINT, *router_flags(settings, [])]
+    command += ["--discover", f"dns:{options.dns_name(VLLM_NAME)}:{REPLICA_PORT}"]
+    command += ["--discover-kv-port", str(KV_EVENTS_PORT)]
+    # GPUs are read from the agents: the router's pods have none.
+    command += ["--discover-agents", f"dns:{options.dns_name(AGENT_NAME)}:{AGENT_PORT}"]
+    return command
+
+
+def router_deployment(options: KubeOptions) -> dict[str, Any]:
+    labels = _labels(ROUTER_NAME)
+    container = {
+        "name": "router",
+        "image": options.router_image,
+        # A local build loaded into the nodes (kind load) is used as is; a registry image is pulled once.
+        "imagePullPolicy": "IfNotPresent",
+        "command": router_command(options),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+        # Bound to 0.0.0.0, the router refuses to start without API keys: the Secret must exist.
+        "env": [
+            _secret_env("DPSERVE_API_KEYS", options.keys_secret, API_KEYS_ENTRY, optional=False),
+            _secret_env("DPSERVE_ADMIN_KEYS", options.keys_secret, ADMIN_KEYS_ENTRY, optional=True),
+        ],
+        # The KV index takes up to about 1 GB at its default bound (2M blocks).
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "3Gi"}},
+        # /ready answers 503 until a replica is healthy: a router with nothing behind it takes no traffic.
+        "readinessProbe": _http_probe("/ready", ROUTER_PORT, 5, 2),
+        "livenessProbe": _http_probe("/health", ROUTER_PORT, 10, 3),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": ROUTER_USER,
+            "runAsGroup": ROUTER_USER,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # The root filesystem is read-only; whatever a library spools to a temporary file goes here.
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    spread = {
+        "weight": 100,
+        "podAffinityTerm": {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(options, ROUTER_NAME, ROUTER_NAME),
+        "spec": {
+            "replicas": options.router_replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels, "annotations": _scrape(ROUTER_PORT)},
+                "spec": {
+                    # Routers on different nodes where there are nodes enough: one node's loss leaves one.
+                    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [spread]}},
+                    # Longer than the router's own 30 s drain of in-flight requests on SIGTERM.
+                    "terminationGracePeriodSeconds": 45,
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}],
+                },
+            },
+        },
+    }
+
+
+def router_disruption_budget(options: KubeOptions) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(options, ROUTER_NAME, ROUTER_NAME),
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": _labels(ROUTER_NAME)}},
+    }
+
+
+def router_service(options: KubeOptions) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(options, ROUTER_NAME, ROUTER_NAME),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": _labels(ROUTER_NAME),
+            "ports": [{"name": "http", "port": ROUTER_SERVICE_PORT, "targetPort": "http"}],
+        },
+    }
+
+
+def agent_command() -> list[str]:
+    # $(NODE_NAME): expanded by the kubelet from the env below, so readings name the node, not the pod.
+    return ["dpserve", "agent", "--port", str(AGENT_PORT), "--hostname", "$(NODE_NAME)"]
+
+
+def agent_daemonset(options: KubeOptions) -> dict[str, Any]:
+    labels = _labels(AGENT_NAME)
+    container = {
+        "name": "agent",
+        "image": options.router_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": agent_command(),
+        "ports": [{"name": "http", "containerPort": AGENT_PORT}],
+        "env": [
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            # NVML without taking a GPU: the NVIDIA runtime mounts the driver's library for every GPU, and
+            # `utility` is NVML only (no CUDA). No GPU resource is requested, so vLLM keeps all of them.
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+            {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
+        ],
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "readinessProbe": _http_probe("/health", AGENT_PORT, 10, 3),
+        "livenessProbe": _http_probe("/health", AGENT_PORT, 20, 3),
+        # Root, with the runtime's default capabilities: reading another root process's /proc/PID/fd (which
+        # ports a GPU process listens on) needs them. It still cannot gain more or write its filesystem.
+        "securityContext": {"runAsUser": 0, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _metadata(options, AGENT_NAME, AGENT_NAME),
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels, "annotations": _scrape(AGENT_PORT)},
+                "spec": {
+                    # The host's process table: NVML reports host PIDs, mapped here to pods and listening ports.
+                    "hostPID": True,
+                    "nodeSelector": {GPU_NODE_LABEL: "true"},
+                    "tolerations": _gpu_tolerations(),
+                    "containers": [container],
+                },
+            },
+        },
+    }
+
+
+def agent_service(options: KubeOptions) -> dict[str, Any]:
+    # Headless: the routers' --discover-agents reads one address per agent pod.
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(options, AGENT_NAME, AGENT_NAME),
+        "spec": {
+            "clusterIP": "None",
+            "selector": _labels(AGENT_NAME),
+            "ports": [{"name": "http", "port": AGENT_PORT, "targetPort": AGENT_PORT}],
+        },
+    }
+
+
+def service_monitor(options: KubeOptions, name: str) -> dict[str, Any]:
+    """The Prometheus Operator's CRD (monitoring.coreos.com/v1): scrape the Service `name`'s `http` port."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _metadata(options, name, name),
+        "spec": {
+            "selector": {"matchLabels": _labels(name)},
+            "namespaceSelector": {"matchNames": [options.namespace]},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def documents(options: KubeOptions) -> list[dict[str, Any]]:
+    docs = [
+        namespace(options),
+        vllm_statefulset(options),
+        vllm_service(options),
+        router_deployment(options),
+        router_disruption_budget(options),
+        router_service(options),
+        agent_daemonset(options),
+        agent_service(options),
+    ]
+    if options.service_monitor:
+        docs += [service_monitor(options, name) for name in (ROUTER_NAME, AGENT_NAME, VLLM_NAME)]
+    return docs
+
+
+def render(options: KubeOptions) -> str:
+    ns = options.namespace
+    header = (
+        f"Generated by `dpserve kube --replicas {options.replicas} --model {options.model}`; regenerate rather "
+        "than edit.\n"
+        "Create the Secrets first (they are never written here):\n"
+        f"  kubectl create namespace {ns}\n"
+        f"  kubectl -n {ns} create secret generic {options.keys_secret} "
+        f"--from-literal={API_KEYS_ENTRY}=KEY1,KEY2 --from-literal={ADMIN_KEYS_ENTRY}=ADMINKEY\n"
+        f"  kubectl -n {ns} create secret generic {HF_TOKEN_SECRET} --from-literal=token=hf_...  "
+        "# gated models only\n"
+        "then: kubectl apply -f THIS_FILE\n"
+        f"Router and agent run {options.router_image} (router/Dockerfile): push it where the cluster pulls from\n"
+        "and pass --router-image REGISTRY/dpserve-router:TAG, or load it into each node (kind load, ctr import)."
+    )
+    docs = documents(options)
+    return "---\n".join([dump(docs[0], header), *(dump(document) for document in docs[1:])])

@@ -1,0 +1,397 @@
+"""`dpserve kube` and the manifests it writes: checked against Kubernetes' own OpenAPI schemas
+(kubernetes-validate bundles them; no cluster runs here), and for what the schemas cannot say: one GPU per
+vLLM pod and none elsewhere, the router discovering the headless Service's pods, no key in the text, and
+the pods' commands accepted by dpserve's own parser."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from dpserve.cli import _overrides, build_parser, main
+from dpserve.config import AgentSettings, RouterSettings, load_settings
+from dpserve.deploy.kube import KubeOptions, render
+from dpserve.replicas.discovery import parse_discovery_source
+
+REPLICA_COUNTS = (1, 2, 8)
+KUBERNETES_VERSIONS = ("1.33", "1.34")
+CRD_GROUPS = ("monitoring.coreos.com/",)
+"""Custom resources: no schema in Kubernetes' OpenAPI document."""
+WORKLOADS = ("StatefulSet", "Deployment", "DaemonSet")
+SECRET = "sk-test-secret-123"
+
+
+def documents(options: KubeOptions) -> list[dict[str, Any]]:
+    docs = [doc for doc in yaml.safe_load_all(render(options)) if doc is not None]
+    assert all(isinstance(doc, dict) for doc in docs)
+    return docs
+
+
+def only(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def pod_specs(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each workload with its pod template's spec."""
+    for doc in docs:
+        if doc["kind"] in WORKLOADS:
+            yield doc, doc["spec"]["template"]["spec"]
+
+
+def containers(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for workload, spec in pod_specs(docs):
+        for container in [*spec.get("initContainers", []), *spec["containers"]]:
+            yield workload, container
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(key) == value for key, value in selector.items())
+
+
+def template_labels(workload: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def headless_service_for(docs: list[dict[str, Any]], workload: dict[str, Any]) -> dict[str, Any]:
+    found = [
+        svc
+        for svc in only(docs, "Service")
+        if svc["spec"].get("clusterIP") == "None" and selects(svc["spec"]["selector"], template_labels(workload))
+    ]
+    assert len(found) == 1, f"one headless Service selecting {workload['metadata']['name']}'s pods"
+    return found[0]
+
+
+def gpu_quantity(resources: dict[str, Any], part: str, resource: str) -> int | None:
+    value = resources.get(part, {}).get(resource)
+    return None if value is None else int(str(value))
+
+
+def router_and_agent(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    (deployment,) = only(docs, "Deployment")
+    (daemonset,) = only(docs, "DaemonSet")
+    return deployment, daemonset
+
+
+def parse_pod_command(command: list[str]) -> Any:
+    """A pod's `dpserve ...` command through dpserve's own parser, as `main` would parse it."""
+    assert command[0] == "dpserve"
+    return build_parser().parse_args(command[1:])
+
+
+# (a) The Kubernetes schemas
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("replicas", REPLICA_COUNTS)
+def test_every_document_validates_against_the_kubernetes_schema(replicas: int, version: str) -> None:
+    options = KubeOptions(replicas=replicas, service_monitor=True, model_cache_pvc="models")
+    validated = 0
+    for doc in documents(options):
+        if doc["apiVersion"].startswith(CRD_GROUPS):
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(doc, version, strict=True)
+            continue
+        # strict: no field the schema does not know (a misspelt key would otherwise pass unnoticed).
+        kubernetes_validate.validate(doc, version, strict=True)
+        validated += 1
+    assert validated >= 8
+
+
+def test_the_schema_check_rejects_a_broken_manifest() -> None:
+    """The check above can fail: a misspelt field and a wrongly typed one are caught."""
+    (statefulset,) = only(documents(KubeOptions(replicas=2)), "StatefulSet")
+    misspelt = copy.deepcopy(statefulset)
+    misspelt["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(misspelt, KUBERNETES_VERSIONS[0], strict=True)
+    mistyped = copy.deepcopy(statefulset)
+    mistyped["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(mistyped, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def test_every_object_but_the_namespace_is_in_the_namespace() -> None:
+    docs = documents(KubeOptions(replicas=2, namespace="llm", service_monitor=True))
+    (ns,) = only(docs, "Namespace")
+    assert ns["metadata"]["name"] == "llm"
+    assert docs[0] is ns, "the Namespace first, so that `kubectl apply` creates it before what goes in it"
+    assert all(doc["metadata"]["namespace"] == "llm" for doc in docs if doc is not ns)
+
+
+def test_every_mount_names_a_volume_of_its_pod_and_every_selector_its_pods() -> None:
+    """What the schema cannot see: references inside a workload."""
+    docs = documents(KubeOptions(replicas=2, model_cache_pvc="models"))
+    for workload, spec in pod_specs(docs):
+        volumes = {volume["name"] for volume in spec.get("volumes", [])}
+        for container in spec["containers"]:
+            assert {m["name"] for m in container.get("volumeMounts", [])} <= volumes
+        assert selects(workload["spec"]["selector"]["matchLabels"], template_labels(workload))
+
+
+# (b) GPUs
+
+
+@pytest.mark.parametrize("gpu_resource", ["nvidia.com/gpu", "nvidia.com/mig-3g.40gb"])
+@pytest.mark.parametrize("replicas", REPLICA_COUNTS)
+def test_each_vllm_pod_takes_exactly_one_gpu_and_nothing_else_takes_any(replicas: int, gpu_resource: str) -> None:
+    docs = documents(KubeOptions(replicas=replicas, gpu_resource=gpu_resource))
+    (statefulset,) = only(docs, "StatefulSet")
+    assert statefulset["spec"]["replicas"] == replicas
+    assert statefulset["spec"]["podManagementPolicy"] == "Parallel"
+    vllm = statefulset["spec"]["template"]["spec"]["containers"]
+    assert len(vllm) == 1 and "initContainers" not in statefulset["spec"]["template"]["spec"]
+    resources = vllm[0]["resources"]
+    assert resources["limits"] == {gpu_resource: 1}
+    assert gpu_quantity(resources, "requests", gpu_resource) == 1
+    assert {"cpu", "memory"} <= set(resources["requests"])
+    others = [(w, c) for w, c in containers(docs) if w is not statefulset]
+    assert {w["kind"] for w, _ in others} == {"Deployment", "DaemonSet"}
+    for workload, container in others:
+        for part in ("requests", "limits"):
+            asked = set(container.get("resources", {}).get(part, {}))
+            gpus = {name for name in asked if name == gpu_resource or name.startswith("nvidia.com/")}
+            assert not gpus, f"{workload['metadata']['name']} asks for {gpus} in {part}"
+
+
+def test_vllm_pods_wait_half_an_hour_for_the_first_start_and_are_scraped() -> None:
+    (statefulset,) = only(documents(KubeOptions(replicas=2)), "StatefulSet")
+    pod = statefulset["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    startup = container["startupProbe"]
+    assert startup["httpGet"] == {"path": "/health", "port": port}
+    assert startup["failureThreshold"] * startup["periodSeconds"] >= 1800
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": port}
+    annotations = pod["metadata"]["annotations"]
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
+
+
+def test_vllm_serves_the_model_with_kv_events_where_the_router_subscribes() -> None:
+    docs = documents(KubeOptions(replicas=2, model="meta-llama/Llama-3.1-8B-Instruct"))
+    (statefulset,) = only(docs, "StatefulSet")
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    assert command[:3] == ["vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct"]
+    port = int(command[command.index("--port") + 1])
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    config = yaml.safe_load(command[command.index("--kv-events-config") + 1])  # JSON is YAML
+    assert config["enable_kv_cache_events"] is True and config["publisher"] == "zmq"
+    endpoint = re.fullmatch(r"tcp://\*:(\d+)", config["endpoint"])  # bound on every address of the pod
+    assert endpoint is not None
+    kv_port = int(endpoint.group(1))
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": port, "kv-events": kv_port}
+    deployment, _ = router_and_agent(docs)
+    args = parse_pod_command(deployment["spec"]["template"]["spec"]["containers"][0]["command"])
+    settings = load_settings(RouterSettings, _overrides(args), env={})
+    assert settings.discover_kv_port == kv_port
+    assert settings.routing_policy == "kv_aware"
+
+
+@pytest.mark.parametrize("pvc", [None, "hf-models"])
+def test_the_model_cache_is_the_given_claim_or_an_empty_dir(pvc: str | None) -> None:
+    (statefulset,) = only(documents(KubeOptions(replicas=2, model_cache_pvc=pvc)), "StatefulSet")
+    spec = statefulset["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    cache = volumes[mounts["/root/.cache/huggingface"]]
+    if pvc:
+        assert cache["persistentVolumeClaim"] == {"claimName": pvc}
+    else:
+        assert cache["emptyDir"] == {}
+    shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+    assert shm["medium"] == "Memory" and shm["sizeLimit"]
+
+
+# (c) Discovery through the headless Services
+
+
+@pytest.mark.parametrize("namespace", ["dpserve", "inference-prod"])
+def test_the_router_discovers_the_headless_service_of_the_vllm_pods(namespace: str) -> None:
+    docs = documents(KubeOptions(replicas=4, namespace=namespace))
+    (statefulset,) = only(docs, "StatefulSet")
+    service = headless_service_for(docs, statefulset)
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"].get("publishNotReadyAddresses", False) is False
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    deployment, _ = router_and_agent(docs)
+    args = parse_pod_command(deployment["spec"]["template"]["spec"]["containers"][0]["command"])
+    (source,) = [parse_discovery_source(text) for text in args.discover]
+    assert source.kind == "dns"
+    assert source.name == f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert source.port == ports["http"]["port"] == ports["http"]["targetPort"]
+    assert source.port in {p["containerPort"] for p in container["ports"]}
+    assert args.discover_kv_port == ports["kv-events"]["port"]
+
+
+def test_the_router_discovers_the_agents_headless_service() -> None:
+    docs = documents(KubeOptions(replicas=2, namespace="llm"))
+    deployment, daemonset = router_and_agent(docs)
+    service = headless_service_for(docs, daemonset)
+    agent = parse_pod_command(daemonset["spec"]["template"]["spec"]["containers"][0]["command"])
+    router = parse_pod_command(deployment["spec"]["template"]["spec"]["containers"][0]["command"])
+    (source,) = [parse_discovery_source(text) for text in router.discover_agents]
+    assert source.name == f"{service['metadata']['name']}.llm.svc.cluster.local"
+    assert source.port == agent.port
+    assert source.port in {p["port"] for p in service["spec"]["ports"]}
+
+
+# (d) Keys
+
+
+def test_no_secret_object_and_no_key_in_the_manifest(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("DPSERVE_API_KEYS", "DPSERVE_ADMIN_KEYS", "API_KEYS", "ADMIN_KEYS", "HF_TOKEN"):
+        monkeypatch.setenv(name, f"{SECRET}-{name}")
+    assert main(["kube", "--replicas", "2", "--service-monitor"]) == 0
+    text = capsys.readouterr().out
+    assert text == render(KubeOptions(replicas=2, service_monitor=True))
+    assert SECRET not in text
+    docs = [doc for doc in yaml.safe_load_all(text) if doc]
+    assert not only(docs, "Secret")
+    for workload, container in containers(docs):
+        for env in container.get("env", []):
+            if re.search(r"KEY|TOKEN|SECRET|PASSWORD", env["name"]):
+                assert "value" not in env, f"{workload['metadata']['name']}: {env['name']} has a value"
+                assert set(env["valueFrom"]) == {"secretKeyRef"}
+
+
+def test_the_router_reads_its_keys_from_the_secret_the_header_says_to_create() -> None:
+    options = KubeOptions(replicas=2)
+    text = render(options)
+    create = next(line for line in text.splitlines() if f"create secret generic {options.keys_secret}" in line)
+    assert create.startswith("#")
+    literals = set(re.findall(r"--from-literal=([a-z-]+)=", create))
+    deployment, _ = router_and_agent(documents(options))
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "secretKeyRef" in e.get("valueFrom", {})}
+    assert {ref["name"] for ref in refs.values()} == {options.keys_secret}
+    assert {ref["key"] for ref in refs.values()} == literals
+    # What the Secret holds, as the kubelet would set it, is what the router loads as its keys.
+    values = {"api-keys": "k1,k2", "admin-keys": "a1"}
+    settings = load_settings(RouterSettings, env={name: values[ref["key"]] for name, ref in refs.items()})
+    assert settings.api_keys == ("k1", "k2")
+    assert settings.admin_keys == ("a1",)
+    api = next(ref for name, ref in refs.items() if ref["key"] == "api-keys")
+    assert api["optional"] is False, "a router on 0.0.0.0 without keys would not start: wait for the Secret"
+
+
+# (e) The pods' commands through dpserve's parser
+
+
+def test_the_router_command_parses_and_listens_where_it_is_probed() -> None:
+    docs = documents(KubeOptions(replicas=2, namespace="llm", router_replicas=3))
+    deployment, _ = router_and_agent(docs)
+    assert deployment["spec"]["replicas"] == 3
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    args = parse_pod_command(container["command"])
+    assert args.command == "router"
+    assert args.discover == ["dns:vllm.llm.svc.cluster.local:8000"]
+    assert args.discover_agents == ["dns:dpserve-agent.llm.svc.cluster.local:9400"]
+    assert args.host == "0.0.0.0"
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": args.port}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": args.port}
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(args.port)
+    assert container["securityContext"]["runAsNonRoot"] is True
+    (service,) = [s for s in only(docs, "Service") if selects(s["spec"]["selector"], pod["metadata"]["labels"])]
+    assert service["spec"]["type"] == "ClusterIP"
+    (port,) = service["spec"]["ports"]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert port["port"] == 80 and named[port["targetPort"]] == args.port
+    (budget,) = only(docs, "PodDisruptionBudget")
+    assert budget["spec"]["minAvailable"] == 1
+    assert selects(budget["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    affinity = pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert affinity[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert selects(affinity[0]["podAffinityTerm"]["labelSelector"]["matchLabels"], pod["metadata"]["labels"])
+
+
+def test_the_agent_command_parses_and_names_the_node() -> None:
+    _, daemonset = router_and_agent(documents(KubeOptions(replicas=2)))
+    pod = daemonset["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    args = parse_pod_command(container["command"])
+    assert args.command == "agent"
+    settings = load_settings(AgentSettings, _overrides(args), env={})
+    # The kubelet expands $(NODE_NAME) from the container's env: the node's name, from the downward API.
+    variable = re.fullmatch(r"\$\((\w+)\)", settings.hostname or "")
+    assert variable is not None
+    env = {e["name"]: e for e in container["env"]}
+    assert env[variable.group(1)]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
+    assert pod["spec"]["hostPID"] is True
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": settings.port}
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(settings.port)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_service_monitors_select_services_by_a_named_port(enabled: bool) -> None:
+    docs = documents(KubeOptions(replicas=2, service_monitor=enabled))
+    monitors = only(docs, "ServiceMonitor")
+    if not enabled:
+        assert not monitors
+        return
+    services = only(docs, "Service")
+    scraped = set()
+    for monitor in monitors:
+        (service,) = [
+            s for s in services if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+        ]
+        names = {p["name"] for p in service["spec"]["ports"]}
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= names
+        scraped.add(service["metadata"]["name"])
+    assert {"dpserve-router", "dpserve-agent"} <= scraped
+
+
+# (f) The command line
+
+
+def test_the_cli_writes_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "dpserve.k8s.yaml"
+    argv = ["kube", "--replicas", "3", "--namespace", "llm", "--router-image", "registry.local/dpserve:1", "-o"]
+    assert main([*argv, str(path)]) == 0
+    assert capsys.readouterr().out == ""
+    docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    (statefulset,) = only(docs, "StatefulSet")
+    assert statefulset["spec"]["replicas"] == 3
+    assert {c["image"] for w, c in containers(docs) if w is not statefulset} == {"registry.local/dpserve:1"}
+
+
+@pytest.mark.parametrize(
+    "flags", [["--replicas", "0"], ["--replicas", "-1"], ["--replicas", "2", "--router-replicas", "0"]]
+)
+def test_the_cli_rejects_bad_counts_with_exit_2(
+    flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "out.yaml"
+    assert main(["kube", *flags, "-o", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.strip().splitlines()) == 1 and captured.err.startswith("dpserve kube: ")
+    assert not path.exists()
+
+
+def test_the_cli_requires_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["kube"])
+    assert exit_.value.code == 2
+    assert "--replicas" in capsys.readouterr().err
