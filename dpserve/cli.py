@@ -1,4 +1,4 @@
-"""The `dpserve` command: up, router, sim, agent, gpus, compose, model, bench."""
+"""The `dpserve` command: up, router, sim, agent, gpus, compose, kube, model, bench."""
 
 from __future__ import annotations
 

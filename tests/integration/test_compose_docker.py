@@ -127,7 +127,7 @@ def test_compose_down_leaves_no_container_network_or_volume() -> None:
     needs_engine()
     with compose_stack("sim", name="down") as stack:
         made = stack.leftovers()
-        assert len(made["containers"]) == 3 and made["networks"] and made["volumes"]
+        assert len(made["containers"]) == 4 and made["networks"] and made["volumes"]  # 2 replicas, router, agent
         assert chat(stack.url, "one request").status_code == 200
     # compose_stack has run `make compose-down` and asserted that nothing of the stack remains.
     assert stack.leftovers() == {"containers": [], "networks": [], "volumes": []}
