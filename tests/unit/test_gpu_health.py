@@ -5,7 +5,6 @@ replica on a degraded GPU."""
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections import Counter
 
 import pynvml
@@ -15,16 +14,13 @@ from dpserve.config import RouterSettings
 from dpserve.gpu.health import GpuHealthRules, GpuHealthTracker, throttle_mask, throttle_names
 from dpserve.gpu.nvml import MAX_EVENTS_PER_READ, NvmlReader
 from dpserve.gpu.sample import GpuProcess, GpuSample
-from dpserve.policies import RequestFeatures, make_policy
 from dpserve.replicas.health import HealthRules
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.admission import Admission
 from dpserve.router.app import gpu_health_rules
 from dpserve.router.gpu_agents import AgentReadingError, parse_reading
 from dpserve.router.gpu_fleet import GpuFleet
-from dpserve.router.metrics import RouterMetrics
-from dpserve.router.selection import PrefixLookup, Selector
 from tests.fake_nvml import FakeGpu, FakeNvml
+from tests.unit.selection_fixtures import REQUEST, fleet, selector
 
 
 def read(nvml: FakeNvml) -> tuple[GpuSample, ...]:
@@ -233,31 +229,6 @@ def test_bad_health_settings_are_refused() -> None:
 
 # -- Selection ------------------------------------------------------------------------------------------
 
-MODEL = "m"
-REQUEST = RequestFeatures("completions", MODEL, False)
-
-
-def fleet(count: int) -> ReplicaRegistry:
-    registry = ReplicaRegistry([f"http://127.0.0.1:{31000 + i}" for i in range(count)], HealthRules())
-    for replica in registry:
-        registry.probe_succeeded(replica.id)
-        registry.set_model_cards(replica.id, ({"id": MODEL},))
-    return registry
-
-
-def selector(registry: ReplicaRegistry, limit: int = 4, sample: int = 0) -> Selector:
-    policy = make_policy("least_loaded", random.Random(1))
-    metrics = RouterMetrics(registry, policy.name)
-    return Selector(
-        registry,
-        policy,
-        Admission(limit, 16, 1.0),
-        metrics,
-        PrefixLookup(metrics, None),
-        rng=random.Random(2),
-        sample_size=sample,
-    )
-
 
 @pytest.mark.parametrize("sample", [0, 2])
 def test_a_degraded_replica_gets_no_new_requests_while_another_has_room(sample: int) -> None:
@@ -265,7 +236,7 @@ def test_a_degraded_replica_gets_no_new_requests_while_another_has_room(sample: 
     registry.get("r0").in_flight = 0
     registry.get("r1").in_flight = 2
     registry.get("r2").in_flight = 3
-    router = selector(registry, sample=sample)
+    router = selector(registry, "least_loaded", sample=sample, limit=4)
     assert router.decide(REQUEST).id == "r0"
     assert registry.set_degraded("r0", ("GPU 0: throttled: hw_thermal",)) is True
     assert registry.get("r0").state == "degraded"
@@ -282,7 +253,7 @@ def test_the_last_replica_is_never_drained_for_its_gpu() -> None:
     registry = fleet(2)
     registry.set_degraded("r0", ("GPU 0: Xid 79",))
     registry.set_degraded("r1", ("GPU 1: Xid 79",))
-    router = selector(registry)
+    router = selector(registry, "least_loaded", limit=4)
     assert {router.decide(REQUEST).id for _ in range(20)} == {"r0", "r1"}
     registry.remove("r1")
     assert router.decide(REQUEST).id == "r0"

@@ -1,0 +1,44 @@
+"""A fleet of ready replicas and a Selector over it, for decisions tested without sockets."""
+
+from __future__ import annotations
+
+import random
+
+from dpserve.kvindex.index import KvIndex
+from dpserve.policies import RequestFeatures, make_policy
+from dpserve.replicas.health import HealthRules
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.admission import Admission
+from dpserve.router.metrics import RouterMetrics
+from dpserve.router.selection import PrefixLookup, Selector
+
+MODEL = "m"
+REQUEST = RequestFeatures("completions", MODEL, False)
+
+
+def fleet(count: int) -> ReplicaRegistry:
+    registry = ReplicaRegistry([f"http://127.0.0.1:{30000 + i}" for i in range(count)], HealthRules())
+    for replica in registry:
+        registry.probe_succeeded(replica.id)
+        registry.set_model_cards(replica.id, ({"id": MODEL},))
+    return registry
+
+
+def selector(
+    registry: ReplicaRegistry,
+    policy_name: str,
+    sample: int = 8,
+    limit: int = 256,
+    kv_index: KvIndex | None = None,
+) -> Selector:
+    policy = make_policy(policy_name, random.Random(1))
+    metrics = RouterMetrics(registry, policy.name)
+    return Selector(
+        registry,
+        policy,
+        Admission(limit, 16, 1.0),
+        metrics,
+        PrefixLookup(metrics, kv_index),
+        rng=random.Random(2),
+        sample_size=sample,
+    )
