@@ -308,8 +308,7 @@ def create_app(
             await asyncio.to_thread(gpus.local.sample_once)
             gpus.refresh()
             gpus.local.start()
-        if gpus.agents is not None:
-            await gpus.agents.poll_once(control)
+        if gpus.agents is not None:  # polled from the start, not waited for: an agent may be slow or gone
             gpus.agents.start(control)
         await monitor.probe_all()
         monitor.start()

@@ -166,8 +166,8 @@ class GpuAgents:
 
     async def _run(self, session: aiohttp.ClientSession) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
             try:
                 await self.poll_once(session)
             except Exception:  # one bad round must not end polling
                 log.exception("polling GPU agents failed")
+            await asyncio.sleep(self.interval_s)

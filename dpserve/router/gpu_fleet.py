@@ -41,8 +41,7 @@ class FleetGpu:
 
     @property
     def key(self) -> str:
-        """Unique across hosts: the GPU's UUID (an agent or NVML that gives none: where it was read)."""
-        return self.gpu.uuid or f"{self.agent or 'local'}#{self.gpu.index}"
+        return gpu_key(self.gpu, self.agent)
 
     @property
     def where(self) -> str:
@@ -56,6 +55,11 @@ class FleetGpu:
             "replica": self.replica,
             "health": self.verdict.to_dict(),
         }
+
+
+def gpu_key(gpu: GpuSample, agent: str | None) -> str:
+    """Unique across hosts: the GPU's UUID (an agent or NVML that gives none: where it was read)."""
+    return gpu.uuid or f"{agent or 'local'}#{gpu.index}"
 
 
 def endpoint(host: str, port: int) -> str:
@@ -120,11 +124,10 @@ class GpuFleet:
             for state, reading in self.agents.readings():
                 for gpu in reading.gpus:
                     placed.append((reading.host, state.url, gpu, _place(gpu, by_endpoint, by_uuid)))
-        devices: list[FleetGpu] = []
-        for host, agent_url, gpu, replica in placed:
-            device = FleetGpu(host, agent_url, gpu, replica, GpuVerdict())
-            verdict = self._tracker.update(device.key, gpu, now)
-            devices.append(FleetGpu(host, agent_url, gpu, replica, verdict))
+        devices = [
+            FleetGpu(host, agent_url, gpu, replica, self._tracker.update(gpu_key(gpu, agent_url), gpu, now))
+            for host, agent_url, gpu, replica in placed
+        ]
         self._tracker.forget({device.key for device in devices})
         self.devices = tuple(devices)
         self._apply()
