@@ -120,10 +120,13 @@ class GpuFleet:
             snapshot = self.local.snapshot
             placed += [("", None, gpu, snapshot.replica_of(gpu.index)) for gpu in snapshot.gpus]
         if self.agents is not None:
-            by_endpoint, by_uuid = self._remote_clues()
-            for state, reading in self.agents.readings():
+            by_endpoint, by_hint = self._remote_clues()
+            readings = self.agents.readings()
+            for state, reading in readings:
+                # An index hint (`@gpu=0`) names a GPU only where there is one host to read (compose).
+                hints = by_hint if len(readings) == 1 else {k: v for k, v in by_hint.items() if not k.isdigit()}
                 for gpu in reading.gpus:
-                    placed.append((reading.host, state.url, gpu, _place(gpu, by_endpoint, by_uuid)))
+                    placed.append((reading.host, state.url, gpu, _place(gpu, by_endpoint, hints)))
         devices = [
             FleetGpu(host, agent_url, gpu, replica, self._tracker.update(gpu_key(gpu, agent_url), gpu, now))
             for host, agent_url, gpu, replica in placed
@@ -133,9 +136,9 @@ class GpuFleet:
         self._apply()
 
     def _remote_clues(self) -> tuple[dict[str, str], dict[str, str]]:
-        """`ADDRESS:PORT` -> replica id, and GPU UUID (from hints) -> replica id."""
+        """`ADDRESS:PORT` -> replica id, and GPU UUID or index (from hints) -> replica id."""
         by_endpoint: dict[str, str] = {}
-        by_uuid: dict[str, str] = {}
+        by_hint: dict[str, str] = {}
         for replica in self._registry:
             parts = urlsplit(replica.url)
             host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
@@ -143,9 +146,8 @@ class GpuFleet:
             for address in addresses:
                 by_endpoint[endpoint(address, port)] = replica.id
             for hint in replica.gpu_hint:
-                if not hint.isdigit():
-                    by_uuid[hint] = replica.id
-        return by_endpoint, by_uuid
+                by_hint[hint] = replica.id
+        return by_endpoint, by_hint
 
     def _apply(self) -> None:
         reasons: dict[str, list[str]] = {}
@@ -176,9 +178,11 @@ class GpuFleet:
         }
 
 
-def _place(gpu: GpuSample, by_endpoint: dict[str, str], by_uuid: dict[str, str]) -> str | None:
-    if gpu.uuid in by_uuid:
-        return by_uuid[gpu.uuid]
+def _place(gpu: GpuSample, by_endpoint: dict[str, str], by_hint: dict[str, str]) -> str | None:
+    """A hint first (UUID, then index), then the process listening on a replica's address."""
+    for hint in (gpu.uuid, str(gpu.index)):
+        if hint in by_hint:
+            return by_hint[hint]
     for process in gpu.processes:
         for listen in process.listens:
             if listen in by_endpoint:

@@ -330,3 +330,22 @@ def test_a_malformed_agent_reading_is_refused_with_a_reason() -> None:
         parse_reading({"gpus": [{"index": "zero"}]})
     reading = parse_reading({"host": "h", "gpus": [], "unavailable": "no NVIDIA GPU found"})
     assert reading.unavailable == "no NVIDIA GPU found" and reading.gpus == ()
+
+
+def test_an_index_hint_names_a_remote_gpu_only_where_one_host_is_read() -> None:
+    registry = ReplicaRegistry(["http://vllm-0:8000@gpu=1", "http://vllm-1:8000@gpu=GPU-b0"], HealthRules())
+    one_host = parse_reading({"host": "a", "gpus": [GpuSample(i, f"GPU-a{i}", "H100").to_dict() for i in range(2)]})
+    other = parse_reading({"host": "b", "gpus": [GpuSample(0, "GPU-b0", "H100").to_dict()]})
+
+    class State:
+        def __init__(self, url: str) -> None:
+            self.url = url
+
+    def placed(readings: list[tuple[object, object]]) -> dict[str, str | None]:
+        view = GpuFleet(registry, None, StaticAgents(readings), GpuHealthTracker())  # type: ignore[arg-type]
+        view.refresh()
+        return {device.gpu.uuid: device.replica for device in view.devices}
+
+    assert placed([(State("http://a:9400"), one_host)]) == {"GPU-a0": None, "GPU-a1": "r0"}
+    both = placed([(State("http://a:9400"), one_host), (State("http://b:9400"), other)])
+    assert both == {"GPU-a0": None, "GPU-a1": None, "GPU-b0": "r1"}  # which host's GPU 1? none is guessed
