@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from dpserve.agent.reading import annotate
+from dpserve.agent.reading import ReachableCache, annotate
 from dpserve.background import cancel_and_wait
 from dpserve.gpu.listeners import Reachable, reachable
 from dpserve.gpu.sample import GpuSnapshot
@@ -20,7 +20,7 @@ class AgentPoller:
     def __init__(self, sampler: GpuSampler, interval_s: float, lookup: Callable[[int], Reachable] = reachable):
         self._sampler = sampler
         self._interval_s = interval_s
-        self._lookup = lookup
+        self._lookup = ReachableCache(lookup)
         self._task: asyncio.Task[None] | None = None
         self.latest = GpuSnapshot()
 
@@ -29,6 +29,7 @@ class AgentPoller:
         snapshot = self._sampler.sample_once()
         try:
             snapshot = annotate(snapshot, self._lookup)
+            self._lookup.keep_only({p.pid for gpu in snapshot.gpus for p in gpu.processes})
         except Exception:  # /proc read failed oddly: serve the reading without process addresses
             log.exception("could not tell where the GPU processes listen")
         self.latest = snapshot

@@ -39,20 +39,32 @@ def reachable(pid: int, proc: Path = Path("/proc")) -> Reachable:
         chain += [parent.pid for parent in psutil.Process(pid).parents()[:MAX_PARENTS] if parent.pid > 1]
     except psutil.Error:
         pass
-    listens: list[str] = []
+    # The kernel writes a namespace's whole socket table on each read of /proc/PID/net/tcp (ms on a busy
+    # host), and the chain mostly shares one namespace: one read per namespace, for all members' sockets.
+    by_namespace: dict[str, tuple[int, set[str]]] = {}
     for member in chain:
-        for endpoint in listening(member, proc):
+        inodes = socket_inodes(member, proc)
+        if inodes:
+            by_namespace.setdefault(_net_namespace(member, proc), (member, set()))[1].update(inodes)
+    listens: list[str] = []
+    for member, inodes in by_namespace.values():
+        for endpoint in listening(member, inodes, proc):
             if endpoint not in listens:
                 listens.append(endpoint)
     container, pod = cgroup_identity(pid, proc)
     return Reachable(tuple(listens), container, pod)
 
 
-def listening(pid: int, proc: Path = Path("/proc")) -> list[str]:
-    """`ADDRESS:PORT` for each TCP socket `pid` listens on (IPv6 as `[ADDR]:PORT`), wildcards expanded."""
-    inodes = socket_inodes(pid, proc)
-    if not inodes:
-        return []
+def _net_namespace(pid: int, proc: Path) -> str:
+    try:
+        return os.readlink(proc / str(pid) / "ns" / "net")
+    except OSError:  # unreadable: the process stands for its own
+        return f"pid:{pid}"
+
+
+def listening(pid: int, inodes: set[str], proc: Path = Path("/proc")) -> list[str]:
+    """`ADDRESS:PORT` for each TCP socket among `inodes` that listens, as seen in `pid`'s network
+    namespace (IPv6 as `[ADDR]:PORT`), wildcards expanded to the namespace's addresses."""
     found: list[str] = []
     local: list[str] | None = None
     for table, v6 in (("tcp", False), ("tcp6", True)):

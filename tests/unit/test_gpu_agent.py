@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from dpserve.agent.app import create_agent_app
+from dpserve.agent.reading import ReachableCache
 from dpserve.config import AgentSettings
 from dpserve.gpu.listeners import Reachable, cgroup_identity, reachable
 from dpserve.router.gpu_agents import parse_reading
@@ -116,3 +117,26 @@ def test_container_and_pod_ids_come_from_the_cgroup_path(tmp_path: Path) -> None
     assert cgroup_identity(77, tmp_path) == (CONTAINER, POD)
     (tmp_path / "77" / "cgroup").write_text("0::/user.slice/session-3.scope\n")
     assert cgroup_identity(77, tmp_path) == (None, None)
+
+
+def test_where_a_process_listens_is_looked_up_again_only_after_the_ttl_and_forgotten_when_gone() -> None:
+    calls: list[int] = []
+    now = [0.0]
+
+    def counting(pid: int) -> Reachable:
+        calls.append(pid)
+        return Reachable((f"10.0.0.1:{pid}",))
+
+    cache = ReachableCache(counting, ttl_s=10, clock=lambda: now[0])
+    assert cache(1).listens == ("10.0.0.1:1",) and cache(1).listens == ("10.0.0.1:1",)
+    now[0] = 9.9
+    cache(1)
+    assert calls == [1]
+    now[0] = 10.0
+    cache(1)
+    cache(2)
+    assert calls == [1, 1, 2]
+    cache.keep_only({2})
+    cache(1)  # gone and back (a reused pid): looked up afresh
+    cache(2)
+    assert calls == [1, 1, 2, 1]
