@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dpserve.sim", "dpserve.agent"),  # the vLLM-compatible simulator; the per-host GPU agent
     ("dpserve.router",),  # the gateway
     ("dpserve.up",),  # the `dpserve up` supervisor, which starts the router as a child
-    ("dpserve.deploy",),  # compose files, dashboards
+    ("dpserve.deploy",),  # compose files, Kubernetes manifests, dashboards
     ("dpserve.cli",),  # the commands
     ("dpserve.__main__",),  # python -m dpserve
 )
