@@ -72,7 +72,8 @@ class ReplicaMonitor:
                 self._registry.set_model_cards(replica.id, await self._model_cards(replica))
             await self._scrape(replica)
         except (aiohttp.ClientError, TimeoutError, ProbeFailed, ValueError) as exc:
-            self._registry.probe_failed(replica.id, _describe(exc))
+            refused = isinstance(exc, aiohttp.ClientConnectorError)  # as the request path counts UpstreamConnectError
+            self._registry.probe_failed(replica.id, _describe(exc), refused)
             return
         except Exception as exc:
             # Whatever a replica answers, the probe loop must live on: it is what re-admits replicas.

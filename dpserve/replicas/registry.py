@@ -172,6 +172,10 @@ class ReplicaRegistry:
         """`listener(replica_id)` runs when nothing accepted a connection to a replica: it may be gone."""
         self._refused_listeners.append(listener)
 
+    def _tell_refused(self, replica_id: str) -> None:
+        for listener in self._refused_listeners:
+            listener(replica_id)
+
     def healthy(self) -> list[Replica]:
         """Replicas routing may use: healthy and not draining."""
         return [r for r in self._replicas.values() if r.routable]
@@ -274,11 +278,15 @@ class ReplicaRegistry:
             log.info("replica %s is healthy (models: %s)", replica.id, ", ".join(replica.models))
             self._changed()
 
-    def probe_failed(self, replica_id: str, reason: str) -> None:
+    def probe_failed(self, replica_id: str, reason: str, refused: bool = False) -> None:
+        """`refused`: nothing accepted the probe's connection. Listeners hear of it while the replica is
+        still in routing, as they do of a refused request: a probe often finds a vanished replica first."""
         replica = self._replicas.get(replica_id)
         if replica is None:
             return
         replica.last_error = reason
+        if refused and replica.healthy:
+            self._tell_refused(replica_id)
         if self._tracker.probe_failed(replica.health, self._clock()):
             self._reshaped()
             log.warning("replica %s ejected: health probes failed (%s)", replica.id, reason)
@@ -291,8 +299,7 @@ class ReplicaRegistry:
         if outcome not in (Outcome.OK, Outcome.CLIENT_ERROR) and reason:
             replica.last_error = reason
         if outcome is Outcome.REFUSED:
-            for listener in self._refused_listeners:
-                listener(replica_id)
+            self._tell_refused(replica_id)
         # Scanned only for the outcomes it can spare from ejection, not on every request's success.
         last_standing = (
             outcome in SOFT_FAILURES

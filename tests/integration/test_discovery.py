@@ -41,9 +41,12 @@ def _metric(router: RouterProcess, name: str, source: str) -> float:
 
 
 @contextlib.contextmanager
-def discovering_router(dns: Dns, *discover: str, healthy: int, interval: str = "0.3") -> Iterator[RouterProcess]:
+def discovering_router(
+    dns: Dns, *discover: str, healthy: int, interval: str = "0.3", probe_interval: str = "0.2"
+) -> Iterator[RouterProcess]:
     flags = [arg for source in discover for arg in ("--discover", source)]
     flags += ["--discover-nameserver", dns.nameserver, "--discover-interval", interval]
+    flags += ["--probe-interval", probe_interval]
     router = start_router([], "least_loaded", *flags, expect_healthy=healthy)
     try:
         yield router
@@ -147,22 +150,39 @@ def test_discovered_replicas_publish_kv_events_at_the_kv_port(tmp_path: Path) ->
             stop_router(router)
 
 
-def test_a_refused_connection_looks_dns_up_again_at_once(tmp_path: Path) -> None:
+def test_a_refused_request_looks_dns_up_again_at_once(tmp_path: Path) -> None:
     port = free_port_on("127.0.0.2", "127.0.0.3")
+    source = f"dns:vllm.test:{port}"
     with dns_server(tmp_path) as dns, sims_at(port, "127.0.0.2", "127.0.0.3") as sims:
         dns.set_records({"vllm.test": ["127.0.0.2", "127.0.0.3"]})
-        # 30 s between lookups, and slow probes: only the refused requests can make it look again soon.
-        with discovering_router(dns, f"dns:vllm.test:{port}", healthy=2, interval="30") as router:
-            lookups = _metric(router, "dpserve_discovery_lookups_total", f"dns:vllm.test:{port}")
+        # 30 s between lookups and between probes: only the refused requests can make it look again soon.
+        with discovering_router(dns, source, healthy=2, interval="30", probe_interval="30") as router:
+            lookups = _metric(router, "dpserve_discovery_lookups_total", source)
             dns.set_records({"vllm.test": ["127.0.0.2"]})
             stop_process(sims.pop("127.0.0.3").process, 10)
             started = time.monotonic()
-            for index in range(8):
+            # Ties go at random: 16 requests all missing the lost replica is a 1-in-65536 chance.
+            for index in range(16):
                 assert chat(router.url, f"after the loss {index}").status_code == 200
             gone = wait_for(lambda: f"http://127.0.0.3:{port}" not in _known(router), 10, "the refused one removed")
             assert time.monotonic() - started < 15
-            assert _metric(router, "dpserve_discovery_lookups_total", f"dns:vllm.test:{port}") > lookups
+            assert _metric(router, "dpserve_discovery_lookups_total", source) > lookups
             print(f"\nremoved {gone:.1f}s after its refusals, with a 30 s lookup interval")
+
+
+def test_a_refused_probe_looks_dns_up_again_at_once(tmp_path: Path) -> None:
+    port = free_port_on("127.0.0.2", "127.0.0.3")
+    source = f"dns:vllm.test:{port}"
+    with dns_server(tmp_path) as dns, sims_at(port, "127.0.0.2", "127.0.0.3") as sims:
+        dns.set_records({"vllm.test": ["127.0.0.2", "127.0.0.3"]})
+        # No traffic and 30 s between lookups: the probe that finds nothing listening makes it look again.
+        with discovering_router(dns, source, healthy=2, interval="30") as router:
+            lookups = _metric(router, "dpserve_discovery_lookups_total", source)
+            dns.set_records({"vllm.test": ["127.0.0.2"]})
+            stop_process(sims.pop("127.0.0.3").process, 10)
+            gone = wait_for(lambda: f"http://127.0.0.3:{port}" not in _known(router), 10, "the refused one removed")
+            assert _metric(router, "dpserve_discovery_lookups_total", source) > lookups
+            print(f"\nremoved {gone:.1f}s after it stopped, with a 30 s lookup interval and no traffic")
 
 
 def test_bad_discover_values_are_clear_errors() -> None:
