@@ -95,13 +95,18 @@ def test_killed_replica_is_ejected_restarted_and_readmitted_with_no_failed_reque
         wait_for(lambda: _served(sim_stack, victim) > before + 5, 30, "the re-admitted replica serving")
 
         # A crash (its process killed from outside, not `docker kill`): the engine restarts it by the
-        # service's `restart: unless-stopped`, with no one's help.
+        # service's `restart: unless-stopped`, with no one's help. The engine can have it back before two
+        # probes fail (connections to its vanished address wait rather than being refused), so the router
+        # need not eject it; what must hold is no failed request and the router reading it afresh.
         (container,) = sim_stack.containers("vllm-1")
         pid = int(docker("inspect", "-f", "{{.State.Pid}}", container["ID"]).strip())
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: victim not in _healthy(sim_stack), 30, "the crashed replica ejected")
-        wait_for(lambda: victim in _healthy(sim_stack), 60, "the crashed replica restarted and re-admitted")
-        restarts = docker("inspect", "-f", "{{.RestartCount}}", container["ID"]).strip()
+
+        def restarts() -> int:
+            return int(docker("inspect", "-f", "{{.RestartCount}}", container["ID"]).strip())
+
+        wait_for(lambda: restarts() >= 1, 30, "the engine restarting the crashed replica")
+        wait_for(lambda: victim in _healthy(sim_stack), 60, "the crashed replica re-admitted")
         before = _served(sim_stack, victim)
         wait_for(lambda: _served(sim_stack, victim) > before + 5, 30, "the restarted replica serving")
         # Its KV events come back too: the router's subscriber reconnects to tcp://vllm-1:5557.
@@ -118,8 +123,7 @@ def test_killed_replica_is_ejected_restarted_and_readmitted_with_no_failed_reque
         wait_for(publishing_again, 30, "KV events from the restarted replica")
     assert load.failures == [], load.failures[:5]
     assert load.ok > ok_at_ejection > 0
-    assert int(restarts) >= 1
-    print(f"\nkill: ejected after {ejected_after:.1f}s; {load.ok} requests, 0 failed; crash: restarts={restarts}")
+    print(f"\nkill: ejected after {ejected_after:.1f}s; {load.ok} requests, 0 failed; crash: restarts={restarts()}")
 
 
 @pytest.mark.disruptive
