@@ -97,7 +97,10 @@ function bar(fraction, label, kind) {
             el("div", {class: "bar"}, el("span", {style: "width:" + (100 * f).toFixed(1) + "%"})),
             el("em", {}, label));
 }
-function gpuLabel(g) { return "GPU " + g.index + (g.readable === false ? " (lost)" : " " + pct(g.utilization_gpu)); }
+function gpuLabel(g) {
+  const where = "GPU " + g.index + (g.host ? " on " + g.host : "");
+  return where + (g.readable === false ? " (lost)" : " " + pct(g.utilization_gpu));
+}
 
 function replicaState(r) {
   // Degraded: healthy, but on a GPU in a bad state (Xid, ECC, throttling...): no new requests while others have room.

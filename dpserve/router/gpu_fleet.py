@@ -127,6 +127,7 @@ class GpuFleet:
                 hints = by_hint if len(readings) == 1 else {k: v for k, v in by_hint.items() if not k.isdigit()}
                 for gpu in reading.gpus:
                     placed.append((reading.host, state.url, gpu, _place(gpu, by_endpoint, hints)))
+        placed.sort(key=lambda item: (item[0], item[1] or "", item[2].index))  # this host first, then by host
         devices = [
             FleetGpu(host, agent_url, gpu, replica, self._tracker.update(gpu_key(gpu, agent_url), gpu, now))
             for host, agent_url, gpu, replica in placed

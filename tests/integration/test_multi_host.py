@@ -7,6 +7,7 @@ to its replica across both hosts; a GPU that throttles on one host degrades that
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.integration
 HOSTS = {"127.0.0.2": "host-a", "127.0.0.3": "host-b"}
 REPO = Path(__file__).resolve().parents[2]
 AGENT_PORT = 9400
+SAVE_STATUS = "DPSERVE_SAVE_MULTI_HOST_STATUS"
 
 
 @contextlib.contextmanager
@@ -121,12 +123,16 @@ def test_one_router_ties_every_gpu_of_two_hosts_to_its_replica(tmp_path: Path) -
         if find_chromium() is not None:
             dom = rendered_dom(f"{router.url}/dashboard", tmp_path / "profile")
             cards = re.findall(r'<div class="gpu" data-gpu="(\d)" data-host="([^"]*)">(.*?)</div></div>', dom, re.S)
-            assert sorted((host, gpu) for gpu, host, _ in cards) == sorted(
-                (host, str(i)) for host in HOSTS.values() for i in range(3)
-            )
+            # By host, then by index.
+            assert [(host, gpu) for gpu, host, _ in cards] == [
+                (host, str(i)) for host in sorted(HOSTS.values()) for i in range(3)
+            ]
             assert "GPU 1 on host-b" in dom and "degraded: throttled: hw_power_brake" in dom
             (row,) = re.findall(rf'<tr data-replica="{sick_id}">(.*?)</tr>', dom, re.S)
             assert "degraded" in row and 'title="GPU 1 on host-b: throttled: hw_power_brake"' in row
+            assert "<td>GPU 1 on host-b 70%</td>" in row
+        if os.environ.get(SAVE_STATUS):  # for the README's picture: benchmarks.screenshot --status-json FILE
+            Path(os.environ[SAVE_STATUS]).write_text(json.dumps(status(), indent=1))
 
 
 def _degraded(state: dict[str, Any]) -> dict[str, list[str]]:
