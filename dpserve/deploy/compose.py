@@ -198,8 +198,11 @@ def _agent_service() -> dict[str, Any]:
         "entrypoint": ["dpserve", "agent"],
         "command": ["--host", "0.0.0.0", "--port", str(AGENT_PORT)],
         # The host's process table: NVML names GPU processes by host pid, and the agent reads their sockets
-        # in /proc to tell which replica listens there.
+        # in /proc to tell which replica listens there. Another user's /proc/PID/fd needs root and
+        # CAP_SYS_PTRACE (the image's user, nobody, sees none: tests/integration/test_compose_docker.py).
         "pid": "host",
+        "user": "0:0",
+        "cap_add": ["SYS_PTRACE"],
         # NVML only (`utility`, no compute): per-GPU telemetry and health for the router.
         "deploy": _gpu_reservation(count="all", capabilities=["gpu", "utility"]),
         "healthcheck": _http_health(AGENT_PORT, "/health", "30s"),

@@ -321,9 +321,15 @@ def agent_daemonset(options: KubeOptions) -> dict[str, Any]:
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
         "readinessProbe": _http_probe("/health", AGENT_PORT, 10, 3),
         "livenessProbe": _http_probe("/health", AGENT_PORT, 20, 3),
-        # Root, with the runtime's default capabilities: reading another root process's /proc/PID/fd (which
-        # ports a GPU process listens on) needs them. It still cannot gain more or write its filesystem.
-        "securityContext": {"runAsUser": 0, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
+        # Root with CAP_SYS_PTRACE: reading another process's /proc/PID/fd (which ports a GPU process
+        # listens on) needs both unless that process runs as root with no more capabilities than the agent
+        # (seen on Docker: tests/integration/test_compose_docker.py). It cannot gain more or write its files.
+        "securityContext": {
+            "runAsUser": 0,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"add": ["SYS_PTRACE"]},
+        },
     }
     return {
         "apiVersion": "apps/v1",

@@ -5,15 +5,21 @@ SDK through the published port, a replica container killed under load, the scale
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
+from tests.conftest import free_port
+from tests.fake_nvml import FAKE_NVML_FILE, FakeGpu, write_gpus
 from tests.integration.docker_stack import Stack, compose_stack, docker, engine_problem, needs_engine
 from tests.integration.traffic import MODEL, Load, chat, long_prompt, wait_for
 
@@ -213,3 +219,63 @@ def test_the_gpu_agent_container_answers_the_router_across_the_network(sim_stack
     assert "no NVIDIA" in agent["unavailable"]
     (container,) = sim_stack.containers("gpu-agent")
     assert "->" not in container["Ports"], "the agent publishes nothing"
+
+
+def test_compose_agent_sees_where_replica_containers_gpu_processes_listen(sim_stack: Stack, tmp_path: Path) -> None:
+    """What compose's (and Kubernetes') agent rests on, with real containers: given GPU processes that run in
+    other containers (their host pids, as NVML lists them), the agent finds the port each listens on inside
+    its container's network namespace, spelled with the container's address, and the container's id. One
+    replica runs as the image's user (nobody, as the sim replicas do), one as root (as vLLM's images do):
+    the agent must read both. It is the stack's own `gpu-agent` service (`docker compose run`: its pid
+    namespace, user and capabilities); NVML is the fake (no GPU here), /proc, the namespaces and the
+    cgroups are the engine's."""
+    (replica,) = sim_stack.containers("vllm-1")
+    (network,) = json.loads(docker("inspect", replica["ID"]))[0]["NetworkSettings"]["Networks"]
+    root_replica = docker(
+        "run", "-d", "--user", "0:0", "--network", network, "--entrypoint", "dpserve", "dpserve-router",
+        "sim", "--host", "0.0.0.0", "--port", "8000", "--model", "dpserve-tiny",
+    ).strip()  # fmt: skip
+    port, name = free_port(), f"{sim_stack.project}-agent-probe"
+    try:
+        expected: dict[int, tuple[str, str]] = {}  # host pid -> (ADDRESS:PORT, container id)
+        for container in (replica["ID"], root_replica):
+            inspected = json.loads(docker("inspect", container))[0]
+            (address,) = [net["IPAddress"] for net in inspected["NetworkSettings"]["Networks"].values()]
+            expected[inspected["State"]["Pid"]] = (f"{address}:8000", inspected["Id"])
+        gpus = [FakeGpu(f"GPU-docker-{i}", util_gpu=50, processes=[(pid, 20 << 30)]) for i, pid in enumerate(expected)]
+        write_gpus(tmp_path / "gpus.json", gpus)
+        tmp_path.chmod(0o755)  # readable whatever user the service runs as: only /proc may stand in its way
+        tests = Path(__file__).resolve().parents[1]
+        sim_stack.compose(
+            "run", "-d", "--no-deps", "--name", name, "--publish", f"127.0.0.1:{port}:9400",
+            "-v", f"{tests}:/opt/fake/tests:ro", "-v", f"{tmp_path}:/opt/gpus:ro",
+            "-e", "PYTHONPATH=/opt/fake", "-e", f"{FAKE_NVML_FILE}=/opt/gpus/gpus.json",
+            "gpu-agent", "--host", "0.0.0.0", "--port", "9400", "--hostname", "docker-host",
+            "--nvml", "tests.fake_nvml:from_file",
+        )  # fmt: skip
+
+        def listens_found() -> bool:
+            reading = httpx.get(f"http://127.0.0.1:{port}/gpus", timeout=2).json()
+            return all(p["listens"] for gpu in reading["gpus"] for p in gpu["processes"])
+
+        try:
+            wait_for(listens_found, 60, "the agent finding both replicas' ports")
+        except AssertionError:
+            logs = subprocess.run(["docker", "logs", name], capture_output=True, text=True, timeout=30)
+            raise AssertionError(f"{(logs.stdout + logs.stderr)[-3000:]}\n{_agent_gpus(port)}") from None
+        reading = httpx.get(f"http://127.0.0.1:{port}/gpus", timeout=5).json()
+    finally:
+        subprocess.run(["docker", "rm", "-f", name, root_replica], capture_output=True, timeout=60)
+    assert reading["host"] == "docker-host"
+    found = {p["pid"]: (p["listens"], p["container"]) for gpu in reading["gpus"] for p in gpu["processes"]}
+    assert set(found) == set(expected)
+    for pid, (endpoint, container_id) in expected.items():
+        listens, container = found[pid]
+        assert endpoint in listens and container == container_id, (pid, found[pid])
+
+
+def _agent_gpus(port: int) -> str:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/gpus", timeout=2).text[-2000:]
+    except httpx.HTTPError as exc:
+        return repr(exc)

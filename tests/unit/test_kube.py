@@ -338,6 +338,9 @@ def test_the_agent_command_parses_and_names_the_node() -> None:
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
     assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
     assert pod["spec"]["hostPID"] is True
+    # As compose's agent, which test_compose_docker shows reading a root and a non-root replica's sockets.
+    assert container["securityContext"]["runAsUser"] == 0
+    assert container["securityContext"]["capabilities"] == {"add": ["SYS_PTRACE"]}
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": settings.port}
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(settings.port)
