@@ -58,7 +58,8 @@ def test_vllm_cpu_stack_serves_the_sdk_through_the_router() -> None:
             for line in docker("stats", "--no-stream", "--format", "{{json .}}").splitlines()
             if stack.project in line
         ]
-        assert len(stats) == 3
+        services = sorted(entry["Name"].removeprefix(f"{stack.project}-").rsplit("-", 1)[0] for entry in stats)
+        assert services == ["gpu-agent", "router", "vllm-0", "vllm-1"]
         built = "images already built" if cached else "replica image built first"
         print(f"\nvLLM CPU stack ready in {ready_s:.0f}s from make compose-up ({built})")
         for entry in sorted(stats, key=lambda entry: entry["Name"]):
