@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dpserve.config import AgentSettings, RouterSettings, SimSettings, UpSettings, load_settings
+from dpserve.config import AgentSettings, RouterSettings, SimSettings, UpSettings, load_settings, split_list
 from dpserve.policies import POLICY_NAMES
 
 
@@ -147,11 +147,15 @@ def _add_gpu_health_flags(parser: argparse.ArgumentParser) -> None:
         "--gpu-throttle-reasons",
         dest="gpu_throttle_reasons",
         metavar="R1,R2",
-        type=_names,
+        type=split_list,
         help="NVML throttle reasons that degrade a GPU (hw_slowdown,sw_thermal,hw_thermal,hw_power_brake)",
     )
     parser.add_argument(
-        "--gpu-ignored-xids", dest="gpu_ignored_xids", metavar="X1,X2", type=_names, help="Xids ignored (13,31,43,45)"
+        "--gpu-ignored-xids",
+        dest="gpu_ignored_xids",
+        metavar="X1,X2",
+        type=split_list,
+        help="Xids ignored (13,31,43,45)",
     )
     parser.add_argument(
         "--gpu-event-hold", type=float, dest="gpu_event_hold_s", help="seconds a new Xid/ECC error degrades (300)"
@@ -168,10 +172,6 @@ def _add_gpu_health_flags(parser: argparse.ArgumentParser) -> None:
         dest="gpu_pcie_busy_utilization",
         help="utilization from which a PCIe generation below max counts (0.5)",
     )
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(name for name in text.replace(",", " ").split() if name)
 
 
 # `dpserve bench NAME`: the module under benchmarks/ that runs it. The benchmarks live beside the package in a

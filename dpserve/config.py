@@ -218,11 +218,16 @@ def load_settings(
     return group(**values)
 
 
+def split_list(text: str) -> tuple[str, ...]:
+    """`a,b c` -> ("a", "b", "c"): how a list setting is written in a flag or an environment variable."""
+    return tuple(text.replace(",", " ").split())
+
+
 def _coerce(name: str, hint: Any, raw: str) -> Any:
     text = str(hint)
     try:
         if "tuple" in text:
-            return tuple(part for part in raw.replace(",", " ").split() if part)
+            return split_list(raw)
         if "bool" in text:
             if raw.lower() in {"1", "true", "yes", "on"}:
                 return True
