@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dpserve.gpu.sample import GpuProcess, GpuSample
+from dpserve.gpu.sample import GpuProcess, GpuSample, int_or_none
 
 NO_GPU = "no NVIDIA GPU found"
 
@@ -174,19 +174,16 @@ class NvmlReader:
             power_watts=None if power_mw is None else power_mw / 1000.0,
             power_limit_watts=None if limit_mw is None else limit_mw / 1000.0,
             temperature_celsius=None if temperature is None else float(temperature),
-            sm_clock_mhz=None if sm_clock is None else int(sm_clock),
-            processes=tuple(
-                GpuProcess(int(p.pid), None if getattr(p, "usedGpuMemory", None) is None else int(p.usedGpuMemory))
-                for p in processes
-            ),
+            sm_clock_mhz=int_or_none(sm_clock),
+            processes=tuple(GpuProcess(int(p.pid), int_or_none(getattr(p, "usedGpuMemory", None))) for p in processes),
             xid_errors=None if xids.event_set is None else xids.count,
             last_xid=xids.last,
-            ecc_uncorrected=None if ecc is None else int(ecc),
-            throttle_reasons=None if throttle is None else int(throttle),
-            pcie_gen=None if pcie[0] is None else int(pcie[0]),
-            pcie_gen_max=None if pcie[1] is None else int(pcie[1]),
-            pcie_width=None if pcie[2] is None else int(pcie[2]),
-            pcie_width_max=None if pcie[3] is None else int(pcie[3]),
+            ecc_uncorrected=int_or_none(ecc),
+            throttle_reasons=int_or_none(throttle),
+            pcie_gen=int_or_none(pcie[0]),
+            pcie_gen_max=int_or_none(pcie[1]),
+            pcie_width=int_or_none(pcie[2]),
+            pcie_width_max=int_or_none(pcie[3]),
             pages_pending=pending,
         )
 

@@ -24,14 +24,15 @@ class GpuProcess:
     def from_dict(cls, data: dict[str, Any]) -> GpuProcess:
         return cls(
             pid=int(data["pid"]),
-            used_memory_bytes=_int_or_none(data.get("used_memory_bytes")),
+            used_memory_bytes=int_or_none(data.get("used_memory_bytes")),
             listens=tuple(str(item) for item in data.get("listens") or ()),
             container=data.get("container"),
             pod=data.get("pod"),
         )
 
 
-def _int_or_none(value: Any) -> int | None:
+def int_or_none(value: Any) -> int | None:
+    """A count NVML or an agent's JSON may leave out (None) as an int."""
     return None if value is None else int(value)
 
 
