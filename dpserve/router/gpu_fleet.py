@@ -122,9 +122,9 @@ class GpuFleet:
         if self.agents is not None:
             by_endpoint, by_hint = self._remote_clues()
             readings = self.agents.readings()
+            # An index hint (`@gpu=0`) names a GPU only where there is one host to read (compose).
+            hints = by_hint if len(readings) == 1 else {k: v for k, v in by_hint.items() if not k.isdigit()}
             for state, reading in readings:
-                # An index hint (`@gpu=0`) names a GPU only where there is one host to read (compose).
-                hints = by_hint if len(readings) == 1 else {k: v for k, v in by_hint.items() if not k.isdigit()}
                 for gpu in reading.gpus:
                     placed.append((reading.host, state.url, gpu, _place(gpu, by_endpoint, hints)))
         placed.sort(key=lambda item: (item[0], item[1] or "", item[2].index))  # this host first, then by host
