@@ -119,6 +119,20 @@ class RouterSettings:
     """Every condition must be gone this long before the GPU's replica takes new requests again."""
     gpu_pcie_busy_utilization: float = 0.5
     """A PCIe generation below the maximum counts only while the GPU is at least this busy."""
+    peers: tuple[str, ...] = ()
+    """Other routers (http://HOST:PORT) this one shares routing state with (router/peer_links.py)."""
+    discover_peers: tuple[str, ...] = ()
+    """Other routers found by DNS: `dns:NAME:PORT` (every address of NAME; this router's own is skipped)."""
+    peer_interval_s: float = 0.05
+    """Seconds between this router's updates to its peers (in-flight counts, routes, bindings, verdicts)."""
+    peer_timeout_s: float = 2.0
+    """A peer silent this long is forgotten: its in-flight counts and bindings stop counting."""
+    warm_start_timeout_s: float = 10.0
+    """How long a starting router waits for a peer's snapshot (KV index, recent routes) before serving."""
+    workers: int = 1
+    """Router processes on this host behind one port (SO_REUSEPORT), sharing state as peers do."""
+    peer_siblings: tuple[str, ...] = ()
+    """Set by `--workers` for each worker: its sibling workers' private URLs (not a user setting)."""
     access_log: bool = False
     log_level: str = "info"
 

@@ -173,6 +173,39 @@ class KvIndex:
             self._drop_holder(entry.key, fullest)
             self.stats.evicted += 1
 
+    # -- snapshots (a peer router's warm start) --------------------------------------------------------
+
+    def export(self, replica: str) -> tuple[int | None, list[tuple[EngineHash, int, int]]]:
+        """One replica's blocks, oldest first, as (engine hash, router key, copies), with its block size:
+        what a starting peer router loads so it routes as this one does before its own events arrive."""
+        blocks = self._by_engine.get(replica)
+        entries = [(engine_hash, entry.key, entry.copies) for engine_hash, entry in (blocks or {}).items()]
+        return self._block_sizes.get(replica), entries
+
+    def load(self, replica: str, block_size: int | None, entries: Iterable[tuple[EngineHash, int, int]]) -> int:
+        """Adds a peer's export of one replica (see `export`): blocks already known are kept as they are,
+        so events applied meanwhile win. Returns how many blocks were added."""
+        blocks = self._by_engine.setdefault(replica, OrderedDict())
+        if block_size is not None:
+            self._block_sizes.setdefault(replica, block_size)
+        added = 0
+        # Newest first, each put before what is there: the oldest imported block ends up first in line
+        # for `_bound`, and this router's own blocks stay the newest.
+        for engine_hash, key, copies in reversed(list(entries)):
+            if engine_hash in blocks:
+                continue
+            entry = blocks[engine_hash] = _Entry(key)
+            entry.copies = max(1, copies)
+            blocks.move_to_end(engine_hash, last=False)  # older than anything this router saw itself
+            holders = self._holders.setdefault(key, {})
+            holders[replica] = holders.get(replica, 0) + 1
+            self._entries += 1
+            added += 1
+        if not blocks:
+            del self._by_engine[replica]
+        self._bound()
+        return added
+
     # -- queries -------------------------------------------------------------------------------------
 
     def match(self, keys: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:

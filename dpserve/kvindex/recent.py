@@ -15,16 +15,36 @@ from dpserve.kvindex.matching import deepest_holders, leading_matches
 
 
 class RecentRoutes:
-    def __init__(self, clock: Callable[[], float], ttl_s: float = 10.0, max_keys: int = 100_000) -> None:
+    def __init__(
+        self, clock: Callable[[], float], ttl_s: float = 10.0, max_keys: int = 100_000, max_outbox: int = 0
+    ) -> None:
+        """`max_outbox` > 0: this router's own routes are also kept (that many at most) for its peers,
+        who take them with `take_outbox` (with no peers nothing is kept)."""
         self.ttl_s = ttl_s
         self.max_keys = max_keys
         self._clock = clock
         self._keys: OrderedDict[int, dict[str, float]] = OrderedDict()
         self._log: deque[tuple[float, str, int]] = deque()
         self._pending: dict[str, int] = {}
+        self._outbox: deque[tuple[str, Sequence[int]]] | None = deque(maxlen=max_outbox) if max_outbox > 0 else None
 
     def record(self, keys: Sequence[int], replica: str) -> None:
-        now = self._clock()
+        """This router sent a prompt with these blocks to `replica`."""
+        if self._outbox is not None:
+            self._outbox.append((replica, keys))
+        self.learn(keys, replica, 0.0)
+
+    def take_outbox(self) -> list[tuple[str, Sequence[int]]]:
+        """This router's routes since the last call, oldest first (for its peers)."""
+        if not self._outbox:
+            return []
+        routes = list(self._outbox)
+        self._outbox.clear()
+        return routes
+
+    def learn(self, keys: Sequence[int], replica: str, age_s: float) -> None:
+        """A route made `age_s` ago, by this router or a peer."""
+        now = self._clock() - age_s
         self._log.append((now, replica, len(keys)))
         self._pending[replica] = self._pending.get(replica, 0) + len(keys)
         for key in keys:
@@ -32,7 +52,8 @@ class RecentRoutes:
             if holders is None:
                 self._keys[key] = {replica: now}
             else:
-                holders[replica] = now
+                if holders.get(replica, now) <= now:
+                    holders[replica] = now
                 self._keys.move_to_end(key)
         while len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)
@@ -57,6 +78,14 @@ class RecentRoutes:
             _, rid, count = self._log.popleft()
             self._pending[rid] -= count
         return self._pending.get(replica, 0)
+
+    def export(self) -> list[tuple[int, str, float]]:
+        """Every (key, replica, age in seconds) within the TTL, oldest first: a starting peer's warm start."""
+        oldest = self._clock() - self.ttl_s
+        now = self._clock()
+        return [
+            (key, rid, now - at) for key, holders in self._keys.items() for rid, at in holders.items() if at >= oldest
+        ]
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -54,6 +54,8 @@ class RequestFeatures:
     preferred: tuple[str, ...] = ()
     """What the policy itself prefers over the whole fleet (`Policy.preferred`), filled when it chooses
     among a sample of a larger fleet (a session's ring cannot be read off a sample)."""
+    bound: str | None = None
+    """The replica the session's requests last went to, through this router or a peer (session policy)."""
 
 
 class ReplicaView(Protocol):
@@ -80,19 +82,22 @@ class LoadFromCounts:
     running: int
     waiting: int
     """`vllm:num_requests_running` / `_waiting` from the last scrape (up to one interval old)."""
+    peer_in_flight: int
+    """What the router's peers (other routers, other workers) say they have in flight there (up to one
+    peer update old; 0 without peers)."""
     in_flight_at_scrape: int
-    """The router's own in-flight count when that scrape answered."""
+    """The router's own and its peers' in-flight counts when that scrape answered."""
 
     @property
     def external_load(self) -> int:
-        """Requests the replica reported beyond the router's own: traffic from other clients."""
+        """Requests the replica reported beyond the routers': traffic from other clients."""
         return max(0, self.running + self.waiting - self.in_flight_at_scrape)
 
     @property
     def load(self) -> int:
-        # The router's fresh count plus what the replica holds for others; summing in_flight with the
+        # The routers' fresh counts plus what the replica holds for others; summing in_flight with the
         # raw scraped counts would count every routed request twice.
-        return self.in_flight + max(0, self.running + self.waiting - self.in_flight_at_scrape)
+        return self.in_flight + self.peer_in_flight + max(0, self.running + self.waiting - self.in_flight_at_scrape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +110,7 @@ class ReplicaSnapshot(LoadFromCounts):
     waiting: int = 0
     in_flight_at_scrape: int = 0
     kv_usage: float = 0.0
+    peer_in_flight: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,9 @@ class SessionAffinity(Policy):
         key = features.session_key
         if not key:
             return ()
+        if features.bound is not None:
+            owners = self.owners(key, fleet, NEAR_OWNERS)
+            return (features.bound, *(rid for rid in owners if rid != features.bound))
         # Asked twice per sampled decision (to widen the sample, then to choose): the last answer is kept.
         last_key, last_fleet, owners = self._last_owners
         if key != last_key or fleet is not last_fleet:
@@ -100,6 +103,9 @@ class SessionAffinity(Policy):
             return Decision(pick_least_loaded(candidates, self._rng).id, "no_key")
         by_id = {c.id: c for c in candidates}
         capacity = math.ceil(self.load_factor * (sum(c.load for c in candidates) + 1) / len(candidates))
+        bound = by_id.get(features.bound) if features.bound is not None else None
+        if bound is not None and bound.load < capacity:
+            return Decision(bound.id, "session")
         if features.preferred:
             for position, rid in enumerate(features.preferred):
                 owner = by_id.get(rid)

@@ -28,6 +28,7 @@ class Replica(LoadFromCounts):
     draining: bool = False
     """Taken out of routing by the admin API: requests in flight finish, no new ones come."""
     in_flight: int = 0
+    peer_in_flight: int = 0
     running: int = 0
     waiting: int = 0
     in_flight_at_scrape: int = 0
@@ -268,6 +269,11 @@ class ReplicaRegistry:
             replica.in_flight = max(0, replica.in_flight - 1)
         self._changed()
 
+    def set_peer_in_flight(self, counts: dict[str, int]) -> None:
+        """What the router's peers have in flight, per replica id (absent: none); sums over every peer."""
+        for replica in self._replicas.values():
+            replica.peer_in_flight = counts.get(replica.id, 0)
+
     def probe_succeeded(self, replica_id: str) -> None:
         replica = self._replicas.get(replica_id)
         if replica is None:
@@ -330,7 +336,7 @@ class ReplicaRegistry:
             return
         replica.running = running
         replica.waiting = waiting
-        replica.in_flight_at_scrape = replica.in_flight
+        replica.in_flight_at_scrape = replica.in_flight + replica.peer_in_flight
         replica.kv_usage = kv_usage
         replica.prefix_cache_queries = prefix_cache_queries
         replica.prefix_cache_hits = prefix_cache_hits

@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
+import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -19,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from dpserve.config import RouterSettings
 from dpserve.disconnect import ClientGone
@@ -33,6 +36,7 @@ from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import TextPrefixIndex
 from dpserve.policies import Need, Policy, PolicyTuning, make_policy
 from dpserve.policies.balance import BalanceGuard
+from dpserve.policies.bindings import SessionBindings
 from dpserve.policies.kv_aware import KvAwareWeights
 from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
 from dpserve.replicas.health import HealthRules
@@ -52,6 +56,9 @@ from dpserve.router.gpu_agents import GpuAgents
 from dpserve.router.gpu_fleet import GpuFleet
 from dpserve.router.gpu_metrics import GpuCollector
 from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
+from dpserve.router.peer_board import PeerBoard
+from dpserve.router.peer_links import SNAPSHOT_PATH, STREAM_PATH, PeerCollector, PeerLinks
+from dpserve.router.peer_wire import MAX_ROUTES
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
 from dpserve.router.proxied_endpoints import ProxiedEndpoints, Relaying, proxied_openapi_paths
 from dpserve.router.proxied_paths import HotPath, RouterApp
@@ -80,6 +87,8 @@ class RouterState:
     started_at: float
     discovery: list[SourceState]
     """One per --discover source; empty without."""
+    peers: PeerLinks
+    """The other routers (and workers) this one shares routing state with; `enabled` is False without."""
 
 
 def policy_tuning(settings: RouterSettings) -> PolicyTuning:
@@ -110,12 +119,15 @@ def selector_for(
     text_index: TextPrefixIndex | None,
     recent: RecentRoutes | None,
     rng: random.Random | None = None,
+    bindings: SessionBindings | None = None,
 ) -> Selector:
     """How the router chooses replicas (also what `benchmarks/decision_time.py` times); the prefix lookup
     only for a policy that reads prefixes."""
     reads_prefix = policy.needs & {Need.KV_PREFIX, Need.TEXT_PREFIX}
     prefixes = PrefixLookup(metrics, kv_index, text_index, recent) if reads_prefix else None
-    return Selector(registry, policy, admission, metrics, prefixes, rng=rng, sample_size=settings.route_sample)
+    return Selector(
+        registry, policy, admission, metrics, prefixes, rng=rng, sample_size=settings.route_sample, bindings=bindings
+    )
 
 
 def kv_event_endpoints(settings: RouterSettings, registry: ReplicaRegistry) -> dict[str, str]:
@@ -196,6 +208,57 @@ def gpu_sampler(settings: RouterSettings, registry: ReplicaRegistry, nvml: Calla
     return GpuSampler(nvml, settings.gpu_interval_s, clues=clues)
 
 
+def origin_id() -> str:
+    """This router process's name among its peers: a restarted router is a new peer."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def peer_links(
+    settings: RouterSettings,
+    board: PeerBoard,
+    resolver: DnsResolver | None,
+    keys: Keys,
+) -> PeerLinks:
+    for url in (*settings.peers, *settings.peer_siblings):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+            raise ValueError(f"--peer {url!r}: expected another router's base URL, e.g. http://10.0.0.3:8000")
+    return PeerLinks(
+        board,
+        peers=settings.peers,
+        siblings=settings.peer_siblings,
+        sources=[parse_discovery_source(text, "--discover-peers") for text in settings.discover_peers],
+        resolver=resolver,
+        interval_s=settings.peer_interval_s,
+        timeout_s=settings.peer_timeout_s,
+        discover_interval_s=settings.discover_interval_s,
+        admin_key=keys.admins[0] if keys.admins else None,
+        max_snapshot_blocks=settings.kv_index_max_entries,
+    )
+
+
+class SuspectChecks:
+    """A peer says a replica this router still routes to is unhealthy: probe it now rather than at the
+    next tick (this router's own probes decide; a peer's word alone never ejects)."""
+
+    def __init__(self, registry: ReplicaRegistry, monitor: ReplicaMonitor, min_gap_s: float) -> None:
+        self._registry = registry
+        self._monitor = monitor
+        self._min_gap_s = min_gap_s
+        self._last: dict[str, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __call__(self, replica_id: str) -> None:
+        now = time.monotonic()
+        replica = self._registry.find(replica_id)
+        if replica is None or now - self._last.get(replica_id, -self._min_gap_s) < self._min_gap_s:
+            return
+        self._last[replica_id] = now
+        task = asyncio.create_task(self._monitor.probe_now(replica))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
 def upstream_deadlines(settings: RouterSettings) -> Deadlines:
     return Deadlines(
         connect_s=settings.connect_timeout_s,
@@ -240,7 +303,8 @@ def create_app(
     `keys`: API and admin keys, read from the settings when not given."""
     sources = [SourceState(parse_discovery_source(text)) for text in settings.discover]
     # A bad nameserver fails here.
-    resolver = DnsResolver(settings.discover_nameserver) if sources or settings.discover_agents else None
+    wants_dns = sources or settings.discover_agents or settings.discover_peers
+    resolver = DnsResolver(settings.discover_nameserver) if wants_dns else None
     if registry is None and not settings.replicas and not sources:
         raise ValueError("no replicas: give --replica URL or --discover dns:NAME:PORT")
     registry = registry or ReplicaRegistry(settings.replicas, health_rules(settings))
@@ -261,10 +325,22 @@ def create_app(
             log.warning("policy %s has no --kv-events to learn from: it routes on load only", policy.name)
     text_index = TextPrefixIndex(settings.prefix_index_max_chunks) if Need.TEXT_PREFIX in policy.needs else None
     local = local_tokenizer(settings)
+    # With peers, this router's own routes and session bindings are also kept for them.
+    outbox = MAX_ROUTES if settings.peers or settings.peer_siblings or settings.discover_peers else 0
+    recent = None
+    if Need.KV_PREFIX in policy.needs:
+        recent = RecentRoutes(time.monotonic, settings.recent_route_ttl_s, max_outbox=outbox)
+    bindings = SessionBindings(time.monotonic, max_outbox=outbox) if Need.SESSION in policy.needs else None
+    board = PeerBoard(registry, origin_id(), recent, bindings, kv_index, timeout_s=settings.peer_timeout_s)
+    peers = peer_links(settings, board, resolver, keys)
     open_streams = OpenStreams()
-    state = RouterState(registry, policy, metrics, kv_index, [], gpus, Shutdown(open_streams), time.time(), sources)
+    shutdown = Shutdown(open_streams)
+    state = RouterState(registry, policy, metrics, kv_index, [], gpus, shutdown, time.time(), sources, peers)
     if sources:
         metrics.registry.register(DiscoveryCollector(sources))
+    if peers.enabled:
+        metrics.registry.register(PeerCollector(peers))
+        shutdown.on_drain.append(peers.drain)
     hot_path = HotPath()
 
     @contextlib.asynccontextmanager
@@ -277,11 +353,12 @@ def create_app(
         if Need.KV_PREFIX in policy.needs:
             tokenizer: PromptTokenizer = local or RemoteTokenizer(control)
             tokens = TokenCache(tokenizer, settings.token_cache_entries)
-        recent = RecentRoutes(time.monotonic, settings.recent_route_ttl_s) if tokens is not None else None
-        selector = selector_for(settings, registry, policy, admission, metrics, kv_index, text_index, recent, rng)
+        selector = selector_for(
+            settings, registry, policy, admission, metrics, kv_index, text_index, recent, rng, bindings
+        )
         retry = RetryRules(settings.retries, settings.retry_backoff_s)
         dispatcher = Dispatcher(registry, selector, hot, metrics, retry, admission, open_streams, rng=rng)
-        features = FeatureBuilder(policy.needs, registry, metrics, kv_index, text_index, tokens)
+        features = FeatureBuilder(policy.needs, registry, metrics, kv_index, text_index, tokens, bindings)
         relaying = Relaying(
             registry, features, dispatcher, metrics, ResponseOwners(), max_body_bytes=settings.max_body_bytes
         )
@@ -316,11 +393,20 @@ def create_app(
             # The first answer before serving: discovered replicas are probed as they are added.
             await discovery.refresh()
             discovery.start()
+        peers.attach(control)
+        if peers.enabled:
+            # Before serving (uvicorn listens only once this returns): a restarted router routes as its
+            # peers do from its first request.
+            await peers.load_from_a_peer(settings.warm_start_timeout_s)
+            peers.on_suspect = SuspectChecks(registry, monitor, settings.probe_interval_s)
+            peers.start()
         hot_path.serve(ProxiedEndpoints(relaying, PROXIED_ENDPOINTS))
         try:
             yield
         finally:
             hot_path.stop()
+            if peers.enabled:
+                await peers.stop()
             if discovery is not None:
                 await discovery.stop()
             await monitor.stop()
@@ -363,6 +449,23 @@ def create_app(
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
+    @app.get(STREAM_PATH)
+    async def peer_stream(origin: str = "", relay: str = "0") -> Response:
+        if not peers.enabled:
+            raise OpenAIError(404, "This router has no peers (--peer, --discover-peers): it shares nothing.")
+        if not origin:
+            raise bad_request("Say who follows: ?origin=ID.")
+        follower = peers.follow(origin, relay == "1")
+        if follower is None:
+            raise OpenAIError(409, "That origin is this router itself.", type="invalid_request_error")
+        return StreamingResponse(peers.frames(follower), media_type="application/x-dpserve-peer")
+
+    @app.get(SNAPSHOT_PATH)
+    async def peer_snapshot(origin: str = "") -> Response:
+        if origin == board.origin:
+            raise OpenAIError(409, "That origin is this router itself.", type="invalid_request_error")
+        return Response(await peers.snapshot(), media_type="application/x-msgpack")
+
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -391,6 +494,7 @@ def _status(state: RouterState) -> dict[str, Any]:
         "replicas": replicas,
         "gpus": gpus,
         **({"discovery": [source.to_dict(time.time()) for source in state.discovery]} if state.discovery else {}),
+        **({"peers": state.peers.status()} if state.peers.enabled else {}),
     }
 
 

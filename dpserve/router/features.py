@@ -14,6 +14,7 @@ from typing import Any
 from dpserve.kvindex.index import KvIndex, block_keys
 from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, TextPrefixIndex, text_keys
 from dpserve.policies.base import Need, PrefixMatch, PrefixSource, ReplicaView, RequestFeatures
+from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.endpoints import Endpoint, Prompt
 from dpserve.router.metrics import RouterMetrics
@@ -31,8 +32,11 @@ class FeatureBuilder:
         kv_index: KvIndex | None = None,
         text_index: TextPrefixIndex | None = None,
         tokens: TokenCache | None = None,
+        bindings: SessionBindings | None = None,
     ) -> None:
-        """`needs`: what the policy reads (`Policy.needs`); the rest is never computed."""
+        """`needs`: what the policy reads (`Policy.needs`); the rest is never computed. `bindings`: where
+        sessions last went (the session policy's, shared with peers)."""
+        self._bindings = bindings
         self._needs = needs
         self._registry = registry
         self._metrics = metrics
@@ -58,13 +62,16 @@ class FeatureBuilder:
         shape = "completions" if prompt is Prompt.COMPLETION else "chat"
         prefix: PrefixMatch | None = None
         session_key: str | None = None
+        bound: str | None = None
         if Need.SESSION in self._needs:
             session_key = headers.get(SESSION_HEADER) or _user(payload)
+            if session_key and self._bindings is not None:
+                bound = self._bindings.get(session_key)
         if Need.KV_PREFIX in self._needs:
             prefix = await self._kv_prefix(shape, model, payload)
         elif Need.TEXT_PREFIX in self._needs:
             prefix = self._text_prefix(shape, model, payload)
-        return RequestFeatures(endpoint.name, model, stream, prefix, session_key)
+        return RequestFeatures(endpoint.name, model, stream, prefix, session_key, bound=bound)
 
     async def _kv_prefix(self, endpoint: str, model: str, payload: dict[str, Any]) -> PrefixMatch | None:
         if self._kv_index is None or self._tokens is None:

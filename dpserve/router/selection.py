@@ -12,6 +12,7 @@ from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import TextPrefixIndex
 from dpserve.policies.base import Decision, Policy, PrefixSource, ReplicaView, RequestFeatures, Sampling
+from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.admission import Admission
 from dpserve.router.metrics import RouterMetrics
@@ -27,6 +28,7 @@ class Selector:
         prefixes: PrefixLookup | None = None,
         rng: random.Random | None = None,
         sample_size: int = 0,
+        bindings: SessionBindings | None = None,
     ) -> None:
         """`sample_size` > 0: a policy that allows it (`Policy.sampling`) sees at most that many replicas
         of a larger fleet, so a decision costs the same with 64 replicas as with 8."""
@@ -39,6 +41,8 @@ class Selector:
         self._rng = rng or random.Random()
         self._sampling = policy.sampling if sample_size > 0 else Sampling.ALL
         self._sample_size = sample_size
+        self._bindings = bindings
+        """The session policy's: each keyed request binds its session to where it went."""
 
     def candidates(self, features: RequestFeatures, tried: Sequence[str] = ()) -> list[ReplicaView]:
         """Replicas the policy may choose from now: routable, untried, with room; a sample of them in a
@@ -76,6 +80,8 @@ class Selector:
         metrics.labeled(metrics.decision_reasons, policy.name, decision.reason).inc()
         if prefixes is not None:
             prefixes.record(features, decision.id)
+        if self._bindings is not None and features.session_key:
+            self._bindings.bind(features.session_key, decision.id)
         return decision
 
     def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from dpserve.router.dispatch import OpenStreams
 
@@ -16,6 +17,8 @@ class Shutdown:
         self.draining = False
         self._open_streams = open_streams
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_drain: list[Callable[[], None]] = []
+        """Run on the loop as the drain begins."""
 
     def serving(self, loop: asyncio.AbstractEventLoop) -> None:
         """The loop the streams run on, once the app serves."""
@@ -27,6 +30,8 @@ class Shutdown:
         loop = self._loop
         if loop is None:
             return
+        for listener in self.on_drain:
+            loop.call_soon_threadsafe(listener)
         cut_after = max(0.0, grace_s - min(1.0, grace_s / 2))
         loop.call_soon_threadsafe(loop.call_later, cut_after, self._cut_streams)
 

@@ -34,6 +34,9 @@ ROUTER_PATH: tuple[str, ...] = (
     # list (endpoints -> features -> selection -> dispatch -> upstream client) and its answer comes back up.
     "serve",
     "app",
+    "peer_links",
+    "peer_board",
+    "peer_wire",
     "discovery",
     "admin",
     "proxied_paths",
