@@ -238,25 +238,39 @@ def peer_links(
 
 
 class SuspectChecks:
-    """A peer says a replica this router still routes to is unhealthy: probe it now rather than at the
-    next tick (this router's own probes decide; a peer's word alone never ejects)."""
+    """A peer says a replica this router still routes to is unhealthy: probe it now, as many times in a row
+    as ejecting takes, rather than wait for the next ticks. This router's own probes decide: a peer's word
+    alone never ejects a replica."""
 
-    def __init__(self, registry: ReplicaRegistry, monitor: ReplicaMonitor, min_gap_s: float) -> None:
+    GAP_S = 0.1
+
+    def __init__(self, registry: ReplicaRegistry, monitor: ReplicaMonitor, probes: int, min_gap_s: float) -> None:
         self._registry = registry
         self._monitor = monitor
+        self._probes = probes
         self._min_gap_s = min_gap_s
         self._last: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def __call__(self, replica_id: str) -> None:
         now = time.monotonic()
-        replica = self._registry.find(replica_id)
-        if replica is None or now - self._last.get(replica_id, -self._min_gap_s) < self._min_gap_s:
+        if now - self._last.get(replica_id, -self._min_gap_s) < self._min_gap_s:
             return
         self._last[replica_id] = now
-        task = asyncio.create_task(self._monitor.probe_now(replica))
+        task = asyncio.create_task(self._check(replica_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _check(self, replica_id: str) -> None:
+        for attempt in range(self._probes):
+            replica = self._registry.find(replica_id)
+            if replica is None or not replica.healthy:
+                return
+            if attempt:
+                await asyncio.sleep(self.GAP_S)
+            await self._monitor.probe_now(replica)
+            if replica.health.probe_failures == 0:
+                return  # it answered: the peer's view was stale or its own
 
 
 def upstream_deadlines(settings: RouterSettings) -> Deadlines:
@@ -398,7 +412,7 @@ def create_app(
             # Before serving (uvicorn listens only once this returns): a restarted router routes as its
             # peers do from its first request.
             await peers.load_from_a_peer(settings.warm_start_timeout_s)
-            peers.on_suspect = SuspectChecks(registry, monitor, settings.probe_interval_s)
+            peers.on_suspect = SuspectChecks(registry, monitor, settings.fail_threshold, settings.probe_interval_s)
             peers.start()
         hot_path.serve(ProxiedEndpoints(relaying, PROXIED_ENDPOINTS))
         try:
@@ -525,6 +539,7 @@ def _replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
         "degraded": list(replica.degraded),
         "ejections": replica.health.ejections,
         "in_flight": replica.in_flight,
+        "peer_in_flight": replica.peer_in_flight,
         "running": replica.running,
         "waiting": replica.waiting,
         "kv_cache_usage": replica.kv_usage,

@@ -73,11 +73,13 @@ class Follower:
         except asyncio.QueueFull:
             self.end()
 
-    def end(self) -> None:
-        """No more frames: its stream ends after what it was already sent."""
+    def end(self, last: bytes | None = None) -> None:
+        """No more frames: its stream ends, after `last` if given (frames still queued are dropped)."""
         self.cut = True
         while not self.frames.empty():
             self.frames.get_nowait()
+        if last is not None:
+            self.frames.put_nowait(last)
         self.frames.put_nowait(None)
 
 
@@ -191,10 +193,9 @@ class PeerLinks:
         """SIGTERM: followers hear goodbye and their streams end, so the server's drain is not held up by
         them (peers then forget this router's in-flight requests while they finish)."""
         self._draining = True
-        if self._started:
-            self._send(encode_update(self.board.update(leaving=True)))
+        goodbye = encode_update(self.board.update(leaving=True))
         for follower in list(self._followers):
-            follower.end()
+            follower.end(goodbye)
 
     def start(self) -> None:
         self._started = True

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import logging
+import multiprocessing
+import os
+import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from types import FrameType
 
 import prometheus_client
@@ -18,10 +25,17 @@ from dpserve.router.app import create_app
 from dpserve.router.http_protocol import bounded_protocol
 from dpserve.router.shutdown import Shutdown
 
+log = logging.getLogger("dpserve.router")
 
-def serve_router(settings: RouterSettings) -> int:
-    """Serves until stopped; 2 with one line on stderr when the settings are wrong."""
+WORKER_RESTART_DELAY_S = 1.0
+
+
+def serve_router(settings: RouterSettings, sockets: list[socket.socket] | None = None) -> int:
+    """Serves until stopped; 2 with one line on stderr when the settings are wrong. `sockets`: a worker's
+    (see `serve_workers`), already bound; otherwise it binds `settings.host` and `settings.port`."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.workers > 1 and sockets is None:
+        return serve_workers(settings)
     # Process-wide switch (hence here, not in the app factory): no `*_created` series per counter.
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
     try:
@@ -45,8 +59,88 @@ def serve_router(settings: RouterSettings) -> int:
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
     )
     shutdown: Shutdown = app.state.shutdown
-    DrainingServer(config, lambda: shutdown.begin_drain(settings.shutdown_grace_s)).run()
+    DrainingServer(config, lambda: shutdown.begin_drain(settings.shutdown_grace_s)).run(sockets=sockets)
     return 0
+
+
+def serve_workers(settings: RouterSettings) -> int:
+    """`--workers N`: N router processes, each with its own socket on the one port (SO_REUSEPORT: the kernel
+    spreads connections over them) and a private loopback port its sibling workers follow it on, as peers
+    follow each other. A worker that dies is started again (it warms from its siblings); SIGTERM drains them
+    all."""
+    if settings.port == 0:
+        print("dpserve router: --workers needs a fixed --port", file=sys.stderr)
+        return 2
+    try:
+        keys = load_keys(settings)
+        check_bind(settings.host, keys, settings.insecure)
+        create_app(settings, keys=keys)  # every setting checked once, here, rather than in N workers
+        reuse_port_socket(settings.host, settings.port).close()
+    except (ValueError, OSError) as exc:
+        print(f"dpserve router: {exc}", file=sys.stderr)
+        return 2
+    private_ports = [free_loopback_port() for _ in range(settings.workers)]
+    urls = [f"http://127.0.0.1:{port}" for port in private_ports]
+    spawn = multiprocessing.get_context("spawn")
+
+    def launch(index: int) -> BaseProcess:
+        siblings = tuple(url for other, url in enumerate(urls) if other != index)
+        worker = dataclasses.replace(settings, workers=1, peer_siblings=siblings)
+        process = spawn.Process(
+            target=run_worker, args=(worker, private_ports[index]), name=f"dpserve-router-worker-{index}"
+        )
+        process.start()
+        return process
+
+    workers = [launch(index) for index in range(settings.workers)]
+    log.info("router: %d workers on %s:%d", settings.workers, settings.host, settings.port)
+    stopping = False
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        for process in workers:
+            if process.pid is not None and process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while not stopping:
+        time.sleep(0.2)
+        for index, process in enumerate(workers):
+            if not process.is_alive() and not stopping:
+                log.warning("router worker %d exited (%s); starting it again", index, process.exitcode)
+                time.sleep(WORKER_RESTART_DELAY_S)
+                workers[index] = launch(index)
+    deadline = time.monotonic() + settings.shutdown_grace_s + 10
+    for process in workers:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+    return 0
+
+
+def run_worker(settings: RouterSettings, private_port: int) -> None:
+    """One worker process: the shared port, and its private port for its siblings."""
+    sockets = [reuse_port_socket(settings.host, settings.port), reuse_port_socket("127.0.0.1", private_port)]
+    sys.exit(serve_router(settings, sockets))
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 class DrainingServer(uvicorn.Server):

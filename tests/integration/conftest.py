@@ -170,9 +170,11 @@ def start_router(
     *extra: str,
     expect_healthy: int | None = None,
     admin_key: str | None = None,
+    port: int | None = None,
 ) -> RouterProcess:
-    """`admin_key`: the router's, when it has keys (its /status then needs it)."""
-    port = free_port()
+    """`admin_key`: the router's, when it has keys (its /status then needs it). `port`: one chosen
+    beforehand (routers that name each other as peers), else a free one."""
+    port = port or free_port()
     command = [sys.executable, "-m", "dpserve", "router", "--policy", policy, "--port", str(port)]
     for url in replica_urls:
         command += ["--replica", url]

@@ -1,0 +1,360 @@
+"""Routers that share what they know (--peer, --workers), on simulator replicas: real router processes, real
+sims, and, for the faults a real router does not make on demand (silence, garbage, stale or invented
+updates), a scripted peer on a loopback socket."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dpserve.router.peer_wire import PeerUpdate, encode_update
+from tests.conftest import free_port
+from tests.integration.conftest import (
+    RouterProcess,
+    SimProcess,
+    healthy_count,
+    router_status,
+    running_sim,
+    start_router,
+    stop_router,
+    wait_until,
+)
+from tests.integration.traffic import MODEL, wait_for
+
+pytestmark = pytest.mark.integration
+
+SLOW = ("--decode-ms-per-token", "50")
+
+
+@pytest.fixture(scope="module")
+def sims() -> Iterator[list[SimProcess]]:
+    with running_sim(*SLOW) as first, running_sim(*SLOW) as second:
+        yield [first, second]
+
+
+@contextlib.contextmanager
+def routers(
+    replica_sets: list[list[str]], policy: str, *extra: str, peered: bool = True
+) -> Iterator[list[RouterProcess]]:
+    """One router per replica list (each may list the replicas in its own order), each a peer of the others."""
+    ports = [free_port() for _ in replica_sets]
+    started: list[RouterProcess] = []
+    try:
+        for index, urls in enumerate(replica_sets):
+            peers = [f"--peer=http://127.0.0.1:{p}" for p in ports if p != ports[index]] if peered else []
+            started.append(start_router(urls, policy, *peers, *extra, port=ports[index]))
+        if peered:
+            for router in started:
+                wait_for(lambda r=router: len(router_status(r.url)["peers"]["peers"]) == len(started) - 1, 10, "peers")
+        yield started
+    finally:
+        for router in started:
+            stop_router(router)
+
+
+def replica_url_of(router: RouterProcess, response: httpx.Response) -> str:
+    rid = response.headers["x-dpserve-replica"]
+    return next(r["url"] for r in router_status(router.url)["replicas"] if r["id"] == rid)
+
+
+def complete(router: RouterProcess, prompt: str, max_tokens: int = 4, **headers: str) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
+    response = httpx.post(f"{router.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def prompt(group: int) -> str:
+    return f"Group {group} shares this long system prompt about distributed caches. " * 12 + "Question?"
+
+
+def placements(a: RouterProcess, b: RouterProcess, groups: int) -> list[tuple[str, str]]:
+    """Each new prefix sent through `a`, then at once through `b`: where each router sent it."""
+    return [(replica_url_of(a, complete(a, prompt(g))), replica_url_of(b, complete(b, prompt(g)))) for g in groups]
+
+
+def test_a_new_prefix_routed_through_one_router_is_followed_by_the_other(sims: list[SimProcess]) -> None:
+    # No KV events: what one router just routed is all the other can know of where a prefix is.
+    urls = [sim.url for sim in sims]
+    with routers([urls, urls], "kv_aware", "--tokenizer", "remote") as (a, b):
+        shared = placements(a, b, range(0, 12))
+    assert all(first == second for first, second in shared), shared
+    with routers([urls, urls], "kv_aware", "--tokenizer", "remote", peered=False) as (a, b):
+        alone = placements(a, b, range(100, 112))
+    # Alone, the second router places each prefix on the replica owning least (then at random): some land
+    # elsewhere. This is what sharing fixes, and it checks the test above can fail.
+    assert any(first != second for first, second in alone), alone
+
+
+def test_sessions_keep_their_replica_whichever_router_they_reach(sims: list[SimProcess]) -> None:
+    # The two routers list the replicas in opposite orders: same ids, other URLs, so their hash rings
+    # disagree for about half the sessions; the shared bindings settle every session on one replica.
+    urls = [sim.url for sim in sims]
+    keys = [f"user-{index}" for index in range(16)]
+
+    def where(a: RouterProcess, b: RouterProcess) -> list[tuple[str, str]]:
+        pairs = []
+        for key in keys:
+            first = replica_url_of(a, complete(a, "hello", **{"x-session-id": key}))
+            time.sleep(0.15)  # the next turn comes after this one's answer, as a user's does
+            pairs.append((first, replica_url_of(b, complete(b, "hello again", **{"x-session-id": key}))))
+        return pairs
+
+    with routers([urls, urls[::-1]], "session") as (a, b):
+        shared = where(a, b)
+    assert all(first == second for first, second in shared), shared
+    with routers([urls, urls[::-1]], "session", peered=False) as (a, b):
+        alone = where(a, b)
+    assert any(first != second for first, second in alone), alone
+
+
+def test_peers_count_each_others_requests_and_forget_a_killed_router_at_once(sims: list[SimProcess]) -> None:
+    urls = [sim.url for sim in sims]
+    with routers([urls, urls], "least_loaded") as (a, b):
+        stop = threading.Event()
+        threads = [threading.Thread(target=stream_until, args=(a, stop), daemon=True) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        try:
+            wait_for(lambda: peer_in_flight(b) == 6, 10, "b to see a's 6 streams")
+            # b sends its own requests where a's are not.
+            assert sum(r["in_flight"] for r in router_status(a.url)["replicas"]) == 6
+            a.process.kill()
+            forgotten = wait_for(lambda: peer_in_flight(b) == 0, 5, "b to forget a's streams")
+        finally:
+            stop.set()
+        assert forgotten < 2.0
+        status = router_status(b.url)["peers"]
+        assert status["peers"] == []
+        assert status["forgotten"].get("link_lost") == 1
+        complete(b, "b still routes alone")
+
+
+def peer_in_flight(router: RouterProcess) -> int:
+    return sum(r["peer_in_flight"] for r in router_status(router.url)["replicas"])
+
+
+def stream_until(router: RouterProcess, stop: threading.Event) -> None:
+    body = {"model": MODEL, "prompt": "count slowly", "max_tokens": 2000, "stream": True}
+    with contextlib.suppress(httpx.HTTPError):
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as response:
+            for _ in response.iter_bytes():
+                if stop.is_set():
+                    return
+
+
+def test_a_restarted_router_loads_a_peers_index_before_it_is_ready(sims: list[SimProcess]) -> None:
+    urls = [sim.url for sim in sims]
+    events = [f"--kv-events={sim.url}={sim.kv_events}" for sim in sims]
+    with routers([urls], "kv_aware", *events, "--tokenizer", "remote", peered=False) as (a,):
+        homes = [replica_url_of(a, complete(a, prompt(g))) for g in range(8)]
+        wait_for(lambda: sum(indexed_blocks(a)) > 0, 10, "a's KV index to fill")
+        late = start_router(urls, "kv_aware", *events, "--tokenizer", "remote", f"--peer={a.url}")
+        try:
+            warm = router_status(late.url)["peers"]["warm_start"]
+            assert warm is not None and warm["from"] == a.url
+            assert warm["kv_blocks"] == sum(indexed_blocks(a))
+            # Its first requests go where the prefixes are, though the replicas sent it no event of them.
+            assert [replica_url_of(late, complete(late, prompt(g))) for g in range(8)] == homes
+        finally:
+            stop_router(late)
+
+
+def indexed_blocks(router: RouterProcess) -> list[int]:
+    return [r["kv_events"]["indexed_blocks"] for r in router_status(router.url)["replicas"]]
+
+
+def test_sigterm_with_peers_drains_without_waiting_on_their_streams(sims: list[SimProcess]) -> None:
+    urls = [sim.url for sim in sims]
+    with routers([urls, urls], "least_loaded") as (a, b):
+        started = time.monotonic()
+        a.process.send_signal(signal.SIGTERM)
+        a.process.wait(timeout=20)
+        took = time.monotonic() - started
+        assert took < 5, f"the drain waited {took:.1f} s"
+        status = router_status(b.url)["peers"]
+        assert status["peers"] == [] and status["forgotten"].get("left") == 1, status
+
+
+# -- a scripted peer: faults a real router does not make on demand -----------------------------------
+
+
+class ScriptedPeer:
+    """Answers `GET /admin/peer/stream` with whatever frames the test scripts, over raw HTTP/1.1 chunks."""
+
+    def __init__(self, script: list[bytes | float]) -> None:
+        """`script`: bytes to send as a chunk, or seconds to stay silent (the stream is held open at its end).
+        Only the first connection gets it; later ones get nothing at all, as from a hung process."""
+        self.script = script
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.connections = 0
+        self.streams = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self.server.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            self.connections += 1
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            request = conn.recv(65536)
+            if not request.startswith(b"GET /admin/peer/stream"):
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                return
+            self.streams += 1
+            if self.streams > 1:
+                self._stop.wait()
+                return
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/x-dpserve-peer\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            for step in self.script:
+                if isinstance(step, float):
+                    time.sleep(step)
+                else:
+                    conn.sendall(b"%x\r\n%s\r\n" % (len(step), step))
+            while not self._stop.is_set():
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.server.close()
+
+
+@contextlib.contextmanager
+def router_with_scripted_peer(
+    sims: list[SimProcess], script: list[bytes | float]
+) -> Iterator[tuple[RouterProcess, ScriptedPeer]]:
+    peer = ScriptedPeer(script)
+    router = start_router([s.url for s in sims], "least_loaded", f"--peer={peer.url}", "--peer-timeout", "2")
+    try:
+        yield router, peer
+    finally:
+        stop_router(router)
+        peer.close()
+
+
+def update(origin: str, seq: int, sent_at: float | None = None, **fields: Any) -> bytes:
+    return encode_update(PeerUpdate(origin, seq, time.time() if sent_at is None else sent_at, **fields))
+
+
+def test_a_peer_that_stops_answering_is_dropped_and_forgotten(sims: list[SimProcess]) -> None:
+    script: list[bytes | float] = [update("quiet", 1, in_flight={sims[0].url: 40})]
+    with router_with_scripted_peer(sims, script) as (router, peer):
+        wait_for(lambda: peer_in_flight(router) == 40, 5, "the peer's count")
+        # Then silence: no frame, no heartbeat, the connection held open.
+        forgotten = wait_for(lambda: peer_in_flight(router) == 0, 5, "the silent peer to be forgotten")
+        status = router_status(router.url)["peers"]
+        assert status["links"][0]["errors"].get("silent", 0) >= 1
+        assert forgotten < 3
+        wait_for(lambda: peer.streams >= 2, 5, "the router to try the peer again")
+        # Routing was never held up: least_loaded spreads over both replicas again.
+        assert {replica_url_of(router, complete(router, f"q{i}")) for i in range(6)} == {s.url for s in sims}
+
+
+def test_a_peer_that_sends_garbage_is_dropped_and_routing_goes_on(sims: list[SimProcess]) -> None:
+    script: list[bytes | float] = [
+        update("noisy", 1, in_flight={sims[0].url: 7}),
+        b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1",  # a frame that is not msgpack
+    ]
+    with router_with_scripted_peer(sims, script) as (router, _peer):
+        wait_for(lambda: router_status(router.url)["peers"]["links"][0]["errors"].get("protocol", 0) >= 1, 5, "error")
+        wait_for(lambda: peer_in_flight(router) in (0, 7), 1, "count")  # forgotten with its link, or re-heard
+        # A frame announcing more than the limit is refused before it is read.
+        assert complete(router, "still fine").status_code == 200
+    huge = [b"\xff\xff\xff\xff" + b"x" * 100]
+    with router_with_scripted_peer(sims, huge) as (router, _peer):
+        wait_for(lambda: router_status(router.url)["peers"]["links"][0]["errors"].get("protocol", 0) >= 1, 5, "error")
+        assert complete(router, "still fine").status_code == 200
+
+
+def test_stale_and_invented_updates_change_nothing_and_stay_bounded(sims: list[SimProcess]) -> None:
+    now = time.time()
+    script: list[bytes | float] = [
+        update("old", 1, sent_at=now - 3600, in_flight={sims[0].url: 50}),  # an hour old
+        update("replay", 5, in_flight={sims[0].url: 2}),
+        update("replay", 3, in_flight={sims[0].url: 60}),  # older than the last one seen
+        update("elsewhere", 1, in_flight={"http://10.1.2.3:8000": 99}, routes=[("http://10.1.2.3:8000", [1, 2, 3])]),
+        # A flood of invented origins, each with a burst of routes: bounded by the origin limit and the
+        # recent-route map's own bound.
+        *(update(f"invented-{i}", 1, routes=[(sims[1].url, list(range(i * 64, i * 64 + 64)))] * 4) for i in range(600)),
+        update("replay", 6, in_flight={sims[0].url: 2}),
+    ]
+    with router_with_scripted_peer(sims, script) as (router, _peer):
+        wait_for(lambda: router_status(router.url)["peers"]["updates"] >= 257, 10, "the updates")
+        status = router_status(router.url)["peers"]
+        assert status["stale"] == 2
+        assert status["unknown_replicas"] == 1
+        assert len(status["peers"]) <= 256
+        assert status["forgotten"].get("crowded", 0) >= 600 - 256
+        assert peer_in_flight(router) == 2
+        assert complete(router, "still fine").status_code == 200
+
+
+# -- workers -----------------------------------------------------------------------------------------
+
+
+def test_workers_share_one_port_and_a_killed_worker_is_replaced(sims: list[SimProcess]) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "dpserve", "router", "--policy", "least_loaded", "--port", str(port)]
+    for sim in sims:
+        command += ["--replica", sim.url]
+    command += ["--workers", "2", "--probe-interval", "0.2", "--log-level", "warning"]
+    with tempfile.NamedTemporaryFile(prefix="dpserve-workers-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: healthy_count(url) == 2, 60, what="workers")
+
+        def origins_seen() -> set[str]:
+            # New connections each time: the kernel spreads them over the workers.
+            return {router_status(url)["peers"]["origin"] for _ in range(20)}
+
+        wait_for(lambda: len(origins_seen()) == 2, 20, "both workers to answer")
+        for _ in range(5):
+            status = router_status(url)["peers"]
+            assert [link["state"] for link in status["links"]] == ["up"] and len(status["peers"]) == 1
+        victim = int(router_status(url)["peers"]["origin"].split(":")[1])
+        before = origins_seen()
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: len(origins_seen() - before) == 1 and len(origins_seen()) == 2, 30, "a new worker")
+        assert (
+            httpx.post(
+                f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30
+            ).status_code
+            == 200
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            with contextlib.suppress(OSError):
+                Path(log.name).unlink()
+    assert process.returncode == 0

@@ -1,0 +1,263 @@
+"""What routers tell each other (peer_wire.py) and what one router makes of it (peer_board.py), without
+sockets: updates round-trip, anything malformed is refused, stale or foreign updates change nothing, and
+nothing a peer sends grows this router's memory past its bounds."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from dpserve.kvindex.events import BlockStored
+from dpserve.kvindex.index import KvIndex, block_keys
+from dpserve.kvindex.recent import RecentRoutes
+from dpserve.policies.bindings import SessionBindings
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.peer_board import PeerBoard
+from dpserve.router.peer_wire import (
+    LENGTH,
+    MAX_FRAME_BYTES,
+    MAX_ROUTES,
+    PeerUpdate,
+    PeerWireError,
+    decode_snapshot,
+    decode_update,
+    encode_snapshot,
+    encode_update,
+    frame_length,
+)
+
+URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def healthy_registry(urls: list[str]) -> ReplicaRegistry:
+    registry = ReplicaRegistry(urls)
+    for replica in registry:
+        registry.set_model_cards(replica.id, ({"id": "m"},))
+        registry.probe_succeeded(replica.id)
+    return registry
+
+
+def board_for(urls: list[str], clock: Clock, **kwargs: object) -> tuple[PeerBoard, ReplicaRegistry, RecentRoutes]:
+    registry = healthy_registry(urls)
+    recent = RecentRoutes(clock, ttl_s=10.0)
+    bindings = SessionBindings(clock)
+    board = PeerBoard(registry, "me", recent, bindings, KvIndex(), clock=clock, wall=clock, **kwargs)  # type: ignore[arg-type]
+    return board, registry, recent
+
+
+def payload(data: bytes) -> bytes:
+    """A frame's payload (after its 4-byte length)."""
+    assert frame_length(data[:4]) == len(data) - 4
+    return data[4:]
+
+
+def test_an_update_round_trips_through_the_wire() -> None:
+    update = PeerUpdate(
+        origin="peer-a",
+        seq=7,
+        sent_at=1000.5,
+        in_flight={URLS[0]: 3},
+        unhealthy=(URLS[1],),
+        routes=[(URLS[0], [1, 2, (1 << 64) - 1])],
+        bindings=[("session-1", URLS[1])],
+    )
+    decoded = decode_update(payload(encode_update(update)))
+    assert decoded == update
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xc1garbage",
+        msgspec.msgpack.encode([1, 2, 3]),
+        msgspec.msgpack.encode({"v": 2, "o": "a", "s": 1, "t": 1.0}),
+        msgspec.msgpack.encode({"v": 1, "o": "", "s": 1, "t": 1.0}),
+        msgspec.msgpack.encode({"v": 1, "o": "a", "s": -1, "t": 1.0}),
+        msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": "soon"}),
+        msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": 1.0, "f": {URLS[0]: 10**9}}),
+        msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": 1.0, "f": {URLS[0]: True}}),
+        msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": 1.0, "r": [[URLS[0], [-5]]]}),
+        msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": 1.0, "r": [[URLS[0]]]}),
+        msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": 1.0, "r": [["u", [1]]] * (MAX_ROUTES + 1)}),
+        msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": 1.0, "b": [["k", 5]]}),
+        msgspec.msgpack.encode({"v": 1, "o": "a" * 600, "s": 1, "t": 1.0}),
+        msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": 1.0, "x": "yes"}),
+    ],
+)
+def test_malformed_updates_are_refused(body: bytes) -> None:
+    with pytest.raises(PeerWireError):
+        decode_update(body)
+
+
+def test_a_frame_longer_than_the_limit_is_refused_before_it_is_read() -> None:
+    with pytest.raises(PeerWireError):
+        frame_length(LENGTH.pack(MAX_FRAME_BYTES + 1))
+
+
+def test_peer_in_flight_counts_add_up_and_count_in_load() -> None:
+    clock = Clock()
+    board, registry, _ = board_for(URLS, clock)
+    board.apply(PeerUpdate("a", 1, clock.now, in_flight={URLS[0]: 3}), "link-a")
+    board.apply(PeerUpdate("b", 1, clock.now, in_flight={URLS[0]: 2, URLS[1]: 1}), "link-b")
+    r0, r1 = registry.get("r0"), registry.get("r1")
+    assert (r0.peer_in_flight, r1.peer_in_flight) == (5, 1)
+    assert r0.load == 5
+    # Each update replaces its origin's last counts.
+    board.apply(PeerUpdate("a", 2, clock.now, in_flight={}), "link-a")
+    assert (r0.peer_in_flight, r1.peer_in_flight) == (2, 1)
+
+
+def test_a_scrape_does_not_count_peers_requests_twice() -> None:
+    clock = Clock()
+    board, registry, _ = board_for(URLS, clock)
+    board.apply(PeerUpdate("a", 1, clock.now, in_flight={URLS[0]: 4}), "link-a")
+    registry.acquire("r0")
+    # The replica runs the 4 requests of the peer and 1 of ours: no one else's.
+    registry.record_scrape(
+        "r0", running=5, waiting=0, kv_usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0, block_size=None
+    )
+    assert registry.get("r0").load == 5
+
+
+def test_old_and_out_of_order_updates_change_nothing() -> None:
+    clock = Clock()
+    board, registry, _ = board_for(URLS, clock, stale_s=5.0)
+    board.apply(PeerUpdate("a", 5, clock.now, in_flight={URLS[0]: 3}), "link")
+    board.apply(PeerUpdate("a", 4, clock.now, in_flight={URLS[0]: 9}), "link")  # replayed
+    board.apply(PeerUpdate("b", 1, clock.now - 60, in_flight={URLS[0]: 9}), "link")  # sent a minute ago
+    assert registry.get("r0").peer_in_flight == 3
+    assert board.stats.stale == 2
+
+
+def test_own_updates_relayed_back_and_unknown_replicas_are_ignored() -> None:
+    clock = Clock()
+    board, registry, recent = board_for(URLS, clock)
+    board.apply(PeerUpdate("me", 1, clock.now, in_flight={URLS[0]: 3}), "link")
+    unknown = "http://10.9.9.9:8000"
+    board.apply(PeerUpdate("a", 1, clock.now, in_flight={unknown: 50}, routes=[(unknown, [1, 2])]), "link")
+    assert [r.peer_in_flight for r in registry] == [0, 0]
+    assert len(recent) == 0
+    assert board.stats.unknown_replicas == 1
+
+
+def test_a_peer_is_forgotten_when_it_leaves_its_link_drops_or_it_goes_silent() -> None:
+    clock = Clock()
+    board, registry, _ = board_for(URLS, clock, timeout_s=2.0)
+    for origin, link in (("a", "la"), ("b", "lb"), ("c", "lc")):
+        board.apply(PeerUpdate(origin, 1, clock.now, in_flight={URLS[0]: 1}), link)
+    assert registry.get("r0").peer_in_flight == 3
+    board.apply(PeerUpdate("a", 2, clock.now, leaving=True), "la")
+    assert registry.get("r0").peer_in_flight == 2
+    board.link_lost("lb")
+    assert registry.get("r0").peer_in_flight == 1
+    clock.now += 1.0
+    board.expire()
+    assert registry.get("r0").peer_in_flight == 1
+    clock.now += 1.5
+    board.expire()
+    assert registry.get("r0").peer_in_flight == 0
+    assert board.stats.forgotten == {"left": 1, "link_lost": 1, "silent": 1}
+
+
+def test_origins_are_bounded_however_many_a_peer_invents() -> None:
+    clock = Clock()
+    board, registry, _ = board_for(URLS, clock, max_origins=16)
+    for index in range(1000):
+        clock.now += 0.001
+        board.apply(PeerUpdate(f"invented-{index}", 1, clock.now, in_flight={URLS[0]: 1}), "link")
+    assert len(board.origins) == 16
+    assert registry.get("r0").peer_in_flight == 16
+    assert board.stats.forgotten == {"crowded": 1000 - 16}
+
+
+def test_routes_and_bindings_from_a_peer_steer_this_router() -> None:
+    clock = Clock()
+    board, _registry, recent = board_for(URLS, clock)
+    keys = block_keys(list(range(64)), 16)
+    board.apply(PeerUpdate("a", 1, clock.now, routes=[(URLS[1], keys)], bindings=[("s1", URLS[1])]), "link")
+    assert recent.match(keys, ["r0", "r1"]) == {"r0": 0, "r1": 4}
+    assert board._bindings is not None and board._bindings.get("s1") == "r1"
+
+
+def test_a_peer_verdict_is_reported_once_while_this_router_still_routes_there() -> None:
+    clock = Clock()
+    board, _registry, _ = board_for(URLS, clock)
+    assert board.apply(PeerUpdate("a", 1, clock.now, unhealthy=(URLS[1],)), "link") == ["r1"]
+    assert board.apply(PeerUpdate("a", 2, clock.now, unhealthy=(URLS[1],)), "link") == []
+
+
+def test_own_update_carries_routes_once_and_uses_urls() -> None:
+    clock = Clock()
+    registry = healthy_registry(URLS)
+    recent = RecentRoutes(clock, max_outbox=100)
+    board = PeerBoard(registry, "me", recent, clock=clock, wall=clock)
+    registry.acquire("r1")
+    recent.record([11, 12], "r1")
+    first = board.update()
+    assert first.in_flight == {URLS[1]: 1}
+    assert first.routes == [(URLS[1], [11, 12])]
+    assert board.update().routes == []
+
+
+def test_the_outbox_is_bounded_when_no_one_takes_it() -> None:
+    recent = RecentRoutes(Clock(), max_outbox=10)
+    for index in range(1000):
+        recent.record([index], "r0")
+    assert len(recent.take_outbox()) == 10
+
+
+def test_a_snapshot_warms_another_router_with_its_index_and_routes() -> None:
+    clock = Clock()
+    tokens = list(range(64))
+    source, _, source_recent = board_for(URLS, clock)
+    assert source._kv_index is not None
+    source._kv_index.store(
+        "r1", BlockStored(block_hashes=(101, 102), parent_block_hash=None, token_ids=tuple(tokens[:32]), block_size=16)
+    )
+    source_recent.record([7, 8], "r0")
+    # The other router lists the replicas the other way round: URLs, not ids, travel.
+    target, target_registry, target_recent = board_for(list(reversed(URLS)), clock)
+    snapshot = decode_snapshot(encode_snapshot(source.snapshot()), max_blocks=1000)
+    assert target.load(snapshot) == (2, 2)
+    assert target._kv_index is not None
+    by_url = {r.url: r.id for r in target_registry}
+    assert target._kv_index.match(block_keys(tokens[:32], 16), list(by_url.values())) == {
+        by_url[URLS[1]]: 2,
+        by_url[URLS[0]]: 0,
+    }
+    assert target_recent.match([7, 8], list(by_url.values()))[by_url[URLS[0]]] == 2
+
+
+def test_a_snapshot_larger_than_the_index_bound_is_refused() -> None:
+    clock = Clock()
+    source, _, _ = board_for(URLS, clock)
+    assert source._kv_index is not None
+    tokens = list(range(16 * 20))
+    hashes = tuple(range(1, 21))
+    source._kv_index.store(
+        "r0", BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tuple(tokens), block_size=16)
+    )
+    with pytest.raises(PeerWireError):
+        decode_snapshot(encode_snapshot(source.snapshot()), max_blocks=10)
+
+
+def test_a_session_binding_wins_over_the_ring_while_its_replica_has_room() -> None:
+    from dpserve.policies.base import ReplicaSnapshot, RequestFeatures
+    from dpserve.policies.session import SessionAffinity
+
+    policy = SessionAffinity()
+    candidates = [ReplicaSnapshot("r0"), ReplicaSnapshot("r1")]
+    ring_choice = policy.choose(RequestFeatures("chat", "m", False, session_key="k"), candidates).id
+    other = "r1" if ring_choice == "r0" else "r0"
+    bound = RequestFeatures("chat", "m", False, session_key="k", bound=other)
+    assert policy.choose(bound, candidates).id == other
+    busy = [ReplicaSnapshot(other, in_flight=20), ReplicaSnapshot(ring_choice)]
+    assert policy.choose(bound, busy).id == ring_choice
