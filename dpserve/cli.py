@@ -131,6 +131,21 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         "--gpu-interval", type=float, dest="gpu_interval_s", help="seconds between NVML samples (default 1; 0: off)"
     )
     _add_gpu_health_flags(parser)
+    parser.add_argument(
+        "--workers", type=int, help="router processes behind the one port (SO_REUSEPORT), sharing state (1)"
+    )
+    parser.add_argument(
+        "--peer-interval", type=float, dest="peer_interval_s", help="seconds between updates to peers (0.05)"
+    )
+    parser.add_argument(
+        "--peer-timeout", type=float, dest="peer_timeout_s", help="seconds before a silent peer is forgotten (2)"
+    )
+    parser.add_argument(
+        "--warm-start-timeout",
+        type=float,
+        dest="warm_start_timeout_s",
+        help="seconds a starting router waits for a peer's snapshot before serving (10)",
+    )
     parser.add_argument("--access-log", action="store_true", default=None, dest="access_log")
     parser.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
 
@@ -281,6 +296,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REPLICA_URL=tcp://HOST:PORT",
         help="subscribe to a replica's KV-cache events (ZMQ), e.g. http://127.0.0.1:8100=tcp://127.0.0.1:5557",
     )
+    router.add_argument(
+        "--peer",
+        action="append",
+        dest="peers",
+        metavar="URL",
+        help="another router (http://HOST:PORT) to share routing state with; repeat per router",
+    )
+    router.add_argument(
+        "--discover-peers",
+        action="append",
+        dest="discover_peers",
+        type=_discovery_source,
+        metavar="dns:NAME:PORT",
+        help="find the other routers by DNS (this router's own address is skipped); repeatable",
+    )
     _add_router_flags(router)
 
     up = commands.add_parser(
@@ -297,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--run-dir", type=Path, dest="run_dir", help="where replica logs go")
     up.add_argument("--max-model-len", type=int, dest="max_model_len", help="context length (default 4096)")
     up.add_argument("--start-timeout", type=float, dest="replica_start_timeout_s", help="seconds to wait per replica")
+    up.add_argument(
+        "--routers",
+        type=int,
+        metavar="N",
+        help="routers on --port, --port+1, ..., each a --peer of the others, sharing routing state (1)",
+    )
     _add_router_flags(up)
 
     up.add_argument(
@@ -380,6 +416,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one replica service scaled to N containers, found by the router through Docker's DNS",
     )
+    compose.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="router services (router, router-2, ...), each a --peer of the others, published on ROUTER_PORT, "
+        "ROUTER_2_PORT, ... (default 1)",
+    )
+    compose.add_argument(
+        "--router-workers",
+        type=int,
+        default=1,
+        dest="router_workers",
+        metavar="M",
+        help="router processes per router container behind its one port (--workers; default 1)",
+    )
     compose.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     compose.add_argument("--env-file", type=Path, default=Path(".env"), help="where GPUS and MODEL are read (.env)")
 
@@ -392,7 +444,19 @@ def build_parser() -> argparse.ArgumentParser:
     kube.add_argument("--replicas", type=int, required=True, help="vLLM pods, one GPU each")
     kube.add_argument("--model", help="model served (default Qwen/Qwen2.5-1.5B-Instruct)")
     kube.add_argument("--namespace", help="namespace for everything (default dpserve)")
-    kube.add_argument("--router-replicas", type=int, dest="router_replicas", help="router pods (default 2)")
+    kube.add_argument(
+        "--router-replicas",
+        type=int,
+        dest="router_replicas",
+        help="router pods (default 2); with more than one, each finds the others by DNS to share routing state",
+    )
+    kube.add_argument(
+        "--router-workers",
+        type=int,
+        dest="router_workers",
+        metavar="M",
+        help="router processes per pod behind its one port (--workers), with M times the CPU and memory (1)",
+    )
     kube.add_argument("--image", help="vLLM image (default vllm/vllm-openai:v0.32.0)")
     kube.add_argument(
         "--router-image", dest="router_image", help="router/Dockerfile's image, run by router and agent pods"
@@ -462,7 +526,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compose":
         from dpserve.deploy.command import run_compose
 
-        return run_compose(args.gpus, args.model, args.overlay, args.output, args.env_file, args.scaled)
+        return run_compose(
+            args.gpus,
+            args.model,
+            args.overlay,
+            args.output,
+            args.env_file,
+            args.scaled,
+            args.routers,
+            args.router_workers,
+        )
     if args.command == "kube":
         from dpserve.deploy.kube_command import run_kube
 
@@ -472,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             namespace=args.namespace,
             router_replicas=args.router_replicas,
+            router_workers=args.router_workers,
             image=args.image,
             router_image=args.router_image,
             gpu_resource=args.gpu_resource,
@@ -512,8 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     from dpserve.up.launcher import run_launcher
 
     settings = load_settings(UpSettings, overrides)
-
-    return run_launcher(settings)
+    return run_launcher(settings, settings.routers)
 
 
 if __name__ == "__main__":

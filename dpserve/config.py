@@ -161,6 +161,8 @@ class UpSettings:
     vllm_args: tuple[str, ...] = ()
     sim_replicas: int = 0
     """`dpserve up --sim N`: N simulator replicas instead of vLLM."""
+    routers: int = 1
+    """Routers on --port, --port+1, ..., each a --peer of the others."""
 
 
 @dataclass(frozen=True)

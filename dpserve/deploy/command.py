@@ -11,7 +11,12 @@ from dpserve.deploy.env_file import read_env_file
 
 
 def compose_options(
-    gpus: int | None, model: str | None, env: Mapping[str, str], scaled: bool = False
+    gpus: int | None,
+    model: str | None,
+    env: Mapping[str, str],
+    scaled: bool = False,
+    routers: int = 1,
+    router_workers: int = 1,
 ) -> ComposeOptions:
     """Flags win; then GPUS and MODEL from the env file (the `.env` docker compose reads too); then defaults."""
     if gpus is None:
@@ -19,7 +24,8 @@ def compose_options(
         if not raw.isdigit():
             raise ValueError(f"GPUS={raw!r} in the env file is not a whole number")
         gpus = int(raw)
-    return ComposeOptions(gpus=gpus, model=model or env.get("MODEL") or DEFAULT_MODEL, scaled=scaled)
+    model = model or env.get("MODEL") or DEFAULT_MODEL
+    return ComposeOptions(gpus=gpus, model=model, scaled=scaled, routers=routers, router_workers=router_workers)
 
 
 def run_compose(
@@ -29,10 +35,12 @@ def run_compose(
     output: Path | None,
     env_file: Path | None,
     scaled: bool = False,
+    routers: int = 1,
+    router_workers: int = 1,
 ) -> int:
     try:
         env = read_env_file(env_file) if env_file and env_file.is_file() else {}
-        options = compose_options(gpus, model, env, scaled)
+        options = compose_options(gpus, model, env, scaled, routers, router_workers)
     except ValueError as exc:
         print(f"dpserve compose: {exc}", file=sys.stderr)
         return 2
@@ -49,5 +57,7 @@ def run_compose(
         return 0
     output.write_text(text)
     what = f"{options.gpus} {overlay} replica(s)" if overlay else f"{options.gpus} GPU(s), {options.model}"
+    if options.routers > 1:
+        what += f", {options.routers} routers"
     print(f"dpserve compose: wrote {output} ({what})", file=sys.stderr)
     return 0

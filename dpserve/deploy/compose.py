@@ -1,7 +1,8 @@
 """The Docker Compose stack for one multi-GPU host, for any number of GPUs.
 
 One vLLM service per GPU (`vllm-0` ... `vllm-{N-1}`), each reserving its own GPU; the router, built
-from `router/Dockerfile` and told of each replica by service name; the host's GPU agent (`dpserve
+from `router/Dockerfile` and told of each replica by service name (with `--routers N`, also `router-2` ...
+`router-N`, each told of the others with `--peer`); the host's GPU agent (`dpserve
 agent`, same image), which reads every GPU through NVML and which the router polls; the `monitoring` profile
 (Prometheus, Grafana) and the `loadtest` profile (Locust master and workers). What a user tunes (model,
 images, ports) is read from `.env` through Compose's `${VAR:-default}`; the GPU count is the number of
@@ -73,12 +74,20 @@ class ComposeOptions:
     model: str = DEFAULT_MODEL
     scaled: bool = False
     """One replica service scaled to `gpus` containers, found by DNS, instead of one service per GPU."""
+    routers: int = 1
+    """Router services, each a peer of the others: they share in-flight counts and routes."""
+    router_workers: int = 1
+    """Router processes in each router container (`--workers`), behind its one port."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise ValueError(f"--gpus {self.gpus}: at least one GPU")
         if not self.model.strip():
             raise ValueError("--model must name a model")
+        if self.routers < 1:
+            raise ValueError(f"--routers {self.routers}: at least one router")
+        if self.router_workers < 1:
+            raise ValueError(f"--router-workers {self.router_workers}: at least one worker")
 
     @property
     def replica_services(self) -> list[str]:
@@ -86,12 +95,38 @@ class ComposeOptions:
             return [SCALED_SERVICE]
         return [replica_service(index) for index in range(self.gpus)]
 
+    @property
+    def router_services(self) -> list[str]:
+        return [router_service(index) for index in range(self.routers)]
+
+    def flags(self) -> str:
+        """The command line that writes this stack, as the file's header says (defaults left out)."""
+        flags = f"--gpus {self.gpus}" + (" --scaled" if self.scaled else "")
+        if self.routers != 1:
+            flags += f" --routers {self.routers}"
+        if self.router_workers != 1:
+            flags += f" --router-workers {self.router_workers}"
+        return flags
+
     def file_name(self, overlay: str | None = None) -> str:
         return "compose" + (".scaled" if self.scaled else "") + (f".{overlay}" if overlay else "") + ".yaml"
 
 
 def replica_service(index: int) -> str:
     return f"vllm-{index}"
+
+
+def router_service(index: int) -> str:
+    """`router`, as with one router (what load tests, Prometheus and the Makefile know), then `router-2` ..."""
+    return ROUTER_SERVICE if index == 0 else f"{ROUTER_SERVICE}-{index + 1}"
+
+
+def router_host_port(index: int) -> str:
+    """The host port router `index` is published on: ROUTER_PORT for the first, as with one router; the
+    others have their own variable, defaulting to the next ports (Compose cannot add to a variable)."""
+    if index == 0:
+        return var("ROUTER_PORT", ROUTER_PORT)
+    return var(f"ROUTER_{index + 1}_PORT", ROUTER_PORT + index)
 
 
 def _http_health(port: int, path: str, start_period: str) -> dict[str, Any]:
@@ -159,15 +194,19 @@ def router_targets(options: ComposeOptions) -> list[RouterTarget]:
     ]
 
 
-def _router_service(options: ComposeOptions) -> dict[str, Any]:
+def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
     # The container's command: `dpserve up`'s own router flags (router_flags), for the replica services.
     # GPU telemetry and health come from the host's agent: the router itself needs no GPU device.
+    # Every other router service is a peer, by service name: the routers share in-flight counts and routes.
+    name = router_service(index)
     settings = RouterSettings(
         host="0.0.0.0",
         port=ROUTER_PORT,
         policy=var("POLICY", "kv_aware"),
         insecure=True,
         gpu_agents=(f"http://{AGENT_SERVICE}:{AGENT_PORT}",),
+        peers=tuple(f"http://{other}:{ROUTER_PORT}" for other in options.router_services if other != name),
+        workers=options.router_workers,
     )
     command = list(router_flags(settings, router_targets(options)))
     if options.scaled:
@@ -180,7 +219,7 @@ def _router_service(options: ComposeOptions) -> dict[str, Any]:
         "command": command,
         # Comma-separated keys from the shell, like HF_TOKEN: never written into .env.
         "environment": {"DPSERVE_API_KEYS": "${API_KEYS:-}", "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}"},
-        "ports": [f"{PUBLISH_ADDRESS}:{var('ROUTER_PORT', ROUTER_PORT)}:{ROUTER_PORT}"],
+        "ports": [f"{PUBLISH_ADDRESS}:{router_host_port(index)}:{ROUTER_PORT}"],
         "depends_on": {
             **{name: {"condition": "service_healthy"} for name in options.replica_services},
             AGENT_SERVICE: {"condition": "service_started"},
@@ -222,7 +261,10 @@ def prometheus_config(options: ComposeOptions) -> dict[str, Any]:
     return {
         "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
         "scrape_configs": [
-            {"job_name": "dpserve-router", "static_configs": [{"targets": [f"{ROUTER_SERVICE}:{ROUTER_PORT}"]}]},
+            {
+                "job_name": "dpserve-router",
+                "static_configs": [{"targets": [f"{name}:{ROUTER_PORT}" for name in options.router_services]}],
+            },
             # DCGM-named GPU metrics, as dashboards written for NVIDIA's dcgm-exporter expect them.
             {"job_name": "gpu-agent", "static_configs": [{"targets": [f"{AGENT_SERVICE}:{AGENT_PORT}"]}]},
             vllm,
@@ -308,7 +350,8 @@ def compose_document(options: ComposeOptions) -> dict[str, Any]:
         name: _vllm_service(options, None if options.scaled else gpu)
         for gpu, name in enumerate(options.replica_services)
     }
-    services[ROUTER_SERVICE] = _router_service(options)
+    for index, name in enumerate(options.router_services):
+        services[name] = _router_service(options, index)
     services[AGENT_SERVICE] = _agent_service()
     services.update(_monitoring_services())
     services.update(_loadtest_services(options))
@@ -365,7 +408,7 @@ def sim_override_document(options: ComposeOptions) -> dict[str, Any]:
 def _override(options: ComposeOptions, replica: dict[str, Any], router: dict[str, Any] | None = None) -> dict[str, Any]:
     services: dict[str, Any] = {name: dict(replica) for name in options.replica_services}
     if router:
-        services[ROUTER_SERVICE] = router
+        services.update({name: dict(router) for name in options.router_services})
     # No GPU here: the agent runs without one and says so (the router shows `no NVIDIA GPU found`).
     services[AGENT_SERVICE] = {"deploy": Reset()}
     for name, command in locust_commands(CPU_SERVED_NAME).items():
@@ -374,7 +417,7 @@ def _override(options: ComposeOptions, replica: dict[str, Any], router: dict[str
 
 
 def render(options: ComposeOptions, overlay: str | None = None) -> str:
-    flags = f"--gpus {options.gpus}" + (" --scaled" if options.scaled else "")
+    flags = options.flags()
     base = options.file_name()
     if overlay is not None:
         if overlay not in OVERLAYS:
@@ -400,9 +443,10 @@ def render(options: ComposeOptions, overlay: str | None = None) -> str:
             "GPU; on a plain Docker host compose.yaml pins one GPU per service. Settings come from .env."
         )
     else:
+        routers = "the router" if options.routers == 1 else f"{options.routers} routers sharing state as peers"
         header = (
             f"Generated by `dpserve compose {flags} --model {options.model}`; regenerate rather than edit.\n"
-            "One vLLM service per GPU, the router, and profiles `monitoring` (Prometheus, Grafana), "
+            f"One vLLM service per GPU, {routers}, and profiles `monitoring` (Prometheus, Grafana), "
             "`loadtest` (Locust).\n"
             'Model, images and ports come from .env. See README.md, "Run on a multi-GPU host".'
         )

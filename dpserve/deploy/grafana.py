@@ -2,6 +2,9 @@
 
 Panels read the router's `dpserve_*` series and the replicas' own `vllm:*` series (labelled `replica`
 by Prometheus, as the router labels them). Regenerate with `python -m dpserve.deploy.grafana`.
+
+Several routers (peers) may be scraped: each reports every replica's health and every GPU, so those are
+taken once per replica or GPU (`max by`), and in-flight counts, each router's own, are added up.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 DASHBOARD_FILE = Path("monitoring/grafana/dashboards/dpserve.json")
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 RATE = "[$__rate_interval]"
+GPU_SERIES = "gpu, uuid, replica, host"
+"""The router's labels of one GPU's series (router/gpu_metrics.py): the same GPU, whichever router read it."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,9 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     (
         "Router",
         (
-            Panel("Healthy replicas", (Query("sum(dpserve_replica_healthy)", "healthy"),), kind="stat"),
+            Panel(
+                "Healthy replicas", (Query("sum(max by (replica) (dpserve_replica_healthy))", "healthy"),), kind="stat"
+            ),
             Panel(
                 "Requests/s by status",
                 (Query(f"sum by (status) (rate(dpserve_requests_total{RATE}))", "{{status}}"),),
@@ -72,8 +79,8 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         (
             Panel(
                 "In flight per replica (router)",
-                (Query("dpserve_replica_in_flight_requests", "{{replica}}"),),
-                description="Requests the router has sent to each replica and not yet finished.",
+                (Query("sum by (replica) (dpserve_replica_in_flight_requests)", "{{replica}}"),),
+                description="Requests the routers have sent to each replica and not yet finished (all routers).",
             ),
             Panel(
                 "Running and waiting per replica (vLLM)",
@@ -125,18 +132,22 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         (
             Panel(
                 "GPU utilization",
-                (Query("dpserve_gpu_utilization_ratio", "GPU {{gpu}} {{replica}}"),),
+                (Query(f"max by ({GPU_SERIES}) (dpserve_gpu_utilization_ratio)", "GPU {{gpu}} {{replica}}"),),
                 unit="percentunit",
             ),
             Panel(
                 "GPU memory used",
-                (Query("dpserve_gpu_memory_used_bytes", "GPU {{gpu}} {{replica}}"),),
+                (Query(f"max by ({GPU_SERIES}) (dpserve_gpu_memory_used_bytes)", "GPU {{gpu}} {{replica}}"),),
                 unit="bytes",
             ),
-            Panel("GPU power", (Query("dpserve_gpu_power_watts", "GPU {{gpu}} {{replica}}"),), unit="watt"),
+            Panel(
+                "GPU power",
+                (Query(f"max by ({GPU_SERIES}) (dpserve_gpu_power_watts)", "GPU {{gpu}} {{replica}}"),),
+                unit="watt",
+            ),
             Panel(
                 "GPU temperature",
-                (Query("dpserve_gpu_temperature_celsius", "GPU {{gpu}} {{replica}}"),),
+                (Query(f"max by ({GPU_SERIES}) (dpserve_gpu_temperature_celsius)", "GPU {{gpu}} {{replica}}"),),
                 unit="celsius",
             ),
         ),

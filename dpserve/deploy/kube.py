@@ -4,7 +4,8 @@
   address per ready pod);
 - the router Deployment `dpserve-router`, which finds the replicas through that Service's DNS name
   (`--discover`) and the GPU agents through theirs (`--discover-agents`), with a PodDisruptionBudget and
-  a ClusterIP Service;
+  a ClusterIP Service; with more than one router, the headless Service `dpserve-router-peers`, through
+  which each router finds the others (`--discover-peers`) to share routing state;
 - the DaemonSet `dpserve-agent` on every GPU node: NVML readings for the routers, no GPU taken;
 - optionally ServiceMonitors for the Prometheus Operator.
 
@@ -43,6 +44,7 @@ ADMIN_KEYS_ENTRY = "admin-keys"
 
 VLLM_NAME = "vllm"
 ROUTER_NAME = "dpserve-router"
+ROUTER_PEERS_NAME = "dpserve-router-peers"
 AGENT_NAME = "dpserve-agent"
 ROUTER_PORT = 8080
 ROUTER_SERVICE_PORT = 80
@@ -54,6 +56,10 @@ STARTUP_FAILURES = 180
 """10 s x 180: half an hour for the first start, which downloads the weights and compiles."""
 ROUTER_USER = 65534
 """router/Dockerfile's USER (nobody)."""
+ROUTER_CPU = 1
+"""Cores requested per router process (`--router-workers` multiplies it)."""
+ROUTER_MEMORY_GIB = (1, 3)
+"""Memory request and limit per router process: each holds its own KV index, about 1 GB at its default bound."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,8 @@ class KubeOptions:
     model: str = DEFAULT_MODEL
     namespace: str = DEFAULT_NAMESPACE
     router_replicas: int = DEFAULT_ROUTER_REPLICAS
+    router_workers: int = 1
+    """Router processes per router pod (`--workers`) behind its one port: resources scale with them."""
     image: str = DEFAULT_VLLM_IMAGE
     router_image: str = ROUTER_IMAGE
     """Runs `dpserve` (router and agent): router/Dockerfile's image, pushed where the cluster can pull it."""
@@ -76,6 +84,8 @@ class KubeOptions:
             raise ValueError(f"--replicas {self.replicas}: at least one vLLM replica")
         if self.router_replicas < 1:
             raise ValueError(f"--router-replicas {self.router_replicas}: at least one router")
+        if self.router_workers < 1:
+            raise ValueError(f"--router-workers {self.router_workers}: at least one worker")
         for flag, value in (
             ("--model", self.model),
             ("--namespace", self.namespace),
@@ -89,6 +99,11 @@ class KubeOptions:
 
     def dns_name(self, service: str) -> str:
         return f"{service}.{self.namespace}.svc.cluster.local"
+
+    @property
+    def router_peers(self) -> bool:
+        """Whether the routers look for each other (`--discover-peers`): only when there is more than one."""
+        return self.router_replicas > 1
 
 
 def _labels(component: str) -> dict[str, str]:
@@ -210,7 +225,9 @@ def vllm_service(options: KubeOptions) -> dict[str, Any]:
 
 
 def router_command(options: KubeOptions) -> list[str]:
-    settings = RouterSettings(host="0.0.0.0", port=ROUTER_PORT)
+    # The other router pods, by the peers' headless Service: one address per pod, ready or starting.
+    peers = (f"dns:{options.dns_name(ROUTER_PEERS_NAME)}:{ROUTER_PORT}",) if options.router_peers else ()
+    settings = RouterSettings(host="0.0.0.0", port=ROUTER_PORT, workers=options.router_workers, discover_peers=peers)
     command = [*ROUTER_ENTRYPOINT, *router_flags(settings, [])]
     command += ["--discover", f"dns:{options.dns_name(VLLM_NAME)}:{REPLICA_PORT}"]
     command += ["--discover-kv-port", str(KV_EVENTS_PORT)]
@@ -231,10 +248,12 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
         # Bound to 0.0.0.0, the router refuses to start without API keys: the Secret must exist.
         "env": [
             _secret_env("DPSERVE_API_KEYS", options.keys_secret, API_KEYS_ENTRY, optional=False),
-            _secret_env("DPSERVE_ADMIN_KEYS", options.keys_secret, ADMIN_KEYS_ENTRY, optional=True),
+            # Routers follow each other with the admin key: with peers it must be there.
+            _secret_env(
+                "DPSERVE_ADMIN_KEYS", options.keys_secret, ADMIN_KEYS_ENTRY, optional=not options.router_peers
+            ),
         ],
-        # The KV index takes up to about 1 GB at its default bound (2M blocks).
-        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "3Gi"}},
+        "resources": router_resources(options),
         # /ready answers 503 until a replica is healthy: a router with nothing behind it takes no traffic.
         "readinessProbe": _http_probe("/ready", ROUTER_PORT, 5, 2),
         "livenessProbe": _http_probe("/health", ROUTER_PORT, 10, 3),
@@ -276,6 +295,15 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
     }
 
 
+def router_resources(options: KubeOptions) -> dict[str, Any]:
+    """One router process's share, times its workers: each is a process of its own, with its own KV index
+    (up to about 1 GB at its default bound of 2M blocks). No CPU limit: a throttled router adds latency to
+    every request it relays."""
+    workers = options.router_workers
+    request, limit = (f"{gib * workers}Gi" for gib in ROUTER_MEMORY_GIB)
+    return {"requests": {"cpu": str(ROUTER_CPU * workers), "memory": request}, "limits": {"memory": limit}}
+
+
 def router_disruption_budget(options: KubeOptions) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
@@ -294,6 +322,23 @@ def router_service(options: KubeOptions) -> dict[str, Any]:
             "type": "ClusterIP",
             "selector": _labels(ROUTER_NAME),
             "ports": [{"name": "http", "port": ROUTER_SERVICE_PORT, "targetPort": "http"}],
+        },
+    }
+
+
+def router_peers_service(options: KubeOptions) -> dict[str, Any]:
+    """Headless, for the routers themselves: their names resolve to every router pod's address. Not-ready
+    pods too, so a starting router finds its peers (and is found) before it passes its readiness probe.
+    Labelled apart from `dpserve-router`, so that its ServiceMonitor scrapes each router once."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(options, ROUTER_PEERS_NAME, ROUTER_PEERS_NAME),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": _labels(ROUTER_NAME),
+            "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": ROUTER_PORT}],
         },
     }
 
@@ -387,6 +432,7 @@ def documents(options: KubeOptions) -> list[dict[str, Any]]:
         router_deployment(options),
         router_disruption_budget(options),
         router_service(options),
+        *([router_peers_service(options)] if options.router_peers else []),
         agent_daemonset(options),
         agent_service(options),
     ]

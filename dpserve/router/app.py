@@ -223,6 +223,8 @@ def peer_links(
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
             raise ValueError(f"--peer {url!r}: expected another router's base URL, e.g. http://10.0.0.3:8000")
+    if (settings.peers or settings.discover_peers or settings.peer_siblings) and keys.enabled and not keys.admins:
+        log.warning("peers need an admin key when API keys are set (--admin-key): they will refuse each other")
     return PeerLinks(
         board,
         peers=settings.peers,

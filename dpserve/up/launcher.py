@@ -23,10 +23,11 @@ from dpserve.text_table import format_table
 from dpserve.up.plan import (
     PlanError,
     ReplicaPlan,
+    RouterPlan,
     events_known,
     plan_replicas,
+    plan_routers,
     plan_sims,
-    router_argv,
     router_env,
 )
 from dpserve.up.process import ManagedProcess, log_tail
@@ -44,45 +45,44 @@ TABLE_HEADER = ("REPLICA", "URL", "DEVICE", "STATE", "PID", "LOG")
 
 class Launcher:
     def __init__(
-        self, settings: UpSettings, plans: list[ReplicaPlan], run_dir: Path, tokenizer: str | None = None
+        self, settings: UpSettings, plans: list[ReplicaPlan], routers: list[RouterPlan], run_dir: Path
     ) -> None:
         self.settings = settings
         self.plans = plans
+        self.router_plans = routers
         self.run_dir = run_dir
         self.replicas = [
             ManagedProcess(plan.id, plan.argv, plan.env, run_dir / f"{plan.id}.log", plan.cpus) for plan in plans
         ]
-        self.router = ManagedProcess(
-            "router", router_argv(settings, plans, tokenizer), router_env(settings.router), None
-        )
+        self.routers = [ManagedProcess(plan.name, plan.argv, router_env(settings.router), None) for plan in routers]
         self.stopping = asyncio.Event()
         self._started = False
 
     @property
-    def router_url(self) -> str:
-        host = "127.0.0.1" if self.settings.router.host in ("0.0.0.0", "::", "") else self.settings.router.host
-        return f"http://{host}:{self.settings.router.port}"
-
-    @property
     def policy(self) -> str:
         return self.settings.router.policy or ("kv_aware" if events_known(self.settings) else "least_loaded")
+
+    def _url_of(self, proc: ManagedProcess) -> tuple[str, str]:
+        """Where a child answers once it serves: a router's /ready, a replica's /v1/models."""
+        if proc in self.routers:
+            return self.router_plans[self.routers.index(proc)].url, "/ready"
+        return self.plans[self.replicas.index(proc)].url, "/v1/models"
 
     def table(self) -> str:
         rows = [
             (plan.id, plan.url, plan.device, proc.state, str(proc.pid or "-"), str(proc.log_path))
             for plan, proc in zip(self.plans, self.replicas, strict=True)
         ]
-        rows.append(
-            (
-                "router",
-                self.router_url,
-                f"policy={self.policy}",
-                self.router.state,
-                str(self.router.pid or "-"),
-                "(this terminal)",
-            )
-        )
+        rows += [
+            (plan.name, plan.url, f"policy={self.policy}", proc.state, str(proc.pid or "-"), "(this terminal)")
+            for plan, proc in zip(self.router_plans, self.routers, strict=True)
+        ]
         return format_table(TABLE_HEADER, rows)
+
+    def ready_message(self) -> str:
+        urls = ", ".join(f"{plan.url}/v1" for plan in self.router_plans)
+        what = "router" if len(self.router_plans) == 1 else f"{len(self.router_plans)} routers"
+        return f"dpserve: {what} ready at {urls} (Ctrl-C stops everything)"
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -99,24 +99,24 @@ class Launcher:
             await proc.start()
         async with aiohttp.ClientSession() as session:
             try:
-                waits = [
-                    self._wait_ready(session, plan.url, proc)
-                    for plan, proc in zip(self.plans, self.replicas, strict=True)
-                ]
+                waits = [self._wait_ready(session, *self._url_of(proc), proc) for proc in self.replicas]
                 if not await self._unless_stopping(asyncio.gather(*waits)):
                     return 130
-                await self.router.start()
-                if not await self._unless_stopping(self._wait_ready(session, self.router_url, self.router, "/ready")):
+                for router in self.routers:
+                    await router.start()
+                # All at once: each may wait a moment for its peers' snapshot before it says it is ready.
+                waits = [self._wait_ready(session, *self._url_of(router), router) for router in self.routers]
+                if not await self._unless_stopping(asyncio.gather(*waits)):
                     return 130
             except StartupFailed as exc:
                 print(f"dpserve: {exc}", file=sys.stderr, flush=True)
                 return 1
             self._started = True
             print(self.table(), flush=True)
-            print(f"dpserve: router ready at {self.router_url}/v1 (Ctrl-C stops everything)", flush=True)
+            print(self.ready_message(), flush=True)
             watchers = [
                 asyncio.create_task(proc.supervise(self.stopping, self._on_exit, self._readiness_reporter(session)))
-                for proc in (*self.replicas, self.router)
+                for proc in (*self.replicas, *self.routers)
             ]
             await self.stopping.wait()
             for watcher in watchers:
@@ -130,10 +130,8 @@ class Launcher:
 
     def _readiness_reporter(self, session: aiohttp.ClientSession) -> Callable[[ManagedProcess], Awaitable[None]]:
         async def report(proc: ManagedProcess) -> None:
-            url = self.router_url if proc is self.router else self.plans[self.replicas.index(proc)].url
-            path = "/ready" if proc is self.router else "/v1/models"
             try:
-                await self._wait_ready(session, url, proc, path)
+                await self._wait_ready(session, *self._url_of(proc), proc)
             except StartupFailed as exc:
                 print(f"dpserve: {exc}", flush=True)  # it exited again: the supervisor restarts it
                 return
@@ -156,9 +154,7 @@ class Launcher:
             await task
         return False
 
-    async def _wait_ready(
-        self, session: aiohttp.ClientSession, url: str, proc: ManagedProcess, path: str = "/v1/models"
-    ) -> None:
+    async def _wait_ready(self, session: aiohttp.ClientSession, url: str, path: str, proc: ManagedProcess) -> None:
         deadline = time.monotonic() + self.settings.replica_start_timeout_s
         timeout = aiohttp.ClientTimeout(total=5)
         while time.monotonic() < deadline:
@@ -176,12 +172,13 @@ class Launcher:
         raise StartupFailed(f"{proc.name} was not ready after {self.settings.replica_start_timeout_s:.0f}s")
 
     async def shutdown(self) -> None:
-        # The router first, so in-flight streams finish while the replicas still serve them; it gets
-        # its own grace period and a margin.
-        await self.router.stop(self.settings.router.shutdown_grace_s + 5)
+        # The routers first, so in-flight streams finish while the replicas still serve them; they get
+        # their own grace period and a margin.
+        await asyncio.gather(*(router.stop(self.settings.router.shutdown_grace_s + 5) for router in self.routers))
         await asyncio.gather(*(proc.stop(STOP_GRACE_S) for proc in self.replicas))
         if self._started:
-            print("dpserve: stopped every replica and the router", flush=True)
+            routers = "the router" if len(self.routers) == 1 else "every router"
+            print(f"dpserve: stopped every replica and {routers}", flush=True)
 
 
 def busy_ports(ports: Iterable[int], host: str = "127.0.0.1") -> list[int]:
@@ -223,7 +220,7 @@ def _plan(settings: UpSettings) -> tuple[list[ReplicaPlan], str | None]:
     return plan_replicas(settings, model, served_name, gpus, sorted(os.sched_getaffinity(0))), tokenizer
 
 
-def run_launcher(settings: UpSettings) -> int:
+def run_launcher(settings: UpSettings, routers: int = 1) -> int:
     logging.basicConfig(
         level=settings.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -234,11 +231,14 @@ def run_launcher(settings: UpSettings) -> int:
         print(f"dpserve: {exc}", file=sys.stderr)
         return 2
     try:
+        if routers < 1:  # before a model is built for nothing
+            raise PlanError("--routers must be at least 1")
         plans, tokenizer = _plan(settings)
+        router_plans = plan_routers(settings, routers, plans, tokenizer)
     except PlanError as exc:
         print(f"dpserve: {exc}", file=sys.stderr)
         return 2
-    ports = [settings.router.port, *(p.port for p in plans), *(p.kv_events_port for p in plans)]
+    ports = [*(r.port for r in router_plans), *(p.port for p in plans), *(p.kv_events_port for p in plans)]
     taken = busy_ports(ports)
     if taken:
         print(
@@ -249,4 +249,4 @@ def run_launcher(settings: UpSettings) -> int:
         return 2
     run_dir = settings.run_dir or Path(tempfile.mkdtemp(prefix="dpserve-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    return asyncio.run(Launcher(settings, plans, run_dir, tokenizer).run())
+    return asyncio.run(Launcher(settings, plans, router_plans, run_dir).run())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -197,6 +198,10 @@ def router_flags(
             argv += [flag, ",".join(getattr(settings, name))]
     for url in settings.gpu_agents:
         argv += ["--gpu-agent", url]
+    for url in settings.peers:
+        argv += ["--peer", url]
+    for source in settings.discover_peers:
+        argv += ["--discover-peers", source]
     if not settings.gpu_health:
         argv.append("--no-gpu-health")
     if settings.access_log:
@@ -244,6 +249,10 @@ _ROUTER_VALUE_FLAGS = (
     ("--gpu-degrade-after", "gpu_degrade_after_s"),
     ("--gpu-recover-after", "gpu_recover_after_s"),
     ("--gpu-pcie-busy", "gpu_pcie_busy_utilization"),
+    ("--workers", "workers"),
+    ("--peer-interval", "peer_interval_s"),
+    ("--peer-timeout", "peer_timeout_s"),
+    ("--warm-start-timeout", "warm_start_timeout_s"),
 )
 _ROUTER_LIST_FLAGS = (
     ("--gpu-throttle-reasons", "gpu_throttle_reasons"),
@@ -255,3 +264,48 @@ def router_argv(settings: UpSettings, plans: Sequence[ReplicaPlan], tokenizer: s
     """The same `dpserve router` command a user (or the router's container) runs by hand."""
     flags = router_flags(settings.router, [plan.router_target for plan in plans], tokenizer, events_known(settings))
     return (sys.executable, "-m", "dpserve", "router", *flags)
+
+
+@dataclass(frozen=True)
+class RouterPlan:
+    """One router `dpserve up` starts and supervises, as a replica is."""
+
+    name: str
+    port: int
+    url: str
+    argv: tuple[str, ...]
+
+
+def router_name(index: int) -> str:
+    """`router`, then `router-2`, `router-3`, ...: the first keeps the single router's name (as in compose)."""
+    return "router" if index == 0 else f"router-{index + 1}"
+
+
+def reachable_host(host: str) -> str:
+    """Where this machine reaches a router bound to `host`: loopback for a wildcard address."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def plan_routers(
+    settings: UpSettings, count: int, plans: Sequence[ReplicaPlan], tokenizer: str | None = None
+) -> list[RouterPlan]:
+    """`count` routers on `--port`, `--port`+1, ...: each told of every other with `--peer`, so that they share
+    in-flight counts and what they routed where (one router: exactly the command `router_argv` gives)."""
+    if count < 1:
+        raise PlanError("--routers must be at least 1")
+    ports = [settings.router.port + index for index in range(count)]
+    # A router sharing a port with a replica would only fail to bind after the replicas' long start.
+    clash = sorted({port for plan in plans for port in (plan.port, plan.kv_events_port)}.intersection(ports))
+    if clash:
+        raise PlanError(
+            f"router port(s) {', '.join(map(str, clash))} are also replica or KV-event ports: "
+            "pick others with --port, --base-port or --kv-events-base-port"
+        )
+    urls = [f"http://{reachable_host(settings.router.host)}:{port}" for port in ports]
+    routers = []
+    for index, (port, url) in enumerate(zip(ports, urls, strict=True)):
+        peers = (*settings.router.peers, *(other for other in urls if other != url))
+        router = dataclasses.replace(settings.router, port=port, peers=peers)
+        argv = router_argv(dataclasses.replace(settings, router=router), plans, tokenizer)
+        routers.append(RouterPlan(router_name(index), port, url, argv))
+    return routers

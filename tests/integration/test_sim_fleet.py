@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +19,16 @@ import pytest
 import zmq
 
 from dpserve.replicas.prometheus_text import parse_samples
-from tests.integration.conftest import Fleet, router_status, running_fleet, running_sim, wait_until
+from tests.conftest import free_port_range
+from tests.integration.conftest import (
+    Fleet,
+    healthy_count,
+    router_status,
+    running_fleet,
+    running_sim,
+    stop_process,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -145,3 +156,48 @@ def test_a_client_that_leaves_aborts_its_request_on_the_sim() -> None:
         text = httpx.get(f"{sim.url}/metrics", timeout=5).text
         success = parse_samples(text, {"vllm:request_success_total"}).by_name["vllm:request_success_total"]
         assert {labels["finished_reason"]: value for labels, value in success if value} == {"abort": 1.0}
+
+
+def peer_links(url: str) -> list[dict[str, Any]]:
+    links: list[dict[str, Any]] = router_status(url)["peers"]["links"]
+    return links
+
+
+def test_up_with_two_routers_serves_on_both_ports(tmp_path: Path) -> None:
+    """`dpserve up --sim 2 --routers 2`: routers on --port and --port+1, each in front of both sims, both
+    in the banner, both stopped with the rest."""
+    router_port = free_port_range(2)
+    base_port = free_port_range(2, start=router_port + 100)
+    kv_base_port = free_port_range(2, start=base_port + 100)
+    command = [sys.executable, "-m", "dpserve", "up", "--sim", "2", "--routers", "2", "--port", str(router_port)]
+    command += ["--base-port", str(base_port), "--kv-events-base-port", str(kv_base_port)]
+    command += ["--run-dir", str(tmp_path / "run"), "--probe-interval", "0.5", "--warm-start-timeout", "2"]
+    log_path = tmp_path / "dpserve-up.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    urls = [f"http://127.0.0.1:{router_port + index}" for index in range(2)]
+    try:
+        wait_until(
+            lambda: "2 routers ready at" in log_path.read_text() or process.poll() is not None, 45, 0.2, "routers"
+        )
+        output = log_path.read_text()
+        assert process.poll() is None, output
+        assert f"ready at {urls[0]}/v1, {urls[1]}/v1" in output
+        for url in urls:
+            models = httpx.get(f"{url}/v1/models", timeout=5)
+            assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["dpserve-tiny"]
+            wait_until(lambda url=url: healthy_count(url) == 2, 10, 0.2, f"both sims healthy at {url}")
+        # Each is the other's peer (`--peer`), and their link is up.
+        for url, other in zip(urls, reversed(urls), strict=True):
+            wait_until(
+                lambda url=url, other=other: (
+                    [(link["url"], link["state"]) for link in peer_links(url)] == [(other, "up")]
+                ),
+                10,
+                0.2,
+                f"{url}'s link to {other}",
+            )
+    finally:
+        stop_process(process, 60)
+    assert process.returncode == 0, log_path.read_text()
+    assert "stopped every replica and every router" in log_path.read_text()

@@ -493,3 +493,94 @@ def test_scaled_stack_is_one_replica_service_the_router_discovers_by_dns(overlay
     prometheus = load(compose_document(options)["configs"]["prometheus"]["content"])
     (job,) = [job for job in prometheus["scrape_configs"] if job["job_name"] == "vllm"]
     assert job["dns_sd_configs"] == [{"names": ["vllm"], "type": "A", "port": 8000}]
+
+
+def _router_services(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: service for name, service in document["services"].items() if re.fullmatch(r"router(-\d+)?", name)}
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("routers", [2, 3])
+def test_several_routers_are_each_others_peers_and_each_published_on_its_own_port(scaled: bool, routers: int) -> None:
+    options = ComposeOptions(gpus=2, scaled=scaled, routers=routers)
+    document = load(render(options))
+    services = _router_services(document)
+    names = ["router", *(f"router-{index}" for index in range(2, routers + 1))]
+    assert list(services) == names
+    single = load(render(ComposeOptions(gpus=2, scaled=scaled)))["services"]["router"]
+    for index, (name, service) in enumerate(services.items()):
+        args = build_parser().parse_args(["router", *interpolate(service["command"], ENV)])
+        assert args.peers == [f"http://{other}:8000" for other in names if other != name]
+        assert args.port == 8000 and args.workers is None
+        # Otherwise the single router's service: the same replicas, agent, keys, health check and image.
+        without_peers = [arg for arg in service["command"] if not arg.startswith("http://router")]
+        assert [arg for arg in without_peers if arg != "--peer"] == single["command"]
+        for key in ("build", "image", "environment", "depends_on", "healthcheck", "restart"):
+            assert service[key] == single[key], (name, key)
+        # The first on ROUTER_PORT as with one router (8000 in .env), the others on the ports after it.
+        (port,) = interpolate(service["ports"], ENV)
+        assert port == f"127.0.0.1:{8000 + index}:8000"
+    assert services["router"]["ports"] == single["ports"]
+
+
+@pytest.mark.parametrize("routers", [1, 3])
+def test_prometheus_scrapes_every_router_and_load_tests_keep_the_first(routers: int) -> None:
+    document = compose_document(ComposeOptions(gpus=2, routers=routers))
+    prometheus = load(document["configs"]["prometheus"]["content"])
+    jobs = {job["job_name"]: job["static_configs"] for job in prometheus["scrape_configs"]}
+    targets = ["router:8000", *(f"router-{index}:8000" for index in range(2, routers + 1))]
+    assert jobs["dpserve-router"] == [{"targets": targets}]
+    master = document["services"]["locust-master"]
+    assert master["environment"]["LOCUST_HOST"] == "http://router:8000"
+    assert master["depends_on"] == {"router": {"condition": "service_healthy"}}
+
+
+@pytest.mark.parametrize("routers", [1, 2])
+def test_router_workers_are_passed_to_every_router(routers: int) -> None:
+    for workers, expected in ((1, None), (4, 4)):
+        services = _router_services(compose_document(ComposeOptions(routers=routers, router_workers=workers)))
+        assert len(services) == routers
+        for service in services.values():
+            assert build_parser().parse_args(["router", *interpolate(service["command"], ENV)]).workers == expected
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_files_with_several_routers_are_valid_compose(gpus: int, scaled: bool) -> None:
+    options = ComposeOptions(gpus=gpus, scaled=scaled, routers=3, router_workers=2)
+    document = load(render(options))
+    assert schema_errors(document) == []
+    assert schema_errors(interpolate(document, ENV)) == []
+    for overlay in OVERLAYS:
+        override = load(render(options, overlay))
+        merged = merge(document, override)
+        assert schema_errors(merge(None, override)) == [] and schema_errors(merged) == []
+        # The override names no service the base file lacks: each router is defined whole.
+        assert set(override["services"]) <= set(document["services"])
+    sim = merge(document, load(render(options, "sim")))
+    assert {service["healthcheck"]["interval"] for service in _router_services(sim).values()} == {"2s"}
+
+
+def test_docker_compose_itself_resolves_several_routers(tmp_path: Path) -> None:
+    options = ComposeOptions(gpus=2, routers=2, router_workers=2)
+    base, override = tmp_path / "compose.yaml", tmp_path / "compose.sim.yaml"
+    base.write_text(render(options))
+    override.write_text(render(options, "sim"))
+    stack = compose_config(base, override, profiles=("monitoring", "loadtest"))
+    routers = {name: stack["services"][name] for name in ("router", "router-2")}
+    published = {name: [(p["host_ip"], p["published"]) for p in service["ports"]] for name, service in routers.items()}
+    assert published == {"router": [("127.0.0.1", "8000")], "router-2": [("127.0.0.1", "8001")]}
+    assert _flag_values(routers["router"]["command"], "--peer") == ["http://router-2:8000"]
+    assert _flag_values(routers["router-2"]["command"], "--peer") == ["http://router:8000"]
+    assert _flag_values(routers["router-2"]["command"], "--workers") == ["2"]
+
+
+def test_compose_command_routers_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _generated("--gpus", "2", "--routers", "2", "--router-workers", "3", capsys=capsys)
+    assert out == render(ComposeOptions(gpus=2, routers=2, router_workers=3))
+    assert "dpserve compose --gpus 2 --routers 2 --router-workers 3" in out
+    # The defaults leave the file as it was before there were router flags.
+    assert _generated("--routers", "1", "--router-workers", "1", capsys=capsys) == (ROOT / "compose.yaml").read_text()
+    for flag in ("--routers", "--router-workers"):
+        assert main(["compose", "--env-file", "/nonexistent", flag, "0"]) == 2
+        assert f"{flag} 0: at least one" in capsys.readouterr().err

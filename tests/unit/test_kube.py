@@ -93,7 +93,14 @@ def parse_pod_command(command: list[str]) -> Any:
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("replicas", REPLICA_COUNTS)
 def test_every_document_validates_against_the_kubernetes_schema(replicas: int, version: str) -> None:
-    options = KubeOptions(replicas=replicas, service_monitor=True, model_cache_pvc="models")
+    # One router and one worker each, or `replicas` routers of `replicas` workers (the peers' Service too).
+    options = KubeOptions(
+        replicas=replicas,
+        service_monitor=True,
+        model_cache_pvc="models",
+        router_replicas=replicas,
+        router_workers=replicas,
+    )
     validated = 0
     for doc in documents(options):
         if doc["apiVersion"].startswith(CRD_GROUPS):
@@ -103,7 +110,7 @@ def test_every_document_validates_against_the_kubernetes_schema(replicas: int, v
         # strict: no field the schema does not know (a misspelt key would otherwise pass unnoticed).
         kubernetes_validate.validate(doc, version, strict=True)
         validated += 1
-    assert validated >= 8
+    assert validated >= (9 if options.router_replicas > 1 else 8)
 
 
 def test_the_schema_check_rejects_a_broken_manifest() -> None:
@@ -239,6 +246,58 @@ def test_the_router_discovers_the_headless_service_of_the_vllm_pods(namespace: s
     assert args.discover_kv_port == ports["kv-events"]["port"]
 
 
+@pytest.mark.parametrize("namespace", ["dpserve", "inference-prod"])
+def test_several_routers_find_each_other_through_their_own_headless_service(namespace: str) -> None:
+    docs = documents(KubeOptions(replicas=2, namespace=namespace, router_replicas=3))
+    deployment, _ = router_and_agent(docs)
+    service = headless_service_for(docs, deployment)
+    assert service["metadata"]["name"] == "dpserve-router-peers"
+    # A starting router (not ready yet) must find its peers, and be found, to fetch their state.
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = parse_pod_command(container["command"])
+    (source,) = [parse_discovery_source(text) for text in args.discover_peers]
+    assert source.kind == "dns"
+    assert source.name == f"dpserve-router-peers.{namespace}.svc.cluster.local"
+    (port,) = service["spec"]["ports"]
+    assert source.port == port["port"] == port["targetPort"] == args.port
+    assert source.port in {p["containerPort"] for p in container["ports"]}
+    settings = load_settings(RouterSettings, _overrides(args), env={})
+    assert settings.discover_peers == (f"dns:dpserve-router-peers.{namespace}.svc.cluster.local:{args.port}",)
+
+
+def test_one_router_has_no_peers_to_find() -> None:
+    docs = documents(KubeOptions(replicas=2, router_replicas=1))
+    deployment, _ = router_and_agent(docs)
+    args = parse_pod_command(deployment["spec"]["template"]["spec"]["containers"][0]["command"])
+    assert args.discover_peers is None and args.peers is None
+    assert "dpserve-router-peers" not in {s["metadata"]["name"] for s in only(docs, "Service")}
+
+
+def test_the_peers_service_is_not_scraped_twice_by_the_service_monitor() -> None:
+    docs = documents(KubeOptions(replicas=2, router_replicas=2, service_monitor=True))
+    (monitor,) = [m for m in only(docs, "ServiceMonitor") if m["metadata"]["name"] == "dpserve-router"]
+    selected = [
+        s for s in only(docs, "Service") if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+    ]
+    assert [s["metadata"]["name"] for s in selected] == ["dpserve-router"]
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_router_workers_run_behind_the_pods_port_with_resources_to_match(workers: int) -> None:
+    deployment, _ = router_and_agent(documents(KubeOptions(replicas=2, router_workers=workers)))
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = parse_pod_command(container["command"])
+    assert load_settings(RouterSettings, _overrides(args), env={}).workers == workers
+    if workers == 1:
+        assert args.workers is None  # the default is not written out
+    resources = container["resources"]
+    assert resources == {
+        "requests": {"cpu": str(workers), "memory": f"{workers}Gi"},
+        "limits": {"memory": f"{3 * workers}Gi"},
+    }
+
+
 def test_the_router_discovers_the_agents_headless_service() -> None:
     docs = documents(KubeOptions(replicas=2, namespace="llm"))
     deployment, daemonset = router_and_agent(docs)
@@ -310,7 +369,12 @@ def test_the_router_command_parses_and_listens_where_it_is_probed() -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": args.port}
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(args.port)
     assert container["securityContext"]["runAsNonRoot"] is True
-    (service,) = [s for s in only(docs, "Service") if selects(s["spec"]["selector"], pod["metadata"]["labels"])]
+    # The clients' Service (the peers' headless one selects the same pods).
+    (service,) = [
+        s
+        for s in only(docs, "Service")
+        if selects(s["spec"]["selector"], pod["metadata"]["labels"]) and s["spec"].get("clusterIP") != "None"
+    ]
     assert service["spec"]["type"] == "ClusterIP"
     (port,) = service["spec"]["ports"]
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -380,7 +444,13 @@ def test_the_cli_writes_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.parametrize(
-    "flags", [["--replicas", "0"], ["--replicas", "-1"], ["--replicas", "2", "--router-replicas", "0"]]
+    "flags",
+    [
+        ["--replicas", "0"],
+        ["--replicas", "-1"],
+        ["--replicas", "2", "--router-replicas", "0"],
+        ["--replicas", "2", "--router-workers", "0"],
+    ],
 )
 def test_the_cli_rejects_bad_counts_with_exit_2(
     flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -391,6 +461,16 @@ def test_the_cli_rejects_bad_counts_with_exit_2(
     assert captured.out == ""
     assert len(captured.err.strip().splitlines()) == 1 and captured.err.startswith("dpserve kube: ")
     assert not path.exists()
+
+
+def test_the_cli_passes_router_replicas_and_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["kube", "--replicas", "2", "--router-replicas", "3", "--router-workers", "2"]) == 0
+    text = capsys.readouterr().out
+    assert text == render(KubeOptions(replicas=2, router_replicas=3, router_workers=2))
+    deployment, _ = router_and_agent([doc for doc in yaml.safe_load_all(text) if doc])
+    args = parse_pod_command(deployment["spec"]["template"]["spec"]["containers"][0]["command"])
+    assert (deployment["spec"]["replicas"], args.workers) == (3, 2)
+    assert args.discover_peers == ["dns:dpserve-router-peers.dpserve.svc.cluster.local:8080"]
 
 
 def test_the_cli_requires_replicas(capsys: pytest.CaptureFixture[str]) -> None:

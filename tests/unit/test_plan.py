@@ -9,8 +9,16 @@ import pytest
 
 from dpserve.cli import _overrides, build_parser
 from dpserve.config import RouterSettings, UpSettings, load_settings
-from dpserve.up.launcher import busy_ports
-from dpserve.up.plan import PlanError, plan_replicas, plan_sims, router_argv, router_env, split_cores
+from dpserve.up.launcher import Launcher, busy_ports, run_launcher
+from dpserve.up.plan import (
+    PlanError,
+    plan_replicas,
+    plan_routers,
+    plan_sims,
+    router_argv,
+    router_env,
+    split_cores,
+)
 
 
 def test_split_cores_disjoint_and_covering() -> None:
@@ -156,3 +164,97 @@ def test_gpu_health_settings_reach_the_router_as_flags_and_read_back_the_same() 
     assert {name: getattr(read, name) for name in fields} == {name: getattr(router, name) for name in fields}
     defaults = router_argv(UpSettings(sim_replicas=1), plan_sims(UpSettings(sim_replicas=1), "tiny"))
     assert not any(arg.startswith(("--gpu-", "--no-gpu")) for arg in defaults)
+
+
+def test_one_router_is_planned_as_before() -> None:
+    settings = UpSettings(RouterSettings(port=8123), sim_replicas=2, base_port=9100)
+    plans = plan_sims(settings, "tiny")
+    (router,) = plan_routers(settings, 1, plans, tokenizer="/models/tiny")
+    assert (router.name, router.port, router.url) == ("router", 8123, "http://127.0.0.1:8123")
+    assert router.argv == router_argv(settings, plans, tokenizer="/models/tiny")
+    assert "--peer" not in router.argv
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_several_routers_listen_on_the_next_ports_and_are_each_others_peers(host: str) -> None:
+    router = RouterSettings(host=host, port=8200, policy="prefix", workers=2, peers=("http://10.0.0.9:8000",))
+    settings = UpSettings(router, sim_replicas=2, base_port=9100)
+    plans = plan_sims(settings, "tiny")
+    routers = plan_routers(settings, 3, plans)
+    assert [r.name for r in routers] == ["router", "router-2", "router-3"]
+    assert [r.port for r in routers] == [8200, 8201, 8202]
+    urls = [f"http://127.0.0.1:{port}" for port in (8200, 8201, 8202)]  # a wildcard is reached on loopback
+    assert [r.url for r in routers] == urls
+    for plan, url in zip(routers, urls, strict=True):
+        args = build_parser().parse_args(list(plan.argv[3:]))
+        assert args.port == int(url.rsplit(":", 1)[1]) and args.host == host
+        # The user's own peers, then every other router here.
+        assert args.peers == ["http://10.0.0.9:8000", *(other for other in urls if other != url)]
+        # Otherwise the one router's command: same replicas, policy and workers.
+        assert args.replicas == [p.url for p in plans] and (args.policy, args.workers) == ("prefix", 2)
+
+
+def test_router_plans_refuse_no_router_and_ports_a_replica_takes() -> None:
+    settings = UpSettings(RouterSettings(port=9098), sim_replicas=2, base_port=9100)
+    plans = plan_sims(settings, "tiny")
+    with pytest.raises(PlanError, match="--routers must be at least 1"):
+        plan_routers(settings, 0, plans)
+    assert len(plan_routers(settings, 2, plans)) == 2
+    with pytest.raises(PlanError, match=r"router port\(s\) 9100 are also replica"):
+        plan_routers(settings, 3, plans)
+
+
+def test_routers_come_from_the_flag_or_the_environment() -> None:
+    args = build_parser().parse_args(["up", "--sim", "2", "--routers", "3", "--workers", "2"])
+    assert load_settings(UpSettings, _overrides(args), env={}).routers == 3
+    assert load_settings(UpSettings, _overrides(args), env={"DPSERVE_ROUTERS": "5"}).routers == 3
+    plain = _overrides(build_parser().parse_args(["up", "--sim", "2"]))
+    assert load_settings(UpSettings, plain, env={"DPSERVE_ROUTERS": "5"}).routers == 5
+    assert load_settings(UpSettings, plain, env={}).routers == 1
+    # --workers is a router flag of `dpserve up` too, passed to every router.
+    settings = load_settings(UpSettings, _overrides(args), env={})
+    routers = plan_routers(settings, 2, plan_sims(settings, "tiny"))
+    assert all(r.argv[r.argv.index("--workers") + 1] == "2" for r in routers)
+
+
+def _launcher(settings: UpSettings, routers: int, tmp_path: Path) -> Launcher:
+    plans = plan_sims(settings, "tiny")
+    return Launcher(settings, plans, plan_routers(settings, routers, plans), tmp_path)
+
+
+def test_launcher_lists_every_router_and_says_where_they_serve(tmp_path: Path) -> None:
+    settings = UpSettings(RouterSettings(port=8300), sim_replicas=1, base_port=9100)
+    one = _launcher(settings, 1, tmp_path)
+    assert one.ready_message() == "dpserve: router ready at http://127.0.0.1:8300/v1 (Ctrl-C stops everything)"
+    assert [line.split()[0] for line in one.table().splitlines()] == ["REPLICA", "r0", "router"]
+    two = _launcher(settings, 2, tmp_path)
+    assert two.ready_message() == (
+        "dpserve: 2 routers ready at http://127.0.0.1:8300/v1, http://127.0.0.1:8301/v1 (Ctrl-C stops everything)"
+    )
+    rows = [line.split() for line in two.table().splitlines()[1:]]
+    assert [row[:3] for row in rows[1:]] == [
+        ["router", "http://127.0.0.1:8300", "policy=kv_aware"],
+        ["router-2", "http://127.0.0.1:8301", "policy=kv_aware"],
+    ]
+    # Each router is a supervised child of its own, started, probed and restarted as the one router is.
+    assert [proc.name for proc in two.routers] == ["router", "router-2"]
+    assert [proc.argv for proc in two.routers] == [plan.argv for plan in two.router_plans]
+
+
+def test_launcher_refuses_a_busy_port_of_any_router(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def must_not_start(*args: object) -> None:
+        raise AssertionError("dpserve up went on to start its children")
+
+    monkeypatch.setattr("dpserve.up.launcher.Launcher", must_not_start)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        taken = listener.getsockname()[1]
+        settings = load_settings(UpSettings, {"port": taken - 1, "sim_replicas": 1, "base_port": 1024}, env={})
+        assert run_launcher(settings, routers=2) == 2  # the second router's port: refused before anything starts
+        err = capsys.readouterr().err
+        assert "already in use" in err and str(taken) in err.split("already in use")[0]
+    assert run_launcher(settings, routers=0) == 2
+    assert "--routers must be at least 1" in capsys.readouterr().err
