@@ -249,9 +249,7 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
         "env": [
             _secret_env("DPSERVE_API_KEYS", options.keys_secret, API_KEYS_ENTRY, optional=False),
             # Routers follow each other with the admin key: with peers it must be there.
-            _secret_env(
-                "DPSERVE_ADMIN_KEYS", options.keys_secret, ADMIN_KEYS_ENTRY, optional=not options.router_peers
-            ),
+            _secret_env("DPSERVE_ADMIN_KEYS", options.keys_secret, ADMIN_KEYS_ENTRY, optional=not options.router_peers),
         ],
         "resources": router_resources(options),
         # /ready answers 503 until a replica is healthy: a router with nothing behind it takes no traffic.
