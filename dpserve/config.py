@@ -123,8 +123,8 @@ class RouterSettings:
     """Other routers (http://HOST:PORT) this one shares routing state with (router/peer_links.py)."""
     discover_peers: tuple[str, ...] = ()
     """Other routers found by DNS: `dns:NAME:PORT` (every address of NAME; this router's own is skipped)."""
-    peer_interval_s: float = 0.05
-    """Seconds between this router's updates to its peers (in-flight counts, routes, bindings, verdicts)."""
+    peer_interval_s: float = 0.02
+    """How stale this router's in-flight counts may be at its peers (its routes and bindings go at once)."""
     peer_timeout_s: float = 2.0
     """A peer silent this long is forgotten: its in-flight counts and bindings stop counting."""
     warm_start_timeout_s: float = 10.0
@@ -135,6 +135,10 @@ class RouterSettings:
     """Set by `--workers` for each worker: its sibling workers' private URLs (not a user setting)."""
     access_log: bool = False
     log_level: str = "info"
+
+    @property
+    def peering(self) -> bool:
+        return bool(self.peers or self.discover_peers or self.peer_siblings)
 
     @property
     def routing_policy(self) -> str:

@@ -27,12 +27,16 @@ class RecentRoutes:
         self._log: deque[tuple[float, str, int]] = deque()
         self._pending: dict[str, int] = {}
         self._outbox: deque[tuple[str, Sequence[int]]] | None = deque(maxlen=max_outbox) if max_outbox > 0 else None
+        self.on_news: Callable[[], None] | None = None
+        """Called when the outbox gains a route (the peers' publisher wakes)."""
 
     def record(self, keys: Sequence[int], replica: str) -> None:
         """This router sent a prompt with these blocks to `replica`."""
         if self._outbox is not None:
             self._outbox.append((replica, keys))
-        self.learn(keys, replica, 0.0)
+            if self.on_news is not None:
+                self.on_news()
+        self.learn(keys, replica, 0.0, pending=True)
 
     def take_outbox(self) -> list[tuple[str, Sequence[int]]]:
         """This router's routes since the last call, oldest first (for its peers)."""
@@ -42,11 +46,15 @@ class RecentRoutes:
         self._outbox.clear()
         return routes
 
-    def learn(self, keys: Sequence[int], replica: str, age_s: float) -> None:
-        """A route made `age_s` ago, by this router or a peer."""
+    def learn(self, keys: Sequence[int], replica: str, age_s: float, pending: bool = False) -> None:
+        """A route made `age_s` ago, by this router or a peer. Only this router's own count towards
+        `pending_blocks`: each router spreads the new prefixes it places by its own record, and those
+        spread placements add up to an even fleet (placing by the peers' record too, routers that see the
+        same numbers at the same moment all choose the same replica)."""
         now = self._clock() - age_s
-        self._log.append((now, replica, len(keys)))
-        self._pending[replica] = self._pending.get(replica, 0) + len(keys)
+        if pending:
+            self._log.append((now, replica, len(keys)))
+            self._pending[replica] = self._pending.get(replica, 0) + len(keys)
         for key in keys:
             holders = self._keys.get(key)
             if holders is None:

@@ -19,6 +19,8 @@ class SessionBindings:
         self._clock = clock
         self._bound: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._outbox: deque[tuple[str, str]] | None = deque(maxlen=max_outbox) if max_outbox > 0 else None
+        self.on_news: Callable[[], None] | None = None
+        """Called when the outbox gains a binding (the peers' publisher wakes)."""
 
     def get(self, session: str) -> str | None:
         """The replica `session` is bound to, if the binding is still fresh."""
@@ -36,6 +38,8 @@ class SessionBindings:
         found = self._bound.get(session)
         if self._outbox is not None and (found is None or found[0] != replica):
             self._outbox.append((session, replica))
+            if self.on_news is not None:
+                self.on_news()
         self._set(session, replica)
 
     def learn(self, session: str, replica: str) -> None:

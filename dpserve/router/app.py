@@ -223,7 +223,7 @@ def peer_links(
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
             raise ValueError(f"--peer {url!r}: expected another router's base URL, e.g. http://10.0.0.3:8000")
-    if (settings.peers or settings.discover_peers or settings.peer_siblings) and keys.enabled and not keys.admins:
+    if settings.peering and keys.enabled and not keys.admins:
         log.warning("peers need an admin key when API keys are set (--admin-key): they will refuse each other")
     return PeerLinks(
         board,
@@ -342,13 +342,18 @@ def create_app(
     text_index = TextPrefixIndex(settings.prefix_index_max_chunks) if Need.TEXT_PREFIX in policy.needs else None
     local = local_tokenizer(settings)
     # With peers, this router's own routes and session bindings are also kept for them.
-    outbox = MAX_ROUTES if settings.peers or settings.peer_siblings or settings.discover_peers else 0
+    outbox = MAX_ROUTES if settings.peering else 0
     recent = None
     if Need.KV_PREFIX in policy.needs:
         recent = RecentRoutes(time.monotonic, settings.recent_route_ttl_s, max_outbox=outbox)
     bindings = SessionBindings(time.monotonic, max_outbox=outbox) if Need.SESSION in policy.needs else None
     board = PeerBoard(registry, origin_id(), recent, bindings, kv_index, timeout_s=settings.peer_timeout_s)
     peers = peer_links(settings, board, resolver, keys)
+    if peers.enabled:
+        if recent is not None:
+            recent.on_news = peers.news
+        if bindings is not None:
+            bindings.on_news = peers.news
     open_streams = OpenStreams()
     shutdown = Shutdown(open_streams)
     state = RouterState(registry, policy, metrics, kv_index, [], gpus, shutdown, time.time(), sources, peers)

@@ -3,9 +3,10 @@
 Transport: each router serves `GET /admin/peer/stream`, one long HTTP/1.1 response of length-prefixed
 msgpack frames (peer_wire.py), and follows every peer's stream with one such request. It uses the router's
 own port and admin key (nothing more to open, secure or route through a load balancer), and it is off the
-request path: a request only appends its route to a bounded outbox (recent.py, bindings.py); every
-`interval_s` one task turns the outboxes and the in-flight counts into one update, encoded once for every
-follower. Without news an update still goes out every `HEARTBEAT_S`, so a silent link means a dead peer.
+request path: a request only appends its route to a bounded outbox (recent.py, bindings.py) and wakes one
+task, which turns the outboxes and the in-flight counts into one update, encoded once for every follower:
+routes and bindings go out within `NEWS_GAP_S`, changed in-flight counts within `interval_s`. Without news
+an update still goes out every `HEARTBEAT_S`, so a silent link means a dead peer.
 
 Workers of one host (`--workers`) follow each other on private loopback ports. A router on another host
 that follows this host's shared port reaches one worker, chosen by the kernel; that worker relays its
@@ -51,6 +52,7 @@ HEARTBEAT_S = 0.5
 FOLLOWER_QUEUE = 1024
 """Frames a follower may lag behind; past it the follower is cut off (it reconnects and catches up:
 counts are whole in every update, routes lost meanwhile only cost some cache hits)."""
+NEWS_GAP_S = 0.002
 RETRY_MIN_S = 0.1
 RETRY_MAX_S = 2.0
 
@@ -121,6 +123,7 @@ class PeerLinks:
         self.board = board
         self._session: aiohttp.ClientSession | None = None
         self._draining = False
+        self._news = asyncio.Event()
         self._sources = list(sources)
         self._resolver = resolver
         self._interval_s = interval_s
@@ -213,11 +216,21 @@ class PeerLinks:
         for task in [*self._tasks, *(link.task for link in self._links.values() if link.task is not None)]:
             await cancel_and_wait(task)
 
+    def news(self) -> None:
+        """A route or a binding was just made: peers hear of it at once (a burst of requests for a new
+        prefix reaches several routers within milliseconds), not at the next interval."""
+        self._news.set()
+
     async def _publish(self) -> None:
         last: tuple[dict[str, int], tuple[str, ...]] | None = None
         last_sent = 0.0
         while True:
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._news.wait(), self._interval_s)
+            # Decisions made in this turn of the loop join this update; then at most one update per
+            # NEWS_GAP_S, however busy: the cost per request stays an append to the outbox.
+            await asyncio.sleep(NEWS_GAP_S)
+            self._news.clear()
             self.board.expire()
             update = self.board.update()
             shape = (update.in_flight, update.unhealthy)
