@@ -29,6 +29,7 @@ import asyncio
 import math
 import os
 import random
+import statistics
 import subprocess
 import tempfile
 import time
@@ -42,6 +43,7 @@ import psutil
 
 from benchmarks.fleet import (
     UpPorts,
+    bench_tool,
     cpu_seconds,
     get_text,
     port_block,
@@ -74,7 +76,10 @@ from dpserve.up.process import terminate
 
 HAPROXY = "/usr/sbin/haproxy"
 ROUTER_HEADER = "x-dpserve-router"
-TIERS = ("one", "shared", "alone")
+TIERS = ("one", "shared", "alone", "through_one")
+"""through_one: the shared tier's routers all running, every request through the first: one router's
+routing with the other routers' processes competing for this machine's cores (what the tiers' TTFT
+differences owe to that, not to routing)."""
 
 
 @dataclass
@@ -215,11 +220,13 @@ async def run_tier(
 ) -> TierRow:
     await reset_caches(session, fleet)
     count = 1 if tier == "one" else args.routers
-    routers = await start_routers(session, fleet, count, tier == "shared", tokenizer, args.dpserve_args.split())
+    peered = tier in ("shared", "through_one")
+    routers = await start_routers(session, fleet, count, peered, tokenizer, args.dpserve_args.split())
+    urls = [url for _, url in routers][: 1 if tier == "through_one" else None]
     try:
         await asyncio.sleep(1.0)  # subscribers connected, first probes done
         before = await replica_counters(session, fleet)
-        outcomes, seconds = await drive_spread([url for _, url in routers], workload, args.concurrency, args.max_tokens)
+        outcomes, seconds = await drive_spread(urls, workload, args.concurrency, args.max_tokens)
         after = await replica_counters(session, fleet)
     finally:
         for process, _ in routers:
@@ -248,6 +255,15 @@ async def run_tier(
     )
 
 
+def grouped(workload: Workload) -> Workload:
+    """The shared-prefix requests, each group's prompts one after another: a group's prompts reach the
+    routers (in turn) within milliseconds of each other, before the replica that takes the first has
+    prefilled it and said so in its KV events. What routers that share routes keep together and routers
+    alone scatter."""
+    requests = sorted(workload.requests, key=lambda r: r.group)
+    return Workload("grouped", requests, workload.groups, workload.description.replace("interleaved", "grouped"))
+
+
 def uniform_workload(args: argparse.Namespace) -> Workload:
     """Every prompt unique: nothing to keep together, only load to spread."""
     return shared_prefix(args.uniform_requests, 1, args.question_words, args.question_words, args.seed + 7)
@@ -256,6 +272,7 @@ def uniform_workload(args: argparse.Namespace) -> Workload:
 async def run_tiers(args: argparse.Namespace, work: Path, rows: list[TierRow], tokenizer: Path) -> None:
     workloads = build_workloads(args, "sim", args.replicas)
     workloads["uniform"] = uniform_workload(args)
+    workloads["grouped"] = grouped(workloads["shared_prefix"])
     wanted = [w for w in args.workloads.split(",") if w]
     async with aiohttp.ClientSession() as session:
         fleet = await start_fleet(session, args, "sim", work, None, None)
@@ -286,10 +303,10 @@ async def run_workload(
     rows: list[TierRow],
     tokenizer: Path,
 ) -> None:
-    oracle = oracle_for(name, workload, fleet, args.max_tokens) if name != "uniform" else 0.0
+    oracle = oracle_for(name, workload, fleet, args.max_tokens) if name != "uniform" else 0.0  # grouped: unbounded
     progress(f"{name}: {workload.description}; {len(workload.requests)} requests")
     for run in range(args.repeat):
-        for tier in TIERS:
+        for tier in (t for t in TIERS if t in args.tiers.split(",")):
             row = await run_tier(session, args, fleet, name, workload, tier, oracle, tokenizer, run)
             rows.append(row)
             progress(
@@ -299,8 +316,8 @@ async def run_workload(
 
 
 def summarize(rows: Sequence[TierRow]) -> list[TierRow]:
-    """Per workload and tier, the mean of its runs (errors and requests summed, the worst max share), with
-    hit rate and TTFT p99 relative to one router's means."""
+    """Per workload and tier over its runs: the mean hit rate and req/s, the median TTFT p50 and p99, errors
+    and requests summed, the worst max share; hit rate and TTFT p99 relative to one router's."""
     means: list[TierRow] = []
     for workload in dict.fromkeys(r.workload for r in rows):
         one: TierRow | None = None
@@ -318,8 +335,9 @@ def summarize(rows: Sequence[TierRow]) -> list[TierRow]:
                 hit_rate=round(sum(r.hit_rate for r in runs) / len(runs), 4),
                 oracle=runs[0].oracle,
                 hit_vs_one=math.nan,
-                ttft_p50_ms=round(sum(r.ttft_p50_ms for r in runs) / len(runs), 1),
-                ttft_p99_ms=round(sum(r.ttft_p99_ms for r in runs) / len(runs), 1),
+                # Medians: one run's stall on this shared machine moves a mean of three p99s by half.
+                ttft_p50_ms=round(statistics.median(r.ttft_p50_ms for r in runs), 1),
+                ttft_p99_ms=round(statistics.median(r.ttft_p99_ms for r in runs), 1),
                 ttft_p99_vs_one=math.nan,
                 req_per_s=round(sum(r.req_per_s for r in runs) / len(runs), 2),
                 max_share=max(r.max_share for r in runs),
@@ -526,6 +544,8 @@ async def run_workers(args: argparse.Namespace, work: Path, rows: list[WorkerRow
     body = orjson.dumps({"model": TINY_MODEL_NAME, "prompt": "hi there, a short prompt", "max_tokens": 4})
     cases = [("alone", 1)] + [("peered", 1)] * ("peered" in args.worker_cases)
     cases += [("workers", int(w)) for w in args.workers.split(",") if w and int(w) > 1]
+    if "vllm-router" in args.worker_cases and bench_tool("vllm-router"):
+        cases.append(("vllm-router", 0))
     async with aiohttp.ClientSession() as session:
         up = await start_up(session, ports, command, work / "workers-up.log", dict(os.environ), 120)
         try:
@@ -549,11 +569,14 @@ async def measure_workers(
     run: int,
 ) -> WorkerRow:
     """`case` alone: one router process; peered: the same with an idle peer router it shares with (what
-    sharing costs per request); workers: `--workers N` behind the one port."""
-    port, peer_port = port_block(1, random.Random()), port_block(1, random.Random())
+    sharing costs per request); workers: `--workers N` behind the one port; vllm-router: the Rust router
+    (cache_aware) on the same sims, for scale."""
+    port, peer_port = port_block(2, random.Random()), port_block(1, random.Random())  # vllm-router: +1 metrics
     urls, events = ports.replica_urls, ports.kv_endpoints
 
     def command(own: int, other: int | None) -> list[str]:
+        if case == "vllm-router":  # its own cache-aware policy (no tokenizer), its own threads
+            return router_command("vllm-router", "cache_aware", urls, own)
         extra = [f"--workers={workers}", "--gpu-interval=0", *([f"--peer=http://127.0.0.1:{other}"] if other else [])]
         return router_command("dpserve", "kv_aware", urls, own, kv_events=events, tokenizer=str(tokenizer), extra=extra)
 
@@ -563,7 +586,8 @@ async def measure_workers(
     url = f"http://127.0.0.1:{port}"
     try:
         for process, process_port in zip(processes, (port, peer_port), strict=False):
-            await wait_ok(session, f"http://127.0.0.1:{process_port}/ready", 60, process)
+            ready = "/v1/models" if case == "vllm-router" else "/ready"
+            await wait_ok(session, f"http://127.0.0.1:{process_port}{ready}", 60, process)
         await asyncio.sleep(2.0)  # every worker up and peered
         load = python_command(f"{url}/v1/completions", body, args.worker_connections, args.worker_seconds)
         measured = [psutil.Process(processes[0].pid)]
@@ -598,7 +622,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=8, help="sims")
     parser.add_argument("--routers", type=int, default=4)
     parser.add_argument(
-        "--workloads", default="shared_prefix,multi_turn,cache_pressure,uniform", help="tiers' workloads"
+        "--workloads", default="shared_prefix,grouped,multi_turn,cache_pressure,uniform", help="tiers' workloads"
     )
     parser.add_argument("--groups", type=int, help="shared-prefix groups (default 4 per replica)")
     parser.add_argument("--prompts", type=int, default=6, help="prompts per group")
@@ -607,6 +631,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--prefix-words", type=int, default=350)
     parser.add_argument("--question-words", type=int, default=30)
     parser.add_argument("--uniform-requests", type=int, default=512)
+    parser.add_argument("--tiers", default=",".join(TIERS), help="of " + ", ".join(TIERS))
     parser.add_argument("--repeat", type=int, default=3, help="runs of every tier, taking turns")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -618,7 +643,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--after", type=float, default=60.0, help="restart: seconds measured after the restart")
     parser.add_argument("--workers", default="1,2,4", help="worker counts to measure")
     parser.add_argument("--worker-sims", type=int, default=2)
-    parser.add_argument("--worker-cases", default="peered", help="`peered`: also one router with an idle peer")
+    parser.add_argument(
+        "--worker-cases",
+        default="peered,vllm-router",
+        help="`peered`: also one router with an idle peer; `vllm-router`: also vllm-router cache_aware",
+    )
     parser.add_argument("--worker-connections", type=int, default=32)
     parser.add_argument("--worker-seconds", type=float, default=10.0)
     parser.add_argument("--dpserve-args", default="", help="extra flags for every dpserve router")
@@ -657,9 +686,11 @@ def verdicts(tiers: Sequence[TierRow], restarts: Sequence[RestartRow]) -> list[s
                 f"(goal >= 0.95){'' if alone is None else f'; alone {alone.hit_vs_one:.2f}x'}"
             )
         if row.tier == "shared" and row.workload == "uniform":
+            through = next((r for r in tiers if r.workload == "uniform" and r.tier == "through_one"), None)
             lines.append(
                 f"uniform: max replica share {row.max_share:.2f}x the mean (goal <= 1.25), TTFT p99 "
                 f"{row.ttft_p99_vs_one:.2f}x one router's (goal <= 1.1)"
+                + ("" if through is None else f"; all through one of them {through.ttft_p99_vs_one:.2f}x")
             )
     for r in restarts:
         lines.append(
