@@ -46,7 +46,6 @@ from benchmarks.fleet import (
     bench_tool,
     cpu_seconds,
     get_text,
-    port_block,
     progress,
     router_command,
     spawn,
@@ -72,6 +71,7 @@ from benchmarks.policy_workloads import BenchRequest, Workload, shared_prefix
 from benchmarks.report import format_table, shown, write_csv
 from benchmarks.stats import percentile
 from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+from dpserve.up.launcher import busy_ports
 from dpserve.up.process import terminate
 
 HAPROXY = "/usr/sbin/haproxy"
@@ -149,7 +149,7 @@ async def start_routers(
     ports: Sequence[int] | None = None,
 ) -> list[tuple[subprocess.Popen[bytes], str]]:
     """`count` kv_aware routers over the fleet, each a --peer of the others when `peered`, all ready."""
-    ports = list(ports or [port_block(1, random.Random()) for _ in range(count)])
+    ports = list(ports or [router_ports(1) for _ in range(count)])
     started: list[tuple[subprocess.Popen[bytes], str]] = []
     try:
         for port in ports:
@@ -262,6 +262,16 @@ def grouped(workload: Workload) -> Workload:
     alone scatter."""
     requests = sorted(workload.requests, key=lambda r: r.group)
     return Workload("grouped", requests, workload.groups, workload.description.replace("interleaved", "grouped"))
+
+
+def router_ports(count: int) -> int:
+    """The first of `count` free ports below Linux's ephemeral range (32768+), which the many client
+    connections of a run draw from: a port picked there can be taken before the router binds it."""
+    for _ in range(200):
+        start = random.randrange(20000, 32768 - count)
+        if not busy_ports(range(start, start + count)):
+            return start
+    raise RuntimeError("no free ports below 32768")
 
 
 def uniform_workload(args: argparse.Namespace) -> Workload:
@@ -451,10 +461,10 @@ async def restart_once(
     work: Path,
 ) -> RestartRow:
     await reset_caches(session, fleet)
-    ports = [port_block(1, random.Random()) for _ in range(args.routers)]
+    ports = [router_ports(1) for _ in range(args.routers)]
     peered = start != "alone"
     routers = await start_routers(session, fleet, args.routers, peered, tokenizer, args.dpserve_args.split(), ports)
-    balancer_port = port_block(1, random.Random())
+    balancer_port = router_ports(1)
     config = work / f"haproxy-{start}.cfg"
     config.write_text(haproxy_config(balancer_port, [url for _, url in routers]))
     balancer = spawn([HAPROXY, "-f", str(config), "-db"], work / f"haproxy-{start}.log", dict(os.environ))
@@ -571,7 +581,7 @@ async def measure_workers(
     """`case` alone: one router process; peered: the same with an idle peer router it shares with (what
     sharing costs per request); workers: `--workers N` behind the one port; vllm-router: the Rust router
     (cache_aware) on the same sims, for scale."""
-    port, peer_port = port_block(2, random.Random()), port_block(1, random.Random())  # vllm-router: +1 metrics
+    port, peer_port = router_ports(2), router_ports(1)  # vllm-router: +1 metrics
     urls, events = ports.replica_urls, ports.kv_endpoints
 
     def command(own: int, other: int | None) -> list[str]:

@@ -5,7 +5,8 @@ msgpack frames (peer_wire.py), and follows every peer's stream with one such req
 own port and admin key (nothing more to open, secure or route through a load balancer), and it is off the
 request path: a request only appends its route to a bounded outbox (recent.py, bindings.py) and wakes one
 task, which turns the outboxes and the in-flight counts into one update, encoded once for every follower:
-routes and bindings go out within `NEWS_GAP_S`, changed in-flight counts within `interval_s`. Without news
+routes and bindings go out at once (at most one update per `NEWS_GAP_S`), changed in-flight counts within
+`interval_s`. Without news
 an update still goes out every `HEARTBEAT_S`, so a silent link means a dead peer.
 
 Workers of one host (`--workers`) follow each other on private loopback ports. A router on another host
@@ -227,9 +228,10 @@ class PeerLinks:
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._news.wait(), self._interval_s)
-            # Decisions made in this turn of the loop join this update; then at most one update per
-            # NEWS_GAP_S, however busy: the cost per request stays an append to the outbox.
-            await asyncio.sleep(NEWS_GAP_S)
+            # Decisions made in this turn of the loop join this update. At most one update per NEWS_GAP_S:
+            # a quiet router's news goes at once (a group's next prompt may reach a peer a millisecond
+            # later), a busy one's is batched, so the cost per request stays an append to the outbox.
+            await asyncio.sleep(max(0.0, NEWS_GAP_S - (time.monotonic() - last_sent)))
             self._news.clear()
             self.board.expire()
             update = self.board.update()
