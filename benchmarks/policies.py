@@ -227,6 +227,16 @@ async def replica_counters(session: aiohttp.ClientSession, fleet: Fleet) -> list
     return counters  # type: ignore[return-value]
 
 
+def counter_deltas(
+    before: Sequence[tuple[float, float, float]], after: Sequence[tuple[float, float, float]]
+) -> tuple[float, float, list[float]]:
+    """Over a run, from `replica_counters` read before and after: the fleet's prefix-cache hits and queries
+    (tokens), and the requests each replica served."""
+    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    return hits, queries, [a[2] - b[2] for a, b in zip(after, before, strict=True)]
+
+
 async def decision_reasons(session: aiohttp.ClientSession, router_url: str) -> str:
     name = "dpserve_routing_decision_reasons_total"
     samples = parse_samples(await get_text(session, f"{router_url}/metrics") or "", {name})
@@ -272,9 +282,7 @@ async def run_contender(
         reasons = await decision_reasons(session, router_url) if contender.router == "dpserve" else ""
     finally:
         terminate(process, 30)
-    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    served = [a[2] - b[2] for a, b in zip(after, before, strict=True)]
+    hits, queries, served = counter_deltas(before, after)
     ttfts = sorted(o.ttft_s * 1000 for o in outcomes if o.ok)
     fair = sum(served) / len(served) if served else 0
     hit_rate = hits / queries if queries else 0.0

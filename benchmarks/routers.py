@@ -60,6 +60,7 @@ from benchmarks.policies import (
     _one,
     build_workloads,
     contender_command,
+    counter_deltas,
     oracle_for,
     pressure_capacity,
     replica_counters,
@@ -231,9 +232,7 @@ async def run_tier(
     finally:
         for process, _ in routers:
             terminate(process, 30)
-    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    served = [a[2] - b[2] for a, b in zip(after, before, strict=True)]
+    hits, queries, served = counter_deltas(before, after)
     ttfts = sorted(o.ttft_s * 1000 for o in outcomes if o.ok)
     fair = sum(served) / len(served) if served else 0
     return TierRow(
