@@ -171,17 +171,18 @@ def start_router(
     expect_healthy: int | None = None,
     admin_key: str | None = None,
     port: int | None = None,
+    host: str = "127.0.0.1",
 ) -> RouterProcess:
     """`admin_key`: the router's, when it has keys (its /status then needs it). `port`: one chosen
     beforehand (routers that name each other as peers), else a free one."""
     port = port or free_port()
-    command = [sys.executable, "-m", "dpserve", "router", "--policy", policy, "--port", str(port)]
+    command = [sys.executable, "-m", "dpserve", "router", "--policy", policy, "--host", host, "--port", str(port)]
     for url in replica_urls:
         command += ["--replica", url]
     command += ["--probe-interval", "0.2", "--log-level", "warning", *extra]
     with tempfile.NamedTemporaryFile(prefix="dpserve-router-", suffix=".log", delete=False) as log:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
-    router = RouterProcess(f"http://127.0.0.1:{port}", process, Path(log.name))
+    router = RouterProcess(f"http://{host}:{port}", process, Path(log.name))
     try:
         expected = len(replica_urls) if expect_healthy is None else expect_healthy
         wait_until(lambda: healthy_count(router.url, admin_key) == expected, ROUTER_START_TIMEOUT_S, what="router")

@@ -358,3 +358,37 @@ def test_workers_share_one_port_and_a_killed_worker_is_replaced(sims: list[SimPr
             with contextlib.suppress(OSError):
                 Path(log.name).unlink()
     assert process.returncode == 0
+
+
+# -- peers found by DNS ------------------------------------------------------------------------------
+
+
+def test_routers_find_each_other_by_dns_skip_themselves_and_follow_a_new_one(
+    tmp_path: Path, sims: list[SimProcess]
+) -> None:
+    from tests.integration.hosts import dns_server, free_port_on
+
+    hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    port = free_port_on(*hosts)
+    urls = [sim.url for sim in sims]
+    with dns_server(tmp_path) as dns:
+        dns.set_records({"routers.test": hosts[:2]})
+        source = f"dns:routers.test:{port}"
+        flags = ["--discover-peers", source, "--discover-nameserver", dns.nameserver, "--discover-interval", "0.5"]
+        started: list[RouterProcess] = []
+        try:
+            for host in hosts[:2]:
+                started.append(start_router(urls, "least_loaded", *flags, port=port, host=host))
+            for router in started:
+                wait_for(lambda r=router: len(router_status(r.url)["peers"]["peers"]) == 1, 10, "its one peer")
+                links = {link["url"]: link["state"] for link in router_status(router.url)["peers"]["links"]}
+                # Its own address is in the answer too: followed once, found to be itself, left alone.
+                assert sorted(links.values()) == ["self", "up"], links
+            # A third router joins the name: the others follow it at their next lookup.
+            dns.set_records({"routers.test": hosts})
+            started.append(start_router(urls, "least_loaded", *flags, port=port, host=hosts[2]))
+            for router in started:
+                wait_for(lambda r=router: len(router_status(r.url)["peers"]["peers"]) == 2, 10, "both peers")
+        finally:
+            for router in started:
+                stop_router(router)
