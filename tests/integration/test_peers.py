@@ -392,3 +392,33 @@ def test_routers_find_each_other_by_dns_skip_themselves_and_follow_a_new_one(
         finally:
             for router in started:
                 stop_router(router)
+
+
+def test_a_router_following_a_workers_port_hears_every_worker_through_the_one_it_reaches(
+    sims: list[SimProcess],
+) -> None:
+    workers_port, other_port = free_port(), free_port()
+    command = [sys.executable, "-m", "dpserve", "router", "--policy", "least_loaded", "--port", str(workers_port)]
+    for sim in sims:
+        command += ["--replica", sim.url]
+    command += ["--workers", "2", "--peer", f"http://127.0.0.1:{other_port}", "--log-level", "warning"]
+    workers = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    other = None
+    try:
+        url = f"http://127.0.0.1:{workers_port}"
+        wait_until(lambda: healthy_count(url) == 2, 60, what="workers")
+        other = start_router([s.url for s in sims], "least_loaded", f"--peer={url}", port=other_port)
+        # One link, to whichever worker the kernel chose; that worker relays its sibling.
+        wait_for(lambda: len(router_status(other.url)["peers"]["peers"]) == 2, 10, "both workers")
+        assert len(router_status(other.url)["peers"]["links"]) == 1
+        origins = {p["origin"] for p in router_status(other.url)["peers"]["peers"]}
+        assert all(o.split(":")[1] != str(workers.pid) for o in origins), "workers are processes of their own"
+    finally:
+        if other is not None:
+            stop_router(other)
+        workers.send_signal(signal.SIGTERM)
+        try:
+            workers.wait(timeout=30)
+        finally:
+            if workers.poll() is None:
+                workers.kill()
