@@ -57,7 +57,7 @@ from dpserve.router.gpu_fleet import GpuFleet
 from dpserve.router.gpu_metrics import GpuCollector
 from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
 from dpserve.router.peer_board import PeerBoard
-from dpserve.router.peer_links import SNAPSHOT_PATH, STREAM_PATH, PeerCollector, PeerLinks
+from dpserve.router.peer_links import SNAPSHOT_PATH, STREAM_PATH, PeerCollector, PeerLinks, SuspectChecks
 from dpserve.router.peer_wire import MAX_ROUTES
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
 from dpserve.router.proxied_endpoints import ProxiedEndpoints, Relaying, proxied_openapi_paths
@@ -172,9 +172,7 @@ def gpu_agents(settings: RouterSettings, resolver: DnsResolver | None) -> GpuAge
     if settings.gpu_interval_s <= 0 or not (settings.gpu_agents or settings.discover_agents):
         return None
     for url in settings.gpu_agents:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
-            raise ValueError(f"--gpu-agent {url!r}: expected an agent's base URL, e.g. http://10.0.0.2:9400")
+        check_base_url(url, "--gpu-agent", "an agent's base URL, e.g. http://10.0.0.2:9400")
     sources = [parse_discovery_source(text, "--discover-agents") for text in settings.discover_agents]
     return GpuAgents(settings.gpu_agents, sources, resolver, settings.gpu_interval_s, settings.discover_interval_s)
 
@@ -208,6 +206,13 @@ def gpu_sampler(settings: RouterSettings, registry: ReplicaRegistry, nvml: Calla
     return GpuSampler(nvml, settings.gpu_interval_s, clues=clues)
 
 
+def check_base_url(url: str, flag: str, expected: str) -> None:
+    """A service's base URL: http(s), a host, no path (the router appends its own)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+        raise ValueError(f"{flag} {url!r}: expected {expected}")
+
+
 def origin_id() -> str:
     """This router process's name among its peers: a restarted router is a new peer."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
@@ -220,9 +225,7 @@ def peer_links(
     keys: Keys,
 ) -> PeerLinks:
     for url in (*settings.peers, *settings.peer_siblings):
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
-            raise ValueError(f"--peer {url!r}: expected another router's base URL, e.g. http://10.0.0.3:8000")
+        check_base_url(url, "--peer", "another router's base URL, e.g. http://10.0.0.3:8000")
     if settings.peering and keys.enabled and not keys.admins:
         log.warning("peers need an admin key when API keys are set (--admin-key): they will refuse each other")
     return PeerLinks(
@@ -237,42 +240,6 @@ def peer_links(
         admin_key=keys.admins[0] if keys.admins else None,
         max_snapshot_blocks=settings.kv_index_max_entries,
     )
-
-
-class SuspectChecks:
-    """A peer says a replica this router still routes to is unhealthy: probe it now, as many times in a row
-    as ejecting takes, rather than wait for the next ticks. This router's own probes decide: a peer's word
-    alone never ejects a replica."""
-
-    GAP_S = 0.1
-
-    def __init__(self, registry: ReplicaRegistry, monitor: ReplicaMonitor, probes: int, min_gap_s: float) -> None:
-        self._registry = registry
-        self._monitor = monitor
-        self._probes = probes
-        self._min_gap_s = min_gap_s
-        self._last: dict[str, float] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def __call__(self, replica_id: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(replica_id, -self._min_gap_s) < self._min_gap_s:
-            return
-        self._last[replica_id] = now
-        task = asyncio.create_task(self._check(replica_id))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _check(self, replica_id: str) -> None:
-        for attempt in range(self._probes):
-            replica = self._registry.find(replica_id)
-            if replica is None or not replica.healthy:
-                return
-            if attempt:
-                await asyncio.sleep(self.GAP_S)
-            await self._monitor.probe_now(replica)
-            if replica.health.probe_failures == 0:
-                return  # it answered: the peer's view was stale or its own
 
 
 def upstream_deadlines(settings: RouterSettings) -> Deadlines:

@@ -33,6 +33,8 @@ from prometheus_client.registry import Collector
 
 from dpserve.background import cancel_and_wait
 from dpserve.replicas.discovery import DiscoveryError, DiscoverySource, DnsResolver
+from dpserve.replicas.monitor import ReplicaMonitor
+from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.peer_board import PeerBoard
 from dpserve.router.peer_wire import (
     SNAPSHOT_MAX_BYTES,
@@ -380,6 +382,42 @@ class PeerLinks:
     @property
     def links(self) -> list[Link]:
         return list(self._links.values())
+
+
+class SuspectChecks:
+    """A peer says a replica this router still routes to is unhealthy: probe it now, as many times in a row
+    as ejecting takes, rather than wait for the next ticks. This router's own probes decide: a peer's word
+    alone never ejects a replica."""
+
+    GAP_S = 0.1
+
+    def __init__(self, registry: ReplicaRegistry, monitor: ReplicaMonitor, probes: int, min_gap_s: float) -> None:
+        self._registry = registry
+        self._monitor = monitor
+        self._probes = probes
+        self._min_gap_s = min_gap_s
+        self._last: dict[str, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __call__(self, replica_id: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(replica_id, -self._min_gap_s) < self._min_gap_s:
+            return
+        self._last[replica_id] = now
+        task = asyncio.create_task(self._check(replica_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _check(self, replica_id: str) -> None:
+        for attempt in range(self._probes):
+            replica = self._registry.find(replica_id)
+            if replica is None or not replica.healthy:
+                return
+            if attempt:
+                await asyncio.sleep(self.GAP_S)
+            await self._monitor.probe_now(replica)
+            if replica.health.probe_failures == 0:
+                return  # it answered: the peer's view was stale or its own
 
 
 class PeerCollector(Collector):
