@@ -30,6 +30,7 @@ from tests.integration.conftest import (
     router_status,
     running_sim,
     start_router,
+    stop_process,
     stop_router,
     wait_until,
 )
@@ -359,14 +360,9 @@ def test_workers_share_one_port_and_a_killed_worker_is_replaced(sims: list[SimPr
             == 200
         )
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        finally:
-            if process.poll() is None:
-                process.kill()
-            with contextlib.suppress(OSError):
-                Path(log.name).unlink()
+        stop_process(process, 30)  # SIGTERM: the workers drain; SIGKILL only past the grace
+        with contextlib.suppress(OSError):
+            Path(log.name).unlink()
     assert process.returncode == 0
 
 
@@ -426,9 +422,4 @@ def test_a_router_following_a_workers_port_hears_every_worker_through_the_one_it
     finally:
         if other is not None:
             stop_router(other)
-        workers.send_signal(signal.SIGTERM)
-        try:
-            workers.wait(timeout=30)
-        finally:
-            if workers.poll() is None:
-                workers.kill()
+        stop_process(workers, 30)
