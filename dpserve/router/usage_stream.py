@@ -1,0 +1,226 @@
+"""Token usage of every answer, streamed ones included: read from a JSON body, or tapped from an SSE stream.
+
+A streamed chat/completions answer carries usage only when the request set
+`stream_options.include_usage`. The router sets it on the requests whose client did not (`ask_for_usage`),
+reads the usage chunk as the stream goes by and hands the client the stream it would have had without
+(`UsageTap(strip=True)`). What vLLM 0.32 changes in a stream when include_usage is on (checked against its
+source, `entrypoints/openai/{chat_completion,completion}/serving.py`, and against captured streams in
+tests/unit/fixtures/usage_stream/):
+
+- one more event before `data: [DONE]`: the usage chunk, `{"id","object","created","model","choices":[],
+  "usage":{...},"system_fingerprint":...}` (plus `"metrics"` when the replica runs with per-request metrics);
+- the stream's terminal chunk (the one with a `finish_reason`) loses its `"system_fingerprint"`, which
+  moves to the usage chunk. The tap puts it back, at the end of that chunk, where vLLM writes it;
+- nothing else: the other chunks are dumped with `exclude_unset`, so no `"usage":null` appears in them.
+- `continuous_usage_stats` counts only together with include_usage: with it, every chunk carries
+  `"usage":{...}`. A client that set it without include_usage saw no usage at all, so `ask_for_usage`
+  turns it off when it turns include_usage on.
+
+Pure functions, no I/O; nothing here imports another router module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+EVENT_END = b"\n\n"
+USAGE_KEY = b'"usage":{'
+"""In compact JSON (vLLM's and the simulator's) an unescaped `"` only delimits a string, so these bytes are
+a `usage` key holding an object, never a piece of generated text (which would read `\\"usage\\":{`)."""
+FINISHED_KEY = b'"finish_reason":"'
+"""A chunk whose finish_reason is a string: the stream's (or a choice's) terminal chunk."""
+FINGERPRINT_KEY = b'"system_fingerprint":'
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    """usage.prompt_tokens_details.cached_tokens (input_tokens_details for the responses API); 0 when absent."""
+
+
+def _count(value: Any) -> int | None:
+    """A token count: a non-negative int (JSON's true/false are not counts)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def usage_of(obj: Any) -> Usage | None:
+    """The `usage` object of an answer or chunk, in the chat/completions shape (prompt_tokens,
+    completion_tokens, prompt_tokens_details.cached_tokens) or the responses API's (input_tokens,
+    output_tokens, input_tokens_details.cached_tokens). None when missing or malformed; never raises."""
+    if not isinstance(obj, dict):
+        return None
+    if "prompt_tokens" in obj:
+        prefix, output = "prompt", "completion"
+    elif "input_tokens" in obj:
+        prefix, output = "input", "output"
+    else:
+        return None
+    prompt, completion = obj[f"{prefix}_tokens"], obj.get(f"{output}_tokens")
+    details = obj.get(f"{prefix}_tokens_details")
+    prompt_tokens = _count(prompt)
+    # vLLM's UsageInfo allows a null completion_tokens (and the pooling endpoints generate nothing).
+    completion_tokens = 0 if completion is None else _count(completion)
+    if prompt_tokens is None or completion_tokens is None:
+        return None
+    cached: Any = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached_tokens = 0 if cached is None else _count(cached)
+    if cached_tokens is None:
+        return None
+    return Usage(prompt_tokens, completion_tokens, cached_tokens)
+
+
+def usage_of_answer(body: bytes) -> Usage | None:
+    """The usage of a non-streamed JSON answer (chat/completions, completions, responses); None for a body
+    that is not JSON, has no usage, or has one of another shape. Never raises."""
+    try:
+        parsed = orjson.loads(body)
+    except (orjson.JSONDecodeError, TypeError):
+        return None
+    return usage_of(parsed.get("usage")) if isinstance(parsed, dict) else None
+
+
+_FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _false(value: Any) -> bool:
+    """Whether vLLM reads `value` as a false bool (pydantic's lax booleans: 0, "no", "off", ...) or unset."""
+    if value is None or value is False:
+        return True
+    if isinstance(value, str):
+        return value.lower() in _FALSE_WORDS
+    return isinstance(value, int | float) and value == 0
+
+
+def ask_for_usage(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """For a streamed chat/completions or completions request whose client did not ask for usage: the payload
+    to send instead, with `stream_options.include_usage` true (the client's other stream_options kept, and
+    `continuous_usage_stats` off: without include_usage it did nothing, with it every chunk would carry
+    usage). None when nothing needs changing: the request does not stream, its client asked for usage
+    already (include_usage anything vLLM does not read as false: true, 1, "yes"...; what it would refuse
+    is left for its 400 too), or its stream_options is not an object (the replica answers with a 400)."""
+    if payload.get("stream") is not True:
+        return None
+    options = payload.get("stream_options")
+    if options is None:
+        options = {}
+    elif not isinstance(options, dict):
+        return None
+    if not _false(options.get("include_usage")):
+        return None  # asked already (or sent something the replica will refuse)
+    changed = {key: value for key, value in options.items() if key != "continuous_usage_stats"}
+    changed["include_usage"] = True
+    return {**payload, "stream_options": changed}
+
+
+def _events(chunk: bytes) -> Iterator[bytes]:
+    """`chunk`'s SSE events, each with its blank-line end; bytes after the last end come as one more."""
+    start = 0
+    while True:
+        end = chunk.find(EVENT_END, start)
+        if end < 0:
+            if start < len(chunk):
+                yield chunk[start:]
+            return
+        yield chunk[start : end + 2]
+        start = end + 2
+
+
+def _data(event: bytes) -> Any:
+    """The JSON of a one-line `data:` event; None for anything else (comments, [DONE], broken JSON)."""
+    if not event.startswith(b"data:"):
+        return None
+    try:
+        return orjson.loads(event[5:])
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _with_fingerprint(event: bytes, fingerprint: bytes) -> bytes:
+    """`event`'s JSON object with `"system_fingerprint":...` as its last key, where vLLM writes it."""
+    close = event.rfind(b"}")
+    return event[:close] + b"," + FINGERPRINT_KEY + fingerprint + event[close:]
+
+
+class UsageTap:
+    """Reads the usage of a stream as it goes by, and with `strip` gives the client the stream its request
+    would have had without include_usage.
+
+    `feed` takes whole SSE events (the relay cuts at event boundaries; bytes past the last event end are
+    passed through as they are) and returns what to send on; that may be empty, so send nothing then.
+    With `strip`, a terminal chunk (one with a finish_reason) is held back until the next event: when that
+    is the usage chunk (vLLM sends it right after the last terminal chunk), the usage chunk is dropped and
+    the held chunks go out with the `system_fingerprint` it carried; any other event first lets them out as
+    they came. So with one choice the stream is the one vLLM sends without include_usage; with `n` > 1, a
+    choice that finished while another still generated keeps its place but not its fingerprint. At the
+    end of a stream that broke off, call `flush` for whatever is still held.
+
+    Only events that contain `"usage":{` are parsed, or with `strip` ones that end a choice."""
+
+    __slots__ = ("_held", "_strip", "usage")
+
+    def __init__(self, strip: bool) -> None:
+        self._strip = strip
+        self._held: list[bytes] = []
+        self.usage: Usage | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self._strip:
+            if USAGE_KEY in chunk:
+                for event in _events(chunk):
+                    if USAGE_KEY in event:
+                        self._read(_data(event))
+            return chunk
+        if not self._held and USAGE_KEY not in chunk and FINISHED_KEY not in chunk:
+            return chunk
+        out: list[bytes] = []
+        for event in _events(chunk):
+            self._stripped(event, out)
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """The chunks still held back, as they came (the stream ended before its usage chunk)."""
+        held = b"".join(self._held)
+        self._held.clear()
+        return held
+
+    def _read(self, parsed: Any) -> None:
+        if isinstance(parsed, dict):
+            usage = usage_of(parsed.get("usage"))
+            if usage is not None:
+                self.usage = usage
+
+    def _stripped(self, event: bytes, out: list[bytes]) -> None:
+        """Appends to `out` what the client gets for `event` (and for the chunks held before it)."""
+        if USAGE_KEY in event:
+            parsed = _data(event)
+            self._read(parsed)
+            if isinstance(parsed, dict) and parsed.get("choices") == [] and isinstance(parsed.get("usage"), dict):
+                # The usage chunk, there only because include_usage was asked for: dropped, and its
+                # fingerprint goes back on the terminal chunks before it.
+                fingerprint = parsed.get("system_fingerprint")
+                if isinstance(fingerprint, str):
+                    value = orjson.dumps(fingerprint)
+                    out.extend(_with_fingerprint(held, value) for held in self._held)
+                else:
+                    out.extend(self._held)
+                self._held.clear()
+                return
+        elif (
+            FINISHED_KEY in event
+            and FINGERPRINT_KEY not in event
+            and event.startswith(b"data: {")
+            and event.endswith(b"}" + EVENT_END)
+        ):
+            self._held.append(event)
+            return
+        out.extend(self._held)
+        self._held.clear()
+        out.append(event)
