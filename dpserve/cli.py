@@ -93,6 +93,34 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         "--queue-timeout", type=float, dest="queue_timeout_s", help="seconds a request may queue before 429 (30)"
     )
     parser.add_argument(
+        "--flow-control",
+        choices=("on", "off"),
+        dest="flow_control",
+        help="hold requests past each replica's learned capacity and release them by priority, then fair "
+        "share between tenants (on); off: first come, first served",
+    )
+    parser.add_argument(
+        "--tenant",
+        action="append",
+        dest="tenants",
+        metavar="NAME:RULES",
+        help="a tenant's rules, e.g. acme:weight=2,priority=standard,max-priority=critical,rpm=600,tpm=200000,"
+        "concurrent=32,trusted=false; NAME * for every tenant without its own; repeatable",
+    )
+    parser.add_argument(
+        "--batch-reserve",
+        type=float,
+        dest="batch_reserve",
+        help="share of each replica's slots batch requests leave to more urgent ones (0.1)",
+    )
+    parser.add_argument(
+        "--vllm-priority",
+        action="store_true",
+        default=None,
+        dest="vllm_priority",
+        help="pass each request's class to vLLM as `priority` (replicas run --scheduling-policy priority)",
+    )
+    parser.add_argument(
         "--fail-threshold", type=int, dest="fail_threshold", help="failed probes in a row that eject a replica (2)"
     )
     parser.add_argument(
@@ -102,8 +130,9 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         action="append",
         dest="api_keys",
-        metavar="KEY",
-        help="a key clients must send as `Authorization: Bearer KEY`; repeatable (also DPSERVE_API_KEYS)",
+        metavar="[NAME:]KEY",
+        help="a key clients must send as `Authorization: Bearer KEY`; NAME is its tenant; repeatable "
+        "(also DPSERVE_API_KEYS)",
     )
     parser.add_argument(
         "--api-key-file", type=Path, dest="api_key_file", help="file of API keys, one per line (# comments)"
@@ -203,6 +232,7 @@ BENCH_MODULES = {
     "scaling": "scaling",
     "soak": "soak",
     "overhead": "overhead",
+    "fairness": "fairness",
 }
 NO_BENCHMARKS = (
     "dpserve bench needs a checkout of the dpserve repository (the benchmarks are not part of the installed "
@@ -507,12 +537,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds.add_parser(
         "overhead", help="router overhead vs direct, vllm-router and sglang-router: req/s and added p50", add_help=False
     )
+    bench_kinds.add_parser(
+        "fairness", help="flow control: a light tenant beside a heavy one, priority under a batch flood", add_help=False
+    )
     return parser
+
+
+ON_OFF_FLAGS = frozenset({"flow_control"})
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The flags given, by settings field name (the loader takes those of its group)."""
-    return {key: tuple(value) if isinstance(value, list) else value for key, value in vars(args).items()}
+    overrides = {key: tuple(value) if isinstance(value, list) else value for key, value in vars(args).items()}
+    for key in ON_OFF_FLAGS:
+        if overrides.get(key) is not None:
+            overrides[key] = overrides[key] == "on"
+    return overrides
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,16 @@ class RouterSettings:
     is 256 sequences: beyond that a request only waits inside the engine, where it can no longer move."""
     queue_size: int = 1024
     queue_timeout_s: float = 30.0
+    flow_control: bool = True
+    """Hold requests past each replica's learned capacity (`replicas/capacity.py`) in the router, and release
+    them by priority, then fair share between tenants; off: first come, first served."""
+    batch_reserve: float = 0.1
+    """The share of each replica's slots that `batch` requests leave free for more urgent ones."""
+    tenants: tuple[str, ...] = ()
+    """Tenants' rules: `NAME:weight=2,priority=batch,max-priority=standard,rpm=60,tpm=100000,concurrent=8`
+    (`*` for every tenant without its own; `router/tenants.py`)."""
+    vllm_priority: bool = False
+    """Pass each request's class to vLLM as its `priority` field (replicas run `--scheduling-policy priority`)."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_key_file: Path | None = None
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -243,11 +253,15 @@ def split_list(text: str) -> tuple[str, ...]:
     return tuple(text.replace(",", " ").split())
 
 
+SPACE_SEPARATED = frozenset({"tenants"})
+"""List settings whose items hold commas themselves: separated by whitespace or `;` in the environment."""
+
+
 def _coerce(name: str, hint: Any, raw: str) -> Any:
     text = str(hint)
     try:
         if "tuple" in text:
-            return split_list(raw)
+            return tuple(raw.replace(";", " ").split()) if name in SPACE_SEPARATED else split_list(raw)
         if "bool" in text:
             if raw.lower() in {"1", "true", "yes", "on"}:
                 return True

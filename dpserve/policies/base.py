@@ -56,6 +56,8 @@ class RequestFeatures:
     among a sample of a larger fleet (a session's ring cannot be read off a sample)."""
     bound: str | None = None
     """The replica the session's requests last went to, through this router or a peer (session policy)."""
+    priority: int = 1
+    """0 critical, 1 standard, 2 batch (`router/tenants.py`): how much of a full replica it may take."""
 
 
 class ReplicaView(Protocol):
@@ -71,6 +73,10 @@ class ReplicaView(Protocol):
     def kv_usage(self) -> float: ...
     @property
     def load(self) -> int: ...
+    @property
+    def capacity(self) -> int:
+        """Requests it runs at once, learned from its metrics; 0 while not known."""
+        ...
 
 
 class LoadFromCounts:
@@ -111,6 +117,7 @@ class ReplicaSnapshot(LoadFromCounts):
     in_flight_at_scrape: int = 0
     kv_usage: float = 0.0
     peer_in_flight: int = 0
+    capacity: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 from dpserve.gpu.placement import parse_replica_spec
 from dpserve.policies.base import LoadFromCounts, ReplicaView
+from dpserve.replicas.capacity import Capacity, learn
 from dpserve.replicas.health import SOFT_FAILURES, HealthRules, HealthState, HealthTracker, Outcome
 
 log = logging.getLogger("dpserve.registry")
@@ -33,6 +34,8 @@ class Replica(LoadFromCounts):
     waiting: int = 0
     in_flight_at_scrape: int = 0
     kv_usage: float = 0.0
+    learned: Capacity = field(default_factory=Capacity)
+    """How many requests it runs at once, as its metrics showed (`replicas/capacity.py`)."""
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
     last_error: str | None = None
@@ -47,6 +50,11 @@ class Replica(LoadFromCounts):
     @property
     def healthy(self) -> bool:
         return self.health.healthy
+
+    @property
+    def capacity(self) -> int:
+        """Requests it runs at once; 0 while not known."""
+        return self.learned.limit
 
     @property
     def routable(self) -> bool:
@@ -337,6 +345,10 @@ class ReplicaRegistry:
         replica.running = running
         replica.waiting = waiting
         replica.in_flight_at_scrape = replica.in_flight + replica.peer_in_flight
+        before = replica.learned.limit
+        replica.learned = learn(replica.learned, running, waiting, kv_usage, replica.in_flight_at_scrape)
+        if replica.learned.limit > before:
+            self._changed()  # room for held requests
         replica.kv_usage = kv_usage
         replica.prefix_cache_queries = prefix_cache_queries
         replica.prefix_cache_hits = prefix_cache_hits

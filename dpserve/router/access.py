@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dpserve.config import RouterSettings
 from dpserve.router.errors import OpenAIError
+from dpserve.router.tenants import CALLER_SCOPE_KEY, Caller, split_named_key
 
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
 ADMIN_PATHS = frozenset({"/status", "/dashboard"})
@@ -39,14 +40,23 @@ def required_access(path: str) -> Access:
     return Access.USER
 
 
+ADMIN_TENANT = "admin"
+"""The tenant of requests made with an admin key that has no name of its own."""
+
+
 @dataclass(frozen=True)
 class Keys:
     users: tuple[bytes, ...] = ()
     admins: tuple[bytes, ...] = ()
+    user_names: tuple[str, ...] = ()
+    """The tenant of each user key, in the same order (`NAME:KEY`, or a hash of a bare key)."""
 
     @property
     def enabled(self) -> bool:
         return bool(self.users or self.admins)
+
+    def name_of(self, index: int) -> str:
+        return self.user_names[index] if index < len(self.user_names) else f"key-{index}"
 
 
 def read_key_file(path: Path) -> list[str]:
@@ -62,12 +72,19 @@ def read_key_file(path: Path) -> list[str]:
 
 
 def load_keys(settings: RouterSettings) -> Keys:
-    users = list(settings.api_keys) + (read_key_file(settings.api_key_file) if settings.api_key_file else [])
+    """User keys may be named (`NAME:KEY`, in flags, files and DPSERVE_API_KEYS alike): NAME is their
+    tenant. Admin keys are taken whole."""
+    given = list(settings.api_keys) + (read_key_file(settings.api_key_file) if settings.api_key_file else [])
+    named = [split_named_key(text) for text in given]
     admins = list(settings.admin_keys) + (read_key_file(settings.admin_key_file) if settings.admin_key_file else [])
-    for key in users + admins:
+    for key in [key for _, key in named] + admins:
         if len(key) < 8 or any(ch.isspace() for ch in key):
             raise ValueError("API and admin keys need at least 8 characters and no whitespace")
-    return Keys(tuple(k.encode() for k in users), tuple(k.encode() for k in admins))
+    return Keys(
+        tuple(key.encode() for _, key in named),
+        tuple(key.encode() for key in admins),
+        tuple(name for name, _ in named),
+    )
 
 
 def check_bind(host: str, keys: Keys, insecure: bool) -> None:
@@ -89,28 +106,33 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _matches(candidate: bytes, keys: Iterable[bytes]) -> bool:
-    # Compare against every key in constant time each, so timing says nothing about which is close.
-    found = False
-    for key in keys:
-        found |= hmac.compare_digest(candidate, key)
+def _match(candidate: bytes, keys: Iterable[bytes]) -> int:
+    """The index of the key that matches, or -1. Every key is compared, each in constant time, so timing
+    says nothing about which is close."""
+    found = -1
+    for index, key in enumerate(keys):
+        if hmac.compare_digest(candidate, key):
+            found = index
     return found
 
 
-def authorize(keys: Keys, access: Access, authorization: bytes | None) -> OpenAIError | None:
-    """None when the request may go on, else the error to answer with."""
+def authorize(keys: Keys, access: Access, authorization: bytes | None) -> OpenAIError | Caller | None:
+    """The caller (its key's tenant) when the request may go on, None when no key is needed, else the error
+    to answer with."""
     if access is Access.PUBLIC or not keys.enabled:
         return None
     token = _bearer(authorization)
-    is_admin = token is not None and _matches(token, keys.admins)
-    if token is None or not (is_admin or _matches(token, keys.users)):
+    admin = _match(token, keys.admins) if token is not None else -1
+    user = _match(token, keys.users) if token is not None and admin < 0 else -1
+    if token is None or (admin < 0 and user < 0):
         message = (
             "Missing API key: send `Authorization: Bearer YOUR_KEY`." if token is None else "Invalid API key provided."
         )
         return OpenAIError(401, message, code="invalid_api_key", headers={"www-authenticate": 'Bearer realm="dpserve"'})
-    if access is Access.ADMIN and not is_admin:
+    if access is Access.ADMIN and admin < 0:
         return OpenAIError(403, "This path needs an admin key.", type="permission_error", code="admin_key_required")
-    return None
+    # An admin key is trusted to name the tenant it acts for.
+    return Caller(ADMIN_TENANT, True) if admin >= 0 else Caller(keys.name_of(user), False)
 
 
 def _bearer(authorization: bytes | None) -> bytes | None:
@@ -142,7 +164,7 @@ class Guard:
             size += len(name) + len(value)
             if name == b"authorization":
                 authorization = value
-        error: OpenAIError | None = None
+        error: OpenAIError | Caller | None
         if size > self.max_header_bytes:
             error = OpenAIError(
                 431,
@@ -151,7 +173,9 @@ class Guard:
             )
         else:
             error = authorize(self.keys, required_access(scope["path"]), authorization)
-        if error is None:
+        if not isinstance(error, OpenAIError):
+            if error is not None:
+                scope[CALLER_SCOPE_KEY] = error
             await self.app(scope, receive, send)
             return
         await error.to_response({"connection": "close"} if error.status == 431 else None)(scope, receive, send)

@@ -1,17 +1,25 @@
-"""Admission control: at most `limit` requests in flight per replica; past that, a bounded FIFO queue
-with a timeout. A full queue or a wait past the timeout is refused with 429 and `Retry-After`, so a
-burst cannot pile unbounded work on the GPUs or unbounded memory on the router."""
+"""Admission control: how many requests each replica gets, and who waits in the router's queue for the
+rest. Two bounds, either off: a fixed `--max-in-flight` per replica (this router's own requests), and,
+with flow control, the capacity each replica showed in its own metrics (`replicas/capacity.py`), against
+its whole load (peers' and other clients' requests included). Past them requests wait, released in fair
+order (`fair_queue.py`: priority classes, then tenants by tokens served), or, without flow control, in
+arrival order. A full queue or a wait past the timeout is refused with 429 and `Retry-After`; with a
+full queue a `batch` request is shed to make room for a more urgent one."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from dpserve.policies.base import ReplicaView
 from dpserve.router.errors import OpenAIError
+from dpserve.router.fair_queue import FairQueue
+
+STANDARD = 1
+BATCH = 2
 
 
 class Rejected(OpenAIError):
@@ -26,6 +34,27 @@ class Rejected(OpenAIError):
         self.reason = reason
 
 
+@dataclass(slots=True)
+class Ticket:
+    """One request's place in the flow: whose it is, what it is expected to cost, how long it waited."""
+
+    tenant: str = ""
+    weight: float = 1.0
+    cost: float = 0.0
+    """Tokens to charge the tenant when it is admitted (once, retries included)."""
+    charged: float = 0.0
+    """What was charged: corrected by what the answer took (`Admission.settle`)."""
+    queue_s: float = 0.0
+
+
+class _Waiter:
+    __slots__ = ("refused", "wake")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.wake: asyncio.Future[None] = loop.create_future()
+        self.refused: Rejected | None = None
+
+
 class Admission:
     def __init__(
         self,
@@ -33,41 +62,89 @@ class Admission:
         queue_size: int,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        flow_control: bool = False,
+        batch_reserve: float = 0.1,
     ) -> None:
-        """`limit_per_replica` 0: no limit (and no queue)."""
+        """`limit_per_replica` 0: no fixed limit. `flow_control`: hold requests past each replica's learned
+        capacity and release them in fair order; `batch_reserve`: the share of a replica's slots `batch`
+        requests leave to the others."""
         self.limit = limit_per_replica
         self.queue_size = queue_size
         self.timeout_s = timeout_s
+        self.flow_control = flow_control
+        self.batch_reserve = batch_reserve
+        self.holds = limit_per_replica > 0 or flow_control
+        """False: every request goes straight on, nothing ever waits."""
         self._clock = clock
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._queue: FairQueue[_Waiter] = FairQueue()
 
     @property
     def depth(self) -> int:
-        return len(self._waiters)
+        return len(self._queue)
 
-    def open(self, candidates: Sequence[ReplicaView]) -> list[ReplicaView]:
-        """The candidates with room for one more request."""
-        if self.limit <= 0:
+    def open(self, candidates: Sequence[ReplicaView], priority: int = STANDARD) -> list[ReplicaView]:
+        """The candidates with room for one more request of this class."""
+        if not self.holds:
             return list(candidates)
-        return [c for c in candidates if c.in_flight < self.limit]
+        return [c for c in candidates if self.has_room(c, priority)]
 
-    async def wait_for_room(self, has_room: Callable[[], bool]) -> float:
-        """Returns once `has_room()` holds and no earlier request is still waiting; the seconds waited.
-        Raises `Rejected` when the queue is full or the wait outlasts the timeout."""
-        if not self._waiters and has_room():
+    def has_room(self, replica: ReplicaView, priority: int = STANDARD) -> bool:
+        limit = self.limit
+        if limit and replica.in_flight >= self._share(limit, priority):
+            return False
+        capacity = replica.capacity if self.flow_control else 0
+        return not capacity or replica.load < self._share(capacity, priority)
+
+    def _share(self, slots: int, priority: int) -> int:
+        """What a class may fill of `slots`: all of it, but `batch` leaves a reserve (never its last slot)."""
+        if priority < BATCH or not self.flow_control:
+            return slots
+        return slots - min(slots - 1, math.ceil(slots * self.batch_reserve))
+
+    async def wait_for_room(
+        self,
+        has_room: Callable[[], bool],
+        priority: int = STANDARD,
+        tenant: str = "",
+        weight: float = 1.0,
+        cost: float = 0.0,
+    ) -> float:
+        """Returns once `has_room()` holds and no request that goes first is still waiting; the seconds
+        waited. `cost`: the tokens the request is expected to take, charged to its tenant on admission
+        (`settle` corrects it). Raises `Rejected` when the queue is full, the wait outlasts the timeout,
+        or the request is shed for a more urgent one."""
+        queue = self._queue
+        if not self.flow_control:
+            priority, tenant, cost = STANDARD, "", 0.0  # one class, one tenant: arrival order
+        if (not queue or queue.goes_first(priority, tenant)) and has_room():
+            if cost:
+                queue.charge(tenant, cost, weight)
             return 0.0
-        if len(self._waiters) >= self.queue_size:
-            raise Rejected(
-                "queue_full",
-                "The router is at capacity and its queue is full; retry after a moment.",
+        if len(queue) >= self.queue_size:
+            victim = queue.newest_of_lowest_class(below=priority) if self.flow_control else None
+            if victim is None:
+                raise Rejected(
+                    "queue_full",
+                    "The router is at capacity and its queue is full; retry after a moment.",
+                    self.timeout_s / 4,
+                )
+            queue.remove(victim)
+            victim.refused = Rejected(
+                "shed",
+                "This batch request was shed to make room for more urgent ones; retry later.",
                 self.timeout_s / 4,
             )
+            if not victim.wake.done():
+                victim.wake.set_result(None)
         started = self._clock()
         deadline = started + self.timeout_s
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        waiter = _Waiter(asyncio.get_running_loop())
+        queue.push(waiter, priority, tenant)
         try:
             while True:
+                if waiter.refused is not None:
+                    raise waiter.refused
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise Rejected(
@@ -75,26 +152,28 @@ class Admission:
                         f"No replica had room for this request within {self.timeout_s:g} s; retry later.",
                         self.timeout_s / 4,
                     )
-                # Only the head of the queue may take a slot, so requests are admitted in arrival order.
-                if self._waiters[0] is waiter and has_room():
+                # Only the one that goes first may take a slot.
+                if queue.peek() is waiter and has_room():
+                    if cost:
+                        queue.charge(tenant, cost, weight)
                     return self._clock() - started
                 try:
-                    await asyncio.wait_for(asyncio.shield(waiter), remaining)
+                    await asyncio.wait_for(asyncio.shield(waiter.wake), remaining)
                 except TimeoutError:
                     continue
-                waiter = self._rearm(waiter)
+                waiter.wake = asyncio.get_running_loop().create_future()
         finally:
-            self._waiters.remove(waiter)
+            queue.remove(waiter)
             # The next in line may find room too (several slots freed at once, or this one gave up).
             self.notify()
 
-    def notify(self) -> None:
-        """A slot may have freed: wake the head of the queue to look."""
-        if self._waiters and not self._waiters[0].done():
-            self._waiters[0].set_result(None)
+    def settle(self, tenant: str, tokens: float, weight: float = 1.0) -> None:
+        """Corrects the tokens charged to a tenant on admission by what its answer really took."""
+        if self.flow_control and tokens:
+            self._queue.charge(tenant, tokens, weight)
 
-    def _rearm(self, waiter: asyncio.Future[None]) -> asyncio.Future[None]:
-        """A fresh future in the same queue position, for the next wake-up."""
-        fresh: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters[self._waiters.index(waiter)] = fresh
-        return fresh
+    def notify(self) -> None:
+        """A slot may have freed: wake the request that goes first to look."""
+        head = self._queue.peek()
+        if head is not None and not head.wake.done():
+            head.wake.set_result(None)

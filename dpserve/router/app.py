@@ -52,6 +52,7 @@ from dpserve.router.dispatch import Dispatcher, OpenStreams, RetryRules
 from dpserve.router.endpoints import PROXIED_ENDPOINTS
 from dpserve.router.errors import CLIENT_CLOSED, OpenAIError, bad_request, status_type
 from dpserve.router.features import FeatureBuilder
+from dpserve.router.flow import Flow
 from dpserve.router.gpu_agents import GpuAgents
 from dpserve.router.gpu_fleet import GpuFleet
 from dpserve.router.gpu_metrics import GpuCollector
@@ -62,10 +63,13 @@ from dpserve.router.peer_wire import MAX_ROUTES
 from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
 from dpserve.router.proxied_endpoints import ProxiedEndpoints, Relaying, proxied_openapi_paths
 from dpserve.router.proxied_paths import HotPath, RouterApp
+from dpserve.router.quotas import QuotaBook
 from dpserve.router.selection import PrefixLookup, Selector
 from dpserve.router.shutdown import Shutdown
 from dpserve.router.stored_responses import ResponseOwners
+from dpserve.router.tenants import Tenants
 from dpserve.router.upstream_client import Deadlines, UpstreamPool
+from dpserve.router.usage import UsageBook, UsageCollector
 
 log = logging.getLogger("dpserve.router")
 
@@ -106,7 +110,22 @@ def policy_tuning(settings: RouterSettings) -> PolicyTuning:
 
 
 def admission_for(settings: RouterSettings) -> Admission:
-    return Admission(settings.max_in_flight, settings.queue_size, settings.queue_timeout_s)
+    return Admission(
+        settings.max_in_flight,
+        settings.queue_size,
+        settings.queue_timeout_s,
+        flow_control=settings.flow_control,
+        batch_reserve=settings.batch_reserve,
+    )
+
+
+def flow_for(settings: RouterSettings, keys: Keys, admission: Admission) -> Flow:
+    """Tenants from the named keys and `--tenant` rules; quotas and usage books; the admission queue."""
+    if not 0 <= settings.batch_reserve < 1:
+        raise ValueError(f"--batch-reserve {settings.batch_reserve:g}: a share from 0 up to (not including) 1")
+    tenants = Tenants.from_specs(settings.tenants, keys.user_names, open_access=not keys.enabled)
+    usage = UsageBook(named=tenants.named)
+    return Flow(tenants, QuotaBook(), usage, admission, pass_priority=settings.vllm_priority)
 
 
 def selector_for(
@@ -294,9 +313,11 @@ def create_app(
     policy = policy or make_policy(settings.routing_policy, rng, policy_tuning(settings))
     keys = keys if keys is not None else load_keys(settings)
     admission = admission_for(settings)
+    flow = flow_for(settings, keys, admission)
     registry.on_change(admission.notify)
     metrics = RouterMetrics(registry, policy.name)
     metrics.queue_depth.set_function(lambda: admission.depth)
+    metrics.registry.register(UsageCollector(flow.usage))
     gpus = gpu_fleet(settings, registry, nvml, resolver)
     if gpus.enabled:
         metrics.registry.register(GpuCollector(gpus))
@@ -348,7 +369,7 @@ def create_app(
         dispatcher = Dispatcher(registry, selector, hot, metrics, retry, admission, open_streams, rng=rng)
         features = FeatureBuilder(policy.needs, registry, metrics, kv_index, text_index, tokens, bindings)
         relaying = Relaying(
-            registry, features, dispatcher, metrics, ResponseOwners(), max_body_bytes=settings.max_body_bytes
+            registry, features, dispatcher, metrics, ResponseOwners(), max_body_bytes=settings.max_body_bytes, flow=flow
         )
         zmq_context = zmq.asyncio.Context()
         subscribers = state.subscribers
@@ -453,6 +474,11 @@ def create_app(
         if origin == board.origin:
             raise OpenAIError(409, "That origin is this router itself.", type="invalid_request_error")
         return Response(await peers.snapshot(), media_type="application/x-msgpack")
+
+    @app.get("/admin/usage")
+    async def usage() -> JSONResponse:
+        # Tenant names only, never keys: totals since start and per minute.
+        return JSONResponse(flow.usage.to_dict())
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -16,7 +16,7 @@ import orjson
 from dpserve.policies.base import ReplicaView, RequestFeatures, pick_least_loaded
 from dpserve.replicas.health import Outcome, classify_status
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.admission import Admission
+from dpserve.router.admission import Admission, Ticket
 from dpserve.router.errors import OpenAIError, no_replica
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.selection import Selector
@@ -206,15 +206,18 @@ class Dispatcher:
         self._rng = rng or random.Random()
         self._clock = clock
 
-    async def send(self, features: RequestFeatures, request: Outbound, started: float) -> Buffered | Streaming:
-        """To the replica the selector chooses, retried on others before the first byte."""
+    async def send(
+        self, features: RequestFeatures, request: Outbound, started: float, ticket: Ticket | None = None
+    ) -> Buffered | Streaming:
+        """To the replica the selector chooses, retried on others before the first byte. `ticket`: the
+        request's tenant and expected cost for the admission queue; it learns how long it waited."""
         tried: list[str] = []
         last_failure: Buffered | None = None
         retries = self._retry.retries
         for attempt in range(retries + 1):
             if attempt:
                 await asyncio.sleep(self._retry.pause(attempt, self._rng))
-            candidates = await self._admitted(features, tried)
+            candidates = await self._admitted(features, tried, ticket)
             if not candidates:
                 break
             replica_id = self._selector.choose(features, candidates).id
@@ -274,11 +277,13 @@ class Dispatcher:
         self._registry.observe(replica_id, classify_status(outcome.status), f"HTTP {outcome.status}")
         return outcome
 
-    async def _admitted(self, features: RequestFeatures, tried: Sequence[str]) -> list[ReplicaView]:
+    async def _admitted(
+        self, features: RequestFeatures, tried: Sequence[str], ticket: Ticket | None
+    ) -> list[ReplicaView]:
         """Candidates with room, after waiting in the admission queue when every one is full."""
         admission = self._admission
         candidates = self._selector.candidates
-        if admission.limit <= 0:
+        if not admission.holds:
             return candidates(features, tried)
         found: list[ReplicaView] = []
 
@@ -289,7 +294,15 @@ class Dispatcher:
             return bool(found) or all(r.id in tried for r in self._registry.routable(features.model))
 
         try:
-            waited = await admission.wait_for_room(has_room)
+            if ticket is None:
+                waited = await admission.wait_for_room(has_room, features.priority)
+            else:
+                waited = await admission.wait_for_room(
+                    has_room, features.priority, ticket.tenant, ticket.weight, ticket.cost
+                )
+                ticket.charged += ticket.cost
+                ticket.cost = 0.0
+                ticket.queue_s += waited
         except OpenAIError as rejected:
             self._metrics.admission_rejections.labels(rejected.code or "rejected").inc()
             raise

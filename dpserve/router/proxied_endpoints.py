@@ -17,7 +17,8 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
@@ -26,6 +27,8 @@ from dpserve.policies.base import RequestFeatures
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.dispatch import Buffered, Dispatcher, Outbound, Streaming
 from dpserve.router.endpoints import (
+    CHAT,
+    COMPLETIONS,
     RESPONSE_BY_ID,
     RESPONSES,
     VERSION,
@@ -43,6 +46,7 @@ from dpserve.router.errors import (
     upstream_error_body,
 )
 from dpserve.router.features import SESSION_HEADER, FeatureBuilder
+from dpserve.router.flow import Flow, Pass, with_fields
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.request_body import (
     body_chunks,
@@ -50,10 +54,11 @@ from dpserve.router.request_body import (
     parse_form,
     read_limited,
     request_schema,
-    with_model,
 )
 from dpserve.router.stored_responses import ResponseOwners, id_of_answer, id_of_stream
+from dpserve.router.tenants import CALLER_SCOPE_KEY, PRIORITY_HEADER, TENANT_HEADER, Priority, Tenant
 from dpserve.router.upstream_client import InvalidHeader, check_header
+from dpserve.router.usage_stream import Usage, UsageTap, ask_for_usage, usage_of_answer
 
 log = logging.getLogger("dpserve.router")
 
@@ -61,8 +66,19 @@ REPLICA_HEADER = "x-dpserve-replica"
 REQUEST_ID_HEADER = "x-request-id"
 _JSON = b"application/json"
 # The only request headers the hot path reads (the session header for the session policy; the content
-# type for multipart bodies, whose boundary the replica needs).
-_READ_HEADERS = frozenset({b"content-length", b"content-type", REQUEST_ID_HEADER.encode(), SESSION_HEADER.encode()})
+# type for multipart bodies, whose boundary the replica needs; the tenant and priority for flow control).
+_READ_HEADERS = frozenset(
+    {
+        b"content-length",
+        b"content-type",
+        REQUEST_ID_HEADER.encode(),
+        SESSION_HEADER.encode(),
+        TENANT_HEADER.encode(),
+        PRIORITY_HEADER.encode(),
+    }
+)
+# Streams whose usage the router can ask for (`stream_options.include_usage`) and take out again.
+_USAGE_ON_REQUEST = frozenset({CHAT.name, COMPLETIONS.name})
 MAX_REQUEST_ID_CHARS = 128
 NO_BODY_STATUSES = frozenset({204, 304})
 
@@ -78,6 +94,7 @@ class Relaying:
     response_owners: ResponseOwners
     """Which replica stored which response (`/v1/responses`)."""
     max_body_bytes: int
+    flow: Flow
 
 
 class ProxiedEndpoints:
@@ -113,6 +130,9 @@ class _Prepared:
     request: Outbound
     response_id: str | None = None
     """The stored response it must reach (by id, or `previous_response_id`), None for any replica."""
+    payload: dict[str, Any] | None = None
+    strip_usage: bool = False
+    """The router asked for the stream's usage: its usage chunk is taken out before the client sees it."""
 
 
 class _Exchange:
@@ -137,12 +157,21 @@ class _Exchange:
         """The last message is on its way: from then on uvicorn reports the end of the exchange as a
         disconnect, which is not the client leaving."""
         self.client_gone = False
+        self.tenant: Tenant | None = None
+        self.flow_pass: Pass | None = None
+        self.status = CLIENT_CLOSED
+        """The answer's status as the client got it (client gone until one is sent)."""
+        self.usage: Usage | None = None
 
     async def run(self) -> None:
         endpoint = self.endpoint
         try:
             try:
                 prepared = await self._prepare()
+                assert self.tenant is not None
+                self.flow_pass = self.state.flow.begin(
+                    self.tenant, prepared.features, prepared.payload or {}, len(prepared.request.body)
+                )
             except OpenAIError as err:
                 self._count_refusal(err)
                 await _send_error(self.send, err, self.request_id)
@@ -150,28 +179,10 @@ class _Exchange:
             except ClientGone:
                 self._count_client_gone("none")
                 return
-            # From here on a client that leaves cancels this task, so the replica's request is dropped
-            # (and aborted there) instead of computed for no one.
-            watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
             try:
-                outcome = await self._dispatch(prepared)
-                if isinstance(outcome, Buffered):
-                    await self._answer(outcome)
-                else:
-                    await self._relay(outcome)
-            except OpenAIError as err:
-                self._count_refusal(err)
-                self.answered = True
-                await _send_error(self.send, err, self.request_id)
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if not self.client_gone or task is None:
-                    raise
-                task.uncancel()
-                if not self.response_started:
-                    self._count_client_gone("none")
+                await self._serve(prepared)
             finally:
-                watcher.cancel()
+                self.state.flow.end(self.flow_pass, self.status, self.usage)
         except Exception:
             # Logged here with its trace; the client gets no internals.
             log.exception("unhandled error on %s", endpoint.path)
@@ -182,11 +193,36 @@ class _Exchange:
             else:
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def _serve(self, prepared: _Prepared) -> None:
+        # From here on a client that leaves cancels this task, so the replica's request is dropped
+        # (and aborted there) instead of computed for no one.
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
+        try:
+            outcome = await self._dispatch(prepared)
+            if isinstance(outcome, Buffered):
+                await self._answer(outcome)
+            else:
+                await self._relay(outcome, prepared.strip_usage)
+        except OpenAIError as err:
+            self._count_refusal(err)
+            self.answered = True
+            await _send_error(self.send, err, self.request_id)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.client_gone or task is None:
+                raise
+            task.uncancel()
+            if not self.response_started:
+                self._count_client_gone("none")
+        finally:
+            watcher.cancel()
+
     async def _prepare(self) -> _Prepared:
         """Reads and checks the request; OpenAIError (4xx) for anything the router will not send on."""
         state, endpoint, headers = self.state, self.endpoint, self.headers
         if self.refused_id is not None:
             raise self.refused_id
+        tenant = self.tenant = state.flow.identify(self.scope.get(CALLER_SCOPE_KEY), headers)
         upstream_headers = {"content-type": "application/json", REQUEST_ID_HEADER: self.request_id}
         path = upstream_path(self.scope)
         if endpoint.body is BodyKind.NONE:
@@ -211,10 +247,24 @@ class _Exchange:
             parsed = parse_body(raw, endpoint)
         model = resolve_model(state.registry, parsed.model)
         features = await state.features.build(endpoint, model, parsed.stream, parsed.payload, headers)
-        body = with_model(parsed, model) if endpoint.body is BodyKind.JSON else raw
+        if tenant.priority is not Priority.STANDARD:
+            features = replace(features, priority=int(tenant.priority))
+        body, strip_usage = raw, False
+        if endpoint.body is BodyKind.JSON:
+            fields = state.flow.upstream_fields(tenant)
+            if parsed.model != model:  # the client left `model` out and the router chose it
+                fields["model"] = model
+            if parsed.stream and endpoint.name in _USAGE_ON_REQUEST:
+                # Every stream's usage is counted: asked for when the client did not, and taken out again.
+                asked = ask_for_usage(parsed.payload)
+                if asked is not None:
+                    fields["stream_options"] = asked["stream_options"]
+                    strip_usage = True
+            body = with_fields(raw, parsed.payload, fields)
         previous = parsed.payload.get("previous_response_id") if endpoint is RESPONSES else None
         response_id = previous if isinstance(previous, str) and previous else None
-        return _Prepared(features, Outbound(endpoint.method, path, body, upstream_headers), response_id)
+        outbound = Outbound(endpoint.method, path, body, upstream_headers)
+        return _Prepared(features, outbound, response_id, parsed.payload, strip_usage)
 
     async def _dispatch(self, prepared: _Prepared) -> Buffered | Streaming:
         state, endpoint = self.state, self.endpoint
@@ -225,14 +275,16 @@ class _Exchange:
             return await dispatcher.send_to_any(features, request, self.started)
         response_id = prepared.response_id
         if response_id is None:
-            return await dispatcher.send(features, request, self.started)
+            ticket = self.flow_pass.ticket if self.flow_pass is not None else None
+            return await dispatcher.send(features, request, self.started, ticket)
         owner = state.response_owners.get(response_id)
         if owner is None or owner not in state.registry:  # unseen, or its replica was removed since
             owner = await self._find_owner(response_id)
         if owner is None:
             if endpoint is RESPONSES:
                 # Continuing a response no replica holds: any replica gives vLLM's own 404 for it.
-                return await dispatcher.send(features, request, self.started)
+                ticket = self.flow_pass.ticket if self.flow_pass is not None else None
+                return await dispatcher.send(features, request, self.started, ticket)
             raise OpenAIError(
                 404,
                 f"No stored response `{response_id}` on any replica.",
@@ -276,8 +328,11 @@ class _Exchange:
         if status >= 400:
             # Always OpenAI-shaped JSON by now, whatever the replica's own content type was.
             body, content_type = upstream_error_body(status, body, endpoint.path), _JSON
-        elif endpoint is RESPONSES and status == 200:
-            self._learn_owner(id_of_answer(body), outcome.replica_id)
+        else:
+            if endpoint is RESPONSES and status == 200:
+                self._learn_owner(id_of_answer(body), outcome.replica_id)
+            if status == 200 and endpoint.body is BodyKind.JSON:
+                self.usage = usage_of_answer(body)
         if status in NO_BODY_STATUSES:
             headers = self._routing_headers(outcome.replica_id)
             body = b""
@@ -290,12 +345,15 @@ class _Exchange:
         if outcome.retry_after is not None and status in (429, 503):
             headers.append((b"retry-after", outcome.retry_after.encode("latin-1")))
         self.response_started = True
+        self.status = status
         await self.send({"type": "http.response.start", "status": outcome.status, "headers": headers})
         self.answered = True
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _relay(self, stream: Streaming) -> None:
-        """Relays a stream as it comes; the upstream is always closed and accounted for."""
+    async def _relay(self, stream: Streaming, strip_usage: bool) -> None:
+        """Relays a stream as it comes; the upstream is always closed and accounted for, and its usage read
+        (and taken out when the router asked for it)."""
+        tap = UsageTap(strip_usage)
         try:
             headers = [
                 (b"content-type", stream.content_type.encode("latin-1")),
@@ -309,15 +367,24 @@ class _Exchange:
                 if first:
                     first = False
                     self._learn_owner(id_of_stream(chunk), stream.replica_id)
+                chunk = tap.feed(chunk)
+                if not chunk:
+                    continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            held = tap.flush()  # a last event held back to see whether a usage chunk followed it
+            if held:
+                await send({"type": "http.response.body", "body": held, "more_body": True})
             self.answered = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             stream.finish()
+            self.usage = tap.usage
             metrics, name = self.state.metrics, self.endpoint.name
             status = str(stream.status)
+            self.status = 502 if stream.broken else stream.status
             if not stream.completed and not stream.broken:
                 status = str(CLIENT_CLOSED)
+                self.status = CLIENT_CLOSED
                 metrics.client_disconnects.labels(name).inc()
             metrics.labeled(metrics.requests, name, stream.replica_id, status).inc()
             metrics.labeled(metrics.duration, name, "true").observe(time.perf_counter() - self.started)
@@ -330,6 +397,9 @@ class _Exchange:
         return [(REPLICA_HEADER.encode(), replica_id.encode()), (REQUEST_ID_HEADER.encode(), self.request_id.encode())]
 
     def _count_refusal(self, err: OpenAIError) -> None:
+        self.status = err.status
+        if self.flow_pass is None and self.tenant is not None:
+            self.state.flow.usage.record(self.tenant.name, error=True)
         metrics = self.state.metrics
         metrics.rejected.labels(str(err.status)).inc()
         metrics.labeled(metrics.requests, self.endpoint.name, "none", str(err.status)).inc()

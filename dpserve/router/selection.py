@@ -53,12 +53,12 @@ class Selector:
         view = registry.routable(features.model)
         pool = self._sample(view, features)
         if len(pool) < len(view):
-            candidates = admission.open(registry.available(pool, tried, fresh_only=True))
+            candidates = admission.open(registry.available(pool, tried, fresh_only=True), features.priority)
             if degraded:
                 candidates = [c for c in candidates if c.id not in degraded]
             if candidates:
                 return candidates
-        candidates = admission.open(registry.available(view, tried))
+        candidates = admission.open(registry.available(view, tried), features.priority)
         if degraded:
             fit = [c for c in candidates if c.id not in degraded]
             return fit or candidates

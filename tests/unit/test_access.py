@@ -8,6 +8,8 @@ import pytest
 
 from dpserve.config import RouterSettings, load_settings
 from dpserve.router.access import Access, Keys, authorize, check_bind, load_keys, required_access
+from dpserve.router.errors import OpenAIError
+from dpserve.router.tenants import Caller, key_tenant
 
 KEYS = Keys(users=(b"user-key-1", b"user-key-2"), admins=(b"admin-key-1",))
 
@@ -34,7 +36,20 @@ def test_paths_need_the_right_access(path: str, access: Access) -> None:
 
 def status_of(authorization: bytes | None, access: Access, keys: Keys = KEYS) -> int | None:
     error = authorize(keys, access, authorization)
-    return None if error is None else error.status
+    return error.status if isinstance(error, OpenAIError) else None
+
+
+def test_a_key_names_its_caller_and_a_named_key_its_tenant() -> None:
+    settings = load_settings(RouterSettings, {"api_keys": ("acme:acme-key-1", "bare-key-22")})
+    keys = load_keys(settings)
+    assert keys.users == (b"acme-key-1", b"bare-key-22")
+    assert authorize(keys, Access.USER, b"Bearer acme-key-1") == Caller("acme", False)
+    # A bare key is its own tenant, named by a hash: never the key itself.
+    bare = authorize(keys, Access.USER, b"Bearer bare-key-22")
+    assert bare == Caller(key_tenant("bare-key-22"), False) and "bare-key-22" not in bare.tenant
+    assert authorize(keys, Access.PUBLIC, b"Bearer acme-key-1") is None
+    admin = authorize(KEYS, Access.USER, b"Bearer admin-key-1")
+    assert isinstance(admin, Caller) and admin.trusted
 
 
 def test_user_paths() -> None:

@@ -1,0 +1,276 @@
+"""Flow control's pure parts: the fair queue's order, learned capacity, tenants and priorities, the
+admission queue's classes and shedding, the body fields the router adds. No sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from dpserve.policies.base import ReplicaSnapshot, RequestFeatures
+from dpserve.replicas.capacity import Capacity, learn
+from dpserve.router.admission import Admission, Rejected
+from dpserve.router.errors import OpenAIError
+from dpserve.router.fair_queue import FairQueue
+from dpserve.router.flow import completion_tokens_guess, with_fields
+from dpserve.router.tenants import (
+    ANONYMOUS,
+    Caller,
+    Priority,
+    Tenants,
+    TenantRules,
+    parse_tenant_rules,
+    split_named_key,
+)
+
+CRITICAL, STANDARD, BATCH = int(Priority.CRITICAL), int(Priority.STANDARD), int(Priority.BATCH)
+
+
+# --- the fair queue ---------------------------------------------------------------------------------
+
+
+def drain(queue: FairQueue[str], cost: dict[str, float]) -> list[str]:
+    """Releases everything in order, charging each tenant its request's cost as it goes."""
+    order = []
+    while (item := queue.peek()) is not None:
+        queue.remove(item)
+        tenant = item.split("-")[0]
+        queue.charge(tenant, cost.get(tenant, 1.0))
+        order.append(item)
+    return order
+
+
+def test_a_light_tenant_is_not_stuck_behind_a_heavy_tenants_backlog() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for n in range(20):
+        queue.push(f"A-{n}", STANDARD, "A")
+    queue.push("B-0", STANDARD, "B")
+    order = drain(queue, {"A": 100, "B": 100})
+    # FCFS would release B last (21st); by tokens served it goes at most second.
+    assert order.index("B-0") <= 1
+
+
+def test_tenants_share_by_tokens_not_by_requests() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for n in range(30):
+        queue.push(f"A-{n}", STANDARD, "A")  # A's requests cost 3 times B's
+        queue.push(f"B-{n}", STANDARD, "B")
+    order = drain(queue, {"A": 300, "B": 100})[:40]
+    a, b = sum(x.startswith("A") for x in order), sum(x.startswith("B") for x in order)
+    assert 3 * a * 300 == pytest.approx(b * 100 * 3, rel=0.15)  # equal tokens, so B gets ~3x the requests
+
+
+def test_weights_scale_the_share() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for n in range(40):
+        queue.push(f"A-{n}", STANDARD, "A")
+        queue.push(f"B-{n}", STANDARD, "B")
+    order = []
+    while len(order) < 30 and (item := queue.peek()) is not None:
+        queue.remove(item)
+        tenant = item.split("-")[0]
+        queue.charge(tenant, 10.0, weight=2.0 if tenant == "A" else 1.0)
+        order.append(tenant)
+    assert order.count("A") == pytest.approx(2 * order.count("B"), abs=2)
+
+
+def test_classes_go_strictly_first_and_fifo_within_a_tenant() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push("A-0", BATCH, "A")
+    queue.push("B-0", STANDARD, "B")
+    queue.push("B-1", STANDARD, "B")
+    queue.push("C-0", CRITICAL, "C")
+    assert drain(queue, {}) == ["C-0", "B-0", "B-1", "A-0"]
+
+
+def test_an_idle_tenant_cannot_bank_credit() -> None:
+    queue: FairQueue[str] = FairQueue()
+    # A is served a lot while nobody waits; B was served little long ago.
+    queue.charge("B", 10)
+    for _ in range(50):
+        queue.charge("A", 100)
+    for n in range(10):
+        queue.push(f"A-{n}", STANDARD, "A")
+    for n in range(10):
+        queue.push(f"B-{n}", STANDARD, "B")
+    order = [item[0] for item in drain(queue, {"A": 100, "B": 100})[:10]]
+    # Raised to A's counter on joining, B alternates with A instead of taking all 10 slots first.
+    assert 3 <= order.count("B") <= 7
+
+
+def test_a_newcomer_goes_first_only_when_nothing_waiting_ranks_before_it() -> None:
+    queue: FairQueue[str] = FairQueue()
+    assert queue.goes_first(STANDARD, "A")
+    queue.push("A-0", BATCH, "A")
+    assert queue.goes_first(STANDARD, "B") and queue.goes_first(CRITICAL, "B")
+    assert not queue.goes_first(BATCH, "A")  # behind its own earlier request
+    queue.push("B-0", STANDARD, "B")
+    assert not queue.goes_first(BATCH, "C") and not queue.goes_first(STANDARD, "B")
+    queue.charge("B", 1000)
+    assert queue.goes_first(STANDARD, "C")  # C joins at B's counter... and B has been served more since
+
+
+def test_the_one_shed_is_the_newest_of_the_least_urgent_class() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push("A-0", BATCH, "A")
+    queue.push("A-1", BATCH, "A")
+    queue.push("B-0", STANDARD, "B")
+    assert queue.newest_of_lowest_class(below=STANDARD) == "A-1"
+    assert queue.newest_of_lowest_class(below=BATCH) is None  # nothing less urgent than batch
+
+
+def test_idle_tenants_counters_stay_bounded() -> None:
+    queue: FairQueue[str] = FairQueue(max_idle_tenants=100)
+    for n in range(10_000):
+        tenant = f"t{n}"
+        queue.push(tenant, STANDARD, tenant)
+        queue.remove(tenant)
+        queue.charge(tenant, float(n % 7))
+    assert len(queue._counters) <= 101
+
+
+# --- learned capacity -------------------------------------------------------------------------------
+
+
+def test_capacity_is_what_runs_once_requests_wait_twice_in_a_row() -> None:
+    state = learn(Capacity(), running=4, waiting=30, kv_usage=0.2, occupancy=34)
+    assert state.limit == 0  # one scrape may catch a burst the scheduler has not taken in yet
+    state = learn(state, running=4, waiting=28, kv_usage=0.2, occupancy=32)
+    assert state.limit == 4
+
+
+def test_capacity_is_probed_upward_while_nothing_waits_but_not_with_a_full_cache() -> None:
+    state = Capacity(32, False)
+    state = learn(state, running=32, waiting=0, kv_usage=0.5, occupancy=32)
+    assert state.limit == 34  # a sixteenth more
+    assert learn(Capacity(32), running=32, waiting=0, kv_usage=0.95, occupancy=32).limit == 32
+    assert learn(Capacity(32), running=10, waiting=0, kv_usage=0.1, occupancy=10).limit == 32  # not full: no news
+    shrunk = learn(learn(Capacity(34), running=30, waiting=2, kv_usage=0.9, occupancy=34), 30, 1, 0.9, 33)
+    assert shrunk.limit == 30
+
+
+# --- tenants ------------------------------------------------------------------------------------------
+
+
+def test_tenant_rules_parse_and_bad_ones_say_why() -> None:
+    name, rules = parse_tenant_rules("acme:weight=2,priority=batch,rpm=60,tpm=1000,concurrent=4,trusted=true")
+    assert name == "acme" and rules.weight == 2 and rules.priority is Priority.BATCH and rules.trusted
+    assert (rules.quota.requests_per_min, rules.quota.tokens_per_min, rules.quota.concurrent) == (60, 1000, 4)
+    assert rules.max_priority is Priority.CRITICAL  # no ceiling given: it may ask for any class
+    for bad in ("acme:priority=critical,max-priority=standard", "acme:weight=0", "acme:priority=urgent", "acme:color=red", "acme:rpm", "bad name:rpm=1", "x:tpm=-1"):
+        with pytest.raises(ValueError, match="--tenant"):
+            parse_tenant_rules(bad)
+
+
+def test_named_and_bare_keys() -> None:
+    assert split_named_key("acme:sk-123456") == ("acme", "sk-123456")
+    name, key = split_named_key("sk-123456")
+    assert key == "sk-123456" and name.startswith("key-") and "123456" not in name
+
+
+def test_who_may_name_a_tenant_and_how_priority_is_capped() -> None:
+    rules = {"gw": TenantRules(trusted=True), "acme": TenantRules(max_priority=Priority.STANDARD)}
+    tenants = Tenants(rules, open_access=False)
+    assert tenants.identify(Caller("acme", False), {}).name == "acme"
+    with pytest.raises(OpenAIError) as refused:
+        tenants.identify(Caller("acme", False), {"x-dpserve-tenant": "other"})
+    assert refused.value.status == 403
+    assert tenants.identify(Caller("gw", False), {"x-dpserve-tenant": "team-1"}).name == "team-1"
+    with pytest.raises(OpenAIError) as bad:
+        tenants.identify(Caller("gw", False), {"x-dpserve-tenant": "no spaces"})
+    assert bad.value.status == 400
+    capped = tenants.identify(Caller("acme", False), {"x-dpserve-priority": "critical"})
+    assert capped.priority is Priority.STANDARD
+    with pytest.raises(OpenAIError) as unknown:
+        tenants.identify(Caller("acme", False), {"x-dpserve-priority": "asap"})
+    assert unknown.value.status == 400
+    anyone = Tenants({}, open_access=True)
+    assert anyone.identify(None, {}).name == ANONYMOUS
+    assert anyone.identify(None, {"x-dpserve-tenant": "B"}).name == "B"
+
+
+# --- the admission queue ----------------------------------------------------------------------------
+
+
+def replica(rid: str, in_flight: int, capacity: int = 0) -> ReplicaSnapshot:
+    return ReplicaSnapshot(id=rid, in_flight=in_flight, capacity=capacity)
+
+
+def test_learned_capacity_bounds_a_replica_and_batch_leaves_a_reserve() -> None:
+    admission = Admission(0, 16, 1.0, flow_control=True, batch_reserve=0.25)
+    assert admission.has_room(replica("r0", 7, capacity=8))
+    assert not admission.has_room(replica("r0", 8, capacity=8))
+    assert not admission.has_room(replica("r0", 6, capacity=8), BATCH)  # 2 of 8 slots kept for others
+    assert admission.has_room(replica("r0", 5, capacity=8), BATCH)
+    assert admission.has_room(replica("r0", 0, capacity=1), BATCH)  # never its last slot
+    assert admission.has_room(replica("r0", 500))  # capacity not known yet: no bound
+    off = Admission(0, 16, 1.0, flow_control=False)
+    assert not off.holds and off.has_room(replica("r0", 8, capacity=8))
+
+
+async def test_held_requests_go_by_class_then_fair_share() -> None:
+    admission = Admission(0, 64, 5.0, flow_control=True)
+    slots = [0]
+    order: list[str] = []
+
+    async def request(name: str, priority: int, tenant: str) -> None:
+        await admission.wait_for_room(lambda: slots[0] > 0, priority, tenant, cost=100.0)
+        slots[0] -= 1
+        order.append(name)
+
+    tasks = [asyncio.create_task(request(f"A{n}", STANDARD, "A")) for n in range(6)]
+    await asyncio.sleep(0.01)
+    tasks += [asyncio.create_task(request("B0", STANDARD, "B")), asyncio.create_task(request("Z0", BATCH, "Z"))]
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(request("C0", CRITICAL, "C")))
+    await asyncio.sleep(0.01)
+    for _ in range(len(tasks)):
+        slots[0] += 1
+        admission.notify()
+        await asyncio.sleep(0.005)
+    await asyncio.gather(*tasks)
+    assert order[0] == "C0" and order.index("B0") <= 2 and order[-1] == "Z0"
+
+
+async def test_a_full_queue_sheds_a_batch_request_for_a_more_urgent_one() -> None:
+    admission = Admission(0, 2, 5.0, flow_control=True)
+    batch = [asyncio.create_task(admission.wait_for_room(lambda: False, BATCH, "Z")) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    urgent = asyncio.create_task(admission.wait_for_room(lambda: False, STANDARD, "A"))
+    await asyncio.sleep(0.01)
+    shed = [task for task in batch if task.done()]
+    assert len(shed) == 1
+    error = shed[0].exception()
+    assert isinstance(error, Rejected) and error.code == "shed" and error.headers["retry-after"]
+    with pytest.raises(Rejected) as full:  # another batch request is refused outright: nothing to shed for it
+        await admission.wait_for_room(lambda: False, BATCH, "Z")
+    assert full.value.code == "queue_full"
+    for task in [*batch, urgent]:
+        task.cancel()
+    await asyncio.gather(*batch, urgent, return_exceptions=True)
+    assert admission.depth == 0
+
+
+# --- what the router adds to a body ------------------------------------------------------------------
+
+
+def test_fields_are_spliced_in_without_serializing_the_body_again() -> None:
+    raw = b'{"model": "m",  "prompt": "hi", "stream": true}'
+    payload = orjson.loads(raw)
+    spliced = with_fields(raw, payload, {"stream_options": {"include_usage": True}, "priority": 1})
+    assert spliced.endswith(b'"model": "m",  "prompt": "hi", "stream": true}')  # the client's bytes kept
+    assert orjson.loads(spliced) == {**payload, "stream_options": {"include_usage": True}, "priority": 1}
+    replaced = with_fields(raw, payload, {"model": "other"})
+    assert orjson.loads(replaced) == {**payload, "model": "other"}
+    assert with_fields(raw, payload, {}) is raw
+
+
+def test_an_answer_is_guessed_at_its_max_tokens_up_to_a_bound() -> None:
+    assert completion_tokens_guess({"max_tokens": 16}) == 16
+    assert completion_tokens_guess({"max_tokens": 100_000}) == completion_tokens_guess({})
+    assert completion_tokens_guess({"max_tokens": True}) == completion_tokens_guess({})
+
+
+def test_features_default_to_standard_priority() -> None:
+    assert RequestFeatures("chat", "m", False).priority == STANDARD
