@@ -18,8 +18,8 @@ from dpserve.router.tenants import (
     ANONYMOUS,
     Caller,
     Priority,
-    Tenants,
     TenantRules,
+    Tenants,
     parse_tenant_rules,
     split_named_key,
 )
@@ -158,7 +158,15 @@ def test_tenant_rules_parse_and_bad_ones_say_why() -> None:
     assert name == "acme" and rules.weight == 2 and rules.priority is Priority.BATCH and rules.trusted
     assert (rules.quota.requests_per_min, rules.quota.tokens_per_min, rules.quota.concurrent) == (60, 1000, 4)
     assert rules.max_priority is Priority.CRITICAL  # no ceiling given: it may ask for any class
-    for bad in ("acme:priority=critical,max-priority=standard", "acme:weight=0", "acme:priority=urgent", "acme:color=red", "acme:rpm", "bad name:rpm=1", "x:tpm=-1"):
+    for bad in (
+        "acme:priority=critical,max-priority=standard",
+        "acme:weight=0",
+        "acme:priority=urgent",
+        "acme:color=red",
+        "acme:rpm",
+        "bad name:rpm=1",
+        "x:tpm=-1",
+    ):
         with pytest.raises(ValueError, match="--tenant"):
             parse_tenant_rules(bad)
 
