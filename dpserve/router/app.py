@@ -336,6 +336,7 @@ def create_app(
         recent = RecentRoutes(time.monotonic, settings.recent_route_ttl_s, max_outbox=outbox)
     bindings = SessionBindings(time.monotonic, max_outbox=outbox) if Need.SESSION in policy.needs else None
     board = PeerBoard(registry, origin_id(), recent, bindings, kv_index, timeout_s=settings.peer_timeout_s)
+    board.quotas = flow.quotas  # quotas hold across routers: each counts what its peers report
     peers = peer_links(settings, board, resolver, keys)
     if peers.enabled:
         if recent is not None:

@@ -20,7 +20,8 @@ from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.peer_wire import MAX_ROUTES, PeerSnapshot, PeerUpdate
+from dpserve.router.peer_wire import MAX_ROUTES, MAX_USAGE, PeerSnapshot, PeerUpdate
+from dpserve.router.quotas import QuotaBook
 
 
 @dataclass
@@ -76,6 +77,8 @@ class PeerBoard:
         self._wall = wall
         self._origins: dict[str, PeerOrigin] = {}
         self._seq = 0
+        self.quotas: QuotaBook | None = None
+        """Where peers' usage counts (quotas hold across routers) and this router's own is taken from."""
 
     # -- what peers say ------------------------------------------------------------------------------
 
@@ -113,6 +116,9 @@ class PeerBoard:
                 if rid is not None:
                     self._bindings.learn(session, rid)
                     self.stats.bindings += 1
+        if self.quotas is not None:
+            for tenant, requests, tokens in update.usage:
+                self.quotas.add_remote(update.origin, tenant, requests, tokens)
         before = known.unhealthy if known is not None else frozenset()
         if known is None and len(self._origins) >= self.max_origins:
             oldest = min(self._origins.values(), key=lambda o: o.heard_at)
@@ -167,6 +173,9 @@ class PeerBoard:
                 url = urls.get(rid)
                 if url is not None:
                     bindings.append((session, url))
+        usage = []
+        if self.quotas is not None and news:
+            usage = [(tenant, requests, tokens) for tenant, (requests, tokens) in self.quotas.take_news().items()]
         return PeerUpdate(
             origin=self.origin,
             seq=self._seq,
@@ -175,6 +184,7 @@ class PeerBoard:
             unhealthy=tuple(r.url for r in replicas if r.health.ever_healthy and not r.healthy),
             routes=routes,
             bindings=bindings,
+            usage=usage[:MAX_USAGE],
             leaving=leaving,
         )
 

@@ -239,7 +239,7 @@ class PeerLinks:
             update = self.board.update()
             shape = (update.in_flight, update.unhealthy)
             now = time.monotonic()
-            news = update.routes or update.bindings or shape != last
+            news = update.routes or update.bindings or update.usage or shape != last
             if self._draining or not self._followers or (not news and now - last_sent < self._heartbeat_s):
                 continue
             last, last_sent = shape, now

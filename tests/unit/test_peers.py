@@ -17,6 +17,7 @@ from dpserve.router.peer_wire import (
     LENGTH,
     MAX_FRAME_BYTES,
     MAX_ROUTES,
+    MAX_USAGE,
     PeerUpdate,
     PeerWireError,
     decode_snapshot,
@@ -25,6 +26,7 @@ from dpserve.router.peer_wire import (
     encode_update,
     frame_length,
 )
+from dpserve.router.quotas import Quota, QuotaBook
 
 URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
@@ -261,3 +263,31 @@ def test_a_session_binding_wins_over_the_ring_while_its_replica_has_room() -> No
     assert policy.choose(bound, candidates).id == other
     busy = [ReplicaSnapshot(other, in_flight=20), ReplicaSnapshot(ring_choice)]
     assert policy.choose(bound, busy).id == ring_choice
+
+
+def test_tenants_usage_travels_to_peers_and_counts_in_their_quotas() -> None:
+    clock = Clock()
+    sender, _, _ = board_for(URLS, clock)
+    receiver, _, _ = board_for(URLS, clock)
+    sender_quotas, receiver_quotas = QuotaBook(clock), QuotaBook(clock)
+    sender.quotas, receiver.quotas = sender_quotas, receiver_quotas
+    sender.origin = "peer-a"
+    sender_quotas.start("acme")
+    sender_quotas.finish("acme", 900)
+    update = decode_update(payload(encode_update(sender.update())))
+    assert update.usage == [("acme", 1, 900)]
+    receiver.apply(update, "link")
+    assert receiver_quotas.used("acme") == (1, 900)
+    refused = receiver_quotas.check("acme", Quota(tokens_per_min=900))
+    assert refused is not None and refused.limit == "tokens_per_min"
+    assert sender.update().usage == []  # taken: not sent twice
+    receiver.apply(update, "link")  # the same update again (relayed by a sibling): counted once
+    assert receiver_quotas.used("acme") == (1, 900)
+
+
+@pytest.mark.parametrize(
+    "usage", [[["acme", 1]], [["acme", -1, 5]], [["", 1, 5]], [["acme", 1, True]], [["t", 1, 1]] * (MAX_USAGE + 1)]
+)
+def test_malformed_usage_reports_are_refused(usage: list[list[object]]) -> None:
+    with pytest.raises(PeerWireError):
+        decode_update(msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": 1.0, "q": usage}))

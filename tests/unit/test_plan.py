@@ -258,3 +258,21 @@ def test_launcher_refuses_a_busy_port_of_any_router(
         assert "already in use" in err and str(taken) in err.split("already in use")[0]
     assert run_launcher(settings, routers=0) == 2
     assert "--routers must be at least 1" in capsys.readouterr().err
+
+
+def test_flow_control_settings_reach_the_router_and_priority_scheduling_the_replicas() -> None:
+    args = build_parser().parse_args(
+        ["up", "--flow-control", "off", "--tenant", "acme:weight=2,rpm=60", "--batch-reserve", "0.2", "--vllm-priority"]
+    )
+    settings = load_settings(UpSettings, _overrides(args), env={})
+    assert settings.router.flow_control is False and settings.router.tenants == ("acme:weight=2,rpm=60",)
+    plans = plan_replicas(settings, "/m", "tiny", 0, [0, 1])
+    argv = router_argv(settings, plans)
+    assert argv[argv.index("--flow-control") + 1] == "off"
+    assert argv[argv.index("--tenant") + 1] == "acme:weight=2,rpm=60"
+    assert argv[argv.index("--batch-reserve") + 1] == "0.2" and "--vllm-priority" in argv
+    replica = plans[0].argv
+    assert replica[replica.index("--scheduling-policy") + 1] == "priority"
+    # Tenants' rules hold commas, so the environment separates them by spaces or `;`.
+    from_env = load_settings(RouterSettings, {}, env={"DPSERVE_TENANTS": "a:rpm=1,tpm=2;b:weight=3"})
+    assert from_env.tenants == ("a:rpm=1,tpm=2", "b:weight=3")
