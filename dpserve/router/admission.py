@@ -83,6 +83,9 @@ class Admission:
     def depth(self) -> int:
         return len(self._queue)
 
+    def depth_by_priority(self) -> dict[str, int]:
+        return dict(zip(("critical", "standard", "batch"), self._queue.depths(), strict=True))
+
     def open(self, candidates: Sequence[ReplicaView], priority: int = STANDARD) -> list[ReplicaView]:
         """The candidates with room for one more request of this class."""
         if not self.holds:

@@ -93,6 +93,7 @@ class RouterState:
     """One per --discover source; empty without."""
     peers: PeerLinks
     """The other routers (and workers) this one shares routing state with; `enabled` is False without."""
+    flow: Flow
 
 
 def policy_tuning(settings: RouterSettings) -> PolicyTuning:
@@ -345,7 +346,7 @@ def create_app(
             bindings.on_news = peers.news
     open_streams = OpenStreams()
     shutdown = Shutdown(open_streams)
-    state = RouterState(registry, policy, metrics, kv_index, [], gpus, shutdown, time.time(), sources, peers)
+    state = RouterState(registry, policy, metrics, kv_index, [], gpus, shutdown, time.time(), sources, peers, flow)
     if sources:
         metrics.registry.register(DiscoveryCollector(sources))
     if peers.enabled:
@@ -510,6 +511,7 @@ def _status(state: RouterState) -> dict[str, Any]:
         "gpus": gpus,
         **({"discovery": [source.to_dict(time.time()) for source in state.discovery]} if state.discovery else {}),
         **({"peers": state.peers.status()} if state.peers.enabled else {}),
+        "flow": state.flow.status(),
     }
 
 
@@ -543,6 +545,7 @@ def _replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
         "peer_in_flight": replica.peer_in_flight,
         "running": replica.running,
         "waiting": replica.waiting,
+        "capacity": replica.capacity or None,
         "kv_cache_usage": replica.kv_usage,
         "prefix_cache_hit_rate": hit_rate,
         "block_size": replica.block_size,

@@ -43,6 +43,10 @@ class FairQueue(Generic[T]):
     def __contains__(self, item: T) -> bool:
         return item in self._where
 
+    def depths(self) -> list[int]:
+        """Waiters per class, most urgent first."""
+        return [sum(len(backlog.items) for backlog in backlogs.values()) for backlogs in self._classes]
+
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, self._floor)
 

@@ -93,6 +93,16 @@ class Flow:
             queue_s=flow.ticket.queue_s,
         )
 
+    def status(self) -> dict[str, Any]:
+        """For /status: whether requests are held past capacity, how many wait, the tenants by name."""
+        admission = self._admission
+        return {
+            "flow_control": admission.flow_control,
+            "queued": admission.depth,
+            "queued_by_priority": admission.depth_by_priority(),
+            "tenants": sorted(self.tenants.named),
+        }
+
     def upstream_fields(self, tenant: Tenant) -> dict[str, Any]:
         """Fields the router adds to the body it forwards for this tenant's request."""
         if self.pass_priority:

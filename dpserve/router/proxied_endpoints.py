@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 from dpserve.disconnect import ClientGone
 from dpserve.policies.base import RequestFeatures
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.dispatch import Buffered, Dispatcher, Outbound, Streaming
+from dpserve.router.dispatch import SSE_DONE, Buffered, Dispatcher, Outbound, Streaming
 from dpserve.router.endpoints import (
     CHAT,
     COMPLETIONS,
@@ -354,6 +354,9 @@ class _Exchange:
         """Relays a stream as it comes; the upstream is always closed and accounted for, and its usage read
         (and taken out when the router asked for it)."""
         tap = UsageTap(strip_usage)
+        # The stream's `[DONE]` reached the client: whatever happens after (the client closing before the
+        # replica's last byte), it was served.
+        done = False
         try:
             headers = [
                 (b"content-type", stream.content_type.encode("latin-1")),
@@ -371,6 +374,7 @@ class _Exchange:
                 if not chunk:
                     continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                done = chunk.endswith(SSE_DONE)
             held = tap.flush()  # a last event held back to see whether a usage chunk followed it
             if held:
                 await send({"type": "http.response.body", "body": held, "more_body": True})
@@ -382,7 +386,7 @@ class _Exchange:
             metrics, name = self.state.metrics, self.endpoint.name
             status = str(stream.status)
             self.status = 502 if stream.broken else stream.status
-            if not stream.completed and not stream.broken:
+            if not stream.completed and not stream.broken and not done:
                 status = str(CLIENT_CLOSED)
                 self.status = CLIENT_CLOSED
                 metrics.client_disconnects.labels(name).inc()

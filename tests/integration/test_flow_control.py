@@ -1,0 +1,256 @@
+"""Flow control through the real router: a noisy tenant against a light one, priorities under a batch
+flood, no starvation, on saturated `dpserve sim` replicas (a batch of 4 each); quotas and usage against
+the 2 real vLLM CPU replicas and their own token counters, through the official `openai` SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import aiohttp
+import httpx
+import openai
+import orjson
+import pytest
+
+from dpserve.tiny_model import TINY_MODEL_NAME
+from tests.integration.conftest import Fleet, SimProcess, running_sim, start_router, stop_router
+
+pytestmark = pytest.mark.integration
+
+SIM_ARGS = ("--max-num-seqs", "4", "--decode-ms-per-token", "10", "--seed", "3")
+ANSWER_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def sims() -> Iterator[list[SimProcess]]:
+    with running_sim(*SIM_ARGS) as first, running_sim(*SIM_ARGS) as second:
+        yield [first, second]
+
+
+@dataclass
+class Answer:
+    tenant: str
+    priority: str
+    started: float
+    ttft: float | None
+    ended: float
+    status: int
+    code: str | None = None
+
+
+async def stream_once(
+    session: aiohttp.ClientSession, url: str, tenant: str, priority: str = "standard", max_tokens: int = ANSWER_TOKENS
+) -> Answer:
+    body = orjson.dumps(
+        {
+            "model": "dpserve-tiny",
+            "messages": [{"role": "user", "content": f"hello from {tenant}"}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+    )
+    headers = {"content-type": "application/json", "x-dpserve-tenant": tenant, "x-dpserve-priority": priority}
+    started = time.monotonic()
+    ttft = None
+    async with session.post(f"{url}/v1/chat/completions", data=body, headers=headers) as response:
+        if response.status != 200:
+            error = orjson.loads(await response.read())["error"]
+            return Answer(tenant, priority, started, None, time.monotonic(), response.status, error["code"])
+        async for line in response.content:
+            if ttft is None and b'"content":"' in line:
+                ttft = time.monotonic() - started
+    return Answer(tenant, priority, started, ttft, time.monotonic(), 200)
+
+
+async def closed_loop(
+    url: str, tenant: str, streams: int, until: float, priority: str = "standard", pause_s: float = 0.0
+) -> list[Answer]:
+    """`streams` requests at a time for `tenant`, each replaced as it ends, until the deadline."""
+    answers: list[Answer] = []
+
+    async def one_stream(session: aiohttp.ClientSession) -> None:
+        while time.monotonic() < until:
+            answer = await stream_once(session, url, tenant, priority)
+            answers.append(answer)
+            if answer.status != 200 or pause_s:
+                await asyncio.sleep(max(pause_s, 0.05))
+
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        await asyncio.gather(*(one_stream(session) for _ in range(streams)))
+    return answers
+
+
+def capacity_learned(url: str) -> bool:
+    replicas = httpx.get(f"{url}/status", timeout=5).json()["replicas"]
+    return all(replica["capacity"] for replica in replicas)
+
+
+def ttft_p50(answers: list[Answer], since: float) -> float:
+    return statistics.median(a.ttft for a in answers if a.ttft is not None and a.started >= since)
+
+
+@contextlib.contextmanager
+def router_over(sims: list[SimProcess], *extra: str) -> Iterator[str]:
+    router = start_router([sim.url for sim in sims], "least_loaded", *extra)
+    try:
+        yield router.url
+    finally:
+        stop_router(router)
+
+
+async def noisy_neighbour(url: str, seconds: float) -> tuple[float, float, list[Answer]]:
+    """Tenant A keeps 24 streams going, B one; A's and B's TTFT p50 over the second half."""
+    start = time.monotonic()
+    until = start + seconds
+    a, b = await asyncio.gather(closed_loop(url, "A", 24, until), closed_loop(url, "B", 1, until))
+    since = start + seconds / 2
+    return ttft_p50(a, since), ttft_p50(b, since), a + b
+
+
+def test_a_light_tenant_waits_for_a_slot_not_behind_a_noisy_tenants_queue(sims: list[SimProcess]) -> None:
+    with router_over(sims) as url:
+        a, b, answers = asyncio.run(noisy_neighbour(url, 6.0))
+        assert capacity_learned(url)
+        status = httpx.get(f"{url}/status", timeout=5).json()
+    assert all(answer.status == 200 for answer in answers)
+    assert b < 0.5 * a, f"B's TTFT p50 {b:.3f}s against A's {a:.3f}s"
+    # Each sim runs 4 at once; the router may have probed one more since.
+    assert all(4 <= replica["capacity"] <= 5 for replica in status["replicas"]), status["replicas"]
+    # The control, so this test can fail: first come, first served puts B behind A's queue.
+    with router_over(sims, "--flow-control", "off") as url:
+        a_off, b_off, _ = asyncio.run(noisy_neighbour(url, 6.0))
+    assert b_off > 0.5 * a_off, f"without flow control B's p50 {b_off:.3f}s against A's {a_off:.3f}s"
+
+
+def test_critical_requests_pass_a_batch_flood_and_batch_is_shed_first(sims: list[SimProcess]) -> None:
+    with router_over(sims, "--queue-size", "8", "--queue-timeout", "10") as url:
+
+        async def scenario() -> tuple[list[Answer], list[Answer], list[Answer]]:
+            alone = await closed_loop(url, "ops", 1, time.monotonic() + 2.0, "critical")
+            until = time.monotonic() + 6.0
+            flood_task = asyncio.create_task(closed_loop(url, "bulk", 40, until, "batch"))
+            await asyncio.sleep(2.0)  # the flood is on, the capacities learned
+            flooded = await closed_loop(url, "ops", 1, until, "critical")
+            return alone, flooded, await flood_task
+
+        alone, flooded, flood = asyncio.run(scenario())
+    assert all(answer.status == 200 for answer in alone + flooded), [a.code for a in flooded if a.status != 200]
+    refused = [answer for answer in flood if answer.status != 200]
+    assert refused and {answer.status for answer in refused} == {429}
+    assert {answer.code for answer in refused} <= {"shed", "queue_full"}
+    alone_p50 = statistics.median(a.ttft for a in alone if a.ttft is not None)
+    flooded_p50 = statistics.median(a.ttft for a in flooded if a.ttft is not None)
+    batch_p50 = statistics.median(a.ttft for a in flood if a.ttft is not None)
+    # Batch leaves a slot on each replica: critical requests take it at once instead of queueing.
+    assert flooded_p50 < alone_p50 + 0.05, f"critical p50 {flooded_p50:.3f}s flooded, {alone_p50:.3f}s alone"
+    assert flooded_p50 < batch_p50
+
+
+def test_no_tenant_starves_and_no_request_waits_past_the_queue_timeout(sims: list[SimProcess]) -> None:
+    timeout_s = 2.0
+    with router_over(sims, "--queue-timeout", str(timeout_s), "--tenant", "t5:weight=4") as url:
+
+        async def scenario() -> list[Answer]:
+            until = time.monotonic() + 8.0
+            loads = [closed_loop(url, f"t{n}", n + 1, until) for n in range(6)]  # 1 to 6 streams each
+            return [answer for answers in await asyncio.gather(*loads) for answer in answers]
+
+        answers = asyncio.run(scenario())
+    for tenant in (f"t{n}" for n in range(6)):
+        assert any(a.tenant == tenant and a.status == 200 for a in answers), f"{tenant} was never served"
+    for answer in answers:
+        assert answer.status in (200, 429), answer
+        if answer.status == 429:
+            assert answer.code == "queue_timeout" and answer.ended - answer.started < timeout_s + 1.0
+        else:
+            assert answer.ttft is not None and answer.ttft < timeout_s + 1.0
+
+
+# --- quotas and usage on real vLLM ------------------------------------------------------------------------
+
+KEY, ADMIN_KEY = "acme-key-1234", "admin-key-1234"
+
+
+def replica_tokens(fleet: Fleet) -> float:
+    """Prompt and generated tokens the replicas have counted themselves (their own /metrics)."""
+    total = 0.0
+    for url in fleet.replica_urls:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(("vllm:prompt_tokens_total{", "vllm:generation_tokens_total{")):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_key_over_its_tokens_per_minute_gets_429_then_gets_through_and_counts_match_vllms(fleet: Fleet) -> None:
+    tpm = 1500
+    router = start_router(
+        fleet.replica_urls,
+        "least_loaded",
+        "--api-key",
+        f"acme:{KEY}",
+        "--admin-key",
+        ADMIN_KEY,
+        "--tenant",
+        f"acme:tpm={tpm}",
+        admin_key=ADMIN_KEY,
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        before = replica_tokens(fleet)
+        first_refusal: openai.RateLimitError | None = None
+        sent = 0
+        while first_refusal is None and sent < 200:
+            sent += 1
+            try:
+                if sent % 2:
+                    # A stream that did not ask for usage: the router asks, counts it, and takes it out again.
+                    chunks = list(
+                        client.chat.completions.create(
+                            model=TINY_MODEL_NAME,
+                            messages=[{"role": "user", "content": f"Count to ten, take {sent}"}],
+                            max_tokens=24,
+                            stream=True,
+                        )
+                    )
+                    assert chunks and all(chunk.usage is None and chunk.choices for chunk in chunks)
+                else:
+                    client.completions.create(model=TINY_MODEL_NAME, prompt=f"Once upon a time {sent}", max_tokens=24)
+            except openai.RateLimitError as refused:
+                first_refusal = refused
+        assert first_refusal is not None, f"no 429 after {sent} requests"
+        refused_at = time.monotonic()
+        assert first_refusal.code == "tokens_per_min" and "acme" in first_refusal.message
+        retry_after = int(first_refusal.response.headers["retry-after"])
+        assert 1 <= retry_after <= 60
+        usage = httpx.get(f"{router.url}/admin/usage", headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
+        acme = usage["tenants"]["acme"]["total"]
+        counted = acme["prompt_tokens"] + acme["completion_tokens"]
+        assert counted >= tpm and acme["requests"] == sent and acme["errors"] == 1
+        served = replica_tokens(fleet) - before
+        assert abs(counted - served) <= 0.01 * served, f"router counted {counted}, replicas {served}"
+        # A stream that asked for its usage keeps it; the refusal's Retry-After is when the window lets it in.
+        time.sleep(max(0.0, retry_after - (time.monotonic() - refused_at)) + 0.5)
+        chunks = list(
+            client.chat.completions.create(
+                model=TINY_MODEL_NAME,
+                messages=[{"role": "user", "content": "Again"}],
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+        with pytest.raises(openai.PermissionDeniedError):  # a user key may not name another tenant
+            client.completions.create(
+                model=TINY_MODEL_NAME, prompt="x", max_tokens=1, extra_headers={"x-dpserve-tenant": "someone-else"}
+            )
+        metrics = httpx.get(f"{router.url}/metrics").text
+        assert 'dpserve_tenant_requests_total{tenant="acme"}' in metrics and KEY not in metrics
+    finally:
+        stop_router(router)
