@@ -133,6 +133,12 @@ def _events(chunk: bytes) -> Iterator[bytes]:
         start = end + 2
 
 
+def _first_of(chunk: bytes, *needles: bytes) -> int:
+    """Where the first of `needles` is in `chunk`, -1 when none is."""
+    found = [at for at in (chunk.find(needle) for needle in needles) if at >= 0]
+    return min(found) if found else -1
+
+
 def _data(event: bytes) -> Any:
     """The JSON of a one-line `data:` event; None for anything else (comments, [DONE], broken JSON)."""
     if not event.startswith(b"data:"):
@@ -181,6 +187,17 @@ class UsageTap:
         if not self._held and USAGE_KEY not in chunk and FINISHED_KEY not in chunk:
             return chunk
         out: list[bytes] = []
+        if not self._held:
+            # Only the stream's end needs a look: the events before the first that ends a choice or carries
+            # usage pass as they are (a replica that outruns the relay sends many events in one read).
+            first = _first_of(chunk, USAGE_KEY, FINISHED_KEY)
+            if first < 0:
+                return chunk
+            boundary = chunk.rfind(EVENT_END, 0, first)
+            if boundary >= 0:
+                start = boundary + len(EVENT_END)
+                out.append(chunk[:start])
+                chunk = chunk[start:]
         for event in _events(chunk):
             self._stripped(event, out)
         return b"".join(out)

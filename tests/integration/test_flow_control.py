@@ -254,3 +254,23 @@ def test_a_key_over_its_tokens_per_minute_gets_429_then_gets_through_and_counts_
         assert 'dpserve_tenant_requests_total{tenant="acme"}' in metrics and KEY not in metrics
     finally:
         stop_router(router)
+
+
+def test_each_requests_class_reaches_vllm_as_its_priority_field(fleet: Fleet) -> None:
+    router = start_router(fleet.replica_urls, "least_loaded", "--vllm-priority")
+    try:
+        for priority in ("critical", "standard", "batch"):
+            for stream in (False, True):
+                body = {"model": TINY_MODEL_NAME, "prompt": "Hello", "max_tokens": 2, "stream": stream}
+                response = httpx.post(
+                    f"{router.url}/v1/completions", json=body, headers={"x-dpserve-priority": priority}, timeout=60
+                )
+                assert response.status_code == 200, response.text  # vLLM 0.32 takes the field in its schema
+        refused = httpx.post(
+            f"{router.url}/v1/completions",
+            json={"model": TINY_MODEL_NAME, "prompt": "x", "max_tokens": 1},
+            headers={"x-dpserve-priority": "urgent"},
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "x-dpserve-priority"
+    finally:
+        stop_router(router)

@@ -282,3 +282,18 @@ def test_an_answer_is_guessed_at_its_max_tokens_up_to_a_bound() -> None:
 
 def test_features_default_to_standard_priority() -> None:
     assert RequestFeatures("chat", "m", False).priority == STANDARD
+
+
+def test_the_class_goes_to_vllm_only_when_asked() -> None:
+    from dpserve.router.admission import Admission as _Admission
+    from dpserve.router.flow import Flow
+    from dpserve.router.quotas import QuotaBook
+    from dpserve.router.tenants import Tenant
+    from dpserve.router.usage import UsageBook
+
+    tenants = Tenants({}, open_access=True)
+    batch = Tenant("t", TenantRules(), Priority.BATCH)
+    passing = Flow(tenants, QuotaBook(), UsageBook(), _Admission(0, 1, 1.0), pass_priority=True)
+    assert passing.upstream_fields(batch) == {"priority": 1}
+    assert passing.upstream_fields(Tenant("t", TenantRules(), Priority.CRITICAL)) == {"priority": -1}
+    assert Flow(tenants, QuotaBook(), UsageBook(), _Admission(0, 1, 1.0)).upstream_fields(batch) == {}
