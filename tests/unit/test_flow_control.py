@@ -13,16 +13,19 @@ from dpserve.replicas.capacity import Capacity, learn
 from dpserve.router.admission import Admission, Rejected
 from dpserve.router.errors import OpenAIError
 from dpserve.router.fair_queue import FairQueue
-from dpserve.router.flow import completion_tokens_guess, with_fields
+from dpserve.router.flow import Flow, completion_tokens_guess, with_fields
+from dpserve.router.quotas import QuotaBook
 from dpserve.router.tenants import (
     ANONYMOUS,
     Caller,
     Priority,
+    Tenant,
     TenantRules,
     Tenants,
     parse_tenant_rules,
     split_named_key,
 )
+from dpserve.router.usage import UsageBook
 
 CRITICAL, STANDARD, BATCH = int(Priority.CRITICAL), int(Priority.STANDARD), int(Priority.BATCH)
 
@@ -285,15 +288,9 @@ def test_features_default_to_standard_priority() -> None:
 
 
 def test_the_class_goes_to_vllm_only_when_asked() -> None:
-    from dpserve.router.admission import Admission as _Admission
-    from dpserve.router.flow import Flow
-    from dpserve.router.quotas import QuotaBook
-    from dpserve.router.tenants import Tenant
-    from dpserve.router.usage import UsageBook
-
     tenants = Tenants({}, open_access=True)
     batch = Tenant("t", TenantRules(), Priority.BATCH)
-    passing = Flow(tenants, QuotaBook(), UsageBook(), _Admission(0, 1, 1.0), pass_priority=True)
+    passing = Flow(tenants, QuotaBook(), UsageBook(), Admission(0, 1, 1.0), pass_priority=True)
     assert passing.upstream_fields(batch) == {"priority": 1}
     assert passing.upstream_fields(Tenant("t", TenantRules(), Priority.CRITICAL)) == {"priority": -1}
-    assert Flow(tenants, QuotaBook(), UsageBook(), _Admission(0, 1, 1.0)).upstream_fields(batch) == {}
+    assert Flow(tenants, QuotaBook(), UsageBook(), Admission(0, 1, 1.0)).upstream_fields(batch) == {}
