@@ -423,3 +423,29 @@ def test_a_router_following_a_workers_port_hears_every_worker_through_the_one_it
         if other is not None:
             stop_router(other)
         stop_process(workers, 30)
+
+
+@pytest.mark.parametrize("peered", [True, False])
+def test_a_tenants_quota_holds_across_peered_routers(sims: list[SimProcess], peered: bool) -> None:
+    """Requests dealt over two routers in turn: peered, the tenant gets its tokens per minute once over both
+    (each router counts what the other reports); alone, each router grants it the whole quota again."""
+    tpm = 400
+    urls = [sim.url for sim in sims]
+    body = {"model": MODEL, "prompt": "one two three", "max_tokens": 16}
+    headers = {"x-dpserve-tenant": "acme"}
+    with routers([urls, urls], "least_loaded", "--tenant", f"acme:tpm={tpm}", peered=peered) as (a, b):
+        served, largest = 0, 0
+        for turn in range(80):
+            router = (a, b)[turn % 2]
+            response = httpx.post(f"{router.url}/v1/completions", json=body, headers=headers, timeout=60)
+            if response.status_code == 429:
+                assert response.json()["error"]["code"] == "tokens_per_min"
+                continue
+            assert response.status_code == 200, response.text
+            tokens = response.json()["usage"]["total_tokens"]
+            served, largest = served + tokens, max(largest, tokens)
+            time.sleep(0.05)  # a peer hears within --peer-interval (20 ms)
+    if peered:
+        assert tpm <= served <= tpm + largest, served
+    else:
+        assert served >= 2 * tpm, served
