@@ -33,7 +33,7 @@ from gevent.pool import Pool
 from load_shapes import SHAPES, ShapePlan, arrival_gaps
 from locust import FastHttpUser, LoadTestShape, constant, events, task
 from locust.env import Environment
-from openai_stream import StreamRecord, completion_text, completion_tokens
+from openai_stream import StreamRecord, bearer_key, completion_text, completion_tokens
 from workloads import APIS, WORKLOADS, LlmRequest, RequestFactory, WorkloadOptions
 
 _user_numbers = itertools.count()
@@ -119,8 +119,7 @@ class OpenAIUser(FastHttpUser):
         runner = self.environment.runner
         number = getattr(runner, "worker_index", 0) * 100_000 + next(_user_numbers)
         self.factory = RequestFactory(self.options, number)
-        # The first key of a comma-separated list (compose passes the router's API_KEYS as they are).
-        key = parsed.api_key.split(",")[0].strip()
+        key = bearer_key(parsed.api_key)
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.pool = Pool(max(1, parsed.max_outstanding))
         self.arrival_rate = parsed.arrival_rate / max(1, parsed.num_users or 1) if parsed.arrival_rate else 0.0

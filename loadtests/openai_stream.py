@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,3 +125,13 @@ def completion_tokens(body: dict[str, Any]) -> int | None:
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         return usage["completion_tokens"]
     return None
+
+
+def bearer_key(api_keys: str) -> str:
+    """The API key to send: the first of a comma-separated list (compose passes the router's API_KEYS as they
+    are), without its tenant name when written `NAME:KEY`."""
+    key = api_keys.split(",")[0].strip()
+    name, sep, secret = key.partition(":")
+    if sep and secret and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        return secret
+    return key

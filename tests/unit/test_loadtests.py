@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtests"))
 
 from load_shapes import ShapePlan, arrival_gaps
-from openai_stream import StreamRecord, completion_text, completion_tokens
+from openai_stream import StreamRecord, bearer_key, completion_text, completion_tokens
 from workloads import RequestFactory, WorkloadOptions, group_prompts
 
 
@@ -188,3 +188,10 @@ def test_poisson_arrival_gaps_have_the_asked_rate() -> None:
     assert statistics.pstdev(sample) == pytest.approx(1 / 50, rel=0.05)
     with pytest.raises(ValueError):
         next(arrival_gaps(0, random.Random()))
+
+
+def test_the_bearer_key_is_the_first_of_a_list_without_its_tenant_name() -> None:
+    assert bearer_key("sk-one-1234, sk-two-5678") == "sk-one-1234"
+    assert bearer_key("acme:sk-one-1234,b:sk-two") == "sk-one-1234"
+    assert bearer_key("") == ""
+    assert bearer_key(":sk-odd-1234") == ":sk-odd-1234"  # no tenant name before the colon
