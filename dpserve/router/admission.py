@@ -20,6 +20,10 @@ from dpserve.router.fair_queue import FairQueue
 
 STANDARD = 1
 BATCH = 2
+HEADROOM = 1 / 16
+"""Beyond a replica's capacity (at least one request): what the router lets wait in the engine itself."""
+URGENT_MEMORY_S = 30.0
+"""How long after a more urgent request batch requests still leave their reserve."""
 
 
 class Rejected(OpenAIError):
@@ -78,6 +82,7 @@ class Admission:
         """False: every request goes straight on, nothing ever waits."""
         self._clock = clock
         self._queue: FairQueue[_Waiter] = FairQueue()
+        self._urgent_until = -math.inf
 
     @property
     def depth(self) -> int:
@@ -97,11 +102,19 @@ class Admission:
         if limit and replica.in_flight >= self._share(limit, priority):
             return False
         capacity = replica.capacity if self.flow_control else 0
-        return not capacity or replica.load < self._share(capacity, priority)
+        if not capacity:
+            return True
+        if priority >= BATCH:
+            return replica.load < self._share(capacity, priority)
+        # A little past what it runs, so a request already waits in the engine whenever one ends there: the
+        # engine never idles for the router's round trip, and a request arriving now waits for at most
+        # that many more to end, a small share of one answer's time.
+        return replica.load < capacity + max(1, math.ceil(capacity * HEADROOM))
 
     def _share(self, slots: int, priority: int) -> int:
-        """What a class may fill of `slots`: all of it, but `batch` leaves a reserve (never its last slot)."""
-        if priority < BATCH or not self.flow_control:
+        """What a class may fill of `slots`: all of it; `batch` leaves a reserve (never its last slot) while
+        more urgent requests have come in the last `URGENT_MEMORY_S`, and takes all otherwise."""
+        if priority < BATCH or not self.flow_control or self._clock() > self._urgent_until:
             return slots
         return slots - min(slots - 1, math.ceil(slots * self.batch_reserve))
 
@@ -120,6 +133,8 @@ class Admission:
         queue = self._queue
         if not self.flow_control:
             priority, tenant, cost = STANDARD, "", 0.0  # one class, one tenant: arrival order
+        elif priority < BATCH:
+            self._urgent_until = self._clock() + URGENT_MEMORY_S
         if (not queue or queue.goes_first(priority, tenant)) and has_room():
             if cost:
                 queue.charge(tenant, cost, weight)

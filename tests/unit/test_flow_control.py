@@ -10,7 +10,7 @@ import pytest
 
 from dpserve.policies.base import ReplicaSnapshot, RequestFeatures
 from dpserve.replicas.capacity import Capacity, learn
-from dpserve.router.admission import Admission, Rejected
+from dpserve.router.admission import URGENT_MEMORY_S, Admission, Rejected
 from dpserve.router.errors import OpenAIError
 from dpserve.router.fair_queue import FairQueue
 from dpserve.router.flow import Flow, completion_tokens_guess, with_fields
@@ -153,6 +153,16 @@ def test_capacity_is_probed_upward_while_nothing_waits_but_not_with_a_full_cache
     assert shrunk.limit == 30
 
 
+def test_a_scrape_between_one_request_ending_and_the_next_starting_does_not_shrink_the_capacity() -> None:
+    state = Capacity()
+    for running in (4, 4, 3, 4, 3):  # the router keeps one waiting there; some scrapes land in the gap
+        state = learn(state, running=running, waiting=1, kv_usage=0.3, occupancy=5)
+    assert state.limit == 4
+    for _ in range(4):  # lower for as long as it is remembered: it has shrunk (a fuller KV cache, say)
+        state = learn(state, running=3, waiting=2, kv_usage=0.95, occupancy=5)
+    assert state.limit == 3
+
+
 # --- tenants ------------------------------------------------------------------------------------------
 
 
@@ -208,13 +218,30 @@ def replica(rid: str, in_flight: int, capacity: int = 0) -> ReplicaSnapshot:
     return ReplicaSnapshot(id=rid, in_flight=in_flight, capacity=capacity)
 
 
-def test_learned_capacity_bounds_a_replica_and_batch_leaves_a_reserve() -> None:
-    admission = Admission(0, 16, 1.0, flow_control=True, batch_reserve=0.25)
-    assert admission.has_room(replica("r0", 7, capacity=8))
-    assert not admission.has_room(replica("r0", 8, capacity=8))
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_learned_capacity_bounds_a_replica_and_batch_leaves_a_reserve_while_others_come() -> None:
+    clock = Clock()
+    admission = Admission(0, 16, 1.0, clock, flow_control=True, batch_reserve=0.25)
+    # One past its capacity (a sixteenth, at least one) waits in the engine itself.
+    assert admission.has_room(replica("r0", 8, capacity=8))
+    assert not admission.has_room(replica("r0", 9, capacity=8))
+    assert admission.has_room(replica("r0", 33, capacity=32)) and not admission.has_room(replica("r0", 34, capacity=32))
+    # Only batch so far: batch takes every slot (but none past capacity).
+    assert admission.has_room(replica("r0", 7, capacity=8), BATCH)
+    assert not admission.has_room(replica("r0", 8, capacity=8), BATCH)
+    await admission.wait_for_room(lambda: True, STANDARD, "A")  # a more urgent request came
     assert not admission.has_room(replica("r0", 6, capacity=8), BATCH)  # 2 of 8 slots kept for others
     assert admission.has_room(replica("r0", 5, capacity=8), BATCH)
     assert admission.has_room(replica("r0", 0, capacity=1), BATCH)  # never its last slot
+    clock.now += URGENT_MEMORY_S + 1
+    assert admission.has_room(replica("r0", 7, capacity=8), BATCH)  # none for a while: the reserve is released
     assert admission.has_room(replica("r0", 500))  # capacity not known yet: no bound
     off = Admission(0, 16, 1.0, flow_control=False)
     assert not off.holds and off.has_room(replica("r0", 8, capacity=8))
