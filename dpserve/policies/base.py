@@ -75,7 +75,12 @@ class ReplicaView(Protocol):
     def load(self) -> int: ...
     @property
     def capacity(self) -> int:
-        """Requests it runs at once, learned from its metrics; 0 while not known."""
+        """Requests it runs at once, learned from its metrics (perhaps one more being tried); 0 while not known."""
+        ...
+
+    @property
+    def confirmed_capacity(self) -> int:
+        """Requests it was last seen to run when full (without the one being tried); 0 while not known."""
         ...
 
 
@@ -118,6 +123,7 @@ class ReplicaSnapshot(LoadFromCounts):
     kv_usage: float = 0.0
     peer_in_flight: int = 0
     capacity: int = 0
+    confirmed_capacity: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,10 @@ vLLM does not publish its batch limit (`--max-num-seqs`) or how many sequences i
 shows when it is full: requests wait (`vllm:num_requests_waiting` > 0). Once seen on two scrapes in a row
 (one can catch a burst the scheduler has not yet taken in), the capacity is the most that ran on the last
 few scrapes that showed requests waiting: the most, because a scrape can also land between a request
-ending and the next one starting. While the router keeps a replica at its capacity and nothing waits
-there, the capacity is probed upward by a sixteenth (at least one), unless the KV cache is nearly full:
-then more requests would only be preempted. No I/O: the registry calls it on every scrape.
+ending and the next one starting. After `PROBE_AFTER` scrapes in a row with the replica at its capacity
+and nothing waiting, a sixteenth more (at least one) is tried, unless the KV cache is nearly full (more
+requests would only be preempted): the first scrape that finds one waiting goes back. A replica that runs
+more than its capacity with nothing waiting has that many at once. No I/O: the registry calls it on every scrape.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_NEARLY_FULL = 0.9
-"""KV-cache usage above which the capacity is not probed upward."""
+"""KV-cache usage above which the capacity does not rise."""
+PROBE_AFTER = 5
+"""Scrapes in a row at capacity with none waiting before one more request at once is tried."""
 HISTORY = 4
 """Scrapes with requests waiting that the capacity is the most of (so it falls only when it stays lower)."""
 
@@ -23,20 +26,38 @@ HISTORY = 4
 @dataclass(frozen=True, slots=True)
 class Capacity:
     limit: int = 0
-    """Requests the replica runs at once; 0: not known yet (it has never been seen full)."""
+    """Requests the replica runs at once (one more while that is being tried); 0: not known yet (it has
+    never been seen full)."""
     waited_last: bool = False
     """The previous scrape saw requests waiting."""
     full_at: tuple[int, ...] = ()
-    """How many ran at each of the last `HISTORY` scrapes that saw requests waiting."""
+    """How many ran at each of the last `HISTORY` scrapes that saw requests waiting (or that saw it run more
+    than before with none waiting)."""
+    full_for: int = 0
+    """Scrapes in a row that found it at its capacity with none waiting."""
+
+    @property
+    def confirmed(self) -> int:
+        """What it was last seen to run when full, not what is being tried; 0 while not known."""
+        return min(self.limit, max(self.full_at)) if self.full_at and self.limit else self.limit
 
 
 def learn(previous: Capacity, running: int, waiting: int, kv_usage: float, occupancy: int) -> Capacity:
-    """The capacity after one scrape. `occupancy`: the requests the routers had there at that moment."""
+    """The capacity after one scrape. `occupancy`: the routers' requests there at that moment."""
     if waiting > 0:
         full_at = (*previous.full_at, running)[-HISTORY:] if running > 0 else previous.full_at
+        if previous.limit > previous.confirmed:
+            return Capacity(previous.confirmed, True, full_at)  # the one more tried had to wait: back
         limit = max(full_at) if previous.waited_last and full_at else previous.limit
         return Capacity(limit, True, full_at)
-    limit = previous.limit
-    if limit and occupancy >= limit and running >= limit and kv_usage < KV_NEARLY_FULL:
-        limit += max(1, limit // 16)
-    return Capacity(limit, False, previous.full_at)
+    limit, full_at, full_for = previous.limit, previous.full_at, 0
+    if limit and kv_usage < KV_NEARLY_FULL:
+        if running > previous.confirmed:
+            full_at = (*full_at, running)[-HISTORY:]  # it runs that many at once
+        if running >= limit and occupancy >= limit:
+            full_for = previous.full_for + 1
+            if full_for >= PROBE_AFTER:
+                limit, full_for = running + max(1, running // 16), 0
+        elif running > limit:
+            limit = running
+    return Capacity(limit, False, full_at, full_for)

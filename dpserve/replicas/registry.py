@@ -53,8 +53,13 @@ class Replica(LoadFromCounts):
 
     @property
     def capacity(self) -> int:
-        """Requests it runs at once; 0 while not known."""
+        """Requests it runs at once (perhaps one more being tried); 0 while not known."""
         return self.learned.limit
+
+    @property
+    def confirmed_capacity(self) -> int:
+        """Requests it was last seen to run when full; 0 while not known."""
+        return self.learned.confirmed
 
     @property
     def routable(self) -> bool:

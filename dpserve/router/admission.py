@@ -20,8 +20,6 @@ from dpserve.router.fair_queue import FairQueue
 
 STANDARD = 1
 BATCH = 2
-HEADROOM = 1 / 16
-"""Beyond a replica's capacity (at least one request): what the router lets wait in the engine itself."""
 URGENT_MEMORY_S = 30.0
 """How long after a more urgent request batch requests still leave their reserve."""
 
@@ -99,24 +97,18 @@ class Admission:
 
     def has_room(self, replica: ReplicaView, priority: int = STANDARD) -> bool:
         limit = self.limit
-        if limit and replica.in_flight >= self._share(limit, priority):
+        if limit and replica.in_flight >= limit:
             return False
         capacity = replica.capacity if self.flow_control else 0
         if not capacity:
             return True
-        if priority >= BATCH:
-            return replica.load < self._share(capacity, priority)
-        # A little past what it runs, so a request already waits in the engine whenever one ends there: the
-        # engine never idles for the router's round trip, and a request arriving now waits for at most
-        # that many more to end, a small share of one answer's time.
-        return replica.load < capacity + max(1, math.ceil(capacity * HEADROOM))
-
-    def _share(self, slots: int, priority: int) -> int:
-        """What a class may fill of `slots`: all of it; `batch` leaves a reserve (never its last slot) while
-        more urgent requests have come in the last `URGENT_MEMORY_S`, and takes all otherwise."""
-        if priority < BATCH or not self.flow_control or self._clock() > self._urgent_until:
-            return slots
-        return slots - min(slots - 1, math.ceil(slots * self.batch_reserve))
+        if priority >= BATCH and self._clock() <= self._urgent_until:
+            # While more urgent requests come, batch leaves them a reserve of what the replica was seen to run
+            # (never its last slot), so one arriving into a batch flood starts at once instead of waiting for
+            # a batch answer to end.
+            confirmed = replica.confirmed_capacity or capacity
+            return replica.load < confirmed - min(confirmed - 1, math.ceil(confirmed * self.batch_reserve))
+        return replica.load < capacity
 
     async def wait_for_room(
         self,

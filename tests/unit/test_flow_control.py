@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from dpserve.policies.base import ReplicaSnapshot, RequestFeatures
-from dpserve.replicas.capacity import Capacity, learn
+from dpserve.replicas.capacity import PROBE_AFTER, Capacity, learn
 from dpserve.router.admission import URGENT_MEMORY_S, Admission, Rejected
 from dpserve.router.errors import OpenAIError
 from dpserve.router.fair_queue import FairQueue
@@ -140,22 +140,31 @@ def test_capacity_is_what_runs_once_requests_wait_twice_in_a_row() -> None:
     state = learn(Capacity(), running=4, waiting=30, kv_usage=0.2, occupancy=34)
     assert state.limit == 0  # one scrape may catch a burst the scheduler has not taken in yet
     state = learn(state, running=4, waiting=28, kv_usage=0.2, occupancy=32)
-    assert state.limit == 4
+    assert state.limit == 4 and state.confirmed == 4
 
 
-def test_capacity_is_probed_upward_while_nothing_waits_but_not_with_a_full_cache() -> None:
-    state = Capacity(32, False)
-    state = learn(state, running=32, waiting=0, kv_usage=0.5, occupancy=32)
-    assert state.limit == 34  # a sixteenth more
-    assert learn(Capacity(32), running=32, waiting=0, kv_usage=0.95, occupancy=32).limit == 32
-    assert learn(Capacity(32), running=10, waiting=0, kv_usage=0.1, occupancy=10).limit == 32  # not full: no news
-    shrunk = learn(learn(Capacity(34), running=30, waiting=2, kv_usage=0.9, occupancy=34), 30, 1, 0.9, 33)
-    assert shrunk.limit == 30
+def test_capacity_is_probed_upward_while_full_with_none_waiting_but_not_with_a_full_cache() -> None:
+    full = learn(learn(Capacity(), 32, 3, 0.5, 40), 32, 3, 0.5, 40)
+    probed = full
+    for _ in range(PROBE_AFTER - 1):
+        probed = learn(probed, running=32, waiting=0, kv_usage=0.5, occupancy=32)
+    assert probed.limit == 32  # not yet: a moment at capacity says little
+    probed = learn(probed, running=32, waiting=0, kv_usage=0.5, occupancy=32)
+    assert probed.limit == 34 and probed.confirmed == 32  # a sixteenth more, tried; 32 still what was seen
+    nearly_full = full
+    for _ in range(PROBE_AFTER):
+        nearly_full = learn(nearly_full, running=32, waiting=0, kv_usage=0.95, occupancy=32)
+    assert nearly_full.limit == 32
+    assert learn(full, running=10, waiting=0, kv_usage=0.1, occupancy=10).limit == 32  # not full: no news
+    ran_more = learn(probed, running=34, waiting=0, kv_usage=0.5, occupancy=34)
+    assert ran_more.confirmed == 34  # it ran them all: that many at once
+    assert learn(probed, 32, 2, 0.5, 34).limit == 32  # the one tried waited: back at once
+    assert learn(Capacity(), running=10, waiting=0, kv_usage=0.1, occupancy=10).limit == 0  # never seen full
 
 
 def test_a_scrape_between_one_request_ending_and_the_next_starting_does_not_shrink_the_capacity() -> None:
     state = Capacity()
-    for running in (4, 4, 3, 4, 3):  # the router keeps one waiting there; some scrapes land in the gap
+    for running in (4, 4, 3, 4, 3):  # some scrapes land in the gap between two requests
         state = learn(state, running=running, waiting=1, kv_usage=0.3, occupancy=5)
     assert state.limit == 4
     for _ in range(4):  # lower for as long as it is remembered: it has shrunk (a fuller KV cache, say)
@@ -229,16 +238,15 @@ class Clock:
 async def test_learned_capacity_bounds_a_replica_and_batch_leaves_a_reserve_while_others_come() -> None:
     clock = Clock()
     admission = Admission(0, 16, 1.0, clock, flow_control=True, batch_reserve=0.25)
-    # One past its capacity (a sixteenth, at least one) waits in the engine itself.
-    assert admission.has_room(replica("r0", 8, capacity=8))
-    assert not admission.has_room(replica("r0", 9, capacity=8))
-    assert admission.has_room(replica("r0", 33, capacity=32)) and not admission.has_room(replica("r0", 34, capacity=32))
-    # Only batch so far: batch takes every slot (but none past capacity).
+    assert admission.has_room(replica("r0", 7, capacity=8))
+    assert not admission.has_room(replica("r0", 8, capacity=8))
+    # Only batch so far: batch goes as far as the others.
     assert admission.has_room(replica("r0", 7, capacity=8), BATCH)
-    assert not admission.has_room(replica("r0", 8, capacity=8), BATCH)
     await admission.wait_for_room(lambda: True, STANDARD, "A")  # a more urgent request came
     assert not admission.has_room(replica("r0", 6, capacity=8), BATCH)  # 2 of 8 slots kept for others
     assert admission.has_room(replica("r0", 5, capacity=8), BATCH)
+    # The reserve is of what the replica was seen to run, not of one more being tried.
+    assert not admission.has_room(ReplicaSnapshot("r0", in_flight=6, capacity=9, confirmed_capacity=8), BATCH)
     assert admission.has_room(replica("r0", 0, capacity=1), BATCH)  # never its last slot
     clock.now += URGENT_MEMORY_S + 1
     assert admission.has_room(replica("r0", 7, capacity=8), BATCH)  # none for a while: the reserve is released
