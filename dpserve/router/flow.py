@@ -65,11 +65,11 @@ class Flow:
         """Checks the tenant's quotas (Rejected, 429 with Retry-After, when over one) and counts the
         request in; the pass's ticket goes with it into the admission queue."""
         quota = tenant.rules.quota
-        if quota.limited:
+        if quota.limited:  # only tenants with quotas are counted in the window (and told to peers)
             over = self.quotas.check(tenant.name, quota)
             if over is not None:
                 raise Rejected(over.limit, over.message, over.retry_after_s)
-        self.quotas.start(tenant.name)
+            self.quotas.start(tenant.name)
         cost = prompt_tokens_guess(features, body_bytes) + completion_tokens_guess(payload)
         return Pass(tenant, Ticket(tenant.name, tenant.rules.weight, float(cost)))
 
@@ -80,7 +80,8 @@ class Flow:
         flow.ended = True
         name = flow.tenant.name
         tokens = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
-        self.quotas.finish(name, tokens)
+        if flow.tenant.rules.quota.limited:
+            self.quotas.finish(name, tokens)
         charged = flow.ticket.charged
         if charged:  # admitted: it was charged its guess, now corrected by what it took
             self._admission.settle(name, tokens - charged, flow.tenant.rules.weight)
