@@ -191,6 +191,9 @@ class NoisyRow:
     """Tokens/s over A alone's (through dpserve with flow control)."""
     vs_a_alone_off: float
     """Tokens/s over A alone's through dpserve with `--flow-control off` (vLLM's queue alone)."""
+    vs_off: float
+    """Tokens/s over the same tenants' through dpserve with `--flow-control off` in the same round (A alone:
+    over A alone's without flow control): the pairing that shared cores disturb least."""
     b_service_ms: float
     """B's median time from first to last token."""
     b_answer_ms: float
@@ -541,7 +544,7 @@ def summary(rows: Sequence[Row], keys: Sequence[object], *names: str) -> list[Ro
                 values[f.name] = (
                     " ".join(dict.fromkeys(v for v in seen if v)) if f.name in ("errors", "capacity") else seen[0]
                 )
-            elif isinstance(seen[0], int) and f.name.endswith(("_answers", "_errors", "_shed", "_full")):
+            elif isinstance(seen[0], int) and f.name.endswith(("_answers", "_errors", "_shed", "_full", "_timeout")):
                 values[f.name] = sum(seen)
             elif isinstance(seen[0], int):
                 values[f.name] = seen[0]
@@ -602,6 +605,7 @@ def noisy_row(
         tokens_per_s=tokens,
         vs_a_alone=relative(tokens, baselines.get("a-alone")),
         vs_a_alone_off=relative(tokens, baselines.get("a-alone-off")),
+        vs_off=math.nan,
         b_service_ms=round(statistics.median((r.end - r.start - r.ttft) * 1000 for r in done), 1) if done else math.nan,
         b_answer_ms=round(statistics.median((r.end - r.start) * 1000 for r in done), 1) if done else math.nan,
         a_queue_ms=measured.queue_ms.get("A", math.nan),
@@ -647,6 +651,7 @@ async def run_setup(
     mine: list[NoisyRow] = []
     for run in range(args.repeat):
         baselines: dict[str, NoisyRow] = {}
+        round_rows: dict[str, NoisyRow] = {}
         for label, contender, loads in runs:
             tenants = " + ".join(f"{x.tenant} x{x.streams}" for x in loads)
             progress(f"{setup.backend} {setup.label} run {run} {label}: {tenants}")
@@ -656,6 +661,7 @@ async def run_setup(
             if "alone" in label:
                 baselines[label] = row
             mine.append(row)
+            round_rows[label] = row
             progress(
                 f"  A ttft p50 {row.a_ttft_p50_ms} p99 {row.a_ttft_p99_ms} ms, B p50 {row.b_ttft_p50_ms} "
                 f"p99 {row.b_ttft_p99_ms} ms, {row.answers_per_s} answers/s, {row.tokens_per_s} tokens/s, "
@@ -663,7 +669,16 @@ async def run_setup(
                 f"capacity {row.capacity or '-'}, load average {row.load_avg}"
                 + (f", errors {row.errors}" if row.errors else "")
             )
+        pair_with_off(round_rows)
     rows += mine + summary(mine, [label for label, _, _ in runs], "contender")
+
+
+def pair_with_off(round_rows: dict[str, NoisyRow]) -> None:
+    """Each row's tokens/s over its flow-control-off counterpart's in the same round (`vs_off`)."""
+    for label, row in round_rows.items():
+        reference = round_rows.get("a-alone-off" if label.startswith("a-alone") else "dpserve-off")
+        if label != "b-alone":
+            row.vs_off = relative(row.tokens_per_s, reference)
 
 
 async def start_fleet(
@@ -705,7 +720,8 @@ def noisy_goals(rows: Sequence[NoisyRow]) -> list[str]:
             )
         lines.append(
             f"{name}: fleet {on.tokens_per_s} tokens/s = {on.vs_a_alone}x A alone's (goal >= {GOAL_THROUGHPUT}): "
-            f"{met(on.vs_a_alone >= GOAL_THROUGHPUT)}; {on.vs_a_alone_off}x A alone's with --flow-control off"
+            f"{met(on.vs_a_alone >= GOAL_THROUGHPUT)}; {on.vs_a_alone_off}x A alone's with --flow-control off; "
+            f"{on.vs_off}x --flow-control off's under the same load in the same round"
         )
         for other in ("dpserve-off", "vllm-router"):
             row = mine.get(other)
@@ -875,11 +891,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 NOISY_COLUMNS = (
     ("backend", "backend"), ("load", "load"), ("contender", "contender"), ("A ttft p50", "a_ttft_p50_ms"),
     ("A p99", "a_ttft_p99_ms"), ("B ttft p50", "b_ttft_p50_ms"), ("B p99", "b_ttft_p99_ms"), ("B/A p50", "b_over_a"),
-    ("answers/s", "answers_per_s"), ("tokens/s", "tokens_per_s"), ("vs A alone", "vs_a_alone"),
-    ("vs A alone off", "vs_a_alone_off"), ("B service", "b_service_ms"), ("A queue", "a_queue_ms"),
-    ("B queue", "b_queue_ms"), ("running", "replica_running"), ("waiting", "replica_waiting"),
-    ("queued", "router_queue"), ("capacity", "capacity"), ("client lag", "client_lag_ms"), ("load avg", "load_avg"),
-    ("errors", "errors"),
+    ("answers/s", "answers_per_s"), ("tokens/s", "tokens_per_s"), ("vs A alone", "vs_a_alone"), ("vs off", "vs_off"),
+    ("B service", "b_service_ms"), ("A queue", "a_queue_ms"), ("B queue", "b_queue_ms"),
+    ("running", "replica_running"), ("waiting", "replica_waiting"), ("queued", "router_queue"),
+    ("capacity", "capacity"), ("load avg", "load_avg"), ("errors", "errors"),
 )  # fmt: skip
 PRIORITY_COLUMNS = (
     ("contender", "contender"), ("case", "case"), ("crit streams", "critical_streams"),
