@@ -920,6 +920,31 @@ def table(columns: Sequence[tuple[str, str]], rows: Sequence[NoisyRow] | Sequenc
     )
 
 
+def write_report(args: argparse.Namespace, noisy: Sequence[NoisyRow], priority: Sequence[PriorityRow]) -> str:
+    """The CSVs and fairness.md of what has been measured so far (written after each experiment, so an
+    interrupted run keeps what it finished); returns the report's text."""
+    tables, lines = [], []
+    shown_run = -1 if args.repeat > 1 else 0
+    if noisy:
+        write_csv(args.out / "noisy.csv", [asdict(r) for r in noisy], [f.name for f in fields(NoisyRow)])
+        shown_noisy = [r for r in noisy if r.run == shown_run]
+        tables.append(table(NOISY_COLUMNS, shown_noisy))
+        lines += noisy_goals(shown_noisy)
+    if priority:
+        write_csv(args.out / "priority.csv", [asdict(r) for r in priority], [f.name for f in fields(PriorityRow)])
+        shown_priority = [r for r in priority if r.run == shown_run]
+        tables.append(table(PRIORITY_COLUMNS, shown_priority))
+        lines += priority_goals(shown_priority)
+    report = "\n\n".join(tables) + "\n\n" + "\n".join(lines) + "\n"
+    runs = f"the median of {args.repeat} runs of each" if args.repeat > 1 else "one run each"
+    (args.out / "fairness.md").write_text(
+        f"# `dpserve bench fairness`\n\n{runs}. TTFT, service and queue times in ms; running, waiting: the "
+        "replicas' requests (sum over the fleet), queued: dpserve's queue, means over the window; capacity: "
+        "what dpserve had learned per replica.\n\n```\n" + report + "```\n"
+    )
+    return report
+
+
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -939,29 +964,13 @@ def main(argv: Sequence[str]) -> int:
         try:
             for setups in backends:
                 uvloop.run(run_noisy(args, setups, work, noisy))
+                write_report(args, noisy, priority)
             if "priority" in args.experiments:
                 uvloop.run(run_priority(args, work, priority))
         finally:
             # Stopped here too: a signal can end the event loop before its tasks' own `finally` runs.
             stop_all([p for p in CHILDREN if p.poll() is None], 30)
-    tables, lines = [], []
-    if backends:
-        write_csv(args.out / "noisy.csv", [asdict(r) for r in noisy], [f.name for f in fields(NoisyRow)])
-        shown_noisy = [r for r in noisy if r.run == (-1 if args.repeat > 1 else 0)]
-        tables.append(table(NOISY_COLUMNS, shown_noisy))
-        lines += noisy_goals(shown_noisy)
-    if "priority" in args.experiments:
-        write_csv(args.out / "priority.csv", [asdict(r) for r in priority], [f.name for f in fields(PriorityRow)])
-        shown_priority = [r for r in priority if r.run == (-1 if args.repeat > 1 else 0)]
-        tables.append(table(PRIORITY_COLUMNS, shown_priority))
-        lines += priority_goals(shown_priority)
-    report = "\n\n".join(tables) + "\n\n" + "\n".join(lines) + "\n"
-    runs = f"the median of {args.repeat} runs of each" if args.repeat > 1 else "one run each"
-    (args.out / "fairness.md").write_text(
-        f"# `dpserve bench fairness`\n\n{runs}. TTFT, service and queue times in ms; running, waiting: the "
-        "replicas' requests (sum over the fleet), queued: dpserve's queue, means over the window; capacity: "
-        "what dpserve had learned per replica.\n\n```\n" + report + "```\n"
-    )
+    report = write_report(args, noisy, priority)
     print()
     print(report)
     print(f"wrote {shown(args.out)}/fairness.md and its CSVs")

@@ -20,10 +20,12 @@ STREAM = {"model": "dpserve-tiny", "prompt": "count slowly", "max_tokens": 40, "
 
 
 async def refuses_connections(url: str) -> bool:
+    """True once a new request gets no answer: refused outright, or (when it raced into the listen backlog
+    just before the socket closed) accepted by the kernel and closed unanswered."""
     try:
         async with httpx.AsyncClient(timeout=1) as fresh:
             await fresh.get(f"{url}/health")
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
         return True
     return False
 
