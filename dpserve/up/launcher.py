@@ -233,6 +233,9 @@ def run_launcher(settings: UpSettings, routers: int = 1) -> int:
     try:
         if routers < 1:  # before a model is built for nothing
             raise PlanError("--routers must be at least 1")
+        lora_dir = settings.router.lora_dir
+        if lora_dir and not Path(lora_dir).expanduser().is_dir():
+            raise PlanError(f"--lora-dir {lora_dir}: no such folder here (the replicas read it from this host)")
         plans, tokenizer = _plan(settings)
         router_plans = plan_routers(settings, routers, plans, tokenizer)
     except PlanError as exc:

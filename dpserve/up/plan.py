@@ -7,12 +7,16 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from dpserve.config import RouterSettings, UpSettings
+from dpserve.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, RouterSettings, UpSettings, parse_lora
 from dpserve.replicas.registry import replica_ids
 
 DEFAULT_CPU_REPLICAS = 2
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+LORA_RUNTIME_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+"""What a LoRA-enabled replica needs in its environment: the router loads adapters at run time
+(POST /v1/load_lora_adapter), so no `--lora-modules`."""
 
 
 @dataclass(frozen=True)
@@ -73,14 +77,25 @@ def vllm_engine_flags(
     max_model_len: int | str,
     extra: Sequence[str] = (),
     priority_scheduling: bool = False,
+    enable_lora: bool = False,
+    max_loras: int | str = DEFAULT_MAX_LORAS,
+    max_lora_rank: int | str = DEFAULT_MAX_LORA_RANK,
 ) -> list[str]:
     """What every replica dpserve starts needs from vLLM (`dpserve up` and `dpserve compose` alike):
     prefix caching, KV events published on `kv_port` and per-request cached-token counts; with
-    `priority_scheduling`, vLLM's priority scheduler (the router passes each request's class). Flags in
-    `extra` win over these and come last."""
+    `priority_scheduling`, vLLM's priority scheduler (the router passes each request's class); with
+    `enable_lora`, LoRA (adapters are loaded at run time, see LORA_RUNTIME_ENV). Flags in `extra` win over
+    these and come last."""
     flags: list[str] = []
     if priority_scheduling and not _has_flag(extra, "--scheduling-policy"):
         flags += ["--scheduling-policy", "priority"]
+    if enable_lora:
+        if not _has_flag(extra, "--enable-lora"):
+            flags.append("--enable-lora")
+        if not _has_flag(extra, "--max-loras"):
+            flags += ["--max-loras", str(max_loras)]
+        if not _has_flag(extra, "--max-lora-rank"):
+            flags += ["--max-lora-rank", str(max_lora_rank)]
     if served_name and not _has_flag(extra, "--served-model-name"):
         flags += ["--served-model-name", served_name]
     if not _has_flag(extra, "--enable-prefix-caching", "--no-enable-prefix-caching"):
@@ -113,6 +128,9 @@ def vllm_argv(settings: UpSettings, model: str, served_name: str | None, port: i
         settings.max_model_len,
         settings.vllm_args,
         priority_scheduling=settings.router.vllm_priority,
+        enable_lora=settings.lora_enabled,
+        max_loras=settings.max_loras,
+        max_lora_rank=settings.max_lora_rank,
     )
     return (*argv, *flags)
 
@@ -148,6 +166,7 @@ def plan_replicas(
     if count < 1:
         raise PlanError("--replicas must be at least 1")
     core_sets = [] if gpu_count else split_cores(cores, count)
+    lora_env = LORA_RUNTIME_ENV if settings.lora_enabled else {}
     plans = []
     for index, rid in enumerate(replica_ids(count)):
         port = settings.base_port + index
@@ -155,7 +174,7 @@ def plan_replicas(
         argv = vllm_argv(settings, model, served_name, port, kv_port)
         if gpu_count:
             # PCI bus order is NVML's order, so CUDA's device N is the GPU the router's NVML calls N.
-            env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(index)}
+            env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(index), **lora_env}
             plans.append(ReplicaPlan(rid, port, kv_port, f"cuda:{index}", env, None, argv))
             continue
         cpus = core_sets[index]
@@ -163,6 +182,7 @@ def plan_replicas(
             "CUDA_VISIBLE_DEVICES": "",
             "VLLM_CPU_KVCACHE_SPACE": str(settings.cpu_kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": _core_list(cpus),
+            **lora_env,
         }
         plans.append(ReplicaPlan(rid, port, kv_port, f"cpu:{_core_list(cpus)}", env, cpus, argv))
     return plans
@@ -228,6 +248,12 @@ def router_flags(
         argv += ["--tenant", spec]
     if settings.vllm_priority:
         argv.append("--vllm-priority")
+    for spec in settings.lora:
+        argv += ["--lora", spec]
+    if settings.lora_dir:
+        argv += ["--lora-dir", settings.lora_dir]
+    if not settings.lora_affinity:
+        argv += ["--lora-affinity", "off"]
     return tuple(argv)
 
 
@@ -281,9 +307,22 @@ _ROUTER_LIST_FLAGS = (
 )
 
 
+def local_lora_paths(settings: RouterSettings) -> RouterSettings:
+    """Adapters' paths as absolute ones: the replicas `dpserve up` starts are on this host and see the same
+    files. `--lora-dir` always; a `--lora` PATH when it exists here (else it may name a Hugging Face repo)."""
+    specs = []
+    for spec in settings.lora:
+        name, path = parse_lora(spec)
+        local = Path(path).expanduser()
+        specs.append(f"{name}={local.absolute()}" if local.exists() else spec)
+    lora_dir = str(Path(settings.lora_dir).expanduser().absolute()) if settings.lora_dir else None
+    return dataclasses.replace(settings, lora=tuple(specs), lora_dir=lora_dir)
+
+
 def router_argv(settings: UpSettings, plans: Sequence[ReplicaPlan], tokenizer: str | None = None) -> tuple[str, ...]:
     """The same `dpserve router` command a user (or the router's container) runs by hand."""
-    flags = router_flags(settings.router, [plan.router_target for plan in plans], tokenizer, events_known(settings))
+    router = local_lora_paths(settings.router)
+    flags = router_flags(router, [plan.router_target for plan in plans], tokenizer, events_known(settings))
     return (sys.executable, "-m", "dpserve", "router", *flags)
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from dpserve.cli import build_parser, main
+from dpserve.cli import _overrides, build_parser, main
+from dpserve.config import RouterSettings, load_settings
 from dpserve.deploy import grafana
 from dpserve.deploy.compose import (
     CPU_MODEL_DIR,
@@ -584,3 +585,111 @@ def test_compose_command_routers_flags(capsys: pytest.CaptureFixture[str]) -> No
     for flag in ("--routers", "--router-workers"):
         assert main(["compose", "--env-file", "/nonexistent", flag, "0"]) == 2
         assert f"{flag} 0: at least one" in capsys.readouterr().err
+
+
+LORA_MOUNT = {"type": "bind", "source": "./adapters", "target": "/adapters", "read_only": True}
+
+
+def _replica_and_router_services(document: dict[str, Any]) -> list[dict[str, Any]]:
+    services = document["services"]
+    return [service for name, service in services.items() if re.fullmatch(r"vllm(-\d+)?|router(-\d+)?", name)]
+
+
+def test_no_lora_unless_asked_for() -> None:
+    text = render(ComposeOptions(gpus=2))
+    assert "lora" not in text.lower() and "/adapters" not in text
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("routers", [1, 2])
+def test_a_lora_dir_is_mounted_read_only_in_every_replica_and_router(scaled: bool, routers: int) -> None:
+    options = ComposeOptions(gpus=2, scaled=scaled, routers=routers, lora_dir="./adapters", max_loras=4)
+    document = load(render(options))
+    assert schema_errors(document) == [] and schema_errors(interpolate(document, ENV)) == []
+    for overlay in OVERLAYS:
+        override = load(render(options, overlay))
+        assert schema_errors(merge(None, override)) == [] and schema_errors(merge(document, override)) == []
+    interpolated = interpolate(document, ENV)
+    services = interpolated["services"]
+    replicas = {name: service for name, service in services.items() if name.startswith("vllm")}
+    assert len(replicas) == (1 if scaled else 2)
+    for service in replicas.values():
+        assert service["volumes"] == ["hf-cache:/root/.cache/huggingface", LORA_MOUNT]
+        # The router loads adapters at run time: vLLM allows it, and is given no --lora-modules.
+        assert service["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+        command = service["command"]
+        assert "--enable-lora" in command and not any(arg.startswith("--lora-modules") for arg in command)
+        assert (_flag_values(command, "--max-loras"), _flag_values(command, "--max-lora-rank")) == (["4"], ["16"])
+    router_services = _router_services(interpolated)
+    assert len(router_services) == routers
+    for service in router_services.values():
+        assert service["volumes"] == [LORA_MOUNT]
+        args = build_parser().parse_args(["router", *service["command"]])
+        read = load_settings(RouterSettings, _overrides(args), env={})
+        assert (read.lora_dir, read.lora, read.lora_affinity) == ("/adapters", (), True)
+    # The limits and the folder follow .env when it sets them, as MODEL does.
+    raw = document["services"][next(iter(replicas))]
+    assert "${MAX_LORAS:-4}" in raw["command"] and "${MAX_LORA_RANK:-16}" in raw["command"]
+    assert raw["volumes"][1]["source"] == "${LORA_DIR:-./adapters}"
+
+
+def test_lora_adapters_affinity_and_enable_lora_without_a_folder() -> None:
+    options = ComposeOptions(lora=("sql=/models/sql",), lora_affinity=False)
+    services = interpolate(compose_document(options), ENV)["services"]
+    args = build_parser().parse_args(["router", *services["router"]["command"]])
+    read = load_settings(RouterSettings, _overrides(args), env={})
+    assert (read.lora_adapters, read.lora_dir, read.lora_affinity) == ({"sql": "/models/sql"}, None, False)
+    assert "volumes" not in services["router"]
+    assert "--enable-lora" in services["vllm-0"]["command"]
+    enabled = interpolate(compose_document(ComposeOptions(enable_lora=True)), ENV)["services"]
+    assert "--enable-lora" in enabled["vllm-0"]["command"] and "--lora-dir" not in enabled["router"]["command"]
+    assert enabled["vllm-0"]["volumes"] == ["hf-cache:/root/.cache/huggingface"]
+
+
+def test_the_cpu_override_keeps_lora_in_the_replicas() -> None:
+    options = ComposeOptions(gpus=2, lora_dir="./adapters", max_lora_rank=8)
+    merged = interpolate(merge(compose_document(options), cpu_override_document(options)), ENV)
+    for service in _vllm_services(merged).values():
+        assert _flag_values(service["command"], "--model") == [CPU_MODEL_DIR] and "--enable-lora" in service["command"]
+        assert _flag_values(service["command"], "--max-lora-rank") == ["8"]
+        assert service["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
+def test_docker_compose_itself_mounts_the_lora_dir(tmp_path: Path) -> None:
+    (tmp_path / "adapters" / "sql").mkdir(parents=True)
+    options = ComposeOptions(gpus=2, lora_dir=str(tmp_path / "adapters"))
+    base, override = tmp_path / "compose.yaml", tmp_path / "compose.sim.yaml"
+    base.write_text(render(options))
+    override.write_text(render(options, "sim"))
+    stack = compose_config(base, override)
+    for service in _replica_and_router_services(stack):
+        (mount,) = [volume for volume in service["volumes"] if volume["target"] == "/adapters"]
+        assert (mount["type"], mount["source"], mount["read_only"]) == ("bind", str(tmp_path / "adapters"), True)
+    assert _flag_values(stack["services"]["router"]["command"], "--lora-dir") == ["/adapters"]
+
+
+def test_compose_command_lora_flags_env_file_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--lora-dir", "./adapters", "--lora", "sql=/adapters/sql", "--lora-affinity", "off", "--max-loras", "3"]
+    out = _generated(*flags, capsys=capsys)
+    expected = ComposeOptions(lora=("sql=/adapters/sql",), lora_dir="./adapters", lora_affinity=False, max_loras=3)
+    assert out == render(expected)
+    assert (
+        "dpserve compose --gpus 2 --lora sql=/adapters/sql --lora-dir ./adapters --lora-affinity off --max-loras 3"
+        in out
+    )
+    assert _generated("--enable-lora", "--max-lora-rank", "64", capsys=capsys) == render(
+        ComposeOptions(enable_lora=True, max_lora_rank=64)
+    )
+    # LORA_DIR in the env file, as GPUS and MODEL: the folder when no flag names one; said when a flag differs.
+    env = tmp_path / ".env"
+    env.write_text("LORA_DIR=/srv/adapters\n")
+    assert main(["compose", "--env-file", str(env)]) == 0
+    assert capsys.readouterr().out == render(ComposeOptions(lora_dir="/srv/adapters"))
+    assert main(["compose", "--env-file", str(env), "--lora-dir", "./adapters"]) == 0
+    assert "sets LORA_DIR=/srv/adapters, which docker compose mounts instead of ./adapters" in capsys.readouterr().err
+    for bad, error in ((["--max-loras", "0"], "--max-loras 0: must be at least 1"), (["--lora-dir", ""], "--lora-dir")):
+        assert main(["compose", "--env-file", "/nonexistent", *bad]) == 2
+        assert error in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["compose", "--lora", "sql"])
+    assert exit_.value.code == 2 and "expected NAME=PATH" in capsys.readouterr().err

@@ -43,3 +43,72 @@ def test_each_command_loads_its_own_group_from_the_same_flags_and_environment() 
     router = load_settings(RouterSettings, flags, env=env)
     assert (router.port, router.policy) == (9000, "session")
     assert not hasattr(router, "num_replicas") and not hasattr(router, "sim_speed")
+
+
+def test_lora_settings_from_flags_and_environment() -> None:
+    env = {"DPSERVE_LORA": "sql=/adapters/sql, chat=/adapters/chat", "DPSERVE_LORA_AFFINITY": "off"}
+    router = load_settings(RouterSettings, {"lora_dir": "/adapters"}, env=env)
+    assert router.lora == ("sql=/adapters/sql", "chat=/adapters/chat")
+    assert router.lora_adapters == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    assert (router.lora_dir, router.lora_affinity) == ("/adapters", False)
+    defaults = RouterSettings()
+    assert (defaults.lora, defaults.lora_dir, defaults.lora_affinity) == ((), None, True)
+    up = load_settings(UpSettings, {"max_loras": 4}, env={"DPSERVE_MAX_LORA_RANK": "64"})
+    assert (up.enable_lora, up.max_loras, up.max_lora_rank, up.lora_enabled) == (False, 4, 64, False)
+    # LoRA in the replicas: asked for, or implied by adapters given to the router.
+    assert UpSettings(enable_lora=True).lora_enabled
+    assert UpSettings(RouterSettings(lora=("a=/x",))).lora_enabled
+    assert UpSettings(RouterSettings(lora_dir="/adapters")).lora_enabled
+    assert (UpSettings().max_loras, UpSettings().max_lora_rank) == (2, 16)
+
+
+@pytest.mark.parametrize(
+    ("spec", "error"),
+    [
+        ("sql", "expected NAME=PATH"),
+        ("=/adapters/sql", "NAME must be non-empty"),
+        ("my sql=/adapters/sql", "without whitespace"),
+        ("sql=", "PATH is empty"),
+        ("sql= ", "PATH is empty"),
+    ],
+)
+def test_a_malformed_lora_adapter_is_refused_at_load(spec: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        load_settings(RouterSettings, {"lora": (spec,)}, env={})
+    if " " not in spec.strip():  # the environment separates adapters by commas or whitespace
+        with pytest.raises(ValueError, match=error):
+            load_settings(UpSettings, env={"DPSERVE_LORA": f"ok=/adapters/ok,{spec}"})
+
+
+def test_lora_names_are_unique_and_limits_positive() -> None:
+    assert RouterSettings(lora=("a=/x=y",)).lora_adapters == {"a": "/x=y"}  # the first `=` splits
+    with pytest.raises(ValueError, match="'a': given twice"):
+        RouterSettings(lora=("a=/x", "a=/y"))
+    with pytest.raises(ValueError, match="--lora-dir must name a folder"):
+        RouterSettings(lora_dir=" ")
+    with pytest.raises(ValueError, match="--max-loras 0: must be at least 1"):
+        load_settings(UpSettings, {"max_loras": 0}, env={})
+    with pytest.raises(ValueError, match="--max-lora-rank -1: must be at least 1"):
+        load_settings(UpSettings, env={"DPSERVE_MAX_LORA_RANK": "-1"})
+
+
+def test_the_cli_refuses_bad_lora_settings_with_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dpserve.cli import main
+
+    for argv in (
+        ["router", "--replica", "http://127.0.0.1:9", "--lora", "sql"],
+        ["up", "--lora", "=/adapters/sql"],
+        ["up", "--max-loras", "0"],
+        ["up", "--lora-affinity", "maybe"],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert "Traceback" not in capsys.readouterr().err
+    monkeypatch.setenv("DPSERVE_LORA", "sql")
+    with pytest.raises(SystemExit) as exit_:
+        main(["router", "--replica", "http://127.0.0.1:9"])
+    assert exit_.value.code == 2
+    assert "router: LoRA adapter 'sql': expected NAME=PATH" in capsys.readouterr().err

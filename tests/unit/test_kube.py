@@ -478,3 +478,72 @@ def test_the_cli_requires_replicas(capsys: pytest.CaptureFixture[str]) -> None:
         main(["kube"])
     assert exit_.value.code == 2
     assert "--replicas" in capsys.readouterr().err
+
+
+# (g) LoRA adapters
+
+
+def _lora_flags(command: list[str]) -> list[str]:
+    start = command.index("--enable-lora")
+    return command[start : start + 5]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_a_lora_claim_is_mounted_read_only_in_the_replica_and_router_pods(version: str) -> None:
+    options = KubeOptions(replicas=2, lora_pvc="adapters", lora=("sql=/adapters/sql-v2",), max_loras=4)
+    docs = documents(options)
+    for doc in docs:
+        if not doc["apiVersion"].startswith(CRD_GROUPS):
+            kubernetes_validate.validate(doc, version, strict=True)
+    (statefulset,) = only(docs, "StatefulSet")
+    deployment, daemonset = router_and_agent(docs)
+    for workload in (statefulset, deployment):
+        spec = workload["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/adapters"]
+        assert mount["readOnly"] is True
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert volume["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
+    assert "/adapters" not in str(daemonset)
+    (vllm,) = statefulset["spec"]["template"]["spec"]["containers"]
+    # The router loads adapters at run time: vLLM allows it, and is given no --lora-modules.
+    assert _lora_flags(vllm["command"]) == ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "16"]
+    assert not any(arg.startswith("--lora-modules") for arg in vllm["command"])
+    assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in vllm["env"]
+    args = parse_pod_command(deployment["spec"]["template"]["spec"]["containers"][0]["command"])
+    read = load_settings(RouterSettings, _overrides(args), env={})
+    assert (read.lora_dir, read.lora_adapters, read.lora_affinity) == ("/adapters", {"sql": "/adapters/sql-v2"}, True)
+
+
+def test_no_lora_unless_asked_for_and_enable_lora_without_a_claim() -> None:
+    plain = render(KubeOptions(replicas=2))
+    assert "lora" not in plain.lower() and "/adapters" not in plain
+    docs = documents(KubeOptions(replicas=2, enable_lora=True, max_lora_rank=64, lora_affinity=False))
+    (statefulset,) = only(docs, "StatefulSet")
+    (vllm,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert _lora_flags(vllm["command"]) == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "64"]
+    assert "/adapters" not in str(docs)
+    deployment, _ = router_and_agent(docs)
+    args = parse_pod_command(deployment["spec"]["template"]["spec"]["containers"][0]["command"])
+    assert (args.lora_dir, args.lora_affinity) == (None, "off")
+
+
+def test_the_cli_passes_lora_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--lora-pvc", "adapters", "--lora", "sql=/adapters/sql", "--lora-affinity", "off"]
+    flags += ["--max-loras", "3", "--max-lora-rank", "32"]
+    assert main(["kube", "--replicas", "2", *flags]) == 0
+    expected = KubeOptions(
+        replicas=2, lora_pvc="adapters", lora=("sql=/adapters/sql",), lora_affinity=False, max_loras=3, max_lora_rank=32
+    )
+    assert capsys.readouterr().out == render(expected)
+    assert main(["kube", "--replicas", "2", "--enable-lora"]) == 0
+    assert capsys.readouterr().out == render(KubeOptions(replicas=2, enable_lora=True))
+    for bad in (["--max-loras", "0"], ["--max-lora-rank", "-8"], ["--lora-pvc", " "]):
+        path = tmp_path / "out.yaml"
+        assert main(["kube", "--replicas", "2", *bad, "-o", str(path)]) == 2
+        captured = capsys.readouterr()
+        assert len(captured.err.strip().splitlines()) == 1 and captured.err.startswith("dpserve kube: ")
+        assert not path.exists()
+    with pytest.raises(SystemExit) as exit_:
+        main(["kube", "--replicas", "2", "--lora", "sql="])
+    assert exit_.value.code == 2 and "PATH is empty" in capsys.readouterr().err

@@ -276,3 +276,59 @@ def test_flow_control_settings_reach_the_router_and_priority_scheduling_the_repl
     # Tenants' rules hold commas, so the environment separates them by spaces or `;`.
     from_env = load_settings(RouterSettings, {}, env={"DPSERVE_TENANTS": "a:rpm=1,tpm=2;b:weight=3"})
     assert from_env.tenants == ("a:rpm=1,tpm=2", "b:weight=3")
+
+
+def _lora_flags(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """vLLM's LoRA flags in a replica's argv, with their values, as dpserve writes them."""
+    if "--enable-lora" not in argv:
+        return ()
+    start = argv.index("--enable-lora")
+    return argv[start : start + 5]
+
+
+def test_no_lora_unless_asked_for() -> None:
+    for gpus in (0, 2):
+        for plan in plan_replicas(UpSettings(), "/m", "tiny", gpus, [0, 1]):
+            assert _lora_flags(plan.argv) == () and "--max-loras" not in plan.argv
+            assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plan.env
+    argv = router_argv(UpSettings(sim_replicas=1), plan_sims(UpSettings(sim_replicas=1), "tiny"))
+    assert not any(arg.startswith("--lora") for arg in argv)
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_lora_settings_reach_the_router_and_the_replicas(
+    gpus: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "adapters" / "sql").mkdir(parents=True)
+    (tmp_path / "chat").mkdir()
+    monkeypatch.chdir(tmp_path)
+    flags = ["up", "--lora-dir", "adapters", "--lora", "chat=chat", "--lora", "hub=org/adapter"]
+    flags += ["--lora-affinity", "off", "--max-loras", "4", "--max-lora-rank", "32"]
+    settings = load_settings(UpSettings, _overrides(build_parser().parse_args(flags)), env={})
+    plans = plan_replicas(settings, "/m", "tiny", gpus, [0, 1])
+    for plan in plans:
+        assert _lora_flags(plan.argv) == ("--enable-lora", "--max-loras", "4", "--max-lora-rank", "32")
+        # Adapters are loaded at run time by the router: the replicas allow it and are given none up front.
+        assert plan.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+        assert not any(arg.startswith("--lora-modules") for arg in plan.argv)
+    argv = router_argv(settings, plans)
+    read = load_settings(RouterSettings, _overrides(build_parser().parse_args(list(argv[3:]))), env={})
+    # Local replicas see this host's files: absolute paths, so the router and replicas agree whatever their cwd.
+    assert read.lora_dir == str(tmp_path / "adapters")
+    assert read.lora_adapters == {"chat": str(tmp_path / "chat"), "hub": "org/adapter"}
+    assert read.lora_affinity is False
+
+
+def test_enable_lora_alone_uses_vllms_limits_and_extra_vllm_flags_win() -> None:
+    argv = plan_replicas(UpSettings(enable_lora=True), "/m", "tiny", 0, [0, 1])[0].argv
+    assert _lora_flags(argv) == ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16")
+    extra = ("--max-loras=8", "--max-lora-rank", "64")
+    argv = plan_replicas(UpSettings(enable_lora=True, vllm_args=extra), "/m", "tiny", 0, [0, 1])[0].argv
+    assert argv[-3:] == extra and argv.count("--max-lora-rank") == 1 and "--max-loras" not in argv
+
+
+def test_launcher_refuses_a_lora_dir_that_is_not_here(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nowhere"
+    settings = UpSettings(RouterSettings(lora_dir=str(missing)), sim_replicas=1, base_port=1024)
+    assert run_launcher(settings) == 2
+    assert f"--lora-dir {missing}: no such folder" in capsys.readouterr().err
