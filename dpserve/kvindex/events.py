@@ -100,7 +100,7 @@ def decode_event(raw: Any) -> KvEvent:
                 parent_block_hash=_hash_or_none(fields.get("parent_block_hash")),
                 token_ids=tuple(int(token) for token in fields["token_ids"]),
                 block_size=int(fields["block_size"]),
-                extra_keys=tuple(extra) if isinstance(extra, list) else None,
+                extra_keys=_frozen(extra) if isinstance(extra, list) else None,
                 medium=fields.get("medium"),
             )
         if kind == "BlockRemoved":
@@ -122,6 +122,12 @@ _POSITIONAL_FIELDS = {
 def _positional(kind: str, values: list[Any]) -> dict[str, Any]:
     names = _POSITIONAL_FIELDS.get(kind, ())
     return dict(zip(names, values, strict=False))
+
+
+def _frozen(value: Any) -> Any:
+    """msgpack arrays as tuples, all the way down: vLLM sends a LoRA block's extra keys as `(name,)`, and
+    the router's own keys (`index.block_keys`) hash that tuple's repr."""
+    return tuple(_frozen(item) for item in value) if isinstance(value, list) else value
 
 
 def _hashes(values: Any) -> tuple[EngineHash, ...]:

@@ -38,12 +38,15 @@ def chain_key(parent: int, token_ids: Sequence[int], extra: object = None) -> in
     return int.from_bytes(digest.digest(), "big")
 
 
-def block_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Keys of a prompt's full blocks, in order (a partial last block is never cached)."""
+def block_keys(token_ids: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
+    """Keys of a prompt's full blocks, in order (a partial last block is never cached). With a LoRA
+    adapter, every block's key includes its name, as vLLM's hash does and its events say (`extra_keys`
+    `(name,)` per block): the same tokens under two adapters are two different blocks."""
     keys: list[int] = []
     parent = ROOT_KEY
+    extra = (adapter,) if adapter is not None else None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_key(parent, token_ids[start : start + block_size])
+        parent = chain_key(parent, token_ids[start : start + block_size], extra)
         keys.append(parent)
     return keys
 

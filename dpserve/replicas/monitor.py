@@ -10,6 +10,7 @@ import aiohttp
 import orjson
 
 from dpserve.background import cancel_and_wait
+from dpserve.replicas.adapters import LORA_INFO, lora_info
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 
@@ -21,7 +22,7 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CACHE_CONFIG = "vllm:cache_config_info"
-SCRAPED_METRICS = frozenset({RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG})
+SCRAPED_METRICS = frozenset({RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG, LORA_INFO})
 
 
 class ReplicaMonitor:
@@ -109,6 +110,12 @@ class ReplicaMonitor:
             prefix_cache_hits=samples.total(PREFIX_HITS) or 0.0,
             block_size=int(block_size) if block_size and block_size.isdigit() else None,
         )
+        lora = lora_info(samples.by_name.get(LORA_INFO, ()))
+        if lora is not None:
+            max_loras, active = lora
+            # vLLM logs the metric on engine steps only: an idle replica keeps showing its last batch.
+            idle = not samples.total(RUNNING) and not samples.total(WAITING)
+            self._registry.set_lora_info(replica.id, max_loras, frozenset() if idle else active)
 
 
 class ProbeFailed(Exception):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dpserve.gpu.placement import parse_replica_spec
 from dpserve.policies.base import LoadFromCounts, ReplicaView
+from dpserve.replicas.adapter_folder import AdapterFolder
+from dpserve.replicas.adapters import ReplicaAdapters, adapter_cards
 from dpserve.replicas.capacity import Capacity, learn
 from dpserve.replicas.health import SOFT_FAILURES, HealthRules, HealthState, HealthTracker, Outcome
 
@@ -46,6 +48,8 @@ class Replica(LoadFromCounts):
     degraded: tuple[str, ...] = ()
     """Why its GPU is unfit (throttling, Xid errors, ...): soft-drained, still routable when no other
     replica has room. Empty: fit, or not known."""
+    lora: ReplicaAdapters = field(default_factory=ReplicaAdapters)
+    """Its LoRA adapters: slots, loaded, in use (`replicas/adapters.py`)."""
 
     @property
     def healthy(self) -> bool:
@@ -77,6 +81,22 @@ class Replica(LoadFromCounts):
         """Call through `ReplicaRegistry.set_model_cards`, which keeps routing's cached view current."""
         self.model_cards = cards
         self.models = tuple(str(card["id"]) for card in cards)
+        self.lora.listed(adapter_cards(cards))
+
+
+def adapter_card(name: str, path: str, parent: str | None, parent_card: dict[str, Any] | None) -> dict[str, Any]:
+    """An adapter's /v1/models card as vLLM writes one, for an adapter no replica has loaded yet."""
+    created = parent_card.get("created") if parent_card else None
+    return {
+        "id": name,
+        "object": "model",
+        "created": created if isinstance(created, int) else int(time.time()),
+        "owned_by": "vllm",
+        "root": path,
+        "parent": parent,
+        "max_model_len": None,
+        "permission": parent_card.get("permission", []) if parent_card else [],
+    }
 
 
 def replica_id(index: int) -> str:
@@ -99,9 +119,20 @@ class ReplicaRegistry:
         specs: Sequence[str],
         rules: HealthRules | None = None,
         clock: Callable[[], float] = time.monotonic,
+        adapters: Mapping[str, str] | None = None,
+        adapter_folder: AdapterFolder | None = None,
+        assumed_max_loras: int = 0,
     ) -> None:
         """`specs`: replica URLs, each optionally followed by `@gpu=N` (see `parse_replica_spec`); none
-        where replicas are all discovered or added later."""
+        where replicas are all discovered or added later. `adapters`: LoRA adapters by name, with their
+        paths as the replicas see them (`--lora`, `--lora-dir`); replicas' own adapters are learned from
+        their /v1/models. `assumed_max_loras`: a replica's adapter slots until it reports its own."""
+        self._adapter_folder = adapter_folder
+        self.adapter_paths: dict[str, str] = adapter_folder.read() if adapter_folder is not None else {}
+        self.adapter_paths.update(adapters or {})
+        """Every adapter the router can load: configured, or seen on a replica (its card's `root`)."""
+        self._adapter_parents: dict[str, str] = {}
+        self._assumed_max_loras = assumed_max_loras
         self._replicas: dict[str, Replica] = {}
         self._next_id = 0
         self._tracker = HealthTracker(rules or HealthRules())
@@ -142,6 +173,7 @@ class ReplicaRegistry:
         if self.by_url(url) is not None:
             raise ValueError(f"{url} is already a replica")
         replica = Replica(id=replica_id(self._next_id), url=url, gpu_hint=hint)
+        replica.lora.max_loras = self._assumed_max_loras  # until its metrics say
         self._next_id += 1
         self._replicas[replica.id] = replica
         self._reshaped()
@@ -203,8 +235,8 @@ class ReplicaRegistry:
         return bool(self.routable(model))
 
     def only_model(self) -> str | None:
-        """The one model routable replicas serve, when there is exactly one."""
-        served = self._served_models()
+        """The one base model routable replicas serve, when there is exactly one (adapters aside)."""
+        served = [name for name in self._served_models() if name not in self.adapter_paths]
         return served[0] if len(served) == 1 else None
 
     def _served_models(self) -> list[str]:
@@ -217,9 +249,38 @@ class ReplicaRegistry:
         """Replicas routing may use for `model`, in id order (cached until routability changes)."""
         view = self._views.get(model)
         if view is None:
-            view = tuple(r for r in self._replicas.values() if r.routable and model in r.models)
+            if model in self.adapter_paths:
+                # Any replica with LoRA on can load it (`policies/adapters.py` chooses where).
+                parent = self._adapter_parents.get(model)
+                view = tuple(
+                    r
+                    for r in self._replicas.values()
+                    if r.routable and r.lora.enabled and (model in r.models or parent is None or parent in r.models)
+                )
+            else:
+                view = tuple(r for r in self._replicas.values() if r.routable and model in r.models)
             self._views[model] = view
         return view
+
+    def find_new_adapters(self) -> bool:
+        """Reads the adapter folder again (`--lora-dir`) for adapters added since; True if any was."""
+        found = self._adapter_folder.reread() if self._adapter_folder is not None else None
+        new = {name: path for name, path in (found or {}).items() if name not in self.adapter_paths}
+        if new:
+            self.adapter_paths.update(new)
+            self._reshaped()
+            log.info(
+                "new adapters in %s: %s", self._adapter_folder.path if self._adapter_folder else "", ", ".join(new)
+            )
+        return bool(new)
+
+    def adapter_parent(self, adapter: str) -> str | None:
+        """The base model an adapter runs on: as a replica listed it, else the one base model served."""
+        parent = self._adapter_parents.get(adapter)
+        if parent is not None:
+            return parent
+        bases = [name for name, card in self.model_cards(healthy_only=True).items() if not card.get("parent")]
+        return bases[0] if len(bases) == 1 else None
 
     def routable_ids(self, model: str) -> tuple[str, ...]:
         """The ids of `routable(model)`, sorted; the same tuple object until routability changes."""
@@ -232,6 +293,10 @@ class ReplicaRegistry:
         replica = self._replicas.get(replica_id)
         if replica is not None and cards != replica.model_cards:
             replica.set_model_cards(cards)
+            for name, card in adapter_cards(cards).items():
+                if isinstance(card.get("root"), str) and card["root"]:
+                    self.adapter_paths.setdefault(name, card["root"])
+                self._adapter_parents[name] = card["parent"]
             self._reshaped()
 
     def _reshaped(self) -> None:
@@ -245,12 +310,21 @@ class ReplicaRegistry:
         return list(self.model_cards(healthy_only=False))
 
     def model_cards(self, healthy_only: bool) -> dict[str, dict[str, Any]]:
+        """Every model, then every adapter the router can load (loaded somewhere or not), as vLLM's cards."""
         cards: dict[str, dict[str, Any]] = {}
+        lora_on = False
         for replica in self._replicas.values():
             if healthy_only and not replica.routable:
                 continue
+            lora_on = lora_on or replica.lora.enabled
             for card in replica.model_cards:
                 cards.setdefault(str(card["id"]), card)
+        if lora_on or not healthy_only:
+            bases = [name for name, card in cards.items() if not card.get("parent")]
+            for name, path in self.adapter_paths.items():
+                if name not in cards:
+                    parent = self._adapter_parents.get(name) or (bases[0] if len(bases) == 1 else None)
+                    cards[name] = adapter_card(name, path, parent, cards.get(parent or ""))
         return cards
 
     def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[ReplicaView]:
@@ -281,6 +355,37 @@ class ReplicaRegistry:
         if replica is not None:
             replica.in_flight = max(0, replica.in_flight - 1)
         self._changed()
+
+    def hold_adapter(self, replica_id: str, adapter: str) -> None:
+        """A request of `adapter` was sent to the replica (perhaps waiting for the load): the adapter is
+        not idle there until `release_adapter`."""
+        replica = self._replicas.get(replica_id)
+        if replica is not None:
+            replica.lora.started(adapter, self._clock())
+
+    def release_adapter(self, replica_id: str, adapter: str) -> None:
+        replica = self._replicas.get(replica_id)
+        if replica is not None:
+            replica.lora.finished(adapter, self._clock())
+            if adapter not in replica.lora.in_flight:
+                self._changed()  # idle now: a request waiting for an adapter slot may load there
+
+    def set_lora_info(self, replica_id: str, max_loras: int, active: frozenset[str]) -> None:
+        """What `vllm:lora_requests_info` said: its adapter slots, and the adapters running or waiting."""
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return
+        lora = replica.lora
+        was_enabled = lora.enabled
+        if max_loras > 0:
+            lora.max_loras = max_loras
+        if lora.active != active:
+            idle_now = bool(lora.active - active)
+            lora.active = active
+            if idle_now:
+                self._changed()  # an adapter went idle: a request waiting for a slot may load now
+        if lora.enabled != was_enabled:
+            self._reshaped()
 
     def set_peer_in_flight(self, counts: dict[str, int]) -> None:
         """What the router's peers have in flight, per replica id (absent: none); sums over every peer."""

@@ -38,12 +38,14 @@ from dpserve.policies import Need, Policy, PolicyTuning, make_policy
 from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.bindings import SessionBindings
 from dpserve.policies.kv_aware import KvAwareWeights
+from dpserve.replicas.adapter_folder import AdapterFolder
 from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
 from dpserve.replicas.health import HealthRules
 from dpserve.replicas.kv_events import KvEventSubscriber, parse_kv_event_source
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.access import Guard, Keys, load_keys
+from dpserve.router.adapter_loader import AdapterLoader
 from dpserve.router.admin import FleetControl, add_admin_routes
 from dpserve.router.admission import Admission
 from dpserve.router.dashboard import dashboard_html
@@ -110,6 +112,20 @@ def policy_tuning(settings: RouterSettings) -> PolicyTuning:
     )
 
 
+def registry_for(settings: RouterSettings) -> ReplicaRegistry:
+    """The replicas given, and the LoRA adapters the router may load on them (`--lora`, `--lora-dir`)."""
+    adapters = settings.lora_adapters
+    folder = AdapterFolder(settings.lora_dir) if settings.lora_dir else None
+    return ReplicaRegistry(
+        settings.replicas,
+        health_rules(settings),
+        adapters=adapters,
+        adapter_folder=folder,
+        # vLLM reports its adapter slots only once it has served a request; until then one is assumed.
+        assumed_max_loras=1 if adapters or folder is not None else 0,
+    )
+
+
 def admission_for(settings: RouterSettings) -> Admission:
     return Admission(
         settings.max_in_flight,
@@ -146,7 +162,15 @@ def selector_for(
     reads_prefix = policy.needs & {Need.KV_PREFIX, Need.TEXT_PREFIX}
     prefixes = PrefixLookup(metrics, kv_index, text_index, recent) if reads_prefix else None
     return Selector(
-        registry, policy, admission, metrics, prefixes, rng=rng, sample_size=settings.route_sample, bindings=bindings
+        registry,
+        policy,
+        admission,
+        metrics,
+        prefixes,
+        rng=rng,
+        sample_size=settings.route_sample,
+        bindings=bindings,
+        adapter_affinity=settings.lora_affinity,
     )
 
 
@@ -310,7 +334,7 @@ def create_app(
     resolver = DnsResolver(settings.discover_nameserver) if wants_dns else None
     if registry is None and not settings.replicas and not sources:
         raise ValueError("no replicas: give --replica URL or --discover dns:NAME:PORT")
-    registry = registry or ReplicaRegistry(settings.replicas, health_rules(settings))
+    registry = registry or registry_for(settings)
     policy = policy or make_policy(settings.routing_policy, rng, policy_tuning(settings))
     keys = keys if keys is not None else load_keys(settings)
     admission = admission_for(settings)
@@ -368,7 +392,11 @@ def create_app(
             settings, registry, policy, admission, metrics, kv_index, text_index, recent, rng, bindings
         )
         retry = RetryRules(settings.retries, settings.retry_backoff_s)
-        dispatcher = Dispatcher(registry, selector, hot, metrics, retry, admission, open_streams, rng=rng)
+        adapters = AdapterLoader(registry, metrics)
+        adapters.attach(control)
+        dispatcher = Dispatcher(
+            registry, selector, hot, metrics, retry, admission, open_streams, rng=rng, adapters=adapters
+        )
         features = FeatureBuilder(policy.needs, registry, metrics, kv_index, text_index, tokens, bindings)
         relaying = Relaying(
             registry, features, dispatcher, metrics, ResponseOwners(), max_body_bytes=settings.max_body_bytes, flow=flow
@@ -552,6 +580,18 @@ def _replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
         "served_total": replica.served_total,
         "last_error": replica.last_error,
         "kv_events": kv_events,
+        "lora": _lora_status(replica) if replica.lora.enabled else None,
+    }
+
+
+def _lora_status(replica: Replica) -> dict[str, Any]:
+    lora = replica.lora
+    return {
+        "max_loras": lora.max_loras,
+        "loaded": sorted(lora.loaded - lora.loading),
+        "loading": sorted(lora.loading),
+        "in_flight": dict(sorted(lora.in_flight.items())),
+        "active": sorted(lora.active),
     }
 
 

@@ -16,6 +16,7 @@ import orjson
 from dpserve.policies.base import ReplicaView, RequestFeatures, pick_least_loaded
 from dpserve.replicas.health import Outcome, classify_status
 from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.adapter_loader import AdapterLoader, AdapterLoadFailed
 from dpserve.router.admission import Admission, Ticket
 from dpserve.router.errors import OpenAIError, no_replica
 from dpserve.router.metrics import RouterMetrics
@@ -109,8 +110,10 @@ class Streaming:
         registry: ReplicaRegistry,
         metrics: RouterMetrics,
         open_streams: OpenStreams,
+        adapter: str | None = None,
     ) -> None:
         self.replica_id = replica_id
+        self._adapter = adapter
         self.status = status
         self.content_type = content_type
         self.completed = False
@@ -144,6 +147,8 @@ class Streaming:
             # Closing drops the connection, so the replica aborts the request when the client left.
             self._resp.close()
         self._registry.release(self.replica_id)
+        if self._adapter is not None:
+            self._registry.release_adapter(self.replica_id, self._adapter)
 
     async def _relay(self) -> AsyncIterator[bytes]:
         """Chunks as they arrive, cut at event boundaries so a broken stream never ends mid-event."""
@@ -194,7 +199,9 @@ class Dispatcher:
         open_streams: OpenStreams,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        adapters: AdapterLoader | None = None,
     ) -> None:
+        self._adapters = adapters
         self._registry = registry
         self._selector = selector
         self._upstream = upstream
@@ -213,6 +220,7 @@ class Dispatcher:
         request's tenant and expected cost for the admission queue; it learns how long it waited."""
         tried: list[str] = []
         last_failure: Buffered | None = None
+        last_load_failure: AdapterLoadFailed | None = None
         retries = self._retry.retries
         for attempt in range(retries + 1):
             if attempt:
@@ -223,8 +231,17 @@ class Dispatcher:
             replica_id = self._selector.choose(features, candidates).id
             tried.append(replica_id)
             is_last = attempt == retries
+            adapter = features.adapter
             try:
-                outcome = await self._attempt(replica_id, features, request, started)
+                if adapter is not None:
+                    outcome = await self._adapter_attempt(replica_id, adapter, features, request, started)
+                else:
+                    outcome = await self._attempt(replica_id, features, request, started)
+            except AdapterLoadFailed as failed:
+                last_load_failure = failed
+                if not is_last:
+                    self._metrics.retries.labels("adapter_load").inc()
+                continue
             except RETRYABLE as exc:
                 reason = type(exc).__name__
                 # Nothing listening there ejects at once; a dropped or slow connection counts towards it.
@@ -242,6 +259,14 @@ class Dispatcher:
             return outcome
         if last_failure is not None:
             return last_failure
+        if last_load_failure is not None:
+            raise OpenAIError(
+                502,
+                f"The LoRA adapter `{last_load_failure.adapter}` could not be loaded on a replica: "
+                f"{last_load_failure.message}",
+                type="server_error",
+                code="adapter_load_failed",
+            )
         if not tried:
             raise no_replica(f"No healthy replica serves the model `{features.model}` right now.")
         raise OpenAIError(
@@ -250,6 +275,30 @@ class Dispatcher:
             type="server_error",
             code="upstream_unavailable",
         )
+
+    async def _adapter_attempt(
+        self, replica_id: str, adapter: str, features: RequestFeatures, request: Outbound, started: float
+    ) -> Buffered | Streaming:
+        """One attempt of a LoRA request: the adapter is loaded there first if it must be (requests for
+        it meanwhile join that load), and it counts as in use there until the answer is done."""
+        registry, loader = self._registry, self._adapters
+        registry.hold_adapter(replica_id, adapter)  # before any await: not an idle adapter to unload
+        handed_over = False
+        try:
+            for reloaded in (False, True):
+                if loader is not None:
+                    await loader.ready(replica_id, adapter)
+                outcome = await self._attempt(replica_id, features, request, started, adapter)
+                handed_over = isinstance(outcome, Streaming)
+                # 404 for an adapter it was thought to hold: the replica restarted, or someone unloaded it.
+                if outcome.status == 404 and loader is not None and not reloaded and not handed_over:
+                    loader.forget(replica_id, adapter)
+                    continue
+                return outcome
+            raise AssertionError("unreachable")
+        finally:
+            if not handed_over:
+                registry.release_adapter(replica_id, adapter)
 
     async def send_to_any(self, features: RequestFeatures, request: Outbound, started: float) -> Buffered | Streaming:
         """To any healthy replica, the least loaded, for what every replica answers alike (no model named)."""
@@ -310,7 +359,12 @@ class Dispatcher:
         return found
 
     async def _attempt(
-        self, replica_id: str, features: RequestFeatures, request: Outbound, started: float
+        self,
+        replica_id: str,
+        features: RequestFeatures,
+        request: Outbound,
+        started: float,
+        adapter: str | None = None,
     ) -> Buffered | Streaming:
         registry = self._registry
         address = self._address(registry.get(replica_id).url)
@@ -344,7 +398,7 @@ class Dispatcher:
             self._metrics.labeled(self._metrics.first_byte, features.endpoint, "true").observe(self._clock() - started)
             handed_over = True
             return Streaming(
-                replica_id, resp.status, content_type, resp, first, registry, self._metrics, self._open_streams
+                replica_id, resp.status, content_type, resp, first, registry, self._metrics, self._open_streams, adapter
             )
         except BaseException:
             if resp is not None:

@@ -55,7 +55,8 @@ class FeatureBuilder:
         """Load-only endpoints (embeddings, tokenize, ...) get no prompt features."""
         prompt = endpoint.prompt
         if not self._needs or prompt is None:
-            return RequestFeatures(endpoint.name, model, stream)
+            adapter = model if model in self._registry.adapter_paths else None
+            return RequestFeatures(endpoint.name, model, stream, adapter=adapter)
         if prompt is Prompt.RESPONSE:
             payload = response_as_chat(payload)
         # The tokenizers and the text index know two shapes: chat messages and completion prompts.
@@ -67,13 +68,16 @@ class FeatureBuilder:
             session_key = headers.get(SESSION_HEADER) or _user(payload)
             if session_key and self._bindings is not None:
                 bound = self._bindings.get(session_key)
+        adapter = model if model in self._registry.adapter_paths else None
         if Need.KV_PREFIX in self._needs:
-            prefix = await self._kv_prefix(shape, model, payload)
+            prefix = await self._kv_prefix(shape, model, payload, adapter)
         elif Need.TEXT_PREFIX in self._needs:
             prefix = self._text_prefix(shape, model, payload)
-        return RequestFeatures(endpoint.name, model, stream, prefix, session_key, bound=bound)
+        return RequestFeatures(endpoint.name, model, stream, prefix, session_key, bound=bound, adapter=adapter)
 
-    async def _kv_prefix(self, endpoint: str, model: str, payload: dict[str, Any]) -> PrefixMatch | None:
+    async def _kv_prefix(
+        self, endpoint: str, model: str, payload: dict[str, Any], adapter: str | None
+    ) -> PrefixMatch | None:
         if self._kv_index is None or self._tokens is None:
             return None
         candidates = self._registry.candidates(model)
@@ -85,12 +89,14 @@ class FeatureBuilder:
         started = time.perf_counter()
         # Tokenize on the least busy replica when the tokens come from a replica.
         url = self._registry.get(min(candidates, key=lambda c: c.in_flight).id).url
-        tokens = await self._tokens.tokens(endpoint, payload, model, url)
+        # An adapter tokenizes as its base model does, and that replica may not hold the adapter.
+        base = (self._registry.adapter_parent(adapter) or model) if adapter is not None else model
+        tokens = await self._tokens.tokens(endpoint, payload, base, url)
         metrics = self._metrics
         metrics.labeled(metrics.tokenize_seconds, self._tokens.tokenizer.name).observe(time.perf_counter() - started)
         if tokens is None:
             return None
-        keys = block_keys(tokens, block_size)
+        keys = block_keys(tokens, block_size, adapter)
         self._metrics.prompt_tokens.inc(len(tokens))
         # Matches are read at decision time (`selection.PrefixLookup.match`): requests tokenized side by side must see
         # each other's routing, so the index is not read here.

@@ -51,6 +51,32 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.adapter_loads = Counter(
+            "dpserve_lora_loads",
+            "LoRA adapter loads the router asked of replicas, by replica and outcome (ok, failed, cancelled).",
+            ["replica", "outcome"],
+            registry=self.registry,
+        )
+        self.adapter_unloads = Counter(
+            "dpserve_lora_unloads",
+            "Idle LoRA adapters the router unloaded to free a slot, by replica and outcome.",
+            ["replica", "outcome"],
+            registry=self.registry,
+        )
+        self.adapter_load_seconds = Histogram(
+            "dpserve_lora_load_seconds",
+            "How long a replica took to load a LoRA adapter (requests for it wait that long).",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.adapter_placements = Counter(
+            "dpserve_lora_placements",
+            "Placements of LoRA adapter requests: to replicas holding the adapter (loaded, loaded_busy), to "
+            "one that loads it (free_slot, evict, over_bound), or none yet (full: every slot busy; a "
+            "request waiting for one counts at each look), blind with --lora-affinity off.",
+            ["reason"],
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "dpserve_queue_depth",
             "Requests waiting in the router's admission queue for a replica with room.",
@@ -171,6 +197,11 @@ class _ReplicaStateCollector(Collector):
                 "vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total (scraped).",
                 labels=["replica"],
             ),
+            "adapters": GaugeMetricFamily(
+                "dpserve_replica_lora_adapters",
+                "LoRA adapters the replica holds (or is loading), as the router knows.",
+                labels=["replica"],
+            ),
         }
         ejections = CounterMetricFamily(
             "dpserve_replica_ejections",
@@ -187,6 +218,8 @@ class _ReplicaStateCollector(Collector):
             gauges["running"].add_metric([replica.id], replica.running)
             gauges["waiting"].add_metric([replica.id], replica.waiting)
             gauges["kv_usage"].add_metric([replica.id], replica.kv_usage)
+            if replica.lora.enabled:
+                gauges["adapters"].add_metric([replica.id], len(replica.lora.loaded))
             if replica.prefix_cache_queries:
                 ratio = replica.prefix_cache_hits / replica.prefix_cache_queries
                 gauges["hit_ratio"].add_metric([replica.id], ratio)

@@ -481,6 +481,8 @@ def resolve_model(registry: ReplicaRegistry, requested: str | None) -> str:
         raise bad_request(f"Missing `model`; this router serves: {', '.join(served)}.", param="model")
     if registry.serves(requested):
         return requested
+    if registry.find_new_adapters() and registry.serves(requested):
+        return requested
     if requested in registry.known_models():
         raise no_replica(f"No healthy replica serves the model `{requested}` right now.")
     raise model_not_found(requested)

@@ -11,6 +11,7 @@ from dataclasses import replace
 from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import TextPrefixIndex
+from dpserve.policies.adapters import AdapterSlots, Placement, place
 from dpserve.policies.base import Decision, Policy, PrefixSource, ReplicaView, RequestFeatures, Sampling
 from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import Replica, ReplicaRegistry
@@ -29,9 +30,12 @@ class Selector:
         rng: random.Random | None = None,
         sample_size: int = 0,
         bindings: SessionBindings | None = None,
+        adapter_affinity: bool = True,
     ) -> None:
         """`sample_size` > 0: a policy that allows it (`Policy.sampling`) sees at most that many replicas
-        of a larger fleet, so a decision costs the same with 64 replicas as with 8."""
+        of a larger fleet, so a decision costs the same with 64 replicas as with 8. `adapter_affinity`
+        False: LoRA requests ignore where adapters are loaded (a baseline; `--lora-affinity off`)."""
+        self._adapter_affinity = adapter_affinity
         self.policy = policy
         self._registry = registry
         self._admission = admission
@@ -47,7 +51,14 @@ class Selector:
     def candidates(self, features: RequestFeatures, tried: Sequence[str] = ()) -> list[ReplicaView]:
         """Replicas the policy may choose from now: routable, untried, with room; a sample of them in a
         large fleet, the whole fleet only when none in the sample has room (or all are backing off).
-        Replicas on a degraded GPU only when no other has room."""
+        Replicas on a degraded GPU only when no other has room. For a LoRA adapter, those that hold it,
+        or the one that should load it (`policies/adapters.py`)."""
+        found = self._candidates(features, tried)
+        if features.adapter is None:
+            return found
+        return list(self._place(features.adapter, found).candidates)
+
+    def _candidates(self, features: RequestFeatures, tried: Sequence[str]) -> list[ReplicaView]:
         registry, admission = self._registry, self._admission
         degraded = registry.degraded_ids
         view = registry.routable(features.model)
@@ -63,6 +74,17 @@ class Selector:
             fit = [c for c in candidates if c.id not in degraded]
             return fit or candidates
         return candidates
+
+    def _place(self, adapter: str, candidates: Sequence[ReplicaView]) -> Placement:
+        registry = self._registry
+        slots: dict[str, AdapterSlots] = {}
+        for candidate in candidates:
+            replica = registry.find(candidate.id)
+            if replica is not None:
+                slots[candidate.id] = replica.lora.slots()
+        placement = place(adapter, candidates, slots, self._admission.holds, self._adapter_affinity)
+        self._metrics.labeled(self._metrics.adapter_placements, placement.reason).inc()
+        return placement
 
     def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
         """The policy's pick among `candidates` (not empty), counted and remembered where it went."""

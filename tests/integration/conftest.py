@@ -24,6 +24,7 @@ from dpserve.up.process import terminate
 from tests.conftest import free_port, free_port_range
 
 FLEET_START_TIMEOUT_S = 600
+FLEET_MAX_LORAS = 2
 REPLICA_ENV = {
     # Stored responses (`store`), so retrieving one by id can be tested; vLLM keeps them in memory.
     "VLLM_ENABLE_RESPONSES_API_STORE": "1",
@@ -125,8 +126,10 @@ def running_fleet(work: Path, count: int, up_args: list[str], timeout_s: float) 
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("fleet")
+    # LoRA on, as in fleets serving adapters (test_lora.py loads them through its own router).
+    lora = ["--enable-lora", "--max-loras", str(FLEET_MAX_LORAS), "--max-lora-rank", "8"]
     with running_fleet(
-        work, 2, ["--replicas", "2", "--cache-dir", str(work / "cache")], FLEET_START_TIMEOUT_S
+        work, 2, ["--replicas", "2", "--cache-dir", str(work / "cache"), *lora], FLEET_START_TIMEOUT_S
     ) as fleet:
         yield fleet
 

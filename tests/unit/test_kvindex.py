@@ -178,6 +178,30 @@ def test_extra_keys_make_a_different_block() -> None:
     assert index.match(block_keys([1, 2, 3, 4], BS), ["r0"]) == {"r0": 0}
 
 
+def test_an_adapters_blocks_match_only_that_adapters_prompts() -> None:
+    """vLLM 0.32 sends a LoRA block's extra keys as `[name]` per block (msgpack has no tuples); the
+    router's keys of a prompt under that adapter must find them, and the base model's or another
+    adapter's keys of the same tokens must not."""
+    tokens = list(range(8))
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [21, 22],
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": 1,
+        "medium": "GPU",
+        "lora_name": "tiny-lora-0",
+        "extra_keys": [["tiny-lora-0"], ["tiny-lora-0"]],
+    }
+    index = KvIndex()
+    index.apply("r0", decode_message(message([event])).events)
+    index.store("r1", stored([31, 32], None, tokens))  # the base model's blocks of the same tokens
+    assert index.match(block_keys(tokens, BS, "tiny-lora-0"), ["r0", "r1"]) == {"r0": 2, "r1": 0}
+    assert index.match(block_keys(tokens, BS), ["r0", "r1"]) == {"r0": 0, "r1": 2}
+    assert index.match(block_keys(tokens, BS, "tiny-lora-1"), ["r0", "r1"]) == {"r0": 0, "r1": 0}
+
+
 def test_memory_is_bounded_by_evicting_the_fullest_replicas_oldest_blocks() -> None:
     index = KvIndex(max_entries=10)
     index.store("r0", stored(list(range(1, 9)), None, list(range(32))))

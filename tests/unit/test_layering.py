@@ -17,7 +17,14 @@ PACKAGE = Path(__file__).resolve().parents[2] / "dpserve"
 LAYERS: tuple[tuple[str, ...], ...] = (
     # Lowest first. A module may import its own package and anything in a lower layer, nothing else.
     # Settings, an ASGI helper, background tasks' end, the tiny-model builder, terminal tables.
-    ("dpserve.config", "dpserve.disconnect", "dpserve.background", "dpserve.tiny_model", "dpserve.text_table"),
+    (
+        "dpserve.config",
+        "dpserve.disconnect",
+        "dpserve.background",
+        "dpserve.tiny_model",
+        "dpserve.tiny_lora",
+        "dpserve.text_table",
+    ),
     ("dpserve.kvindex", "dpserve.gpu"),  # pure data: the KV-block index, NVML samples
     ("dpserve.policies",),  # pure routing decisions
     ("dpserve.replicas",),  # the router's view of replicas: registry, health, probes, KV-event subscribers
@@ -45,6 +52,7 @@ ROUTER_PATH: tuple[str, ...] = (
     "flow",
     "features",
     "dispatch",
+    "adapter_loader",
     "selection",
     "request_body",
     "engine_ops",

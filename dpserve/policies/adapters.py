@@ -1,0 +1,127 @@
+"""Where a LoRA adapter's request may go: pure functions of the replicas' adapter slots and load.
+
+vLLM holds at most `--max-loras` adapters at once and loads more at run time. A request for an adapter
+goes, in this order of preference, to
+1. replicas that hold it, if one of them is within the balance guard (the least loaded of the fleet
+   times 1.5, plus 2): the policy chooses among those;
+2. else the least loaded replica with a free adapter slot: it loads the adapter first;
+3. else the least loaded replica whose least recently used adapter is idle: that one is unloaded first;
+4. else the replicas that hold it, however loaded; else nowhere yet (the request waits for an adapter to
+   go idle), or, where requests cannot wait, the least loaded replica over its bound.
+Case 1 failing on load alone is how a hot adapter spreads: its replicas fill up past the guard, and the
+next request loads it on another replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dpserve.policies.balance import BalanceGuard
+from dpserve.policies.base import ReplicaView
+
+ADAPTER_GUARD = BalanceGuard(relative=1.5, absolute=2)
+"""Looser than the prefix policies' guard (+8): a tiny adapter loads in tens of milliseconds, so a replica
+two requests busier than it should be is reason enough to load a hot adapter on a second replica."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSlots:
+    """One replica's adapters as a decision sees them."""
+
+    max_loras: int
+    """How many it holds at once (vLLM's `--max-loras`); 0: LoRA is off there, or not known yet."""
+    loaded: frozenset[str] = frozenset()
+    """Loaded, or being loaded by the router."""
+    busy: frozenset[str] = frozenset()
+    """With requests in flight (the router's, or running or waiting on the replica); never unloaded."""
+    last_used: Mapping[str, float] = field(default_factory=dict)
+    """When each loaded adapter last had a request start or end (for least recently used)."""
+
+    @property
+    def free(self) -> bool:
+        return len(self.loaded) < self.max_loras
+
+    def idle_victim(self) -> str | None:
+        """The least recently used loaded adapter with nothing in flight, if any."""
+        idle = [name for name in self.loaded if name not in self.busy]
+        if not idle:
+            return None
+        return min(idle, key=lambda name: (self.last_used.get(name, 0.0), name))
+
+
+NO_SLOTS = AdapterSlots(max_loras=0)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    candidates: tuple[ReplicaView, ...]
+    """What the policy may choose from (empty: nowhere yet; the request waits)."""
+    reason: str
+    """loaded | free_slot | evict | loaded_busy | full | over_bound | blind: for metrics."""
+
+    @property
+    def loads(self) -> bool:
+        return self.reason in ("free_slot", "evict", "over_bound")
+
+
+def place(
+    adapter: str,
+    candidates: Sequence[ReplicaView],
+    slots: Mapping[str, AdapterSlots],
+    can_wait: bool = True,
+    affinity: bool = True,
+    guard: BalanceGuard = ADAPTER_GUARD,
+) -> Placement:
+    """Narrow `candidates` (replicas with room, LoRA on) for a request of `adapter` (see the module's
+    docstring). `affinity` False: every candidate, as a baseline that ignores where adapters are."""
+    if not candidates:
+        return Placement((), "full")
+    if not affinity:
+        return Placement(tuple(candidates), "blind")
+    holding = [c for c in candidates if adapter in slots.get(c.id, NO_SLOTS).loaded]
+    if holding:
+        limit = guard.limit(candidates)
+        within = tuple(c for c in holding if c.load <= limit)
+        if within:
+            return Placement(within, "loaded")
+    target = _least_loaded([c for c in candidates if slots.get(c.id, NO_SLOTS).free and c not in holding], slots)
+    if target is not None:
+        return Placement((target,), "free_slot")
+    target = _least_loaded(
+        [c for c in candidates if c not in holding and slots.get(c.id, NO_SLOTS).idle_victim() is not None], slots
+    )
+    if target is not None:
+        return Placement((target,), "evict")
+    if holding:
+        return Placement(tuple(holding), "loaded_busy")
+    if can_wait:
+        return Placement((), "full")
+    target = _least_loaded([c for c in candidates if slots.get(c.id, NO_SLOTS).max_loras > 0], slots)
+    return Placement((target,) if target is not None else (), "over_bound")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """What a chosen replica must do before it can serve the adapter."""
+
+    load: bool
+    evict: str | None = None
+
+
+def plan_load(adapter: str, slots: AdapterSlots) -> LoadPlan:
+    """Nothing if it holds the adapter; else load it, unloading the least recently used idle adapter
+    first when every slot is taken (none idle: load over the bound, vLLM swaps adapters itself)."""
+    if adapter in slots.loaded:
+        return LoadPlan(load=False)
+    if slots.free or slots.max_loras <= 0:
+        return LoadPlan(load=True)
+    return LoadPlan(load=True, evict=slots.idle_victim())
+
+
+def _least_loaded(candidates: Sequence[ReplicaView], slots: Mapping[str, AdapterSlots]) -> ReplicaView | None:
+    # Ties go to the replica holding fewer adapters (a burst of new adapters spreads over the fleet
+    # before loads count as in flight), then the emptier KV cache, then the lower id (deterministic).
+    return min(
+        candidates, key=lambda c: (c.load, len(slots.get(c.id, NO_SLOTS).loaded), c.kv_usage, c.id), default=None
+    )

@@ -1,0 +1,118 @@
+"""Where a LoRA adapter's request goes (`policies/adapters.py`): pure functions of the replicas' adapter
+slots and load, tested without sockets."""
+
+from __future__ import annotations
+
+from dpserve.policies.adapters import AdapterSlots, LoadPlan, place, plan_load
+from dpserve.policies.base import ReplicaSnapshot
+
+
+def replica(rid: str, load: int = 0) -> ReplicaSnapshot:
+    return ReplicaSnapshot(rid, in_flight=load)
+
+
+def ids(placement: object) -> list[str]:
+    return [c.id for c in placement.candidates]  # type: ignore[attr-defined]
+
+
+def test_goes_where_the_adapter_is_loaded_while_that_replica_is_within_the_guard() -> None:
+    fleet = [replica("r0", 3), replica("r1", 0)]
+    slots = {"r0": AdapterSlots(2, frozenset({"a"})), "r1": AdapterSlots(2)}
+    placement = place("a", fleet, slots)
+    # 3 <= 1.5 * 0 + 2 fails: r0 is too busy, so r1 (free slot) loads it
+    assert (ids(placement), placement.reason) == (["r1"], "free_slot")
+    fleet = [replica("r0", 2), replica("r1", 0)]
+    placement = place("a", fleet, slots)
+    assert (ids(placement), placement.reason) == (["r0"], "loaded")
+    assert not placement.loads
+
+
+def test_every_replica_holding_it_and_within_the_guard_is_offered_to_the_policy() -> None:
+    fleet = [replica("r0", 4), replica("r1", 3), replica("r2", 0)]
+    slots = {
+        "r0": AdapterSlots(2, frozenset({"a"})),
+        "r1": AdapterSlots(2, frozenset({"a"})),
+        "r2": AdapterSlots(2, frozenset({"b", "c"}), busy=frozenset({"b", "c"})),
+    }
+    # limit 1.5 * 0 + 2 = 2: neither holder is within it; r2 has no free slot and nothing idle
+    assert (ids(place("a", fleet, slots)), place("a", fleet, slots).reason) == (["r0", "r1"], "loaded_busy")
+    fleet = [replica("r0", 4), replica("r1", 3), replica("r2", 2)]  # limit 5: both holders are within
+    assert ids(place("a", fleet, slots)) == ["r0", "r1"]
+
+
+def test_not_loaded_anywhere_loads_on_the_least_loaded_replica_with_a_free_slot() -> None:
+    fleet = [replica("r0", 0), replica("r1", 1), replica("r2", 5)]
+    slots = {
+        "r0": AdapterSlots(1, frozenset({"x"})),  # full
+        "r1": AdapterSlots(2, frozenset({"y"})),
+        "r2": AdapterSlots(2),
+    }
+    placement = place("a", fleet, slots)
+    assert (ids(placement), placement.reason, placement.loads) == (["r1"], "free_slot", True)
+
+
+def test_ties_go_to_the_replica_holding_fewer_adapters() -> None:
+    fleet = [replica("r0"), replica("r1")]
+    slots = {"r0": AdapterSlots(2, frozenset({"x"})), "r1": AdapterSlots(2)}
+    assert ids(place("a", fleet, slots)) == ["r1"]
+
+
+def test_no_free_slot_evicts_where_the_least_recently_used_adapter_is_idle() -> None:
+    fleet = [replica("r0", 0), replica("r1", 1)]
+    slots = {
+        "r0": AdapterSlots(2, frozenset({"x", "y"}), busy=frozenset({"x", "y"})),
+        "r1": AdapterSlots(2, frozenset({"x", "z"}), busy=frozenset({"x"}), last_used={"x": 5.0, "z": 1.0}),
+    }
+    placement = place("a", fleet, slots)
+    assert (ids(placement), placement.reason) == (["r1"], "evict")
+    assert plan_load("a", slots["r1"]) == LoadPlan(load=True, evict="z")
+
+
+def test_least_recently_used_idle_adapter_is_the_one_unloaded() -> None:
+    slots = AdapterSlots(3, frozenset({"x", "y", "z"}), busy=frozenset({"x"}), last_used={"x": 0, "y": 9, "z": 4})
+    assert slots.idle_victim() == "z"
+    assert plan_load("a", slots).evict == "z"
+    assert plan_load("x", slots) == LoadPlan(load=False)
+    assert plan_load("a", AdapterSlots(4, frozenset({"x"}))) == LoadPlan(load=True)
+
+
+def test_every_slot_busy_everywhere_waits_or_goes_over_the_bound_where_it_cannot_wait() -> None:
+    fleet = [replica("r0", 2), replica("r1", 1)]
+    busy = {
+        "r0": AdapterSlots(1, frozenset({"x"}), busy=frozenset({"x"})),
+        "r1": AdapterSlots(1, frozenset({"y"}), busy=frozenset({"y"})),
+    }
+    waiting = place("a", fleet, busy, can_wait=True)
+    assert (ids(waiting), waiting.reason) == ([], "full")
+    over = place("a", fleet, busy, can_wait=False)
+    assert (ids(over), over.reason, over.loads) == (["r1"], "over_bound", True)
+    assert plan_load("a", busy["r1"]) == LoadPlan(load=True, evict=None)
+
+
+def test_replicas_without_lora_never_load_adapters() -> None:
+    fleet = [replica("r0"), replica("r1")]
+    assert place("a", fleet, {"r0": AdapterSlots(0), "r1": AdapterSlots(0)}, can_wait=False).candidates == ()
+
+
+def test_a_hot_adapter_spreads_once_its_replica_is_busier_than_the_guard_allows() -> None:
+    """Requests of one adapter, each staying in flight: the first load goes to one replica; once it is
+    more than 1.5x + 2 busier than the other, the other loads the adapter too, then both share it."""
+    load = {"r0": 0, "r1": 0}
+    slots = {"r0": AdapterSlots(2), "r1": AdapterSlots(2)}
+    for _ in range(20):
+        fleet = [replica(rid, n) for rid, n in load.items()]
+        placement = place("hot", fleet, slots)
+        chosen = min(placement.candidates, key=lambda c: (c.load, c.id))  # least loaded, as the policy does
+        if placement.loads:
+            s = slots[chosen.id]
+            slots[chosen.id] = AdapterSlots(s.max_loras, s.loaded | {"hot"}, s.busy | {"hot"})
+        load[chosen.id] += 1
+    assert all("hot" in s.loaded for s in slots.values())
+    assert load == {"r0": 10, "r1": 10}
+
+
+def test_affinity_off_offers_every_candidate() -> None:
+    fleet = [replica("r0", 5), replica("r1", 0)]
+    slots = {"r0": AdapterSlots(2, frozenset({"a"})), "r1": AdapterSlots(2)}
+    placement = place("a", fleet, slots, affinity=False)
+    assert (ids(placement), placement.reason) == (["r0", "r1"], "blind")
