@@ -286,6 +286,7 @@ BENCH_MODULES = {
     "soak": "soak",
     "overhead": "overhead",
     "fairness": "fairness",
+    "lora": "lora",
 }
 NO_BENCHMARKS = (
     "dpserve bench needs a checkout of the dpserve repository (the benchmarks are not part of the installed "
@@ -623,6 +624,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_kinds.add_parser(
         "fairness", help="flow control: a light tenant beside a heavy one, priority under a batch flood", add_help=False
+    )
+    bench_kinds.add_parser(
+        "lora",
+        help="LoRA placement vs adapter-blind routing and vllm-router: loads, TTFT, a hot adapter",
+        add_help=False,
     )
     return parser
 
