@@ -3,13 +3,16 @@
 vLLM holds at most `--max-loras` adapters at once and loads more at run time. A request for an adapter
 goes, in this order of preference, to
 1. replicas that hold it, if one of them is within the balance guard (the least loaded of the fleet
-   times 1.5, plus 2): the policy chooses among those;
+   times 1.5, plus 2) and the adapter is not crowded on them: the policy chooses among those. Crowded:
+   its own requests in flight there are at least 2 and at least its holders' even share of everything in
+   flight (a hot adapter that alone keeps its replicas as busy as the fleet's average), and a less loaded
+   replica could load it;
 2. else the least loaded replica with a free adapter slot: it loads the adapter first;
 3. else the least loaded replica whose least recently used adapter is idle: that one is unloaded first;
 4. else the replicas that hold it, however loaded; else nowhere yet (the request waits for an adapter to
    go idle), or, where requests cannot wait, the least loaded replica over its bound.
-Case 1 failing on load alone is how a hot adapter spreads: its replicas fill up past the guard, and the
-next request loads it on another replica.
+Case 1 failing is how a hot adapter spreads: it crowds its replicas (or fills them past the guard), and
+the next request loads it on another replica; from then on the policy balances it over both.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class AdapterSlots:
     """With requests in flight (the router's, or running or waiting on the replica); never unloaded."""
     last_used: Mapping[str, float] = field(default_factory=dict)
     """When each loaded adapter last had a request start or end (for least recently used)."""
+    in_flight: Mapping[str, int] = field(default_factory=dict)
+    """The router's requests in flight there, per adapter (how much of the replica an adapter keeps busy)."""
 
     @property
     def free(self) -> bool:
@@ -83,7 +88,7 @@ def place(
     if holding:
         limit = guard.limit(candidates)
         within = tuple(c for c in holding if c.load <= limit)
-        if within:
+        if within and not _crowded(adapter, holding, candidates, slots):
             return Placement(within, "loaded")
     target = _least_loaded([c for c in candidates if slots.get(c.id, NO_SLOTS).free and c not in holding], slots)
     if target is not None:
@@ -99,6 +104,30 @@ def place(
         return Placement((), "full")
     target = _least_loaded([c for c in candidates if slots.get(c.id, NO_SLOTS).max_loras > 0], slots)
     return Placement((target,) if target is not None else (), "over_bound")
+
+
+SPREAD_MIN_REQUESTS = 2
+"""An adapter with fewer requests in flight than this never takes a second replica's slot for itself."""
+
+
+def _crowded(
+    adapter: str, holding: Sequence[ReplicaView], candidates: Sequence[ReplicaView], slots: Mapping[str, AdapterSlots]
+) -> bool:
+    """Whether the adapter alone keeps its holders at least as busy as an even share of the fleet's load,
+    while another replica, less loaded than every holder, has room for it."""
+    demand = sum(slots.get(c.id, NO_SLOTS).in_flight.get(adapter, 0) for c in holding)
+    if demand < SPREAD_MIN_REQUESTS:
+        return False
+    even_share = sum(c.load for c in candidates) * len(holding) / len(candidates)
+    if demand < even_share:
+        return False
+    least_held = min(c.load for c in holding)
+    return any(
+        c.load < least_held and (slot.free or slot.idle_victim() is not None)
+        for c in candidates
+        if c not in holding
+        for slot in (slots.get(c.id, NO_SLOTS),)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ class ReplicaAdapters:
 
     def slots(self) -> AdapterSlots:
         busy = self.active | self.loading | {name for name, count in self.in_flight.items() if count > 0}
-        return AdapterSlots(self.max_loras, frozenset(self.loaded), frozenset(busy), self.last_used)
+        return AdapterSlots(self.max_loras, frozenset(self.loaded), frozenset(busy), self.last_used, self.in_flight)
 
     def listed(self, names: Iterable[str]) -> None:
         """What its /v1/models says now (a restart empties it); loads in progress stay."""

@@ -116,7 +116,7 @@ function renderReplicas(status) {
   body.replaceChildren(...status.replicas.map(r => el("tr", {"data-replica": r.id},
     el("td", {}, el("b", {}, r.id)),
     el("td", {}, r.url),
-    el("td", {}, r.model || DASH),
+    el("td", {}, (r.model || DASH) + (r.lora && r.lora.loaded.length ? " + " + r.lora.loaded.join(", ") : "")),
     replicaState(r),
     el("td", {}, bar(r.in_flight / peak, String(r.in_flight), "load")),
     el("td", {class: "num"}, r.running),

@@ -3,6 +3,9 @@ slots and load, tested without sockets."""
 
 from __future__ import annotations
 
+import collections
+import random
+
 from dpserve.policies.adapters import AdapterSlots, LoadPlan, place, plan_load
 from dpserve.policies.base import ReplicaSnapshot
 
@@ -116,3 +119,56 @@ def test_affinity_off_offers_every_candidate() -> None:
     slots = {"r0": AdapterSlots(2, frozenset({"a"})), "r1": AdapterSlots(2)}
     placement = place("a", fleet, slots, affinity=False)
     assert (ids(placement), placement.reason) == (["r0", "r1"], "blind")
+
+
+def test_crowded_adapter_spreads_though_its_replica_is_within_the_guard() -> None:
+    # 8 in flight: the hot adapter alone keeps r0 as busy as an even share (4 of 8 over 2 replicas).
+    fleet = [replica("r0", 5), replica("r1", 3)]
+    slots = {
+        "r0": AdapterSlots(2, frozenset({"hot", "x"}), frozenset({"hot", "x"}), in_flight={"hot": 4, "x": 1}),
+        "r1": AdapterSlots(2, frozenset({"y", "z"}), frozenset({"y"}), {"y": 1.0, "z": 0.5}, {"y": 3}),
+    }
+    placement = place("hot", fleet, slots)
+    assert (ids(placement), placement.reason) == (["r1"], "evict")
+    assert plan_load("hot", slots["r1"]).evict == "z"
+    # A merely popular adapter (3 of 8) stays where it is; so does the hot one with no room elsewhere.
+    popular = {**slots, "r0": AdapterSlots(2, frozenset({"hot", "x"}), in_flight={"hot": 3, "x": 2})}
+    assert place("hot", fleet, popular).reason == "loaded"
+    no_room = {**slots, "r1": AdapterSlots(2, frozenset({"y", "z"}), frozenset({"y", "z"}), in_flight={"y": 3})}
+    assert place("hot", fleet, no_room).reason == "loaded"
+
+
+def test_under_mixed_traffic_a_hot_adapter_ends_up_on_both_replicas_sharing_it_evenly() -> None:
+    """Closed loop, 8 clients: half the requests for one adapter, the rest over 7 others; each step one
+    request ends and a new one is placed (least loaded among the candidates, as least_loaded does)."""
+    rng = random.Random(7)
+    adapters = ["hot"] * 7 + [f"a{i}" for i in range(7)]
+    loaded: dict[str, set[str]] = {"r0": set(), "r1": set()}
+    used: dict[str, dict[str, float]] = {"r0": {}, "r1": {}}
+    running: list[tuple[str, str]] = []
+    hot_served = collections.Counter[str]()
+    for step in range(2000):
+        if len(running) == 8:
+            running.pop(rng.randrange(8))
+        adapter = rng.choice(adapters)
+        in_flight = {rid: collections.Counter(a for r, a in running if r == rid) for rid in loaded}
+        slots = {
+            rid: AdapterSlots(2, frozenset(loaded[rid]), frozenset(in_flight[rid]), used[rid], in_flight[rid])
+            for rid in loaded
+        }
+        fleet = [replica(rid, sum(in_flight[rid].values())) for rid in loaded]
+        placement = place(adapter, fleet, slots)
+        if not placement.candidates:
+            continue  # every slot busy: it waits (here: another client's request comes instead)
+        chosen = min(placement.candidates, key=lambda c: (c.load, c.id)).id
+        plan = plan_load(adapter, slots[chosen])
+        if plan.evict:
+            loaded[chosen].discard(plan.evict)
+        loaded[chosen].add(adapter)
+        used[chosen][adapter] = step
+        running.append((chosen, adapter))
+        if adapter == "hot" and step >= 200:
+            hot_served[chosen] += 1
+    assert all("hot" in held for held in loaded.values())
+    shares = [hot_served[rid] / sum(hot_served.values()) for rid in ("r0", "r1")]
+    assert all(1 / 3 <= share <= 2 / 3 for share in shares), shares
