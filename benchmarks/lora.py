@@ -27,9 +27,9 @@ adapters are unloaded again.
    Per setup: requests, failed (any non-200, or a stream that ended without [DONE]), 404s, adapter loads
    per 100 requests (dpserve: the change of `dpserve_lora_loads_total{outcome="ok"}`; vllm-router: n/a, vLLM
    swaps internally and does not count them), unloads, placements by reason, TTFT p50/p99 of the answers,
-   the run's duration, answers/s and tokens/s. Goals: dpserve fails no request, makes fewer loads per 100
-   requests than dpserve-blind, and has a lower TTFT p99 than dpserve-blind; vllm-router's 404s are
-   reported.
+   the run's duration, answers/s and tokens/s, and how many adapters each replica had registered at the
+   end. Goals: dpserve fails no request, makes fewer loads per 100 requests than dpserve-blind, and has a
+   lower TTFT p99 than dpserve-blind; vllm-router's 404s are reported.
 2. hot. dpserve (affinity on) alone: one adapter (tiny-lora-0) takes `--hot-share` (0.5) of the requests,
    the others share the rest uniformly. Reported: each replica's share of the hot adapter's answers, and
    which replicas hold it at the end (the router's /status, `lora.loaded`). Goals: it is loaded on every
@@ -147,7 +147,10 @@ class CompareRow:
     answers_per_s: float
     tokens_per_s: float
     placements: str
-    """dpserve's placements by reason over the run (`dpserve_lora_placements_total`)."""
+    """dpserve's placements by reason over the run (`dpserve_lora_placements_total`; `full` counts every look
+    at which no replica could take the request, flow control's learned capacity included)."""
+    held_at_end: str
+    """How many adapters each replica had registered when the run ended (its /v1/models), `2/2`."""
     errors: str
     load_avg: float
 
@@ -175,6 +178,7 @@ class HotRow:
     duration_s: float
     answers_per_s: float
     placements: str
+    held_at_end: str
     errors: str
     load_avg: float
 
@@ -321,6 +325,12 @@ async def unload_all(session: aiohttp.ClientSession, replicas: Sequence[str]) ->
     return count
 
 
+async def held(session: aiohttp.ClientSession, replicas: Sequence[str]) -> str:
+    """How many adapters each replica has registered, `2/2`."""
+    counts = [sum(bool(card.get("parent")) for card in await models(session, url)) for url in replicas]
+    return "/".join(str(count) for count in counts)
+
+
 async def load_all(session: aiohttp.ClientSession, replicas: Sequence[str], adapters: dict[str, Path]) -> None:
     """Every adapter registered on every replica (400: it already was)."""
     for url in replicas:
@@ -422,6 +432,7 @@ async def start_router(
         while True:
             reported = [(r.get("lora") or {}).get("max_loras") for r in (await router_status(session, url))["replicas"]]
             if len(reported) == len(replicas) and all(reported):
+                args.slots = reported
                 return process, url
             if time.monotonic() > deadline:
                 raise RuntimeError(f"dpserve never learned the replicas' adapter slots: {reported}")
@@ -443,7 +454,11 @@ def _ms(values: Sequence[float], q: float) -> float:
 
 
 def error_summary(records: Sequence[Record]) -> str:
-    codes = Counter(f"{r.code}" + (f"({r.status})" if r.status not in (0, 200) else "") for r in records if not r.ok)
+    codes = Counter(
+        r.code if r.code.startswith("http_") or r.status in (0, 200) else f"{r.code}({r.status})"
+        for r in records
+        if not r.ok
+    )
     return " ".join(f"{code}={count}" for code, count in sorted(codes.items()))
 
 
@@ -451,7 +466,9 @@ def per_100(count: float, requests: int) -> float:
     return round(count * 100 / requests, 2) if requests else math.nan
 
 
-def compare_row(setup: str, args: argparse.Namespace, run: Run, counters: Counters | None) -> CompareRow:
+def compare_row(
+    setup: str, args: argparse.Namespace, run: Run, counters: Counters | None, held_at_end: str
+) -> CompareRow:
     records = run.records
     answered = [r for r in records if r.ok]
     ttft = ttft_ms(records)
@@ -472,13 +489,20 @@ def compare_row(setup: str, args: argparse.Namespace, run: Run, counters: Counte
         answers_per_s=round(len(answered) / seconds, 2),
         tokens_per_s=round(sum(r.tokens for r in answered) / seconds, 1),
         placements=counters.placement_text() if counters else "",
+        held_at_end=held_at_end,
         errors=error_summary(records),
         load_avg=run.load_avg,
     )
 
 
 def hot_row(
-    args: argparse.Namespace, hot: str, run: Run, counters: Counters, holders: Sequence[str], replica_ids: Sequence[str]
+    args: argparse.Namespace,
+    hot: str,
+    run: Run,
+    counters: Counters,
+    holders: Sequence[str],
+    replica_ids: Sequence[str],
+    held_at_end: str,
 ) -> HotRow:
     records = run.records
     answered = [r for r in records if r.ok]
@@ -506,6 +530,7 @@ def hot_row(
         duration_s=run.duration_s,
         answers_per_s=round(len(answered) / seconds, 2),
         placements=counters.placement_text(),
+        held_at_end=held_at_end,
         errors=error_summary(records),
         load_avg=run.load_avg,
     )
@@ -543,10 +568,11 @@ async def run_compare(
             before = await router_counters(session, url) if setup != "vllm-router" else None
             run = await drive(url, sequence, args.concurrency, args.max_tokens)
             counters = (await router_counters(session, url)).since(before) if before is not None else None
+            held_at_end = await held(session, replicas)
         finally:
             terminate(process, 30)
         save_records(args, f"compare-{setup}", run)
-        row = compare_row(setup, args, run, counters)
+        row = compare_row(setup, args, run, counters, held_at_end)
         rows.append(row)
         progress(
             f"  {row.answered}/{row.requests} answered, {row.failed} failed ({row.not_found} 404), loads/100 "
@@ -576,12 +602,13 @@ async def run_hot(
         run = await drive(url, sequence, args.concurrency, args.max_tokens)
         counters = (await router_counters(session, url)).since(before)
         status = await router_status(session, url)
+        held_at_end = await held(session, replicas)
     finally:
         terminate(process, 30)
     save_records(args, "hot", run)
     replica_ids = [str(r["id"]) for r in status["replicas"]]
     holders = [str(r["id"]) for r in status["replicas"] if hot in ((r.get("lora") or {}).get("loaded") or [])]
-    row = hot_row(args, hot, run, counters, holders, replica_ids)
+    row = hot_row(args, hot, run, counters, holders, replica_ids, held_at_end)
     rows.append(row)
     progress(
         f"  {row.requests - row.failed}/{row.requests} answered, hot shares {row.replica_shares}, loaded on "
@@ -606,7 +633,7 @@ def compare_goals(rows: Sequence[CompareRow]) -> list[str]:
             f"compare dpserve: {ours.failed} failed requests of {ours.requests} (goal 0): {met(ours.failed == 0)}"
         )
     if ours is not None and blind is not None:
-        assert isinstance(ours.loads_per_100, float) and isinstance(blind.loads_per_100, float)
+        assert not isinstance(ours.loads_per_100, str) and not isinstance(blind.loads_per_100, str)  # dpserve's
         lines.append(
             f"compare dpserve: {ours.loads_per_100} adapter loads per 100 requests vs {blind.loads_per_100} with "
             f"--lora-affinity off (goal fewer): {met(ours.loads_per_100 < blind.loads_per_100)}"
@@ -731,14 +758,15 @@ COMPARE_COLUMNS = (
     ("setup", "setup"), ("router", "router"), ("requests", "requests"), ("failed", "failed"), ("404s", "not_found"),
     ("loads", "loads"), ("loads/100", "loads_per_100"), ("unloads", "unloads"), ("ttft p50", "ttft_p50_ms"),
     ("ttft p99", "ttft_p99_ms"), ("duration s", "duration_s"), ("answers/s", "answers_per_s"),
-    ("tokens/s", "tokens_per_s"), ("placements", "placements"), ("load avg", "load_avg"),
+    ("tokens/s", "tokens_per_s"), ("placements", "placements"), ("held at end", "held_at_end"),
+    ("load avg", "load_avg"),
 )  # fmt: skip
 HOT_COLUMNS = (
     ("hot adapter", "hot_adapter"), ("requests", "requests"), ("hot requests", "hot_requests"), ("failed", "failed"),
     ("hot shares", "replica_shares"), ("loaded on", "hot_loaded_on"), ("loads/100", "loads_per_100"),
     ("unloads", "unloads"), ("ttft p50", "ttft_p50_ms"), ("ttft p99", "ttft_p99_ms"),
     ("hot ttft p99", "hot_ttft_p99_ms"), ("duration s", "duration_s"), ("answers/s", "answers_per_s"),
-    ("placements", "placements"), ("load avg", "load_avg"),
+    ("placements", "placements"), ("held at end", "held_at_end"), ("load avg", "load_avg"),
 )  # fmt: skip
 
 
@@ -761,14 +789,18 @@ def write_report(args: argparse.Namespace, compare: Sequence[CompareRow], hot: S
         lines += hot_goals(hot, replicas)
     report = "\n\n".join(tables) + "\n\n" + "\n".join(lines) + "\n"
     names = adapter_names(args.adapters)
+    slots = "/".join(str(n) for n in getattr(args, "slots", None) or [args.max_loras])
     zipf = zipf_sequence(names, args.requests, args.zipf, args.seed)
     (args.out / "lora.md").write_text(
-        f"# `dpserve bench lora`\n\n{replicas} vLLM CPU replicas of the tiny model, `--max-loras {args.max_loras}`, "
+        f"# `dpserve bench lora`\n\n{replicas} vLLM CPU replicas of the tiny model, `--max-loras {slots}`, "
         f"{args.adapters} adapters, {args.concurrency} closed-loop clients, streamed completions of "
         f"{args.max_tokens} tokens, seed {args.seed}. compare: {args.requests} requests per setup, Zipf s="
         f"{args.zipf} ({mix(zipf)}); hot: {names[0]} at {args.hot_share:.0%}, the rest uniform. TTFT in ms "
         "(answers only); loads, unloads, placements: dpserve's own counters over the run (n/a for vllm-router, "
-        "where vLLM swaps adapters itself).\n\n```\n" + report + "```\n"
+        "where vLLM swaps adapters itself; `full`: a look at which no replica could take the request, flow "
+        "control's capacity included); held at end: adapters registered on each replica when the run ended.\n\n```\n"
+        + report
+        + "```\n"
     )
     return report
 

@@ -221,6 +221,13 @@ def _add_lora_router_flags(parser: argparse.ArgumentParser, lora_dir_help: str |
         dest="lora_affinity",
         help="route an adapter's requests to replicas that have it loaded (on); off: ignore it (a baseline)",
     )
+    parser.add_argument(
+        "--lora-slots",
+        type=int,
+        dest="lora_slots",
+        help="adapters each replica keeps loaded before unloading its least recently used idle one "
+        "(default 0: four per replica's --max-loras)",
+    )
 
 
 def _add_lora_engine_flags(parser: argparse.ArgumentParser) -> None:

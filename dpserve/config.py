@@ -139,6 +139,9 @@ class RouterSettings:
     """A folder whose every subfolder is a LoRA adapter named after it (the path as the replicas see it)."""
     lora_affinity: bool = True
     """Route an adapter's requests to replicas that have it loaded; off: ignore where adapters are (a baseline)."""
+    lora_slots: int = 0
+    """Adapters each replica keeps loaded before the least recently used idle one is unloaded; 0: four per
+    vLLM `--max-loras` (`policies/adapters.py`)."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_key_file: Path | None = None
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -188,6 +191,8 @@ class RouterSettings:
 
     def __post_init__(self) -> None:
         lora_adapters(self.lora)
+        if self.lora_slots < 0:
+            raise ValueError(f"--lora-slots {self.lora_slots}: must be 0 (four per --max-loras) or more")
         if self.lora_dir is not None and not self.lora_dir.strip():
             raise ValueError("--lora-dir must name a folder")
 

@@ -7,7 +7,9 @@ goes, in this order of preference, to
    its own requests in flight there are at least 2 and at least its holders' even share of everything in
    flight (a hot adapter that alone keeps its replicas as busy as the fleet's average), and a less loaded
    replica could load it;
-2. else the least loaded replica with a free adapter slot: it loads the adapter first;
+2. else the least loaded replica with a free adapter slot (it keeps ADAPTERS_PER_BATCH_SLOT per adapter
+   its batches mix, or `--lora-slots`): it loads the adapter first; replicas whose batches already mix
+   their `--max-loras` adapters come last;
 3. else the least loaded replica whose least recently used adapter is idle: that one is unloaded first;
 4. else the replicas that hold it, however loaded; else nowhere yet (the request waits for an adapter to
    go idle), or, where requests cannot wait, the least loaded replica over its bound.
@@ -28,12 +30,21 @@ ADAPTER_GUARD = BalanceGuard(relative=1.5, absolute=2)
 two requests busier than it should be is reason enough to load a hot adapter on a second replica."""
 
 
+ADAPTERS_PER_BATCH_SLOT = 4
+"""Adapters a replica keeps loaded per adapter its batches can mix (vLLM's `--max-loras`), by default.
+vLLM limits only the adapters in one batch, and swaps the others in from its CPU cache or disk when their
+requests come: unloading down to `--max-loras` made every less popular adapter's request wait for an
+unload and a load (`dpserve bench lora`: 40 loads per 100 requests and twice the TTFT p99 of ignoring
+adapters altogether); four per slot keeps a skewed set of adapters loaded with few loads."""
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterSlots:
     """One replica's adapters as a decision sees them."""
 
     max_loras: int
-    """How many it holds at once (vLLM's `--max-loras`); 0: LoRA is off there, or not known yet."""
+    """How many adapters one of its batches mixes (vLLM's `--max-loras`); 0: LoRA is off there, or not
+    known yet."""
     loaded: frozenset[str] = frozenset()
     """Loaded, or being loaded by the router."""
     busy: frozenset[str] = frozenset()
@@ -42,10 +53,21 @@ class AdapterSlots:
     """When each loaded adapter last had a request start or end (for least recently used)."""
     in_flight: Mapping[str, int] = field(default_factory=dict)
     """The router's requests in flight there, per adapter (how much of the replica an adapter keeps busy)."""
+    capacity: int = 0
+    """How many adapters it keeps loaded (`--lora-slots`); 0: ADAPTERS_PER_BATCH_SLOT per `max_loras`."""
+
+    @property
+    def limit(self) -> int:
+        return self.capacity or ADAPTERS_PER_BATCH_SLOT * self.max_loras
 
     @property
     def free(self) -> bool:
-        return len(self.loaded) < self.max_loras
+        return len(self.loaded) < self.limit
+
+    @property
+    def batch_full(self) -> bool:
+        """As many adapters in use as one batch mixes: another adapter's request waits in vLLM."""
+        return len(self.busy) >= self.max_loras
 
     def idle_victim(self) -> str | None:
         """The least recently used loaded adapter with nothing in flight, if any."""
@@ -140,7 +162,7 @@ class LoadPlan:
 
 def plan_load(adapter: str, slots: AdapterSlots) -> LoadPlan:
     """Nothing if it holds the adapter; else load it, unloading the least recently used idle adapter
-    first when every slot is taken (none idle: load over the bound, vLLM swaps adapters itself)."""
+    first when it holds its limit (none idle: load over the limit, vLLM swaps adapters itself)."""
     if adapter in slots.loaded:
         return LoadPlan(load=False)
     if slots.free or slots.max_loras <= 0:
@@ -149,8 +171,11 @@ def plan_load(adapter: str, slots: AdapterSlots) -> LoadPlan:
 
 
 def _least_loaded(candidates: Sequence[ReplicaView], slots: Mapping[str, AdapterSlots]) -> ReplicaView | None:
-    # Ties go to the replica holding fewer adapters (a burst of new adapters spreads over the fleet
+    # Where a batch can take one more adapter first (elsewhere the request would wait in vLLM's queue);
+    # ties go to the replica holding fewer adapters (a burst of new adapters spreads over the fleet
     # before loads count as in flight), then the emptier KV cache, then the lower id (deterministic).
-    return min(
-        candidates, key=lambda c: (c.load, len(slots.get(c.id, NO_SLOTS).loaded), c.kv_usage, c.id), default=None
-    )
+    def key(c: ReplicaView) -> tuple[bool, int, int, float, str]:
+        slot = slots.get(c.id, NO_SLOTS)
+        return slot.batch_full, c.load, len(slot.loaded), c.kv_usage, c.id
+
+    return min(candidates, key=key, default=None)

@@ -31,9 +31,11 @@ class ReplicaAdapters:
         """Whether it serves adapters at all: it reported its LoRA slots, or lists an adapter."""
         return self.max_loras > 0 or bool(self.loaded)
 
-    def slots(self) -> AdapterSlots:
+    def slots(self, capacity: int = 0) -> AdapterSlots:
+        """`capacity`: adapters it keeps loaded (`--lora-slots`; 0: the default per `max_loras`)."""
         busy = self.active | self.loading | {name for name, count in self.in_flight.items() if count > 0}
-        return AdapterSlots(self.max_loras, frozenset(self.loaded), frozenset(busy), self.last_used, self.in_flight)
+        loaded = frozenset(self.loaded)
+        return AdapterSlots(self.max_loras, loaded, frozenset(busy), self.last_used, self.in_flight, capacity)
 
     def listed(self, names: Iterable[str]) -> None:
         """What its /v1/models says now (a restart empties it); loads in progress stay."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpserve.gpu.placement import parse_replica_spec
+from dpserve.policies.adapters import AdapterSlots
 from dpserve.policies.base import LoadFromCounts, ReplicaView
 from dpserve.replicas.adapter_folder import AdapterFolder
 from dpserve.replicas.adapters import ReplicaAdapters, adapter_cards
@@ -122,6 +123,7 @@ class ReplicaRegistry:
         adapters: Mapping[str, str] | None = None,
         adapter_folder: AdapterFolder | None = None,
         assumed_max_loras: int = 0,
+        adapter_slots: int = 0,
     ) -> None:
         """`specs`: replica URLs, each optionally followed by `@gpu=N` (see `parse_replica_spec`); none
         where replicas are all discovered or added later. `adapters`: LoRA adapters by name, with their
@@ -133,6 +135,8 @@ class ReplicaRegistry:
         """Every adapter the router can load: configured, or seen on a replica (its card's `root`)."""
         self._adapter_parents: dict[str, str] = {}
         self._assumed_max_loras = assumed_max_loras
+        self.adapter_slots = adapter_slots
+        """Adapters each replica keeps loaded (`--lora-slots`); 0: the default per its `max_loras`."""
         self._replicas: dict[str, Replica] = {}
         self._next_id = 0
         self._tracker = HealthTracker(rules or HealthRules())
@@ -273,6 +277,9 @@ class ReplicaRegistry:
                 "new adapters in %s: %s", self._adapter_folder.path if self._adapter_folder else "", ", ".join(new)
             )
         return bool(new)
+
+    def adapter_slots_of(self, replica: Replica) -> AdapterSlots:
+        return replica.lora.slots(self.adapter_slots)
 
     def adapter_parent(self, adapter: str) -> str | None:
         """The base model an adapter runs on: as a replica listed it, else the one base model served."""

@@ -68,7 +68,7 @@ class AdapterLoader:
         if replica is None or adapter in replica.lora.loaded:
             return None
         lora = replica.lora
-        plan = plan_load(adapter, lora.slots())
+        plan = plan_load(adapter, self._registry.adapter_slots_of(replica))
         lora.loaded.add(adapter)
         lora.loading.add(adapter)
         if plan.evict is not None:

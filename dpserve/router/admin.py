@@ -5,12 +5,13 @@ POST   /admin/replicas                 {"url": ..., "gpu": "1"?, "kv_events": "t
 POST   /admin/replicas/{id}/drain      no new requests; those in flight finish
 POST   /admin/replicas/{id}/resume     back into routing
 DELETE /admin/replicas/{id}            out of the router at once; requests in flight still finish
-GET|POST /admin/replicas/{id}/engine/{op}  a vLLM engine operation on one replica (engine_ops.py)
-GET|POST /admin/engine/{op}                the same on every replica
+GET|POST|DELETE /admin/replicas/{id}/engine/{op}  a vLLM engine operation on one replica (engine_ops.py)
+GET|POST|DELETE /admin/engine/{op}                the same on every replica
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ from dpserve.router.errors import OpenAIError, bad_request
 from dpserve.router.request_body import read_limited
 
 ADMIN_BODY_LIMIT = 16 * 1024
+ADAPTER_OPS = frozenset({"load_lora_adapter", "unload_lora_adapter", "load_adapter", "unload_adapter"})
 ENGINE_OP_TIMEOUT_S = 120.0  # loading an adapter or waking a sleeping engine can take a while
 
 
@@ -156,6 +158,8 @@ def add_admin_routes(app: FastAPI, control: FleetControl, describe: Callable[[Re
         body = await read_limited(request.headers, request.stream(), ADMIN_BODY_LIMIT)
         query = request.url.query
         answers = await call_engine(control.session, replicas, op, query, body, ENGINE_OP_TIMEOUT_S)
+        if op_name in ADAPTER_OPS:  # their adapter set changed: read it again now, not at the next refresh
+            await asyncio.gather(*(control.monitor.probe_now(replica) for replica in replicas))
         return JSONResponse({"operation": op_name, "replicas": answers})
 
     async def engine_on_one(request: Request, replica_id: str, op: str) -> JSONResponse:
@@ -167,7 +171,7 @@ def add_admin_routes(app: FastAPI, control: FleetControl, describe: Callable[[Re
             raise OpenAIError(503, "No healthy replica to run it on.", type="service_unavailable")
         return await engine(request, replicas, op)
 
-    for method in ("GET", "POST"):
+    for method in ("GET", "POST", "DELETE"):
         app.add_api_route(
             "/admin/replicas/{replica_id}/engine/{op}",
             engine_on_one,

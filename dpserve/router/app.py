@@ -123,6 +123,7 @@ def registry_for(settings: RouterSettings) -> ReplicaRegistry:
         adapter_folder=folder,
         # vLLM reports its adapter slots only once it has served a request; until then one is assumed.
         assumed_max_loras=1 if adapters or folder is not None else 0,
+        adapter_slots=settings.lora_slots,
     )
 
 

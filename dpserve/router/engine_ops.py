@@ -9,6 +9,8 @@ query string as given, and returns each replica's answer.
 from __future__ import annotations
 
 import asyncio
+import re
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,10 @@ class EngineOp:
 ENGINE_OPS: dict[str, EngineOp] = {
     "load_lora_adapter": EngineOp("POST", "/v1/load_lora_adapter"),
     "unload_lora_adapter": EngineOp("POST", "/v1/unload_lora_adapter"),
+    # The same in SageMaker's shape (served with runtime LoRA updating on): body {"name", "src"}; the
+    # adapter to unload is the query's `adapter_name` (`?adapter_name=NAME`).
+    "load_adapter": EngineOp("POST", "/adapters"),
+    "unload_adapter": EngineOp("DELETE", "/adapters/{adapter_name}"),
     "sleep": EngineOp("POST", "/sleep"),
     "wake_up": EngineOp("POST", "/wake_up"),
     "is_sleeping": EngineOp("GET", "/is_sleeping"),
@@ -76,6 +82,22 @@ def engine_op(name: str, method: str) -> EngineOp:
     return op
 
 
+def fill_path(op: EngineOp, query: str) -> tuple[str, str]:
+    """The op's path with its `{name}` parts taken from the query string (a 400 when one is missing),
+    and what is left of the query."""
+    if "{" not in op.path:
+        return op.path, query
+    params = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    path = op.path
+    for name in re.findall(r"\{(\w+)\}", op.path):
+        value = next((v for k, v in params if k == name), "")
+        if not value:
+            raise OpenAIError(400, f"This engine operation needs `?{name}=...`.", param=name)
+        path = path.replace(f"{{{name}}}", urllib.parse.quote(value, safe=""))
+        params = [(k, v) for k, v in params if k != name]
+    return path, urllib.parse.urlencode(params)
+
+
 async def call_engine(
     session: aiohttp.ClientSession,
     replicas: Sequence[Replica],
@@ -86,8 +108,10 @@ async def call_engine(
 ) -> list[dict[str, Any]]:
     """Each replica's answer: its id, HTTP status and body (JSON when it is), or the error reaching it."""
 
+    path, query = fill_path(op, query)
+
     async def one(replica: Replica) -> dict[str, Any]:
-        url = f"{replica.url}{op.path}" + (f"?{query}" if query else "")
+        url = f"{replica.url}{path}" + (f"?{query}" if query else "")
         headers = {"content-type": "application/json"} if body else {}
         try:
             async with session.request(

@@ -81,7 +81,7 @@ class Selector:
         for candidate in candidates:
             replica = registry.find(candidate.id)
             if replica is not None:
-                slots[candidate.id] = replica.lora.slots()
+                slots[candidate.id] = registry.adapter_slots_of(replica)
         placement = place(adapter, candidates, slots, self._admission.holds, self._adapter_affinity)
         self._metrics.labeled(self._metrics.adapter_placements, placement.reason).inc()
         return placement

@@ -269,6 +269,7 @@ def router_env(settings: RouterSettings) -> dict[str, str]:
 
 
 _ROUTER_VALUE_FLAGS = (
+    ("--lora-slots", "lora_slots"),
     ("--kv-index-max-entries", "kv_index_max_entries"),
     ("--prefix-index-max-chunks", "prefix_index_max_chunks"),
     ("--max-body-bytes", "max_body_bytes"),

@@ -38,10 +38,14 @@ PROMPT = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
 def lora_dir(fleet: Fleet) -> Path:
     """6 adapters of the fleet's tiny model (`dpserve model tiny-lora`), built once."""
     work = fleet.log_path.parent
-    folder = work / "adapters"
+    folder = lora_dir_of(fleet)
     command = [sys.executable, "-m", "dpserve", "model", "tiny-lora", str(folder), "--count", str(len(ADAPTERS))]
     subprocess.run([*command, "--cache-dir", str(work / "cache")], check=True, capture_output=True, timeout=300)
     return folder
+
+
+def lora_dir_of(fleet: Fleet) -> Path:
+    return fleet.log_path.parent / "adapters"
 
 
 def listed_adapters(url: str) -> set[str]:
@@ -79,7 +83,9 @@ def lora_router(fleet: Fleet, lora_dir: Path) -> Iterator[RouterProcess]:
     unload_everything(fleet)
     for url in fleet.replica_urls:  # a request makes vLLM report `vllm:lora_requests_info` (its max_lora)
         httpx.post(f"{url}/v1/completions", json={**PROMPT, "model": "dpserve-tiny"}, timeout=120)
-    router = start_router(fleet.replica_urls, "least_loaded", "--lora-dir", str(lora_dir))
+    # As many adapters kept per replica as its batches mix, so that 6 adapters fill the fleet's slots.
+    slots = str(FLEET_MAX_LORAS)
+    router = start_router(fleet.replica_urls, "least_loaded", "--lora-dir", str(lora_dir), "--lora-slots", slots)
     wait_until(
         lambda: all(
             (r["lora"] or {}).get("max_loras") == FLEET_MAX_LORAS for r in router_status(router.url)["replicas"]
@@ -164,6 +170,16 @@ def test_an_adapter_unloaded_behind_the_routers_back_is_loaded_again(fleet: Flee
     assert again.headers["x-dpserve-replica"] == replica
     assert loads(lora_router) == 2
     assert "tiny-lora-5" in listed_adapters(url)
+
+
+def test_an_adapter_loaded_through_the_admin_api_is_seen_at_once(fleet: Fleet, lora_router: RouterProcess) -> None:
+    body = {"lora_name": "tiny-lora-3", "lora_path": str(lora_dir_of(fleet) / "tiny-lora-3")}
+    answer = httpx.post(f"{lora_router.url}/admin/replicas/r1/engine/load_lora_adapter", json=body, timeout=60)
+    assert answer.status_code == 200 and answer.json()["replicas"][0]["status"] == 200
+    assert router_status(lora_router.url)["replicas"][1]["lora"]["loaded"] == ["tiny-lora-3"]
+    served = complete(lora_router.url, "tiny-lora-3")
+    assert served.status_code == 200 and served.headers["x-dpserve-replica"] == "r1"
+    assert loads(lora_router) == 0
 
 
 def test_an_unknown_adapter_is_404_and_a_new_folder_is_picked_up(lora_router: RouterProcess, lora_dir: Path) -> None:

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from dpserve.router.endpoints import PROXIED_ENDPOINTS, RESPONSES, BodyKind, Prompt, by_id_endpoint, is_proxied
-from dpserve.router.engine_ops import ENGINE_OPS, engine_op
+from dpserve.router.engine_ops import ENGINE_OPS, engine_op, fill_path
 from dpserve.router.errors import OpenAIError
 from dpserve.router.features import response_as_chat
 from dpserve.router.proxied_endpoints import proxied_openapi_paths, request_id_error, upstream_path
@@ -132,3 +132,12 @@ def test_the_hot_path_answers_the_proxied_endpoints_and_stored_responses_only() 
     assert all(is_proxied(endpoint.path) for endpoint in PROXIED_ENDPOINTS)
     assert is_proxied("/v1/responses/resp_1") and is_proxied("/v1/responses/resp_1/cancel")
     assert not any(is_proxied(path) for path in ("/health", "/v1/models", "/metrics", "/admin/replicas", "/v1/x"))
+
+
+def test_an_engine_path_with_a_name_takes_it_from_the_query() -> None:
+    op = engine_op("unload_adapter", "DELETE")
+    assert fill_path(op, "adapter_name=tiny%20lora&x=1") == ("/adapters/tiny%20lora", "x=1")
+    assert fill_path(engine_op("sleep", "POST"), "level=1") == ("/sleep", "level=1")
+    with pytest.raises(OpenAIError) as missing:
+        fill_path(op, "")
+    assert missing.value.status == 400
