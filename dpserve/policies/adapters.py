@@ -2,8 +2,9 @@
 
 vLLM holds at most `--max-loras` adapters at once and loads more at run time. A request for an adapter
 goes, in this order of preference, to
-1. replicas that hold it, if one of them is within the balance guard (the least loaded of the fleet
-   times 1.5, plus 2) and the adapter is not crowded on them: the policy chooses among those. Crowded:
+1. replicas that hold it, if one of them is within the balance guard (the prefix policies' own: the least
+   loaded of the fleet times 1.5, plus 8, by default) and the adapter is not crowded on them: the policy
+   chooses among those. Crowded:
    its own requests in flight there are at least 2 and at least its holders' even share of everything in
    flight (a hot adapter that alone keeps its replicas as busy as the fleet's average), and a less loaded
    replica could load it;
@@ -24,11 +25,6 @@ from dataclasses import dataclass, field
 
 from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.base import ReplicaView
-
-ADAPTER_GUARD = BalanceGuard(relative=1.5, absolute=2)
-"""Looser than the prefix policies' guard (+8): a tiny adapter loads in tens of milliseconds, so a replica
-two requests busier than it should be is reason enough to load a hot adapter on a second replica."""
-
 
 ADAPTERS_PER_BATCH_SLOT = 4
 """Adapters a replica keeps loaded per adapter its batches can mix (vLLM's `--max-loras`), by default.
@@ -78,6 +74,7 @@ class AdapterSlots:
 
 
 NO_SLOTS = AdapterSlots(max_loras=0)
+DEFAULT_GUARD = BalanceGuard()
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +82,7 @@ class Placement:
     candidates: tuple[ReplicaView, ...]
     """What the policy may choose from (empty: nowhere yet; the request waits)."""
     reason: str
-    """loaded | free_slot | evict | loaded_busy | full | over_bound | blind: for metrics."""
+    """loaded | holder_full | free_slot | evict | loaded_busy | full | over_bound | blind: for metrics."""
 
     @property
     def loads(self) -> bool:
@@ -98,30 +95,42 @@ def place(
     slots: Mapping[str, AdapterSlots],
     can_wait: bool = True,
     affinity: bool = True,
-    guard: BalanceGuard = ADAPTER_GUARD,
+    guard: BalanceGuard = DEFAULT_GUARD,
+    fleet: Sequence[ReplicaView] = (),
 ) -> Placement:
-    """Narrow `candidates` (replicas with room, LoRA on) for a request of `adapter` (see the module's
-    docstring). `affinity` False: every candidate, as a baseline that ignores where adapters are."""
+    """Narrow `candidates` (replicas with room now, LoRA on) for a request of `adapter` (see the module's
+    docstring). `fleet`: the replicas that could serve it, with room or not (default: the candidates):
+    while a holder within the guard is only full for now, the request waits for it rather than load the
+    adapter elsewhere. `affinity` False: every candidate, as a baseline that ignores where adapters are."""
     if not candidates:
         return Placement((), "full")
     if not affinity:
         return Placement(tuple(candidates), "blind")
-    holding = [c for c in candidates if adapter in slots.get(c.id, NO_SLOTS).loaded]
+    pool = fleet or candidates
+    holding = [c for c in pool if adapter in slots.get(c.id, NO_SLOTS).loaded]
+    held_by = {c.id for c in holding}
+    open_ids = {c.id for c in candidates}
     if holding:
-        limit = guard.limit(candidates)
-        within = tuple(c for c in holding if c.load <= limit)
+        limit = guard.limit(pool)
+        within = [c for c in holding if c.load <= limit]
         if within and not _crowded(adapter, holding, candidates, slots):
-            return Placement(within, "loaded")
-    target = _least_loaded([c for c in candidates if slots.get(c.id, NO_SLOTS).free and c not in holding], slots)
+            open_within = tuple(c for c in within if c.id in open_ids)
+            if open_within:
+                return Placement(open_within, "loaded")
+            # Its holders are full for now. A rarely used adapter waits for them; one that already keeps
+            # them busy is loaded where there is room (waiting would be the norm for it, not a moment).
+            if _demand(adapter, holding, slots) < SPREAD_MIN_REQUESTS:
+                return Placement((), "holder_full")
+    others = [c for c in candidates if c.id not in held_by]
+    target = _least_loaded([c for c in others if slots.get(c.id, NO_SLOTS).free], slots)
     if target is not None:
         return Placement((target,), "free_slot")
-    target = _least_loaded(
-        [c for c in candidates if c not in holding and slots.get(c.id, NO_SLOTS).idle_victim() is not None], slots
-    )
+    target = _least_loaded([c for c in others if slots.get(c.id, NO_SLOTS).idle_victim() is not None], slots)
     if target is not None:
         return Placement((target,), "evict")
-    if holding:
-        return Placement(tuple(holding), "loaded_busy")
+    open_holders = tuple(c for c in holding if c.id in open_ids)
+    if open_holders:
+        return Placement(open_holders, "loaded_busy")
     if can_wait:
         return Placement((), "full")
     target = _least_loaded([c for c in candidates if slots.get(c.id, NO_SLOTS).max_loras > 0], slots)
@@ -132,22 +141,29 @@ SPREAD_MIN_REQUESTS = 2
 """An adapter with fewer requests in flight than this never takes a second replica's slot for itself."""
 
 
+def _demand(adapter: str, holding: Sequence[ReplicaView], slots: Mapping[str, AdapterSlots]) -> int:
+    """The router's requests of the adapter in flight on its holders."""
+    return sum(slots.get(c.id, NO_SLOTS).in_flight.get(adapter, 0) for c in holding)
+
+
 def _crowded(
     adapter: str, holding: Sequence[ReplicaView], candidates: Sequence[ReplicaView], slots: Mapping[str, AdapterSlots]
 ) -> bool:
     """Whether the adapter alone keeps its holders at least as busy as an even share of the fleet's load,
-    while another replica, less loaded than every holder, has room for it."""
-    demand = sum(slots.get(c.id, NO_SLOTS).in_flight.get(adapter, 0) for c in holding)
+    while a candidate that does not hold it, less loaded than every holder, has room for it."""
+    demand = _demand(adapter, holding, slots)
     if demand < SPREAD_MIN_REQUESTS:
         return False
-    even_share = sum(c.load for c in candidates) * len(holding) / len(candidates)
+    held_by = {c.id for c in holding}
+    everyone = list(holding) + [c for c in candidates if c.id not in held_by]
+    even_share = sum(c.load for c in everyone) * len(holding) / len(everyone)
     if demand < even_share:
         return False
     least_held = min(c.load for c in holding)
     return any(
         c.load < least_held and (slot.free or slot.idle_victim() is not None)
         for c in candidates
-        if c not in holding
+        if c.id not in held_by
         for slot in (slots.get(c.id, NO_SLOTS),)
     )
 

@@ -172,6 +172,7 @@ def selector_for(
         sample_size=settings.route_sample,
         bindings=bindings,
         adapter_affinity=settings.lora_affinity,
+        guard=BalanceGuard(settings.balance_rel, settings.balance_abs),
     )
 
 

@@ -12,6 +12,7 @@ from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import TextPrefixIndex
 from dpserve.policies.adapters import AdapterSlots, Placement, place
+from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.base import Decision, Policy, PrefixSource, ReplicaView, RequestFeatures, Sampling
 from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import Replica, ReplicaRegistry
@@ -31,11 +32,14 @@ class Selector:
         sample_size: int = 0,
         bindings: SessionBindings | None = None,
         adapter_affinity: bool = True,
+        guard: BalanceGuard | None = None,
     ) -> None:
         """`sample_size` > 0: a policy that allows it (`Policy.sampling`) sees at most that many replicas
         of a larger fleet, so a decision costs the same with 64 replicas as with 8. `adapter_affinity`
         False: LoRA requests ignore where adapters are loaded (a baseline; `--lora-affinity off`)."""
         self._adapter_affinity = adapter_affinity
+        self._guard = guard or BalanceGuard()
+        """How much busier than the least loaded a replica holding an adapter may be (`--balance-*`)."""
         self.policy = policy
         self._registry = registry
         self._admission = admission
@@ -54,9 +58,11 @@ class Selector:
         Replicas on a degraded GPU only when no other has room. For a LoRA adapter, those that hold it,
         or the one that should load it (`policies/adapters.py`)."""
         found = self._candidates(features, tried)
-        if features.adapter is None:
+        if features.adapter is None or not found:  # none with room: not an adapter question
             return found
-        return list(self._place(features.adapter, found).candidates)
+        # Where it is loaded counts also while full: the request may wait for that replica.
+        fleet = self._registry.available(self._registry.routable(features.model), tried)
+        return list(self._place(features.adapter, found, fleet).candidates)
 
     def _candidates(self, features: RequestFeatures, tried: Sequence[str]) -> list[ReplicaView]:
         registry, admission = self._registry, self._admission
@@ -75,14 +81,14 @@ class Selector:
             return fit or candidates
         return candidates
 
-    def _place(self, adapter: str, candidates: Sequence[ReplicaView]) -> Placement:
+    def _place(self, adapter: str, candidates: Sequence[ReplicaView], fleet: Sequence[ReplicaView]) -> Placement:
         registry = self._registry
         slots: dict[str, AdapterSlots] = {}
-        for candidate in candidates:
-            replica = registry.find(candidate.id)
+        for member in fleet:
+            replica = registry.find(member.id)
             if replica is not None:
-                slots[candidate.id] = registry.adapter_slots_of(replica)
-        placement = place(adapter, candidates, slots, self._admission.holds, self._adapter_affinity)
+                slots[member.id] = registry.adapter_slots_of(replica)
+        placement = place(adapter, candidates, slots, self._admission.holds, self._adapter_affinity, self._guard, fleet)
         self._metrics.labeled(self._metrics.adapter_placements, placement.reason).inc()
         return placement
 

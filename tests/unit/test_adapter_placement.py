@@ -7,6 +7,7 @@ import collections
 import random
 
 from dpserve.policies.adapters import AdapterSlots, LoadPlan, place, plan_load
+from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.base import ReplicaSnapshot
 
 
@@ -29,14 +30,17 @@ def ids(placement: object) -> list[str]:
     return [c.id for c in placement.candidates]  # type: ignore[attr-defined]
 
 
+TIGHT = BalanceGuard(relative=1.5, absolute=2)
+
+
 def test_goes_where_the_adapter_is_loaded_while_that_replica_is_within_the_guard() -> None:
     fleet = [replica("r0", 3), replica("r1", 0)]
     slots = {"r0": slots_of(2, frozenset({"a"})), "r1": slots_of(2)}
-    placement = place("a", fleet, slots)
+    placement = place("a", fleet, slots, guard=TIGHT)
     # 3 <= 1.5 * 0 + 2 fails: r0 is too busy, so r1 (free slot) loads it
     assert (ids(placement), placement.reason) == (["r1"], "free_slot")
     fleet = [replica("r0", 2), replica("r1", 0)]
-    placement = place("a", fleet, slots)
+    placement = place("a", fleet, slots, guard=TIGHT)
     assert (ids(placement), placement.reason) == (["r0"], "loaded")
     assert not placement.loads
 
@@ -49,9 +53,12 @@ def test_every_replica_holding_it_and_within_the_guard_is_offered_to_the_policy(
         "r2": slots_of(2, frozenset({"b", "c"}), busy=frozenset({"b", "c"})),
     }
     # limit 1.5 * 0 + 2 = 2: neither holder is within it; r2 has no free slot and nothing idle
-    assert (ids(place("a", fleet, slots)), place("a", fleet, slots).reason) == (["r0", "r1"], "loaded_busy")
+    assert (ids(place("a", fleet, slots, guard=TIGHT)), place("a", fleet, slots, guard=TIGHT).reason) == (
+        ["r0", "r1"],
+        "loaded_busy",
+    )
     fleet = [replica("r0", 4), replica("r1", 3), replica("r2", 2)]  # limit 5: both holders are within
-    assert ids(place("a", fleet, slots)) == ["r0", "r1"]
+    assert ids(place("a", fleet, slots, guard=TIGHT)) == ["r0", "r1"]
 
 
 def test_not_loaded_anywhere_loads_on_the_least_loaded_replica_with_a_free_slot() -> None:
@@ -197,3 +204,13 @@ def test_by_default_a_replica_keeps_four_adapters_per_batch_slot_and_loads_where
         "r1": AdapterSlots(2, frozenset({"z"}), busy=frozenset({"z"})),
     }
     assert ids(place("a", fleet, slots)) == ["r1"]
+
+
+def test_a_holder_only_full_for_now_is_waited_for_rather_than_loading_elsewhere() -> None:
+    fleet = [replica("r0", 4), replica("r1", 2)]  # r0 holds it, at its capacity: only r1 has room now
+    slots = {"r0": AdapterSlots(2, frozenset({"a"})), "r1": AdapterSlots(2)}
+    waiting = place("a", fleet[1:], slots, fleet=fleet)
+    assert (ids(waiting), waiting.reason) == ([], "holder_full")
+    # Past the guard it is not worth waiting for: r1 loads it.
+    busy = [replica("r0", 12), replica("r1", 2)]
+    assert ids(place("a", busy[1:], slots, fleet=busy)) == ["r1"]
