@@ -72,8 +72,9 @@ class RouterMetrics:
         self.adapter_placements = Counter(
             "dpserve_lora_placements",
             "Placements of LoRA adapter requests: to replicas holding the adapter (loaded, loaded_busy), to "
-            "one that loads it (free_slot, evict, over_bound), or none yet (full: every slot busy; a "
-            "request waiting for one counts at each look), blind with --lora-affinity off.",
+            "one that loads it (free_slot, evict, over_bound), or none yet (holder_full: waits for a "
+            "holder's room; full: every adapter slot busy; a waiting request counts at each look), blind "
+            "with --lora-affinity off.",
             ["reason"],
             registry=self.registry,
         )
