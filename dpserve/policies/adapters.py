@@ -119,7 +119,7 @@ def place(
                 return Placement(open_within, "loaded")
             # Its holders are full for now. A rarely used adapter waits for them; one that already keeps
             # them busy is loaded where there is room (waiting would be the norm for it, not a moment).
-            if _demand(adapter, holding, slots) < SPREAD_MIN_REQUESTS:
+            if can_wait and _demand(adapter, holding, slots) < SPREAD_MIN_REQUESTS:
                 return Placement((), "holder_full")
     others = [c for c in candidates if c.id not in held_by]
     target = _least_loaded([c for c in others if slots.get(c.id, NO_SLOTS).free], slots)

@@ -211,6 +211,8 @@ def test_a_holder_only_full_for_now_is_waited_for_rather_than_loading_elsewhere(
     slots = {"r0": AdapterSlots(2, frozenset({"a"})), "r1": AdapterSlots(2)}
     waiting = place("a", fleet[1:], slots, fleet=fleet)
     assert (ids(waiting), waiting.reason) == ([], "holder_full")
+    # Where requests cannot wait (no flow control, no queue) it is loaded where there is room.
+    assert ids(place("a", fleet[1:], slots, can_wait=False, fleet=fleet)) == ["r1"]
     # Past the guard it is not worth waiting for: r1 loads it.
     busy = [replica("r0", 12), replica("r1", 2)]
     assert ids(place("a", busy[1:], slots, fleet=busy)) == ["r1"]
