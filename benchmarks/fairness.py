@@ -48,40 +48,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import math
 import os
 import statistics
 import subprocess
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import orjson
 import uvloop
 
-from benchmarks.fleet import (
-    BENCHMARKS,
-    UpPorts,
-    bench_tool,
-    get_text,
-    progress,
-    router_command,
-    sigterm_unwinds,
-    spawn,
-    start_up,
-    stop_all,
-    wait_ok,
-)
-from benchmarks.report import format_table, shown, write_csv
-from benchmarks.routers import router_ports
+from benchmarks import streamed
+from benchmarks.fleet import bench_tool, get_text, progress, router_command
+from benchmarks.report import write_csv
 from benchmarks.stats import percentile
+from benchmarks.streamed import met, ms, table, ttft_ms
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.process import terminate
@@ -95,8 +82,6 @@ REQUEST_TIMEOUT_S = 600.0
 GOAL_B_OVER_A = 0.25
 GOAL_THROUGHPUT = 0.95
 GOAL_CRITICAL = 1.2
-CHILDREN: list[subprocess.Popen[bytes]] = []
-"""Every fleet and router this run started, to stop whatever is still running when it ends."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +107,7 @@ class Window:
 
 
 @dataclass
-class Record:
+class Record(streamed.Outcome):
     tenant: str
     start: float
     """Seconds since the run began."""
@@ -135,10 +120,6 @@ class Record:
     """Empty for a complete answer; else the error's `code` (shed, queue_full), `http_NNN`, `broken` (the
     stream ended without [DONE]), `stream_error` or `connection`."""
     tokens: int
-
-    @property
-    def ok(self) -> bool:
-        return not self.code
 
 
 @dataclass
@@ -269,44 +250,11 @@ def is_token(chunk: dict[str, Any]) -> bool:
     return False
 
 
-def error_code(status: int, body: bytes) -> str:
-    with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
-        code = orjson.loads(body)["error"]["code"]
-        if isinstance(code, str) and code:
-            return code
-    return f"http_{status}"
-
-
 async def one_request(
     session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], clock: Callable[[], float]
 ) -> Record:
-    start = clock()
-    ttft, tokens, status, code = math.nan, 0, 0, "broken"
-    try:
-        async with session.post(url, data=body, headers=headers) as resp:
-            status = resp.status
-            if status != 200:
-                code = error_code(status, await resp.read())
-            else:
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        code = ""
-                        break
-                    chunk = orjson.loads(data)
-                    if "error" in chunk:
-                        code = "stream_error"
-                        break
-                    if is_token(chunk):
-                        tokens += 1
-                        if tokens == 1:
-                            ttft = clock() - start
-    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
-        code = "connection"
-    tenant = headers[TENANT_HEADER]
-    return Record(tenant, start, clock(), ttft, status, code, tokens)
+    s = await streamed.request(session, url, body, headers, clock, is_token)
+    return Record(headers[TENANT_HEADER], s.start, s.end, s.ttft, s.status, s.code, s.tokens)
 
 
 class Driver:
@@ -467,16 +415,16 @@ async def measure(
     extra: Sequence[str] = (),
 ) -> Measured:
     """`loads` through a fresh router (`contender`, of CONTENDERS; `extra` flags for dpserve's)."""
-    port = router_ports(2)  # vllm-router: +1 for its metrics
-    command = contender_command(contender, replicas, port, args) + list(extra)
-    log = Path(tempfile.gettempdir()) / f"dpserve-bench-fairness-{port}.log"
-    process = spawn(command, log, dict(os.environ))
-    CHILDREN.append(process)
-    url = f"http://127.0.0.1:{port}"
     dpserve = contender != "vllm-router"
     load_avg = round(os.getloadavg()[0], 2)
+    process, url = await streamed.start_router(
+        session,
+        lambda port: contender_command(contender, replicas, port, args) + list(extra),
+        "dpserve-bench-fairness",
+        "/ready" if dpserve else "/v1/models",
+        60,
+    )
     try:
-        await wait_ok(session, f"{url}{'/ready' if dpserve else '/v1/models'}", 60, process)
         driver = Driver(url, loads, max_tokens, window, args.retry_pause)
         drive = asyncio.create_task(driver.run(args.drain))
         gauges = asyncio.create_task(sample_gauges(session, replicas, url if dpserve else None, window, driver.began))
@@ -502,10 +450,6 @@ def in_window(measured: Measured, tenant: str) -> list[Record]:
     return [r for r in measured.records if r.tenant == tenant and measured.window.holds(r.start)]
 
 
-def ttft_ms(records: Sequence[Record]) -> list[float]:
-    return sorted(r.ttft * 1000 for r in records if r.ok and not math.isnan(r.ttft))
-
-
 def throughput(measured: Measured) -> tuple[float, float]:
     """Answers/s and tokens/s over the answers that ended in the window."""
     ended = [r for r in measured.records if r.ok and measured.window.holds(r.end)]
@@ -518,41 +462,17 @@ def error_summary(measured: Measured) -> str:
     return " ".join(f"{code}={count}" for code, count in sorted(codes.items()))
 
 
-def _ms(values: Sequence[float], q: float) -> float:
-    return round(percentile(list(values), q), 1)
-
-
-Row = TypeVar("Row", NoisyRow, PriorityRow)
-
-
-def summary(rows: Sequence[Row], keys: Sequence[object], *names: str) -> list[Row]:
-    """Per key (the values of the fields `names`, one key as is when there is one name): the median of each
-    figure over its runs, with `run` -1; counts (`*_answers`, `*_errors`, `batch_*`) are summed, texts
-    joined. Nothing when there was only one run."""
-    merged: list[Row] = []
-    for key in dict.fromkeys(keys):
-        wanted = key if isinstance(key, tuple) else (key,)
-        runs = [r for r in rows if tuple(getattr(r, n) for n in names) == wanted]
-        if len(runs) < 2:
-            continue
-        values: dict[str, Any] = {}
-        for f in fields(runs[0]):
-            seen = [getattr(r, f.name) for r in runs]
-            if f.name == "run":
-                values[f.name] = -1
-            elif isinstance(seen[0], str):
-                values[f.name] = (
-                    " ".join(dict.fromkeys(v for v in seen if v)) if f.name in ("errors", "capacity") else seen[0]
-                )
-            elif isinstance(seen[0], int) and f.name.endswith(("_answers", "_errors", "_shed", "_full", "_timeout")):
-                values[f.name] = sum(seen)
-            elif isinstance(seen[0], int):
-                values[f.name] = seen[0]
-            else:
-                known = [v for v in seen if not math.isnan(v)]
-                values[f.name] = round(statistics.median(known), 3) if known else math.nan
-        merged.append(type(runs[0])(**values))
-    return merged
+def summary(rows: Sequence[streamed.Row], keys: Sequence[object], *names: str) -> list[streamed.Row]:
+    """Per key (the values of the fields `names`): the median of each figure over its runs, with `run` -1;
+    counts (`*_answers`, `*_errors`, `batch_*`) are summed, error codes and capacities joined."""
+    counts = ("_answers", "_errors", "_shed", "_full", "_timeout")
+    return streamed.medians(
+        rows,
+        keys,
+        names,
+        lambda name: name.endswith(counts),
+        {"errors": streamed.distinct, "capacity": streamed.distinct},
+    )
 
 
 # -- noisy neighbour ---------------------------------------------------------------------------------
@@ -584,7 +504,7 @@ def noisy_row(
     a_ttft, b_ttft = ttft_ms(a), ttft_ms(b)
     answers, tokens = throughput(measured)
     done = [r for r in b if r.ok and not math.isnan(r.ttft)]
-    a_p50, b_p50 = _ms(a_ttft, 50), _ms(b_ttft, 50)
+    a_p50, b_p50 = ms(a_ttft, 50), ms(b_ttft, 50)
     return NoisyRow(
         backend=setup.backend,
         load=setup.label,
@@ -595,11 +515,11 @@ def noisy_row(
         a_answers=sum(r.ok for r in a),
         a_errors=sum(not r.ok for r in a),
         a_ttft_p50_ms=a_p50,
-        a_ttft_p99_ms=_ms(a_ttft, 99),
+        a_ttft_p99_ms=ms(a_ttft, 99),
         b_answers=sum(r.ok for r in b),
         b_errors=sum(not r.ok for r in b),
         b_ttft_p50_ms=b_p50,
-        b_ttft_p99_ms=_ms(b_ttft, 99),
+        b_ttft_p99_ms=ms(b_ttft, 99),
         b_over_a=round(b_p50 / a_p50, 3) if a_p50 > 0 else math.nan,
         answers_per_s=answers,
         tokens_per_s=tokens,
@@ -686,18 +606,13 @@ async def start_fleet(
 ) -> tuple[subprocess.Popen[bytes], list[str]]:
     """`dpserve up` with `--replicas` sims or vLLM CPU replicas at `--max-num-seqs`, on ports below 32768."""
     count = args.replicas
-    ports = UpPorts(count, router_ports(2 * count + 1))
-    command = ports.command(work / backend, "least_loaded")
     seqs = ["--max-num-seqs", str(args.max_num_seqs)]
     if backend == "sim":
-        command += ["--sim", str(count), "--", *seqs, *args.sim_args.split()]
+        flags = ["--sim", str(count), "--", *seqs, *args.sim_args.split()]
     else:
-        command += ["--replicas", str(count), "--cache-dir", str(args.cache_dir), "--", *seqs, *args.vllm_args.split()]
-    (work / backend).mkdir(parents=True, exist_ok=True)
+        flags = ["--replicas", str(count), "--cache-dir", str(args.cache_dir), "--", *seqs, *args.vllm_args.split()]
     progress(f"starting {count} {backend} replicas (--max-num-seqs {args.max_num_seqs}) ...")
-    process = await start_up(session, ports, command, work / backend / "up.log", dict(os.environ), 900)
-    CHILDREN.append(process)
-    return process, ports.replica_urls
+    return await streamed.start_fleet(session, count, work / backend, flags)
 
 
 def noisy_goals(rows: Sequence[NoisyRow]) -> list[str]:
@@ -733,10 +648,6 @@ def noisy_goals(rows: Sequence[NoisyRow]) -> list[str]:
     return lines
 
 
-def met(ok: bool) -> str:
-    return "met" if ok else "NOT met"
-
-
 # -- priority ----------------------------------------------------------------------------------------
 
 
@@ -745,7 +656,7 @@ def priority_row(
 ) -> PriorityRow:
     critical, batch = in_window(measured, "critical"), in_window(measured, "bulk")
     ttft = ttft_ms(critical)
-    p50, p99 = _ms(ttft, 50), _ms(ttft, 99)
+    p50, p99 = ms(ttft, 50), ms(ttft, 99)
     streams = {load.tenant: load.streams for load in loads}
     codes = Counter(r.code for r in batch if not r.ok)
     return PriorityRow(
@@ -765,7 +676,7 @@ def priority_row(
         batch_queue_full=codes.pop("queue_full", 0),
         batch_queue_timeout=codes.pop("queue_timeout", 0),
         batch_other_errors=sum(codes.values()),
-        batch_ttft_p50_ms=_ms(ttft_ms(batch), 50),
+        batch_ttft_p50_ms=ms(ttft_ms(batch), 50),
         answers_per_s=throughput(measured)[0],
         critical_queue_ms=measured.queue_ms.get("critical", math.nan),
         replica_running=measured.gauges.running,
@@ -835,11 +746,11 @@ def priority_goals(rows: Sequence[PriorityRow]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="dpserve bench fairness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = streamed.bench_parser("fairness", __doc__, EXPERIMENTS, 1)
+    contenders = streamed.names_of(CONTENDERS)
+    parser.add_argument(
+        "--contenders", type=contenders, default=",".join(CONTENDERS), help="of " + ", ".join(CONTENDERS)
     )
-    parser.add_argument("--experiments", default=",".join(EXPERIMENTS), help="of " + ", ".join(EXPERIMENTS))
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="of " + ", ".join(CONTENDERS))
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=4, help="every replica's batch limit")
     parser.add_argument("--a-streams", type=int, default=64, help="noisy: tenant A's streams")
@@ -861,28 +772,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--queue-size", type=int, default=16, help="priority: dpserve's --queue-size")
     parser.add_argument("--priority-warmup", type=float, default=10.0)
     parser.add_argument("--priority-window", type=float, default=20.0)
-    parser.add_argument("--repeat", type=int, default=1, help="rounds of every run, taking turns; medians reported")
     parser.add_argument("--retry-pause", type=float, default=0.5, help="seconds a stream pauses after a refusal")
     parser.add_argument("--drain", type=float, default=120.0, help="most seconds to wait for the window's requests")
     parser.add_argument("--vllm-router-policy", default="power_of_two")
     parser.add_argument("--dpserve-args", default="", help="extra flags for every dpserve router")
     parser.add_argument("--sim-args", default="", help="extra flags for every sim")
     parser.add_argument("--vllm-args", default="", help="extra flags for every vLLM replica")
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
-    parser.add_argument("--records", action="store_true", help="also write every request of every run (CSV)")
-    parser.add_argument("--out", type=Path, default=BENCHMARKS / "results" / "fairness")
     args = parser.parse_args(list(argv))
-    args.experiments = [e for e in args.experiments.split(",") if e]
-    args.contenders = [c for c in args.contenders.split(",") if c]
     args.critical_streams = [int(n) for n in args.critical_streams.split(",") if n]
     args.vllm_a_streams = [int(n) for n in args.vllm_a_streams.split(",") if n]
-    for name, given, known in (
-        ("experiments", args.experiments, EXPERIMENTS),
-        ("contenders", args.contenders, CONTENDERS),
-    ):
-        unknown = set(given) - set(known)
-        if unknown:
-            parser.error(f"unknown {name}: {sorted(unknown)}")
     if args.warmup < 0 or args.window <= 0 or args.vllm_window <= 0 or args.priority_window <= 0:
         parser.error("windows must be positive and warm-ups not negative")
     return args
@@ -907,17 +805,6 @@ PRIORITY_COLUMNS = (
     ("waiting", "replica_waiting"), ("queued", "router_queue"), ("capacity", "capacity"),
     ("client lag", "client_lag_ms"), ("load avg", "load_avg"),
 )  # fmt: skip
-
-
-def cell(value: object) -> object:
-    return "-" if value == "" else value
-
-
-def table(columns: Sequence[tuple[str, str]], rows: Sequence[NoisyRow] | Sequence[PriorityRow]) -> str:
-    """The rows' `columns` (header, field) as a text table; an empty cell shows as `-`."""
-    return format_table(
-        [header for header, _ in columns], [[cell(getattr(r, name)) for _, name in columns] for r in rows]
-    )
 
 
 def write_report(args: argparse.Namespace, noisy: Sequence[NoisyRow], priority: Sequence[PriorityRow]) -> str:
@@ -947,9 +834,6 @@ def write_report(args: argparse.Namespace, noisy: Sequence[NoisyRow], priority: 
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="dpserve-bench-fairness-"))
-    progress(f"{os.cpu_count()} CPUs; load average before: {os.getloadavg()[0]:.2f}")
     noisy: list[NoisyRow] = []
     priority: list[PriorityRow] = []
     backends: list[list[NoisySetup]] = []
@@ -960,18 +844,10 @@ def main(argv: Sequence[str]) -> int:
         window = Window(args.vllm_warmup, args.vllm_window)
         b, tokens = args.vllm_b_streams, args.vllm_max_tokens
         backends.append([NoisySetup("vllm", a, b, tokens, window) for a in args.vllm_a_streams])
-    with sigterm_unwinds():
-        try:
-            for setups in backends:
-                uvloop.run(run_noisy(args, setups, work, noisy))
-                write_report(args, noisy, priority)
-            if "priority" in args.experiments:
-                uvloop.run(run_priority(args, work, priority))
-        finally:
-            # Stopped here too: a signal can end the event loop before its tasks' own `finally` runs.
-            stop_all([p for p in CHILDREN if p.poll() is None], 30)
-    report = write_report(args, noisy, priority)
-    print()
-    print(report)
-    print(f"wrote {shown(args.out)}/fairness.md and its CSVs")
+    with streamed.framed(args, "fairness", lambda: write_report(args, noisy, priority)) as work:
+        for setups in backends:
+            uvloop.run(run_noisy(args, setups, work, noisy))
+            write_report(args, noisy, priority)
+        if "priority" in args.experiments:
+            uvloop.run(run_priority(args, work, priority))
     return 0

@@ -35,6 +35,12 @@ adapters are unloaded again.
    which replicas hold it at the end (the router's /status, `lora.loaded`). Goals: it is loaded on every
    replica, and each replica's share is within 1.5x of an even share (between 1/3 and 2/3 with 2 replicas).
 
+With `--repeat N` (3) every run is done N times, the setups of compare taking turns round after round (so
+a slow spell on a shared machine hits them all) and then the hot run N times: the tables and goals use each
+figure's median over the rounds (loads, TTFT, throughput, each replica's hot share, placements by reason),
+requests, failures and 404s the rounds' totals. The CSVs keep every round's row (`run` 0, 1, ...) beside
+the medians (`run` -1).
+
 The client shares this machine's cores with the replicas and the router; the 1-minute load average as each
 run starts is reported with it.
 
@@ -49,9 +55,9 @@ import contextlib
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -63,61 +69,41 @@ import aiohttp
 import orjson
 import uvloop
 
-from benchmarks.fleet import (
-    BENCHMARKS,
-    UpPorts,
-    bench_tool,
-    child_env,
-    get_text,
-    progress,
-    router_command,
-    sigterm_unwinds,
-    spawn,
-    start_up,
-    stop_all,
-    wait_ok,
-)
-from benchmarks.report import format_table, shown, write_csv
-from benchmarks.routers import router_ports
-from benchmarks.stats import percentile
+from benchmarks import streamed
+from benchmarks.fleet import bench_tool, child_env, get_text, progress, router_command
+from benchmarks.report import write_csv
+from benchmarks.streamed import met, ms, table, ttft_ms
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.up.process import terminate
 
 EXPERIMENTS = ("compare", "hot")
 SETUPS = ("dpserve", "dpserve-blind", "vllm-router")
 REPLICA_HEADER = "x-dpserve-replica"
+JSON_HEADERS = {"content-type": "application/json"}
 REQUEST_TIMEOUT_S = 300.0
 LORA_LOADS = "dpserve_lora_loads_total"
 LORA_UNLOADS = "dpserve_lora_unloads_total"
 LORA_PLACEMENTS = "dpserve_lora_placements_total"
 HOT_SPREAD = 1.5
 """The hot adapter's share on each replica must be within this factor of an even share."""
-CHILDREN: list[subprocess.Popen[bytes]] = []
-"""Every fleet and router this run started, to stop whatever is still running when it ends."""
 
 
 @dataclass
-class Record:
+class Record(streamed.Outcome):
+    """One request of the sequence and what became of it (a `streamed.Reply`'s figures, in seconds since the
+    run began; TTFT to the first streamed event carrying a choice)."""
+
     number: int
     """The request's place in the sequence."""
     adapter: str
     start: float
-    """Seconds since the run began."""
     end: float
     ttft: float
-    """Seconds from start to the first streamed event carrying a choice; NaN without one."""
     status: int
-    """HTTP status; 0: no answer (connection failed or timed out)."""
     code: str
-    """Empty for a complete answer; else the error's `code`, `http_NNN`, `broken` (the stream ended without
-    [DONE]), `stream_error` or `connection`."""
     replica: str
     """`x-dpserve-replica` (r0, r1, ...); empty when the router does not say (vllm-router)."""
     tokens: int
-
-    @property
-    def ok(self) -> bool:
-        return not self.code
 
 
 @dataclass
@@ -131,12 +117,15 @@ class Run:
 @dataclass
 class CompareRow:
     setup: str
+    run: int
+    """0, 1, ...: the setups take turns, round after round; -1: the median over the rounds (`summary`)."""
     router: str
     requests: int
+    """Requests of the run (summed in the median)."""
     answered: int
     failed: int
     not_found: int
-    """Requests answered 404 (counted in `failed` too)."""
+    """Requests answered 404 (counted in `failed` too; summed in the median, like `answered` and `failed`)."""
     loads: float | str
     """Adapter loads the router made (`n/a` for vllm-router: vLLM swaps adapters itself)."""
     loads_per_100: float | str
@@ -158,6 +147,7 @@ class CompareRow:
 @dataclass
 class HotRow:
     hot_adapter: str
+    run: int
     hot_share: float
     requests: int
     hot_requests: int
@@ -169,6 +159,7 @@ class HotRow:
     hot_loaded_on: str
     """The replicas holding the hot adapter at the end (router /status)."""
     loaded_everywhere: bool
+    """In the median: in most rounds."""
     loads: float
     loads_per_100: float
     unloads: float
@@ -225,14 +216,6 @@ def completion_body(model: str, number: int, max_tokens: int) -> bytes:
     )
 
 
-def error_code(status: int, body: bytes) -> str:
-    with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError, KeyError):
-        code = orjson.loads(body)["error"]["code"]
-        if isinstance(code, str) and code:
-            return code
-    return f"http_{status}"
-
-
 async def one_request(
     session: aiohttp.ClientSession,
     url: str,
@@ -241,34 +224,9 @@ async def one_request(
     max_tokens: int,
     clock: Callable[[], float],
 ) -> Record:
-    start = clock()
-    ttft, tokens, status, code, replica = math.nan, 0, 0, "broken", ""
     body = completion_body(adapter, number, max_tokens)
-    try:
-        async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
-            status = resp.status
-            replica = resp.headers.get(REPLICA_HEADER, "")
-            if status != 200:
-                code = error_code(status, await resp.read())
-            else:
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        code = ""
-                        break
-                    chunk = orjson.loads(data)
-                    if "error" in chunk:
-                        code = "stream_error"
-                        break
-                    if chunk.get("choices"):
-                        tokens += 1
-                        if tokens == 1:
-                            ttft = clock() - start
-    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
-        code = "connection"
-    return Record(number, adapter, start, clock(), ttft, status, code, replica, tokens)
+    s = await streamed.request(session, url, body, JSON_HEADERS, clock, header=REPLICA_HEADER)
+    return Record(number, adapter, s.start, s.end, s.ttft, s.status, s.code, s.header, s.tokens)
 
 
 async def drive(url: str, sequence: Sequence[str], concurrency: int, max_tokens: int) -> Run:
@@ -418,16 +376,17 @@ async def start_router(
     session: aiohttp.ClientSession, setup: str, replicas: Sequence[str], lora_dir: Path, args: argparse.Namespace
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A fresh router for `setup`, ready; dpserve's once it knows every replica's adapter slots."""
-    port = router_ports(2)  # vllm-router: +1 for its metrics
-    log = Path(tempfile.gettempdir()) / f"dpserve-bench-lora-{port}.log"
-    process = spawn(setup_command(setup, replicas, port, lora_dir, args), log, dict(os.environ))
-    CHILDREN.append(process)
-    url = f"http://127.0.0.1:{port}"
+    peer = setup == "vllm-router"
+    process, url = await streamed.start_router(
+        session,
+        lambda port: setup_command(setup, replicas, port, lora_dir, args),
+        "dpserve-bench-lora",
+        "/v1/models" if peer else "/ready",
+        120 if peer else 60,
+    )
+    if peer:
+        return process, url
     try:
-        if setup == "vllm-router":
-            await wait_ok(session, f"{url}/v1/models", 120, process)
-            return process, url
-        await wait_ok(session, f"{url}/ready", 60, process)
         deadline = time.monotonic() + 60
         while True:
             reported = [(r.get("lora") or {}).get("max_loras") for r in (await router_status(session, url))["replicas"]]
@@ -445,14 +404,6 @@ async def start_router(
 # -- the figures -------------------------------------------------------------------------------------
 
 
-def ttft_ms(records: Sequence[Record]) -> list[float]:
-    return sorted(r.ttft * 1000 for r in records if r.ok and not math.isnan(r.ttft))
-
-
-def _ms(values: Sequence[float], q: float) -> float:
-    return round(percentile(list(values), q), 1)
-
-
 def error_summary(records: Sequence[Record]) -> str:
     codes = Counter(
         r.code if r.code.startswith("http_") or r.status in (0, 200) else f"{r.code}({r.status})"
@@ -467,7 +418,7 @@ def per_100(count: float, requests: int) -> float:
 
 
 def compare_row(
-    setup: str, args: argparse.Namespace, run: Run, counters: Counters | None, held_at_end: str
+    setup: str, turn: int, args: argparse.Namespace, run: Run, counters: Counters | None, held_at_end: str
 ) -> CompareRow:
     records = run.records
     answered = [r for r in records if r.ok]
@@ -475,6 +426,7 @@ def compare_row(
     seconds = run.duration_s or math.nan
     return CompareRow(
         setup=setup,
+        run=turn,
         router=router_label(setup, args),
         requests=len(records),
         answered=len(answered),
@@ -483,8 +435,8 @@ def compare_row(
         loads=round(counters.loads) if counters else "n/a",
         loads_per_100=per_100(counters.loads, len(records)) if counters else "n/a",
         unloads=round(counters.unloads) if counters else "n/a",
-        ttft_p50_ms=_ms(ttft, 50),
-        ttft_p99_ms=_ms(ttft, 99),
+        ttft_p50_ms=ms(ttft, 50),
+        ttft_p99_ms=ms(ttft, 99),
         duration_s=run.duration_s,
         answers_per_s=round(len(answered) / seconds, 2),
         tokens_per_s=round(sum(r.tokens for r in answered) / seconds, 1),
@@ -498,6 +450,7 @@ def compare_row(
 def hot_row(
     args: argparse.Namespace,
     hot: str,
+    turn: int,
     run: Run,
     counters: Counters,
     holders: Sequence[str],
@@ -512,6 +465,7 @@ def hot_row(
     seconds = run.duration_s or math.nan
     return HotRow(
         hot_adapter=hot,
+        run=turn,
         hot_share=args.hot_share,
         requests=len(records),
         hot_requests=sum(r.adapter == hot for r in records),
@@ -524,9 +478,9 @@ def hot_row(
         loads=round(counters.loads),
         loads_per_100=per_100(counters.loads, len(records)),
         unloads=round(counters.unloads),
-        ttft_p50_ms=_ms(ttft_ms(records), 50),
-        ttft_p99_ms=_ms(ttft_ms(records), 99),
-        hot_ttft_p99_ms=_ms(ttft_ms(hot_answers), 99),
+        ttft_p50_ms=ms(ttft_ms(records), 50),
+        ttft_p99_ms=ms(ttft_ms(records), 99),
+        hot_ttft_p99_ms=ms(ttft_ms(hot_answers), 99),
         duration_s=run.duration_s,
         answers_per_s=round(len(answered) / seconds, 2),
         placements=counters.placement_text(),
@@ -534,6 +488,49 @@ def hot_row(
         errors=error_summary(records),
         load_avg=run.load_avg,
     )
+
+
+SUMMED = ("requests", "answered", "failed", "not_found", "hot_requests")
+"""Counts the median row adds up over the rounds."""
+
+
+def median_pairs(texts: Sequence[str], digits: int | None = None) -> str:
+    """`key=value ...` texts, one a round, as one: each key's median over the rounds (0 in a round without it),
+    to `digits` decimals (None: as short as it goes)."""
+    rounds = [dict(pair.split("=", 1) for pair in text.split()) for text in texts]
+    keys = dict.fromkeys(key for counts in rounds for key in counts)
+    values = {key: statistics.median(float(counts.get(key, 0)) for counts in rounds) for key in keys}
+    return " ".join(f"{k}={v:g}" if digits is None else f"{k}={v:.{digits}f}" for k, v in values.items())
+
+
+def each_round(texts: Sequence[str]) -> str:
+    """The text where every round's is the same, else each round's in turn."""
+    return texts[0] if len(set(texts)) == 1 else " | ".join(t or "-" for t in texts)
+
+
+def summary(rows: Sequence[streamed.Row], keys: Sequence[str], name: str) -> list[streamed.Row]:
+    """Per key (the value of the field `name`): the median of each figure over its rounds, with `run` -1;
+    requests, answers, failures and 404s summed; placements and the hot adapter's shares each reason's and
+    replica's median (the lowest and highest share: of those medians); held at end and where the hot
+    adapter was loaded, each round's where they differ; error codes joined."""
+    merged = streamed.medians(
+        rows,
+        keys,
+        (name,),
+        lambda field: field in SUMMED,
+        {
+            "placements": median_pairs,
+            "replica_shares": lambda texts: median_pairs(texts, 3),
+            "held_at_end": each_round,
+            "hot_loaded_on": each_round,
+            "errors": streamed.distinct,
+        },
+    )
+    for row in merged:
+        if isinstance(row, HotRow):
+            shares = [float(pair.split("=", 1)[1]) for pair in row.replica_shares.split()]
+            row.min_share, row.max_share = min(shares), max(shares)
+    return merged
 
 
 def save_records(args: argparse.Namespace, name: str, run: Run) -> None:
@@ -553,34 +550,38 @@ async def run_compare(
     lora_dir: Path,
     rows: list[CompareRow],
 ) -> None:
+    """`--repeat` rounds of the setups in turn, then their medians."""
     sequence = zipf_sequence(list(adapters), args.requests, args.zipf, args.seed)
     setups = list(SETUPS)
     if bench_tool("vllm-router") is None:
         progress("vllm-router: skipped, not installed (pip install -e '.[bench]')")
         setups.remove("vllm-router")
-    for setup in setups:
-        progress(f"compare {setup}: {len(sequence)} requests, {args.concurrency} clients")
-        await reset(session, replicas)
-        if setup == "vllm-router":
-            await load_all(session, replicas, adapters)
-        process, url = await start_router(session, setup, replicas, lora_dir, args)
-        try:
-            before = await router_counters(session, url) if setup != "vllm-router" else None
-            run = await drive(url, sequence, args.concurrency, args.max_tokens)
-            counters = (await router_counters(session, url)).since(before) if before is not None else None
-            held_at_end = await held(session, replicas)
-        finally:
-            terminate(process, 30)
-        save_records(args, f"compare-{setup}", run)
-        row = compare_row(setup, args, run, counters, held_at_end)
-        rows.append(row)
-        progress(
-            f"  {row.answered}/{row.requests} answered, {row.failed} failed ({row.not_found} 404), loads/100 "
-            f"{row.loads_per_100}, TTFT p50 {row.ttft_p50_ms} p99 {row.ttft_p99_ms} ms, {row.duration_s} s, "
-            f"{row.answers_per_s} answers/s, load average {row.load_avg}"
-            + (f", placements {row.placements}" if row.placements else "")
-            + (f", errors {row.errors}" if row.errors else "")
-        )
+    mine: list[CompareRow] = []
+    for turn in range(args.repeat):
+        for setup in setups:
+            progress(f"compare round {turn} {setup}: {len(sequence)} requests, {args.concurrency} clients")
+            await reset(session, replicas)
+            if setup == "vllm-router":
+                await load_all(session, replicas, adapters)
+            process, url = await start_router(session, setup, replicas, lora_dir, args)
+            try:
+                before = await router_counters(session, url) if setup != "vllm-router" else None
+                run = await drive(url, sequence, args.concurrency, args.max_tokens)
+                counters = (await router_counters(session, url)).since(before) if before is not None else None
+                held_at_end = await held(session, replicas)
+            finally:
+                terminate(process, 30)
+            save_records(args, f"compare-{setup}-{turn}", run)
+            row = compare_row(setup, turn, args, run, counters, held_at_end)
+            mine.append(row)
+            progress(
+                f"  {row.answered}/{row.requests} answered, {row.failed} failed ({row.not_found} 404), loads/100 "
+                f"{row.loads_per_100}, TTFT p50 {row.ttft_p50_ms} p99 {row.ttft_p99_ms} ms, {row.duration_s} s, "
+                f"{row.answers_per_s} answers/s, load average {row.load_avg}"
+                + (f", placements {row.placements}" if row.placements else "")
+                + (f", errors {row.errors}" if row.errors else "")
+            )
+    rows += mine + summary(mine, setups, "setup")
 
 
 async def run_hot(
@@ -591,43 +592,58 @@ async def run_hot(
     lora_dir: Path,
     rows: list[HotRow],
 ) -> None:
+    """`--repeat` rounds, then their medians."""
     names = list(adapters)
     hot = names[0]
     sequence = hot_sequence(names, args.requests, args.hot_share, args.seed)
-    progress(f"hot: {hot} at {args.hot_share:.0%} of {len(sequence)} requests, {args.concurrency} clients")
-    await reset(session, replicas)
-    process, url = await start_router(session, "dpserve", replicas, lora_dir, args)
-    try:
-        before = await router_counters(session, url)
-        run = await drive(url, sequence, args.concurrency, args.max_tokens)
-        counters = (await router_counters(session, url)).since(before)
-        status = await router_status(session, url)
-        held_at_end = await held(session, replicas)
-    finally:
-        terminate(process, 30)
-    save_records(args, "hot", run)
-    replica_ids = [str(r["id"]) for r in status["replicas"]]
-    holders = [str(r["id"]) for r in status["replicas"] if hot in ((r.get("lora") or {}).get("loaded") or [])]
-    row = hot_row(args, hot, run, counters, holders, replica_ids, held_at_end)
-    rows.append(row)
-    progress(
-        f"  {row.requests - row.failed}/{row.requests} answered, hot shares {row.replica_shares}, loaded on "
-        f"{row.hot_loaded_on or 'none'}, loads/100 {row.loads_per_100}, TTFT p99 {row.ttft_p99_ms} ms"
-        + (f", errors {row.errors}" if row.errors else "")
-    )
+    mine: list[HotRow] = []
+    for turn in range(args.repeat):
+        progress(
+            f"hot round {turn}: {hot} at {args.hot_share:.0%} of {len(sequence)} requests, {args.concurrency} clients"
+        )
+        await reset(session, replicas)
+        process, url = await start_router(session, "dpserve", replicas, lora_dir, args)
+        try:
+            before = await router_counters(session, url)
+            run = await drive(url, sequence, args.concurrency, args.max_tokens)
+            counters = (await router_counters(session, url)).since(before)
+            status = await router_status(session, url)
+            held_at_end = await held(session, replicas)
+        finally:
+            terminate(process, 30)
+        save_records(args, f"hot-{turn}", run)
+        replica_ids = [str(r["id"]) for r in status["replicas"]]
+        holders = [str(r["id"]) for r in status["replicas"] if hot in ((r.get("lora") or {}).get("loaded") or [])]
+        row = hot_row(args, hot, turn, run, counters, holders, replica_ids, held_at_end)
+        mine.append(row)
+        progress(
+            f"  {row.requests - row.failed}/{row.requests} answered, hot shares {row.replica_shares}, loaded on "
+            f"{row.hot_loaded_on or 'none'}, loads/100 {row.loads_per_100}, TTFT p99 {row.ttft_p99_ms} ms"
+            + (f", errors {row.errors}" if row.errors else "")
+        )
+    rows += mine + summary(mine, [hot], "hot_adapter")
 
 
 # -- the goals ---------------------------------------------------------------------------------------
 
 
-def met(ok: bool) -> str:
-    return "met" if ok else "NOT met"
+def by_round(rounds: Sequence[CompareRow], setup: str, name: str) -> str:
+    """A figure of `setup`'s rounds in turn, `a/b/c`; empty with one round."""
+    values = [str(getattr(r, name)) for r in rounds if r.setup == setup]
+    return "/".join(values) if len(values) > 1 else ""
 
 
-def compare_goals(rows: Sequence[CompareRow]) -> list[str]:
+def compare_goals(rows: Sequence[CompareRow], rounds: Sequence[CompareRow] = ()) -> list[str]:
+    """The goals on `rows` (one a setup: the medians, or a single round's); with `rounds`, each round's figures
+    beside them."""
     by = {row.setup: row for row in rows}
     lines = []
     ours, blind, peer = by.get("dpserve"), by.get("dpserve-blind"), by.get("vllm-router")
+
+    def each(name: str) -> str:
+        mine, theirs = by_round(rounds, "dpserve", name), by_round(rounds, "dpserve-blind", name)
+        return f"; by round {mine} vs {theirs}" if mine and theirs else ""
+
     if ours is not None:
         lines.append(
             f"compare dpserve: {ours.failed} failed requests of {ours.requests} (goal 0): {met(ours.failed == 0)}"
@@ -636,11 +652,11 @@ def compare_goals(rows: Sequence[CompareRow]) -> list[str]:
         assert not isinstance(ours.loads_per_100, str) and not isinstance(blind.loads_per_100, str)  # dpserve's
         lines.append(
             f"compare dpserve: {ours.loads_per_100} adapter loads per 100 requests vs {blind.loads_per_100} with "
-            f"--lora-affinity off (goal fewer): {met(ours.loads_per_100 < blind.loads_per_100)}"
+            f"--lora-affinity off (goal fewer{each('loads_per_100')}): {met(ours.loads_per_100 < blind.loads_per_100)}"
         )
         lines.append(
             f"compare dpserve: TTFT p99 {ours.ttft_p99_ms} ms vs {blind.ttft_p99_ms} ms with --lora-affinity off "
-            f"(goal lower): {met(ours.ttft_p99_ms < blind.ttft_p99_ms)}"
+            f"(goal lower{each('ttft_p99_ms')}): {met(ours.ttft_p99_ms < blind.ttft_p99_ms)}"
         )
     if peer is not None:
         what = (
@@ -655,18 +671,22 @@ def compare_goals(rows: Sequence[CompareRow]) -> list[str]:
     return lines
 
 
-def hot_goals(rows: Sequence[HotRow], replicas: int) -> list[str]:
+def hot_goals(rows: Sequence[HotRow], replicas: int, rounds: Sequence[HotRow] = ()) -> list[str]:
+    """The goals on `rows` (the medians, or a single round's); with `rounds`, each round's lowest share."""
     lines = []
     even = 1 / replicas
     low, high = even / HOT_SPREAD, min(1.0, even * HOT_SPREAD, 1 - (replicas - 1) * even / HOT_SPREAD)
     for row in rows:
         within = low <= row.min_share and row.max_share <= high
+        lowest = [str(r.min_share) for r in rounds if r.hot_adapter == row.hot_adapter]
+        each = f"; the lowest share by round {'/'.join(lowest)}" if len(lowest) > 1 else ""
         lines.append(
             f"hot {row.hot_adapter} ({row.hot_requests} of {row.requests} requests): shares {row.replica_shares}, "
-            f"goal each within {HOT_SPREAD}x of even ({low:.3f}..{high:.3f}): {met(within)}"
+            f"goal each within {HOT_SPREAD}x of even ({low:.3f}..{high:.3f}{each}): {met(within)}"
         )
+        most = ", in most rounds" if row.run == -1 else ""
         lines.append(
-            f"hot {row.hot_adapter}: loaded at the end on {row.hot_loaded_on or 'none'} (goal every replica): "
+            f"hot {row.hot_adapter}: loaded at the end on {row.hot_loaded_on or 'none'} (goal every replica{most}): "
             f"{met(row.loaded_everywhere)}; {row.failed} failed requests"
         )
     return lines
@@ -676,10 +696,7 @@ def hot_goals(rows: Sequence[HotRow], replicas: int) -> list[str]:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="dpserve bench lora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--experiments", default=",".join(EXPERIMENTS), help="of " + ", ".join(EXPERIMENTS))
+    parser = streamed.bench_parser("lora", __doc__, EXPERIMENTS, 3)
     parser.add_argument(
         "--replica",
         action="append",
@@ -689,7 +706,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--replicas", type=int, default=2, help="how many to start without --replica")
     parser.add_argument("--max-loras", type=int, default=2, help="the started replicas' --max-loras")
-    parser.add_argument("--requests", type=int, default=300, help="requests per setup (and in the hot run)")
+    parser.add_argument("--requests", type=int, default=600, help="requests per setup (and in the hot run), a round")
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
     parser.add_argument("--adapters", type=int, default=8, help="how many adapters (tiny-lora-0, ...)")
     parser.add_argument("--zipf", type=float, default=1.1, help="compare: the adapters' popularity exponent")
@@ -697,16 +714,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
     parser.add_argument("--seed", type=int, default=0, help="seeds the request sequences")
     parser.add_argument("--vllm-router-policy", default="round_robin")
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
-    parser.add_argument("--records", action="store_true", help="also write every request of every run (CSV)")
-    parser.add_argument("--out", type=Path, default=BENCHMARKS / "results" / "lora")
     args = parser.parse_args(list(argv))
-    args.experiments = [e for e in args.experiments.split(",") if e]
-    unknown = set(args.experiments) - set(EXPERIMENTS)
-    if unknown:
-        parser.error(f"unknown experiments: {sorted(unknown)}")
-    if args.adapters < 2 or args.requests < 1 or args.concurrency < 1:
-        parser.error("--adapters must be at least 2, --requests and --concurrency at least 1")
+    if args.adapters < 2 or args.requests < 1 or args.concurrency < 1 or args.repeat < 1:
+        parser.error("--adapters must be at least 2, --requests, --concurrency and --repeat at least 1")
     if not 0 < args.hot_share < 1:
         parser.error("--hot-share must be between 0 and 1")
     return args
@@ -723,15 +733,11 @@ def build_adapters(args: argparse.Namespace, folder: Path) -> dict[str, Path]:
 async def start_fleet(session: aiohttp.ClientSession, args: argparse.Namespace, work: Path) -> list[str]:
     """`dpserve up` with `--replicas` LoRA-enabled vLLM CPU replicas, on ports below 32768."""
     count = args.replicas
-    ports = UpPorts(count, router_ports(2 * count + 1))
-    command = ports.command(work / "vllm", "least_loaded")
-    command += ["--replicas", str(count), "--cache-dir", str(args.cache_dir)]
-    command += ["--enable-lora", "--max-loras", str(args.max_loras), "--max-lora-rank", "8"]
-    (work / "vllm").mkdir(parents=True, exist_ok=True)
+    flags = ["--replicas", str(count), "--cache-dir", str(args.cache_dir)]
+    flags += ["--enable-lora", "--max-loras", str(args.max_loras), "--max-lora-rank", "8"]
     progress(f"starting {count} vLLM CPU replicas (--enable-lora --max-loras {args.max_loras}) ...")
-    process = await start_up(session, ports, command, work / "vllm" / "up.log", dict(os.environ), 900)
-    CHILDREN.append(process)
-    return ports.replica_urls
+    _, urls = await streamed.start_fleet(session, count, work / "vllm", flags)
+    return urls
 
 
 async def run_all(
@@ -770,59 +776,51 @@ HOT_COLUMNS = (
 )  # fmt: skip
 
 
-def table(columns: Sequence[tuple[str, str]], rows: Sequence[CompareRow] | Sequence[HotRow]) -> str:
-    """The rows' `columns` (header, field) as a text table; an empty cell shows as `-`."""
-    cells = [[getattr(r, name) for _, name in columns] for r in rows]
-    return format_table([header for header, _ in columns], [["-" if v == "" else v for v in row] for row in cells])
-
-
 def write_report(args: argparse.Namespace, compare: Sequence[CompareRow], hot: Sequence[HotRow], replicas: int) -> str:
-    """The CSVs and lora.md of what has been measured so far; returns the report's text."""
+    """The CSVs (every round's rows and the medians) and lora.md (the medians, or the one round's) of what has
+    been measured so far; returns the report's text."""
     tables, lines = [], []
     if compare:
         write_csv(args.out / "compare.csv", [asdict(r) for r in compare], [f.name for f in fields(CompareRow)])
-        tables.append(table(COMPARE_COLUMNS, compare))
-        lines += compare_goals(compare)
+        shown_compare = [r for r in compare if r.run == -1] or list(compare)
+        tables.append(table(COMPARE_COLUMNS, shown_compare))
+        lines += compare_goals(shown_compare, [r for r in compare if r.run >= 0])
     if hot:
         write_csv(args.out / "hot.csv", [asdict(r) for r in hot], [f.name for f in fields(HotRow)])
-        tables.append(table(HOT_COLUMNS, hot))
-        lines += hot_goals(hot, replicas)
+        shown_hot = [r for r in hot if r.run == -1] or list(hot)
+        tables.append(table(HOT_COLUMNS, shown_hot))
+        lines += hot_goals(shown_hot, replicas, [r for r in hot if r.run >= 0])
     report = "\n\n".join(tables) + "\n\n" + "\n".join(lines) + "\n"
     names = adapter_names(args.adapters)
     slots = "/".join(str(n) for n in getattr(args, "slots", None) or [args.max_loras])
     zipf = zipf_sequence(names, args.requests, args.zipf, args.seed)
+    rounds = (
+        f"{args.repeat} rounds of {args.requests} requests per setup (compare's setups taking turns, round after "
+        "round) and of the hot run; each figure is the median over the rounds, but requests, failed, 404s and hot "
+        "requests are the rounds' totals"
+        if args.repeat > 1
+        else f"one round of {args.requests} requests per setup, and of the hot run"
+    )
     (args.out / "lora.md").write_text(
         f"# `dpserve bench lora`\n\n{replicas} vLLM CPU replicas of the tiny model, `--max-loras {slots}`, "
         f"{args.adapters} adapters, {args.concurrency} closed-loop clients, streamed completions of "
-        f"{args.max_tokens} tokens, seed {args.seed}. compare: {args.requests} requests per setup, Zipf s="
-        f"{args.zipf} ({mix(zipf)}); hot: {names[0]} at {args.hot_share:.0%}, the rest uniform. TTFT in ms "
+        f"{args.max_tokens} tokens, seed {args.seed}; {rounds}. compare: Zipf s={args.zipf} ({mix(zipf)}, the "
+        f"same sequence every round); hot: {names[0]} at {args.hot_share:.0%}, the rest uniform. TTFT in ms "
         "(answers only); loads, unloads, placements: dpserve's own counters over the run (n/a for vllm-router, "
         "where vLLM swaps adapters itself; `full`: a look at which no replica could take the request, flow "
-        "control's capacity included); held at end: adapters registered on each replica when the run ended.\n\n```\n"
-        + report
-        + "```\n"
+        "control's capacity included); held at end: adapters registered on each replica when the run ended "
+        "(each round's where they differ).\n\n```\n" + report + "```\n"
     )
     return report
 
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="dpserve-bench-lora-"))
-    progress(f"{os.cpu_count()} CPUs; load average before: {os.getloadavg()[0]:.2f}")
     compare: list[CompareRow] = []
     hot: list[HotRow] = []
     replicas: list[str] = list(args.replica)
-    with sigterm_unwinds():
-        try:
-            uvloop.run(run_all(args, work, compare, hot, replicas))
-        finally:
-            # Stopped here too: a signal can end the event loop before its tasks' own `finally` runs.
-            stop_all([p for p in CHILDREN if p.poll() is None], 30)
-    report = write_report(args, compare, hot, len(replicas))
-    print()
-    print(report)
-    print(f"wrote {shown(args.out)}/lora.md and its CSVs")
+    with streamed.framed(args, "lora", lambda: write_report(args, compare, hot, len(replicas))) as work:
+        uvloop.run(run_all(args, work, compare, hot, replicas))
     return 0
 
 

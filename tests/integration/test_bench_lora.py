@@ -1,6 +1,6 @@
-"""The LoRA benchmark runs end to end on the session fleet's 2 real vLLM CPU replicas (`--max-loras 2`), small,
-and writes its tables (its goals are checked in its own output, not asserted here; only that dpserve answered
-every request, and that the replicas hold no adapter afterwards)."""
+"""The LoRA benchmark runs end to end on the session fleet's 2 real vLLM CPU replicas (`--max-loras 2`), small
+(2 rounds), and writes its tables: every round's rows and their medians (its goals are checked in its own output,
+not asserted here; only that dpserve answered every request, and that the replicas hold no adapter afterwards)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_lora_benchmark_on_the_fleet_writes_compare_and_hot(fleet: Fleet, tmp_path: Path) -> None:
-    argv = ["bench", "lora", "--requests", "40", "--out", str(tmp_path / "out")]
+    argv = ["bench", "lora", "--requests", "40", "--repeat", "2", "--out", str(tmp_path / "out")]
     for url in fleet.replica_urls:
         argv += ["--replica", url]
     # The fleet's own cache: its tiny model is the adapters' base, and is not built again.
@@ -25,19 +25,31 @@ def test_lora_benchmark_on_the_fleet_writes_compare_and_hot(fleet: Fleet, tmp_pa
     assert main(argv) == 0
     out = tmp_path / "out"
     with open(out / "compare.csv") as handle:
-        compare = {row["setup"]: row for row in csv.DictReader(handle)}
-    assert {"dpserve", "dpserve-blind"} <= set(compare)
-    assert int(compare["dpserve"]["requests"]) == 40 and int(compare["dpserve"]["failed"]) == 0, compare["dpserve"]
-    for setup in ("dpserve", "dpserve-blind"):
-        assert float(compare[setup]["loads"]) > 0 and float(compare[setup]["ttft_p99_ms"]) > 0
-    if "vllm-router" in compare:
-        assert compare["vllm-router"]["loads"] == "n/a"
+        compare = {(row["setup"], int(row["run"])): row for row in csv.DictReader(handle)}
+    setups = {setup for setup, _ in compare}
+    assert {"dpserve", "dpserve-blind"} <= setups
+    assert set(compare) == {(setup, run) for setup in setups for run in (0, 1, -1)}
+    for run in (0, 1):
+        ours = compare["dpserve", run]
+        assert int(ours["requests"]) == 40 and int(ours["failed"]) == 0, ours
+        for setup in ("dpserve", "dpserve-blind"):
+            assert float(compare[setup, run]["loads"]) > 0 and float(compare[setup, run]["ttft_p99_ms"]) > 0
+    # The medians' row: the rounds' requests summed, each figure between the rounds' own.
+    median = compare["dpserve", -1]
+    assert int(median["requests"]) == 80 and int(median["failed"]) == 0, median
+    p99s = sorted(float(compare["dpserve", run]["ttft_p99_ms"]) for run in (0, 1))
+    assert p99s[0] <= float(median["ttft_p99_ms"]) <= p99s[1]
+    if "vllm-router" in setups:
+        assert compare["vllm-router", -1]["loads"] == "n/a"
     with open(out / "hot.csv") as handle:
-        (hot,) = list(csv.DictReader(handle))
-    assert int(hot["requests"]) == 40 and int(hot["failed"]) == 0, hot
-    assert hot["hot_loaded_on"]
+        hot = {int(row["run"]): row for row in csv.DictReader(handle)}
+    assert set(hot) == {0, 1, -1}
+    for run in (0, 1):
+        assert int(hot[run]["requests"]) == 40 and int(hot[run]["failed"]) == 0, hot[run]
+        assert hot[run]["hot_loaded_on"]
+    assert int(hot[-1]["requests"]) == 80
     report = (out / "lora.md").read_text()
-    assert "loads per 100 requests" in report and "hot tiny-lora-0" in report
+    assert "loads per 100 requests" in report and "hot tiny-lora-0" in report and "2 rounds of 40 requests" in report
     for url in fleet.replica_urls:  # nothing left behind for the other tests
         cards = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
         assert [card["id"] for card in cards if card.get("parent")] == []
