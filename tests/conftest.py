@@ -15,8 +15,14 @@ from dpserve.up.launcher import busy_ports
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Tests that kill or stop the shared replicas run after everything that needs them healthy.
-    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+    # Tests that kill or stop the shared replicas run after everything that needs them healthy; the one
+    # that stops the whole fleet runs last of all.
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("disruptive") is not None,
+            item.get_closest_marker("stops_fleet") is not None,
+        )
+    )
 
 
 def free_port() -> int:

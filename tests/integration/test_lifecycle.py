@@ -130,6 +130,7 @@ def test_killed_replica_fails_no_request_and_is_restarted_and_readmitted(fleet: 
     assert "r0 exited" in fleet.log_tail(20000) and "r0 is back" in fleet.log_tail(20000)
 
 
+@pytest.mark.stops_fleet
 def test_sigterm_stops_the_router_and_every_replica(fleet: Fleet) -> None:
     launcher = psutil.Process(fleet.process.pid)
     family = launcher.children(recursive=True)
