@@ -131,7 +131,12 @@ class ReplicaRegistry:
         their /v1/models. `assumed_max_loras`: a replica's adapter slots until it reports its own."""
         self._adapter_folder = adapter_folder
         self.adapter_paths: dict[str, str] = adapter_folder.read() if adapter_folder is not None else {}
+        """Every adapter's path: configured, or learned from a replica's card (its `root`)."""
         self.adapter_paths.update(adapters or {})
+        self._configured_adapters = set(self.adapter_paths)
+        """Served whether or not a replica has them now; a learned one only while a replica lists it (an
+        adapter someone unloads everywhere is gone, not loaded back by the router)."""
+        self._adapter_names: frozenset[str] | None = None
         """Every adapter the router can load: configured, or seen on a replica (its card's `root`)."""
         self._adapter_parents: dict[str, str] = {}
         self._assumed_max_loras = assumed_max_loras
@@ -240,7 +245,7 @@ class ReplicaRegistry:
 
     def only_model(self) -> str | None:
         """The one base model routable replicas serve, when there is exactly one (adapters aside)."""
-        served = [name for name in self._served_models() if name not in self.adapter_paths]
+        served = [name for name in self._served_models() if not self.is_adapter(name)]
         return served[0] if len(served) == 1 else None
 
     def _served_models(self) -> list[str]:
@@ -253,7 +258,7 @@ class ReplicaRegistry:
         """Replicas routing may use for `model`, in id order (cached until routability changes)."""
         view = self._views.get(model)
         if view is None:
-            if model in self.adapter_paths:
+            if self.is_adapter(model):
                 # Any replica with LoRA on can load it (`policies/adapters.py` chooses where).
                 parent = self._adapter_parents.get(model)
                 view = tuple(
@@ -268,15 +273,23 @@ class ReplicaRegistry:
 
     def find_new_adapters(self) -> bool:
         """Reads the adapter folder again (`--lora-dir`) for adapters added since; True if any was."""
-        found = self._adapter_folder.reread() if self._adapter_folder is not None else None
-        new = {name: path for name, path in (found or {}).items() if name not in self.adapter_paths}
-        if new:
+        folder = self._adapter_folder
+        found = folder.reread() if folder is not None else None
+        new = {name: path for name, path in (found or {}).items() if name not in self._configured_adapters}
+        if new and folder is not None:
             self.adapter_paths.update(new)
+            self._configured_adapters.update(new)
             self._reshaped()
-            log.info(
-                "new adapters in %s: %s", self._adapter_folder.path if self._adapter_folder else "", ", ".join(new)
-            )
+            log.info("new adapters in %s: %s", folder.path, ", ".join(new))
         return bool(new)
+
+    def is_adapter(self, model: str) -> bool:
+        """Whether `model` names a LoRA adapter the router serves (cheap: read on every request)."""
+        names = self._adapter_names
+        if names is None:
+            listed = {name for r in self._replicas.values() for name in adapter_cards(r.model_cards)}
+            names = self._adapter_names = frozenset(self._configured_adapters | listed)
+        return model in names
 
     def adapter_slots_of(self, replica: Replica) -> AdapterSlots:
         return replica.lora.slots(self.adapter_slots)
@@ -311,6 +324,7 @@ class ReplicaRegistry:
         self._views.clear()
         self._view_ids.clear()
         self._served = None
+        self._adapter_names = None
 
     def known_models(self) -> list[str]:
         """Models any replica has ever reported, healthy now or not."""
@@ -328,7 +342,8 @@ class ReplicaRegistry:
                 cards.setdefault(str(card["id"]), card)
         if lora_on or not healthy_only:
             bases = [name for name, card in cards.items() if not card.get("parent")]
-            for name, path in self.adapter_paths.items():
+            for name in self._configured_adapters:
+                path = self.adapter_paths[name]
                 if name not in cards:
                     parent = self._adapter_parents.get(name) or (bases[0] if len(bases) == 1 else None)
                     cards[name] = adapter_card(name, path, parent, cards.get(parent or ""))

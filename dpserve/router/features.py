@@ -55,7 +55,7 @@ class FeatureBuilder:
         """Load-only endpoints (embeddings, tokenize, ...) get no prompt features."""
         prompt = endpoint.prompt
         if not self._needs or prompt is None:
-            adapter = model if model in self._registry.adapter_paths else None
+            adapter = model if self._registry.is_adapter(model) else None
             return RequestFeatures(endpoint.name, model, stream, adapter=adapter)
         if prompt is Prompt.RESPONSE:
             payload = response_as_chat(payload)
@@ -68,7 +68,7 @@ class FeatureBuilder:
             session_key = headers.get(SESSION_HEADER) or _user(payload)
             if session_key and self._bindings is not None:
                 bound = self._bindings.get(session_key)
-        adapter = model if model in self._registry.adapter_paths else None
+        adapter = model if self._registry.is_adapter(model) else None
         if Need.KV_PREFIX in self._needs:
             prefix = await self._kv_prefix(shape, model, payload, adapter)
         elif Need.TEXT_PREFIX in self._needs:

@@ -111,3 +111,19 @@ def test_the_adapter_folder_is_every_subfolder_read_again_for_an_unknown_model(t
     now[0] = 3.0
     assert not registry.find_new_adapters()
     assert AdapterFolder(str(folder / "missing")).read() == {}
+
+
+def test_a_learned_adapter_is_served_while_a_replica_lists_it_and_a_configured_one_always() -> None:
+    registry = ReplicaRegistry(["http://a:1", "http://b:1"], adapters={"x": "/adapters/x"}, assumed_max_loras=2)
+    for replica in registry:
+        registry.probe_succeeded(replica.id)
+        registry.probe_succeeded(replica.id)
+    registry.set_model_cards("r0", (BASE, card("y")))
+    registry.set_model_cards("r1", (BASE,))
+    assert registry.is_adapter("y") and registry.is_adapter("x") and not registry.is_adapter("dpserve-tiny")
+    assert [r.id for r in registry.routable("y")] == ["r0", "r1"]  # r1 may load it: its path is known
+    # Unloaded everywhere (an admin retiring it): no longer served or listed, not loaded back.
+    registry.set_model_cards("r0", (BASE,))
+    assert not registry.is_adapter("y") and registry.routable("y") == ()
+    assert list(registry.model_cards(healthy_only=True)) == ["dpserve-tiny", "x"]
+    assert registry.is_adapter("x")
