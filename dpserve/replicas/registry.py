@@ -137,7 +137,8 @@ class ReplicaRegistry:
         """Served whether or not a replica has them now; a learned one only while a replica lists it (an
         adapter someone unloads everywhere is gone, not loaded back by the router)."""
         self._adapter_names: frozenset[str] | None = None
-        """Every adapter the router can load: configured, or seen on a replica (its card's `root`)."""
+        """The adapters served now: configured, or listed by a replica (`is_adapter`; cached until
+        `_reshaped`)."""
         self._adapter_parents: dict[str, str] = {}
         self._assumed_max_loras = assumed_max_loras
         self.adapter_slots = adapter_slots
@@ -299,8 +300,7 @@ class ReplicaRegistry:
         parent = self._adapter_parents.get(adapter)
         if parent is not None:
             return parent
-        bases = [name for name, card in self.model_cards(healthy_only=True).items() if not card.get("parent")]
-        return bases[0] if len(bases) == 1 else None
+        return self.only_model()
 
     def routable_ids(self, model: str) -> tuple[str, ...]:
         """The ids of `routable(model)`, sorted; the same tuple object until routability changes."""

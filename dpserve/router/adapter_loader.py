@@ -124,7 +124,6 @@ class AdapterLoader:
             raise
         finally:
             lora.loading.discard(adapter)
-        lora.last_used[adapter] = time.monotonic()
         self._metrics.adapter_loads.labels(replica.id, "ok").inc()
         self._metrics.adapter_load_seconds.observe(seconds)
         log.info("loaded adapter %s on replica %s in %.0f ms", adapter, replica.id, seconds * 1000)

@@ -285,17 +285,17 @@ class Dispatcher:
         registry.hold_adapter(replica_id, adapter)  # before any await: not an idle adapter to unload
         handed_over = False
         try:
-            for reloaded in (False, True):
-                if loader is not None:
-                    await loader.ready(replica_id, adapter)
+            if loader is not None:
+                await loader.ready(replica_id, adapter)
+            outcome = await self._attempt(replica_id, features, request, started, adapter)
+            # 404 for an adapter it was thought to hold: the replica restarted, or someone unloaded it.
+            # Loaded again there, and tried once more.
+            if outcome.status == 404 and loader is not None and not isinstance(outcome, Streaming):
+                loader.forget(replica_id, adapter)
+                await loader.ready(replica_id, adapter)
                 outcome = await self._attempt(replica_id, features, request, started, adapter)
-                handed_over = isinstance(outcome, Streaming)
-                # 404 for an adapter it was thought to hold: the replica restarted, or someone unloaded it.
-                if outcome.status == 404 and loader is not None and not reloaded and not handed_over:
-                    loader.forget(replica_id, adapter)
-                    continue
-                return outcome
-            raise AssertionError("unreachable")
+            handed_over = isinstance(outcome, Streaming)
+            return outcome
         finally:
             if not handed_over:
                 registry.release_adapter(replica_id, adapter)
