@@ -123,6 +123,13 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         help="share of each replica's slots batch requests leave to more urgent ones (0.1)",
     )
     parser.add_argument(
+        "--engine-queue",
+        type=int,
+        dest="engine_queue",
+        help="requests per replica past its capacity that may wait in the engine while one tenant alone "
+        "fills the router's queue, so freed slots fill without the router's round trip (1; 0: none)",
+    )
+    parser.add_argument(
         "--vllm-priority",
         action="store_true",
         default=None,

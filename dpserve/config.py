@@ -128,6 +128,9 @@ class RouterSettings:
     them by priority, then fair share between tenants; off: first come, first served."""
     batch_reserve: float = 0.1
     """The share of each replica's slots that `batch` requests leave free for more urgent ones."""
+    engine_queue: int = 1
+    """Requests per replica past its capacity that flow control lets wait in the engine while one tenant
+    alone fills the router's queue, so a slot that frees is filled without the router's round trip."""
     tenants: tuple[str, ...] = ()
     """Tenants' rules: `NAME:weight=2,priority=batch,max-priority=standard,rpm=60,tpm=100000,concurrent=8`
     (`*` for every tenant without its own; `router/tenants.py`)."""

@@ -4,7 +4,14 @@ with flow control, the capacity each replica showed in its own metrics (`replica
 its whole load (peers' and other clients' requests included). Past them requests wait, released in fair
 order (`fair_queue.py`: priority classes, then tenants by tokens served), or, without flow control, in
 arrival order. A full queue or a wait past the timeout is refused with 429 and `Retry-After`; with a
-full queue a `batch` request is shed to make room for a more urgent one."""
+full queue a `batch` request is shed to make room for a more urgent one.
+
+A slot that frees on a replica stays empty for the router's round trip (the answer's end reaching the
+router, the next request reaching the engine) unless a request already waits in the engine. So while
+every request in the router's queue is one tenant's, of one class, the first of them may go past the
+capacity by `engine_queue` per replica, and the next slot that frees is filled at once. Another tenant's
+request, or a more urgent one, never goes past the capacity: it takes the next free slot, behind at most
+those few."""
 
 from __future__ import annotations
 
@@ -67,15 +74,20 @@ class Admission:
         *,
         flow_control: bool = False,
         batch_reserve: float = 0.1,
+        engine_queue: int = 1,
     ) -> None:
         """`limit_per_replica` 0: no fixed limit. `flow_control`: hold requests past each replica's learned
         capacity and release them in fair order; `batch_reserve`: the share of a replica's slots `batch`
-        requests leave to the others."""
+        requests leave to the others; `engine_queue`: requests per replica past its capacity that the one tenant
+        filling the queue may keep waiting in the engine."""
         self.limit = limit_per_replica
         self.queue_size = queue_size
         self.timeout_s = timeout_s
         self.flow_control = flow_control
         self.batch_reserve = batch_reserve
+        self.engine_queue = engine_queue
+        self._spare = 0
+        # `engine_queue` while the first waiter, alone in the queue with its own tenant's, looks for room.
         self.holds = limit_per_replica > 0 or flow_control
         """False: every request goes straight on, nothing ever waits."""
         self._clock = clock
@@ -108,7 +120,7 @@ class Admission:
             # a batch answer to end.
             confirmed = replica.confirmed_capacity or capacity
             return replica.load < confirmed - min(confirmed - 1, math.ceil(confirmed * self.batch_reserve))
-        return replica.load < capacity
+        return replica.load < capacity + self._spare
 
     async def wait_for_room(
         self,
@@ -163,7 +175,7 @@ class Admission:
                         self.timeout_s / 4,
                     )
                 # Only the one that goes first may take a slot.
-                if queue.peek() is waiter and has_room():
+                if queue.peek() is waiter and self._room_for_first(has_room, priority, tenant):
                     if cost:
                         queue.charge(tenant, cost, weight)
                     return self._clock() - started
@@ -176,6 +188,16 @@ class Admission:
             queue.remove(waiter)
             # The next in line may find room too (several slots freed at once, or this one gave up).
             self.notify()
+
+    def _room_for_first(self, has_room: Callable[[], bool], priority: int, tenant: str) -> bool:
+        """`has_room()` for the first waiter, counting the engine's queue when only its tenant waits."""
+        if not (self.flow_control and self.engine_queue and self._queue.only(priority, tenant)):
+            return has_room()
+        self._spare = self.engine_queue
+        try:
+            return has_room()
+        finally:
+            self._spare = 0
 
     def settle(self, tenant: str, tokens: float, weight: float = 1.0) -> None:
         """Corrects the tokens charged to a tenant on admission by what its answer really took."""

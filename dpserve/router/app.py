@@ -134,11 +134,14 @@ def admission_for(settings: RouterSettings) -> Admission:
         settings.queue_timeout_s,
         flow_control=settings.flow_control,
         batch_reserve=settings.batch_reserve,
+        engine_queue=settings.engine_queue,
     )
 
 
 def flow_for(settings: RouterSettings, keys: Keys, admission: Admission) -> Flow:
     """Tenants from the named keys and `--tenant` rules; quotas and usage books; the admission queue."""
+    if settings.engine_queue < 0:
+        raise ValueError(f"--engine-queue {settings.engine_queue}: 0 or more requests per replica")
     if not 0 <= settings.batch_reserve < 1:
         raise ValueError(f"--batch-reserve {settings.batch_reserve:g}: a share from 0 up to (not including) 1")
     tenants = Tenants.from_specs(settings.tenants, keys.user_names, open_access=not keys.enabled)

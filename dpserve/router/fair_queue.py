@@ -103,6 +103,15 @@ class FairQueue(Generic[T]):
                 return False
         return True
 
+    def only(self, priority: int, tenant: str) -> bool:
+        """Whether everything waiting is this tenant's, of this class."""
+        priority = min(max(priority, 0), len(self._classes) - 1)
+        waiting = self._waiting_per_tenant
+        if len(waiting) != 1 or tenant not in waiting:
+            return False
+        backlog = self._classes[priority].get(tenant)
+        return backlog is not None and len(backlog.items) == waiting[tenant]
+
     def newest_of_lowest_class(self, below: int) -> T | None:
         """The most recent waiter of the least urgent class less urgent than `below`: the one to shed."""
         for index in range(len(self._classes) - 1, below, -1):

@@ -78,20 +78,24 @@ class Flow:
         if flow.ended:
             return
         flow.ended = True
-        name = flow.tenant.name
-        tokens = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
-        if flow.tenant.rules.quota.limited:
-            self.quotas.finish(name, tokens)
-        charged = flow.ticket.charged
+        tenant, ticket = flow.tenant, flow.ticket
+        name, rules = tenant.name, tenant.rules
+        if usage is None:
+            prompt = cached = completion = 0
+        else:
+            prompt, cached, completion = usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+        if rules.quota.limited:
+            self.quotas.finish(name, prompt + completion)
+        charged = ticket.charged
         if charged:  # admitted: it was charged its guess, now corrected by what it took
-            self._admission.settle(name, tokens - charged, flow.tenant.rules.weight)
+            self._admission.settle(name, prompt + completion - charged, rules.weight)
         self.usage.record(
             name,
             error=status >= 400,
-            prompt_tokens=usage.prompt_tokens if usage is not None else 0,
-            cached_tokens=usage.cached_tokens if usage is not None else 0,
-            completion_tokens=usage.completion_tokens if usage is not None else 0,
-            queue_s=flow.ticket.queue_s,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            completion_tokens=completion,
+            queue_s=ticket.queue_s,
         )
 
     def status(self) -> dict[str, Any]:
@@ -120,7 +124,7 @@ def prompt_tokens_guess(features: RequestFeatures, body_bytes: int) -> int:
 
 def completion_tokens_guess(payload: Mapping[str, Any]) -> int:
     asked = payload.get("max_completion_tokens") or payload.get("max_tokens") or payload.get("max_output_tokens")
-    if isinstance(asked, int) and not isinstance(asked, bool) and 0 < asked < EXPECTED_COMPLETION_TOKENS:
+    if type(asked) is int and 0 < asked < EXPECTED_COMPLETION_TOKENS:  # not bool, which is not int itself
         return asked
     return EXPECTED_COMPLETION_TOKENS
 

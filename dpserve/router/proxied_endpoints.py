@@ -58,7 +58,14 @@ from dpserve.router.request_body import (
 from dpserve.router.stored_responses import ResponseOwners, id_of_answer, id_of_stream
 from dpserve.router.tenants import CALLER_SCOPE_KEY, PRIORITY_HEADER, TENANT_HEADER, Priority, Tenant
 from dpserve.router.upstream_client import InvalidHeader, check_header
-from dpserve.router.usage_stream import Usage, UsageTap, ask_for_usage, usage_of_answer
+from dpserve.router.usage_stream import (
+    FINISHED_KEY,
+    USAGE_KEY,
+    Usage,
+    UsageTap,
+    ask_for_usage,
+    usage_of_answer,
+)
 
 log = logging.getLogger("dpserve.router")
 
@@ -179,9 +186,29 @@ class _Exchange:
             except ClientGone:
                 self._count_client_gone("none")
                 return
+            # From here on a client that leaves cancels this task, so the replica's request is dropped
+            # (and aborted there) instead of computed for no one. (One frame, not a helper coroutine: every
+            # chunk of a stream resumes through each frame of this await chain.)
+            watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
             try:
-                await self._serve(prepared)
+                outcome = await self._dispatch(prepared)
+                if isinstance(outcome, Buffered):
+                    await self._answer(outcome)
+                else:
+                    await self._relay(outcome, prepared.strip_usage)
+            except OpenAIError as err:
+                self._count_refusal(err)
+                self.answered = True
+                await _send_error(self.send, err, self.request_id)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not self.client_gone or task is None:
+                    raise
+                task.uncancel()
+                if not self.response_started:
+                    self._count_client_gone("none")
             finally:
+                watcher.cancel()
                 self.state.flow.end(self.flow_pass, self.status, self.usage)
         except Exception:
             # Logged here with its trace; the client gets no internals.
@@ -192,30 +219,6 @@ class _Exchange:
                 )
             else:
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _serve(self, prepared: _Prepared) -> None:
-        # From here on a client that leaves cancels this task, so the replica's request is dropped
-        # (and aborted there) instead of computed for no one.
-        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
-        try:
-            outcome = await self._dispatch(prepared)
-            if isinstance(outcome, Buffered):
-                await self._answer(outcome)
-            else:
-                await self._relay(outcome, prepared.strip_usage)
-        except OpenAIError as err:
-            self._count_refusal(err)
-            self.answered = True
-            await _send_error(self.send, err, self.request_id)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not self.client_gone or task is None:
-                raise
-            task.uncancel()
-            if not self.response_started:
-                self._count_client_gone("none")
-        finally:
-            watcher.cancel()
 
     async def _prepare(self) -> _Prepared:
         """Reads and checks the request; OpenAIError (4xx) for anything the router will not send on."""
@@ -366,13 +369,16 @@ class _Exchange:
             send = self.send
             await send({"type": "http.response.start", "status": stream.status, "headers": headers})
             first = self.endpoint is RESPONSES
+            strips = tap.strips
             async for chunk in stream:
                 if first:
                     first = False
                     self._learn_owner(id_of_stream(chunk), stream.replica_id)
-                chunk = tap.feed(chunk)
-                if not chunk:
-                    continue
+                # Only the stream's end needs the tap: the test is inlined, since it runs for every chunk.
+                if tap.held or USAGE_KEY in chunk or (strips and FINISHED_KEY in chunk):
+                    chunk = tap.feed(chunk)
+                    if not chunk:
+                        continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 done = chunk.endswith(SSE_DONE)
             held = tap.flush()  # a last event held back to see whether a usage chunk followed it

@@ -18,7 +18,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CONCURRENT_RETRY_S = 1.0
 """Retry-After for a tenant at its in-flight limit: a guess, since a slot frees when some answer ends."""
@@ -33,11 +33,12 @@ class Quota:
     """Prompt + completion tokens, counted when the answer's usage arrives."""
     concurrent: int = 0
     """Requests in flight at once."""
+    limited: bool = field(init=False, compare=False, repr=False)
+    """Whether any limit is set (an unlimited tenant need not be checked at all); read twice per request,
+    so worked out once."""
 
-    @property
-    def limited(self) -> bool:
-        """Whether any limit is set (an unlimited tenant need not be checked at all)."""
-        return self.requests_per_min > 0 or self.tokens_per_min > 0 or self.concurrent > 0
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "limited", self.requests_per_min > 0 or self.tokens_per_min > 0 or self.concurrent > 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,24 +87,30 @@ class UsageBook:
         completion_tokens: int = 0,
         queue_s: float = 0.0,
     ) -> None:
-        """One answered request (or refusal, or broken stream: `error`)."""
-        counts = UsageCounts(
-            requests=1,
-            errors=1 if error else 0,
-            prompt_tokens=max(0, prompt_tokens),
-            cached_tokens=max(0, cached_tokens),
-            completion_tokens=max(0, completion_tokens),
-            queue_s=max(0.0, queue_s),
-        )
-        usage = self._tenant(tenant)
-        usage.total.add(counts)
+        """One answered request (or refusal, or broken stream: `error`). Runs once per request: the counts
+        are added in place to the total and to the current minute (negative inputs count as 0)."""
+        usage = self._tenants.get(tenant) or self._tenant(tenant)
         minute = int(self._clock() // 60) * 60
-        self._expire(usage, minute)
+        minutes = usage.minutes
         # A wall clock that stepped back adds to the newest minute rather than reordering the ring.
-        if usage.minutes and usage.minutes[-1][0] >= minute:
-            usage.minutes[-1][1].add(counts)
+        if minutes and minutes[-1][0] >= minute:
+            current = minutes[-1][1]
         else:
-            usage.minutes.append((minute, counts))
+            self._expire(usage, minute)
+            current = UsageCounts()
+            minutes.append((minute, current))
+        errors = 1 if error else 0
+        prompt_tokens = prompt_tokens if prompt_tokens > 0 else 0
+        cached_tokens = cached_tokens if cached_tokens > 0 else 0
+        completion_tokens = completion_tokens if completion_tokens > 0 else 0
+        queue_s = queue_s if queue_s > 0 else 0.0
+        for counts in (usage.total, current):
+            counts.requests += 1
+            counts.errors += errors
+            counts.prompt_tokens += prompt_tokens
+            counts.cached_tokens += cached_tokens
+            counts.completion_tokens += completion_tokens
+            counts.queue_s += queue_s
 
     def label(self, tenant: str) -> str:
         """The tenant's metrics label: its name if allow-listed, else "other"."""

@@ -44,37 +44,33 @@ class Usage:
     """usage.prompt_tokens_details.cached_tokens (input_tokens_details for the responses API); 0 when absent."""
 
 
-def _count(value: Any) -> int | None:
-    """A token count: a non-negative int (JSON's true/false are not counts)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
-
-
 def usage_of(obj: Any) -> Usage | None:
     """The `usage` object of an answer or chunk, in the chat/completions shape (prompt_tokens,
     completion_tokens, prompt_tokens_details.cached_tokens) or the responses API's (input_tokens,
-    output_tokens, input_tokens_details.cached_tokens). None when missing or malformed; never raises."""
-    if not isinstance(obj, dict):
+    output_tokens, input_tokens_details.cached_tokens). None when missing or malformed; never raises.
+    Read once per answer: plain lookups and type checks, no helper calls on the common path."""
+    if type(obj) is not dict:
         return None
-    if "prompt_tokens" in obj:
-        prefix, output = "prompt", "completion"
+    prompt = obj.get("prompt_tokens")
+    if prompt is not None:
+        completion, details = obj.get("completion_tokens"), obj.get("prompt_tokens_details")
     elif "input_tokens" in obj:
-        prefix, output = "input", "output"
+        prompt, completion, details = obj["input_tokens"], obj.get("output_tokens"), obj.get("input_tokens_details")
     else:
         return None
-    prompt, completion = obj[f"{prefix}_tokens"], obj.get(f"{output}_tokens")
-    details = obj.get(f"{prefix}_tokens_details")
-    prompt_tokens = _count(prompt)
+    if type(prompt) is not int or prompt < 0:
+        return None
     # vLLM's UsageInfo allows a null completion_tokens (and the pooling endpoints generate nothing).
-    completion_tokens = 0 if completion is None else _count(completion)
-    if prompt_tokens is None or completion_tokens is None:
+    if completion is None:
+        completion = 0
+    elif type(completion) is not int or completion < 0:
         return None
-    cached: Any = details.get("cached_tokens") if isinstance(details, dict) else None
-    cached_tokens = 0 if cached is None else _count(cached)
-    if cached_tokens is None:
+    cached = details.get("cached_tokens") if type(details) is dict else None
+    if cached is None:
+        cached = 0
+    elif type(cached) is not int or cached < 0:
         return None
-    return Usage(prompt_tokens, completion_tokens, cached_tokens)
+    return Usage(prompt, completion, cached)
 
 
 def usage_of_answer(body: bytes) -> Usage | None:
@@ -168,14 +164,20 @@ class UsageTap:
     choice that finished while another still generated keeps its place but not its fingerprint. At the
     end of a stream that broke off, call `flush` for whatever is still held.
 
-    Only events that contain `"usage":{` are parsed, or with `strip` ones that end a choice."""
+    Only events that contain `"usage":{` are parsed, or with `strip` ones that end a choice. `feed` returns
+    any other chunk as it is while nothing is `held`: a relay may skip the call for such chunks (`passes`
+    says which, in the relay's own loop, without a call per chunk)."""
 
-    __slots__ = ("_held", "_strip", "usage")
+    __slots__ = ("_strip", "held", "usage")
 
     def __init__(self, strip: bool) -> None:
         self._strip = strip
-        self._held: list[bytes] = []
+        self.held: list[bytes] = []
         self.usage: Usage | None = None
+
+    @property
+    def strips(self) -> bool:
+        return self._strip
 
     def feed(self, chunk: bytes) -> bytes:
         if not self._strip:
@@ -184,10 +186,10 @@ class UsageTap:
                     if USAGE_KEY in event:
                         self._read(_data(event))
             return chunk
-        if not self._held and USAGE_KEY not in chunk and FINISHED_KEY not in chunk:
+        if not self.held and USAGE_KEY not in chunk and FINISHED_KEY not in chunk:
             return chunk
         out: list[bytes] = []
-        if not self._held:
+        if not self.held:
             # Only the stream's end needs a look: the events before the first that ends a choice or carries
             # usage pass as they are (a replica that outruns the relay sends many events in one read).
             first = _first_of(chunk, USAGE_KEY, FINISHED_KEY)
@@ -204,8 +206,8 @@ class UsageTap:
 
     def flush(self) -> bytes:
         """The chunks still held back, as they came (the stream ended before its usage chunk)."""
-        held = b"".join(self._held)
-        self._held.clear()
+        held = b"".join(self.held)
+        self.held.clear()
         return held
 
     def _read(self, parsed: Any) -> None:
@@ -225,10 +227,10 @@ class UsageTap:
                 fingerprint = parsed.get("system_fingerprint")
                 if isinstance(fingerprint, str):
                     value = orjson.dumps(fingerprint)
-                    out.extend(_with_fingerprint(held, value) for held in self._held)
+                    out.extend(_with_fingerprint(held, value) for held in self.held)
                 else:
-                    out.extend(self._held)
-                self._held.clear()
+                    out.extend(self.held)
+                self.held.clear()
                 return
         elif (
             FINISHED_KEY in event
@@ -236,8 +238,8 @@ class UsageTap:
             and event.startswith(b"data: {")
             and event.endswith(b"}" + EVENT_END)
         ):
-            self._held.append(event)
+            self.held.append(event)
             return
-        out.extend(self._held)
-        self._held.clear()
+        out.extend(self.held)
+        self.held.clear()
         out.append(event)

@@ -301,6 +301,7 @@ _ROUTER_VALUE_FLAGS = (
     ("--peer-timeout", "peer_timeout_s"),
     ("--warm-start-timeout", "warm_start_timeout_s"),
     ("--batch-reserve", "batch_reserve"),
+    ("--engine-queue", "engine_queue"),
 )
 _ROUTER_LIST_FLAGS = (
     ("--gpu-throttle-reasons", "gpu_throttle_reasons"),
