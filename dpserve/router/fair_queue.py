@@ -81,12 +81,13 @@ class FairQueue(Generic[T]):
 
     def peek(self) -> T | None:
         """The next to release: the most urgent class with a waiter, its tenant with the lowest counter
-        (ties: the longest waiting head), that tenant's oldest request."""
+        (ties: the shorter backlog, then the longest waiting head), that tenant's oldest request."""
         for backlogs in self._classes:
             if backlogs:
-                # Ties go to the tenant that began waiting first: dicts keep insertion order and min() keeps
-                # the first of equals.
-                tenant = min(backlogs, key=self.counter)
+                # A tenant that joins is raised to the lowest waiting counter, so it often ties with a heavy
+                # tenant's backlog: the light one goes first. Then the tenant that began waiting first: dicts
+                # keep insertion order and min() keeps the first of equals.
+                tenant = min(backlogs, key=lambda name: (self.counter(name), len(backlogs[name].items)))
                 return backlogs[tenant].items[0]
         return None
 
@@ -98,7 +99,8 @@ class FairQueue(Generic[T]):
                 if tenant in backlogs:
                     return False  # behind its own tenant's earlier requests
                 mine = max(self.counter(tenant), self._reference()) if tenant not in self._waiting_per_tenant else 0
-                return all(mine < self.counter(other) for other in backlogs)
+                # As `peek` would order it once pushed: by counter, then backlog (its own would be 1).
+                return all((mine, 1) < (self.counter(other), len(backlogs[other].items)) for other in backlogs)
             if backlogs:
                 return False
         return True

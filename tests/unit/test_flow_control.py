@@ -4,6 +4,7 @@ admission queue's classes and shedding, the body fields the router adds. No sock
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import orjson
 import pytest
@@ -100,6 +101,17 @@ def test_an_idle_tenant_cannot_bank_credit() -> None:
     order = [item[0] for item in drain(queue, {"A": 100, "B": 100})[:10]]
     # Raised to A's counter on joining, B alternates with A instead of taking all 10 slots first.
     assert 3 <= order.count("B") <= 7
+
+
+def test_a_light_tenant_that_ties_with_a_heavy_backlog_goes_first() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for n in range(3):
+        queue.push(f"A-{n}", STANDARD, "A")
+    queue.push("B-0", STANDARD, "B")  # joins at A's counter: a tie, and B's backlog is the shorter
+    assert queue.counter("A") == queue.counter("B") and queue.peek() == "B-0"
+    assert queue.goes_first(STANDARD, "C") is False  # a third ties with B's backlog of one: B began first
+    queue.remove("B-0")
+    assert queue.goes_first(STANDARD, "C") and queue.peek() == "A-0"
 
 
 def test_a_newcomer_goes_first_only_when_nothing_waiting_ranks_before_it() -> None:
@@ -277,6 +289,51 @@ async def test_held_requests_go_by_class_then_fair_share() -> None:
         await asyncio.sleep(0.005)
     await asyncio.gather(*tasks)
     assert order[0] == "C0" and order.index("B0") <= 2 and order[-1] == "Z0"
+
+
+async def test_one_tenant_alone_keeps_a_request_waiting_in_the_engine_but_not_while_another_tenant_waits() -> None:
+    admission = Admission(0, 64, 5.0, flow_control=True, engine_queue=1)
+    fleet = [ReplicaSnapshot("r0", in_flight=4, capacity=4)]  # full
+
+    def has_room() -> bool:
+        return bool(admission.open(fleet))
+
+    order: list[str] = []
+
+    async def request(tenant: str) -> None:
+        await admission.wait_for_room(has_room, STANDARD, tenant, cost=10.0)
+        fleet[0] = replace(fleet[0], in_flight=fleet[0].in_flight + 1)
+        order.append(tenant)
+
+    def end_one() -> None:
+        fleet[0] = replace(fleet[0], in_flight=fleet[0].in_flight - 1)
+        admission.notify()
+
+    # A alone: one more than the capacity goes on, to wait in the engine; the next waits in the router.
+    first = asyncio.create_task(request("A"))
+    await asyncio.sleep(0.01)
+    assert first.done() and fleet[0].in_flight == 5
+    behind = asyncio.create_task(request("A"))
+    await asyncio.sleep(0.01)
+    assert not behind.done() and admission.depth == 1
+    # B comes (joining at A's counter, so behind A's older request): while both wait, nothing goes past
+    # the capacity, so B is never stuck behind more of A's requests in the engine.
+    light = asyncio.create_task(request("B"))
+    await asyncio.sleep(0.01)
+    end_one()  # the engine starts A's waiting request: still no free slot
+    await asyncio.sleep(0.01)
+    assert not light.done() and not behind.done() and fleet[0].in_flight == 4
+    end_one()  # a slot is free: A's older request; then B waits alone, first in line for the next slot
+    await asyncio.sleep(0.01)
+    assert light.done() and behind.done() and fleet[0].in_flight == 5 and order == ["A", "A", "B"]
+    # A newcomer never goes past the capacity on its own: only as the first of its tenant's waiters.
+    assert not admission.open(fleet) and admission.depth == 0
+    none = Admission(0, 64, 5.0, flow_control=True, engine_queue=0)
+    waiting = asyncio.create_task(none.wait_for_room(lambda: bool(none.open(fleet)), STANDARD, "A"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
 
 
 async def test_a_full_queue_sheds_a_batch_request_for_a_more_urgent_one() -> None:
