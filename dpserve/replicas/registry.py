@@ -442,6 +442,9 @@ class ReplicaRegistry:
         replica = self._replicas.get(replica_id)
         if replica is None:
             return
+        if outcome is Outcome.OK:  # every answered request: nothing to scan, log or time
+            replica.health.traffic_failures = 0
+            return
         if outcome not in (Outcome.OK, Outcome.CLIENT_ERROR) and reason:
             replica.last_error = reason
         if outcome is Outcome.REFUSED:

@@ -251,8 +251,9 @@ class Dispatcher:
                 if not is_last:
                     self._metrics.retries.labels(reason).inc()
                 continue
-            self._registry.observe(replica_id, classify_status(outcome.status), f"HTTP {outcome.status}")
-            if outcome.status in RETRY_STATUSES and isinstance(outcome, Buffered) and not is_last:
+            status = outcome.status
+            self._registry.observe(replica_id, classify_status(status), None if status < 300 else f"HTTP {status}")
+            if status in RETRY_STATUSES and isinstance(outcome, Buffered) and not is_last:
                 self._metrics.retries.labels(f"http_{outcome.status}").inc()
                 last_failure = outcome
                 continue
