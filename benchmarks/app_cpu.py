@@ -42,7 +42,7 @@ def free_port() -> int:
         return port
 
 
-async def measure(requests: int, stream: bool) -> tuple[float, float]:
+async def measure(requests: int, stream: bool, tokens: int = 16) -> tuple[float, float]:
     """(CPU µs, wall µs) per request of the router app in this process."""
     port = free_port()
     argv = [sys.executable, "-m", "dpserve", "sim", "--port", str(port), "--speed", "0", "--log-level", "warning"]
@@ -60,7 +60,7 @@ async def measure(requests: int, stream: bool) -> tuple[float, float]:
             replicas=(f"http://127.0.0.1:{port}",), policy="least_loaded", gpu_interval_s=0, probe_interval_s=60
         )
         app = create_app(settings)
-        body = {"model": "dpserve-tiny", "prompt": "hello", "max_tokens": 16 if stream else 4, "stream": stream}
+        body = {"model": "dpserve-tiny", "prompt": "hello", "max_tokens": tokens if stream else 4, "stream": stream}
         raw = json.dumps(body).encode()
         async with app.router.lifespan_context(app):
             for _ in range(WARMUP):
@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.app_cpu", description=__doc__)
     parser.add_argument("mode", choices=("json", "sse"))
     parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--tokens", type=int, default=16, help="sse: events per streamed answer (16)")
     args = parser.parse_args(argv)
-    cpu, wall = asyncio.run(measure(args.requests, args.mode == "sse"))
+    cpu, wall = asyncio.run(measure(args.requests, args.mode == "sse", args.tokens))
     print(f"{args.mode}: router app CPU {cpu:.1f} us/request, wall {wall:.1f} us/request ({args.requests} requests)")
     return 0
 

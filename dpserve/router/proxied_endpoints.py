@@ -58,14 +58,7 @@ from dpserve.router.request_body import (
 from dpserve.router.stored_responses import ResponseOwners, id_of_answer, id_of_stream
 from dpserve.router.tenants import CALLER_SCOPE_KEY, PRIORITY_HEADER, TENANT_HEADER, Priority, Tenant
 from dpserve.router.upstream_client import InvalidHeader, check_header
-from dpserve.router.usage_stream import (
-    FINISHED_KEY,
-    USAGE_KEY,
-    Usage,
-    UsageTap,
-    ask_for_usage,
-    usage_of_answer,
-)
+from dpserve.router.usage_stream import Usage, UsageTap, ask_for_usage, usage_of_answer
 
 log = logging.getLogger("dpserve.router")
 
@@ -369,16 +362,13 @@ class _Exchange:
             send = self.send
             await send({"type": "http.response.start", "status": stream.status, "headers": headers})
             first = self.endpoint is RESPONSES
-            strips = tap.strips
             async for chunk in stream:
                 if first:
                     first = False
                     self._learn_owner(id_of_stream(chunk), stream.replica_id)
-                # Only the stream's end needs the tap: the test is inlined, since it runs for every chunk.
-                if tap.held or USAGE_KEY in chunk or (strips and FINISHED_KEY in chunk):
-                    chunk = tap.feed(chunk)
-                    if not chunk:
-                        continue
+                chunk = tap.feed(chunk)
+                if not chunk:
+                    continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 done = chunk.endswith(SSE_DONE)
             held = tap.flush()  # a last event held back to see whether a usage chunk followed it
