@@ -86,6 +86,11 @@ class ReplicaView(Protocol):
         """Requests it was last seen to run when full (without the one being tried); 0 while not known."""
         ...
 
+    @property
+    def slow_refill(self) -> bool:
+        """Its slots were seen idle while requests were on their way to it: one waiting in its engine helps."""
+        ...
+
 
 class LoadFromCounts:
     """`load` from the router's in-flight count and the replica's scraped counts."""
@@ -127,6 +132,7 @@ class ReplicaSnapshot(LoadFromCounts):
     peer_in_flight: int = 0
     capacity: int = 0
     confirmed_capacity: int = 0
+    slow_refill: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,11 @@ class Replica(LoadFromCounts):
         return self.learned.limit
 
     @property
+    def slow_refill(self) -> bool:
+        """Its slots were seen idle while requests were on their way to it (`capacity.py`)."""
+        return self.learned.slow_refill
+
+    @property
     def confirmed_capacity(self) -> int:
         """Requests it was last seen to run when full; 0 while not known."""
         return self.learned.confirmed

@@ -7,11 +7,12 @@ arrival order. A full queue or a wait past the timeout is refused with 429 and `
 full queue a `batch` request is shed to make room for a more urgent one.
 
 A slot that frees on a replica stays empty for the router's round trip (the answer's end reaching the
-router, the next request reaching the engine) unless a request already waits in the engine. So while
-every request in the router's queue is one tenant's, of one class, the first of them may go past the
-capacity by `engine_queue` per replica, and the next slot that frees is filled at once. Another tenant's
-request, or a more urgent one, never goes past the capacity: it takes the next free slot, behind at most
-those few."""
+router, the next request reaching the engine) unless a request already waits in the engine. Where that
+was seen to idle a noticeable share of a replica's slots (`capacity.py`: a CPU replica with short
+answers; not a fast one, where it costs nothing), and while every request in the router's queue is one
+tenant's, of one class, the first of them may go past the capacity by `engine_queue`, so the next slot
+that frees there is filled at once. Another tenant's request, or a more urgent one, never goes past the
+capacity: it takes the next free slot, behind at most that one."""
 
 from __future__ import annotations
 
@@ -120,7 +121,9 @@ class Admission:
             # a batch answer to end.
             confirmed = replica.confirmed_capacity or capacity
             return replica.load < confirmed - min(confirmed - 1, math.ceil(confirmed * self.batch_reserve))
-        return replica.load < capacity + self._spare
+        if self._spare and replica.slow_refill:
+            capacity += self._spare
+        return replica.load < capacity
 
     async def wait_for_room(
         self,

@@ -579,6 +579,8 @@ def _replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
         "running": replica.running,
         "waiting": replica.waiting,
         "capacity": replica.capacity or None,
+        # Share of its slots seen idle between requests from the router; past 5% one may wait in its engine.
+        "idle_between_requests": round(replica.learned.idle, 3),
         "kv_cache_usage": replica.kv_usage,
         "prefix_cache_hit_rate": hit_rate,
         "block_size": replica.block_size,

@@ -187,6 +187,21 @@ def test_a_scrape_between_one_request_ending_and_the_next_starting_does_not_shri
 # --- tenants ------------------------------------------------------------------------------------------
 
 
+def test_slots_idle_between_requests_are_learned_where_the_router_keeps_a_replica_full() -> None:
+    capacity = learn(learn(Capacity(), 4, 3, 0.1, 4), 4, 3, 0.1, 4)
+    assert capacity.limit == 4 and not capacity.slow_refill
+    cpu = fast = capacity
+    for _ in range(10):
+        # Full as the router sees it, nothing waiting: on a CPU replica one slot in six is a request in transit.
+        cpu = learn(cpu, 3, 0, 0.1, 4) if _ % 2 else learn(cpu, 4, 0, 0.1, 4)
+        fast = learn(fast, 4, 0, 0.1, 4)
+    assert cpu.slow_refill and 0.05 < cpu.idle < 0.25 and not fast.slow_refill and fast.idle == 0
+    # While a request waits in the engine nothing idles there: the mean holds rather than falls.
+    assert learn(cpu, 4, 1, 0.1, 5).idle == cpu.idle
+    # Not full as the router sees it (nothing to send): idle slots say nothing.
+    assert learn(fast, 1, 0, 0.1, 1).idle == 0
+
+
 def test_tenant_rules_parse_and_bad_ones_say_why() -> None:
     name, rules = parse_tenant_rules("acme:weight=2,priority=batch,rpm=60,tpm=1000,concurrent=4,trusted=true")
     assert name == "acme" and rules.weight == 2 and rules.priority is Priority.BATCH and rules.trusted
@@ -293,7 +308,8 @@ async def test_held_requests_go_by_class_then_fair_share() -> None:
 
 async def test_one_tenant_alone_keeps_a_request_waiting_in_the_engine_but_not_while_another_tenant_waits() -> None:
     admission = Admission(0, 64, 5.0, flow_control=True, engine_queue=1)
-    fleet = [ReplicaSnapshot("r0", in_flight=4, capacity=4)]  # full
+    # Full, and its slots were seen idle while requests were on their way to it.
+    fleet = [ReplicaSnapshot("r0", in_flight=4, capacity=4, slow_refill=True)]
 
     def has_room() -> bool:
         return bool(admission.open(fleet))
@@ -327,13 +343,20 @@ async def test_one_tenant_alone_keeps_a_request_waiting_in_the_engine_but_not_wh
     await asyncio.sleep(0.01)
     assert light.done() and behind.done() and fleet[0].in_flight == 5 and order == ["A", "A", "B"]
     # A newcomer never goes past the capacity on its own: only as the first of its tenant's waiters.
+    fleet[0] = replace(fleet[0], in_flight=4)
     assert not admission.open(fleet) and admission.depth == 0
+    # Nor with --engine-queue 0, nor on a replica whose slots refill promptly from the router.
     none = Admission(0, 64, 5.0, flow_control=True, engine_queue=0)
-    waiting = asyncio.create_task(none.wait_for_room(lambda: bool(none.open(fleet)), STANDARD, "A"))
+    prompt = [replace(fleet[0], slow_refill=False)]
+    waiting = [
+        asyncio.create_task(none.wait_for_room(lambda: bool(none.open(fleet)), STANDARD, "A")),
+        asyncio.create_task(admission.wait_for_room(lambda: bool(admission.open(prompt)), STANDARD, "A")),
+    ]
     await asyncio.sleep(0.01)
-    assert not waiting.done()
-    waiting.cancel()
-    await asyncio.gather(waiting, return_exceptions=True)
+    assert not any(task.done() for task in waiting)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
 
 
 async def test_a_full_queue_sheds_a_batch_request_for_a_more_urgent_one() -> None:
