@@ -191,11 +191,14 @@ def test_slots_idle_between_requests_are_learned_where_the_router_keeps_a_replic
     capacity = learn(learn(Capacity(), 4, 3, 0.1, 4), 4, 3, 0.1, 4)
     assert capacity.limit == 4 and not capacity.slow_refill
     cpu = fast = capacity
-    for _ in range(10):
+    for _ in range(30):
         # Full as the router sees it, nothing waiting: on a CPU replica one slot in six is a request in transit.
         cpu = learn(cpu, 3, 0, 0.1, 4) if _ % 2 else learn(cpu, 4, 0, 0.1, 4)
         fast = learn(fast, 4, 0, 0.1, 4)
     assert cpu.slow_refill and 0.05 < cpu.idle < 0.25 and not fast.slow_refill and fast.idle == 0
+    # One scrape that catches a request in transit on an otherwise prompt replica is not enough.
+    caught = learn(fast, fast.limit - 1, 0, 0.1, fast.limit)
+    assert 0 < caught.idle and not caught.slow_refill
     # While a request waits in the engine nothing idles there: the mean holds rather than falls.
     assert learn(cpu, 4, 1, 0.1, 5).idle == cpu.idle
     # Not full as the router sees it (nothing to send): idle slots say nothing.
