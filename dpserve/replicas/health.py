@@ -93,10 +93,14 @@ class HealthTracker:
             return self._eject(state, now)
         return False
 
+    def succeeded(self, state: HealthState) -> None:
+        """A request answered: the run of traffic failures is over."""
+        state.traffic_failures = 0
+
     def observed(self, state: HealthState, outcome: Outcome, now: float, last_standing: bool = False) -> bool:
         """`last_standing`: no other replica is in routing."""
         if outcome is Outcome.OK:
-            state.traffic_failures = 0
+            self.succeeded(state)
             return False
         if outcome is Outcome.CLIENT_ERROR:
             return False

@@ -448,9 +448,9 @@ class ReplicaRegistry:
         if replica is None:
             return
         if outcome is Outcome.OK:  # every answered request: nothing to scan, log or time
-            replica.health.traffic_failures = 0
+            self._tracker.succeeded(replica.health)
             return
-        if outcome not in (Outcome.OK, Outcome.CLIENT_ERROR) and reason:
+        if outcome is not Outcome.CLIENT_ERROR and reason:
             replica.last_error = reason
         if outcome is Outcome.REFUSED:
             self._tell_refused(replica_id)

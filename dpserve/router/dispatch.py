@@ -254,7 +254,7 @@ class Dispatcher:
             status = outcome.status
             self._registry.observe(replica_id, classify_status(status), None if status < 300 else f"HTTP {status}")
             if status in RETRY_STATUSES and isinstance(outcome, Buffered) and not is_last:
-                self._metrics.retries.labels(f"http_{outcome.status}").inc()
+                self._metrics.retries.labels(f"http_{status}").inc()
                 last_failure = outcome
                 continue
             return outcome

@@ -187,18 +187,18 @@ class UsageTap:
     nothing the tap acts on: the usage chunk comes after every token event (only [DONE] follows it), and
     a terminal chunk followed by a token event is let out as it came in any case."""
 
-    __slots__ = ("_ordinary_at", "_strip", "held", "usage")
+    __slots__ = ("_held", "_ordinary_at", "_strip", "usage")
 
     def __init__(self, strip: bool) -> None:
         self._strip = strip
-        self.held: list[bytes] = []
+        self._held: list[bytes] = []
         self.usage: Usage | None = None
         self._ordinary_at = 0
         """How far from a chunk's end an ordinary token event has `"finish_reason":null`; 0 until learned."""
 
     def feed(self, chunk: bytes) -> bytes:
         at = self._ordinary_at
-        if at and not self.held and len(chunk) >= at and chunk.startswith(ORDINARY_KEY, len(chunk) - at):
+        if at and not self._held and len(chunk) >= at and chunk.startswith(ORDINARY_KEY, len(chunk) - at):
             return chunk
         if not at:
             self._learn_ordinary(chunk)
@@ -206,17 +206,17 @@ class UsageTap:
         # the usage chunk and [DONE], so what the tap acts on is among them, or is the last event of a chunk
         # that the next one follows up. (Searching costs about a nanosecond a byte, and a replica that
         # outruns the relay sends many events in one read.)
-        start = 0 if self.held else _tail(chunk)
+        start = 0 if self._held else _tail(chunk)
         if not self._strip:
             if chunk.find(USAGE_KEY, start) >= 0:
                 for event in _events(chunk[start:] if start else chunk):
                     if USAGE_KEY in event:
                         self._read(_data(event))
             return chunk
-        if not self.held and chunk.find(USAGE_KEY, start) < 0 and chunk.find(FINISHED_KEY, start) < 0:
+        if not self._held and chunk.find(USAGE_KEY, start) < 0 and chunk.find(FINISHED_KEY, start) < 0:
             return chunk
         out: list[bytes] = []
-        if not self.held:
+        if not self._held:
             # Only the stream's end needs a look: the events before the first that ends a choice or carries
             # usage pass as they are (a replica that outruns the relay sends many events in one read).
             first = _first_of(chunk, start, USAGE_KEY, FINISHED_KEY)
@@ -234,13 +234,13 @@ class UsageTap:
     def _learn_ordinary(self, chunk: bytes) -> None:
         """The offset of `"finish_reason":null` from the end, when `chunk`'s last event is a token event."""
         found = chunk.rfind(ORDINARY_KEY)
-        if found >= 0 and chunk.endswith(EVENT_END) and chunk.find(EVENT_END, found, len(chunk) - 2) < 0:
+        if found >= 0 and chunk.endswith(EVENT_END) and chunk.find(EVENT_END, found, len(chunk) - len(EVENT_END)) < 0:
             self._ordinary_at = len(chunk) - found
 
     def flush(self) -> bytes:
         """The chunks still held back, as they came (the stream ended before its usage chunk)."""
-        held = b"".join(self.held)
-        self.held.clear()
+        held = b"".join(self._held)
+        self._held.clear()
         return held
 
     def _read(self, parsed: Any) -> None:
@@ -260,10 +260,10 @@ class UsageTap:
                 fingerprint = parsed.get("system_fingerprint")
                 if isinstance(fingerprint, str):
                     value = orjson.dumps(fingerprint)
-                    out.extend(_with_fingerprint(held, value) for held in self.held)
+                    out.extend(_with_fingerprint(held, value) for held in self._held)
                 else:
-                    out.extend(self.held)
-                self.held.clear()
+                    out.extend(self._held)
+                self._held.clear()
                 return
         elif (
             FINISHED_KEY in event
@@ -271,8 +271,8 @@ class UsageTap:
             and event.startswith(b"data: {")
             and event.endswith(b"}" + EVENT_END)
         ):
-            self.held.append(event)
+            self._held.append(event)
             return
-        out.extend(self.held)
-        self.held.clear()
+        out.extend(self._held)
+        self._held.clear()
         out.append(event)
