@@ -204,10 +204,19 @@ def test_a_restarted_replica_is_read_again_and_its_adapter_loaded_again(
     victim_id = answer.headers["x-dpserve-replica"]
     index = int(victim_id[1:])
     victim = replica_process(fleet, fleet.replica_urls[index])
+    ejections = router_status(lora_router.url)["replicas"][index]["ejections"]
     victim.send_signal(signal.SIGKILL)
     # Meanwhile the other replica serves it, loading it there.
     other = complete(lora_router.url, "tiny-lora-0")
     assert other.status_code == 200 and other.headers["x-dpserve-replica"] != victim_id
+    # Out first (a refused request ejects it at once, else its failed probes do), so that `healthy`
+    # below is its re-admission and not the router not yet having noticed the kill.
+    wait_until(
+        lambda: router_status(lora_router.url)["replicas"][index]["ejections"] > ejections,
+        timeout_s=60,
+        interval_s=0.2,
+        what="the killed replica to be ejected",
+    )
     wait_until(
         lambda: router_status(lora_router.url)["replicas"][index]["healthy"],
         timeout_s=300,
