@@ -89,14 +89,8 @@ class Flow:
         charged = ticket.charged
         if charged:  # admitted: it was charged its guess, now corrected by what it took
             self._admission.settle(name, prompt + completion - charged, rules.weight)
-        self.usage.record(
-            name,
-            error=status >= 400,
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            completion_tokens=completion,
-            queue_s=ticket.queue_s,
-        )
+        # Positional: a call with keywords costs more, and this runs once per request.
+        self.usage.record(name, status >= 400, prompt, cached, completion, ticket.queue_s)
 
     def status(self) -> dict[str, Any]:
         """For /status: whether requests are held past capacity, how many wait, the tenants by name."""

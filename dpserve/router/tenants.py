@@ -25,6 +25,7 @@ PRIORITY_HEADER = "x-dpserve-priority"
 ANONYMOUS = "anonymous"
 """The tenant of every request when no API key is configured and no header names one."""
 DEFAULT_RULES = "*"
+MADE_TENANTS = 4096
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -153,6 +154,10 @@ class Tenants:
         self._open = open_access
         self.named = frozenset(self._rules)
         """Tenants with rules of their own: metrics label them by name, the rest as "other"."""
+        # A request's Tenant is made once per name (and class), not per request: keys' names are bounded,
+        # names from a trusted header are not (`MADE_TENANTS`).
+        self._plain: dict[str, Tenant] = {}
+        self._made: dict[tuple[str, Priority], Tenant] = {}
 
     @classmethod
     def from_specs(cls, specs: Iterable[str], key_names: Iterable[str], open_access: bool) -> Tenants:
@@ -172,10 +177,16 @@ class Tenants:
     def identify(self, caller: Caller | None, headers: Mapping[str, str]) -> Tenant:
         """The request's tenant and class; OpenAIError (400/403) for a header it may not or cannot use."""
         name = caller.tenant if caller is not None else ANONYMOUS
-        trusted = self._open or (caller is not None and (caller.trusted or self.rules(name).trusted))
         named = headers.get(TENANT_HEADER)
+        asked = headers.get(PRIORITY_HEADER)
+        if named is None and asked is None:  # the common case: the key's (or no key's) tenant, its class
+            tenant = self._plain.get(name)
+            if tenant is None:
+                rules = self.rules(name)
+                tenant = self._plain[name] = Tenant(name, rules, rules.priority)
+            return tenant
         if named is not None:
-            if not trusted:
+            if not (self._open or (caller is not None and (caller.trusted or self.rules(name).trusted))):
                 raise OpenAIError(
                     403,
                     f"This key may not name a tenant (`{TENANT_HEADER}`); its requests are its own tenant's.",
@@ -189,7 +200,6 @@ class Tenants:
             name = named
         rules = self.rules(name)
         priority = rules.priority
-        asked = headers.get(PRIORITY_HEADER)
         if asked is not None:
             found = PRIORITIES.get(asked.strip().lower())
             if found is None:
@@ -199,4 +209,10 @@ class Tenants:
                 )
             # Above its ceiling a request is served at the ceiling, not refused.
             priority = max(found, rules.max_priority)
-        return Tenant(name, rules, priority)
+        made = self._made
+        tenant = made.get((name, priority))
+        if tenant is None:
+            if len(made) >= MADE_TENANTS:  # names from a trusted header are unbounded: start again
+                made.clear()
+            tenant = made[(name, priority)] = Tenant(name, rules, priority)
+        return tenant

@@ -47,12 +47,22 @@ class UsageCounts:
 
 
 class _TenantUsage:
-    __slots__ = ("minutes", "total")
+    __slots__ = ("closed", "minutes")
 
     def __init__(self) -> None:
-        self.total = UsageCounts()
+        self.closed = UsageCounts()
+        """Every minute before the newest one, summed (expired minutes included): a request adds to its
+        minute only, and a minute's counts join these when the next one opens."""
         self.minutes: deque[tuple[int, UsageCounts]] = deque()
         """(minute start in epoch seconds, that minute's counts), oldest first, only minutes with activity."""
+
+    @property
+    def total(self) -> UsageCounts:
+        total = UsageCounts()
+        total.add(self.closed)
+        if self.minutes:
+            total.add(self.minutes[-1][1])
+        return total
 
 
 class UsageBook:
@@ -80,7 +90,6 @@ class UsageBook:
     def record(
         self,
         tenant: str,
-        *,
         error: bool,
         prompt_tokens: int = 0,
         cached_tokens: int = 0,
@@ -88,7 +97,7 @@ class UsageBook:
         queue_s: float = 0.0,
     ) -> None:
         """One answered request (or refusal, or broken stream: `error`). Runs once per request: the counts
-        are added in place to the total and to the current minute (negative inputs count as 0)."""
+        are added in place to the current minute (negative inputs count as 0)."""
         usage = self._tenants.get(tenant) or self._tenant(tenant)
         minute = int(self._clock() // 60) * 60
         minutes = usage.minutes
@@ -97,20 +106,21 @@ class UsageBook:
             current = minutes[-1][1]
         else:
             self._expire(usage, minute)
+            if minutes:  # the newest minute closes (unless it just expired, and was closed then)
+                usage.closed.add(minutes[-1][1])
             current = UsageCounts()
             minutes.append((minute, current))
-        errors = 1 if error else 0
-        prompt_tokens = prompt_tokens if prompt_tokens > 0 else 0
-        cached_tokens = cached_tokens if cached_tokens > 0 else 0
-        completion_tokens = completion_tokens if completion_tokens > 0 else 0
-        queue_s = queue_s if queue_s > 0 else 0.0
-        for counts in (usage.total, current):
-            counts.requests += 1
-            counts.errors += errors
-            counts.prompt_tokens += prompt_tokens
-            counts.cached_tokens += cached_tokens
-            counts.completion_tokens += completion_tokens
-            counts.queue_s += queue_s
+        current.requests += 1
+        if error:
+            current.errors += 1
+        if prompt_tokens > 0:
+            current.prompt_tokens += prompt_tokens
+        if cached_tokens > 0:
+            current.cached_tokens += cached_tokens
+        if completion_tokens > 0:
+            current.completion_tokens += completion_tokens
+        if queue_s > 0:
+            current.queue_s += queue_s
 
     def label(self, tenant: str) -> str:
         """The tenant's metrics label: its name if allow-listed, else "other"."""
@@ -150,8 +160,11 @@ class UsageBook:
     def _expire(self, usage: _TenantUsage, minute: int) -> None:
         """Drop minutes older than the last `minutes` (the current one included)."""
         oldest = minute - (self.minutes - 1) * 60
-        while usage.minutes and usage.minutes[0][0] < oldest:
-            usage.minutes.popleft()
+        minutes = usage.minutes
+        while minutes and minutes[0][0] < oldest:
+            _, counts = minutes.popleft()
+            if not minutes:  # the newest minute, not yet in `closed`
+                usage.closed.add(counts)
 
 
 class UsageCollector(Collector):

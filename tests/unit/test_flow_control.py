@@ -250,6 +250,24 @@ def test_who_may_name_a_tenant_and_how_priority_is_capped() -> None:
     assert anyone.identify(None, {"x-dpserve-tenant": "B"}).name == "B"
 
 
+def test_a_tenant_is_made_once_per_name_and_class_and_named_ones_stay_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rules = {"acme": TenantRules(priority=Priority.BATCH), "gw": TenantRules(trusted=True)}
+    tenants = Tenants(rules, open_access=False)
+    plain = tenants.identify(Caller("acme", False), {})
+    assert plain is tenants.identify(Caller("acme", False), {}) and plain.priority is Priority.BATCH
+    urgent = tenants.identify(Caller("acme", False), {"x-dpserve-priority": "critical"})
+    assert urgent.priority is Priority.CRITICAL and urgent.rules is plain.rules
+    assert urgent is tenants.identify(Caller("acme", False), {"x-dpserve-priority": "critical"})
+    # Names from a trusted header are not bounded: the made ones are forgotten past MADE_TENANTS.
+    monkeypatch.setattr("dpserve.router.tenants.MADE_TENANTS", 3)
+    named = [tenants.identify(Caller("gw", False), {"x-dpserve-tenant": f"t{n}"}) for n in range(10)]
+    assert [t.name for t in named] == [f"t{n}" for n in range(10)]
+    assert len(tenants._made) <= 3
+    assert tenants.identify(Caller("gw", False), {"x-dpserve-tenant": "t9"}) is named[9]
+
+
 # --- the admission queue ----------------------------------------------------------------------------
 
 

@@ -73,6 +73,12 @@ def test_per_minute_rolls_over_and_keeps_only_the_last_minutes() -> None:
     assert book.to_dict()["tenants"]["t"]["total"]["requests"] == 4  # totals never roll
     clock.now += 600
     assert book.to_dict()["tenants"]["t"]["per_minute"] == []  # old minutes dropped when read, too
+    assert book.to_dict()["tenants"]["t"]["total"]["requests"] == 4  # the newest among them still counted
+    book.record("t", error=False, prompt_tokens=1)  # a minute opens after every one expired: counted once
+    clock.now += 60
+    book.record("t", error=False)
+    total = book.to_dict()["tenants"]["t"]["total"]
+    assert total["requests"] == 6 and total["prompt_tokens"] == 6 and total["errors"] == 1
 
 
 def test_per_minute_sums_within_a_minute() -> None:
