@@ -125,6 +125,19 @@ class Admission:
             capacity += self._spare
         return replica.load < capacity
 
+    def admit_at_once(self, priority: int = STANDARD, tenant: str = "", weight: float = 1.0, cost: float = 0.0) -> bool:
+        """For a request that found a replica with room: admitted now, without waiting, when no request is
+        waiting before it (the common case, which `wait_for_room` also serves, here without a coroutine);
+        False when some are, so it must queue behind them through `wait_for_room`."""
+        if self._queue:
+            return False
+        if self.flow_control:
+            if priority < BATCH:
+                self._urgent_until = self._clock() + URGENT_MEMORY_S
+            if cost:
+                self._queue.charge(tenant, cost, weight)
+        return True
+
     async def wait_for_room(
         self,
         has_room: Callable[[], bool],

@@ -335,7 +335,18 @@ class Dispatcher:
         candidates = self._selector.candidates
         if not admission.holds:
             return candidates(features, tried)
-        found: list[ReplicaView] = []
+        found = candidates(features, tried)
+        if found:  # room now: admitted at once unless others wait before it (no closure, no coroutine)
+            if ticket is None:
+                admitted = admission.admit_at_once(features.priority)
+            else:
+                admitted = admission.admit_at_once(features.priority, ticket.tenant, ticket.weight, ticket.cost)
+                if admitted:
+                    ticket.charged += ticket.cost
+                    ticket.cost = 0.0
+            if admitted:
+                self._metrics.queue_wait.observe(0.0)
+                return found
 
         def has_room() -> bool:
             nonlocal found

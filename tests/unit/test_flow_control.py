@@ -303,6 +303,27 @@ async def test_learned_capacity_bounds_a_replica_and_batch_leaves_a_reserve_whil
     assert not off.holds and off.has_room(replica("r0", 8, capacity=8))
 
 
+async def test_a_request_with_room_is_admitted_at_once_only_while_nobody_waits() -> None:
+    clock = Clock()
+    admission = Admission(0, 16, 1.0, clock, flow_control=True, batch_reserve=0.25)
+    assert admission.admit_at_once(STANDARD, "A", 2.0, 100.0)
+    # Charged as wait_for_room charges (tokens over weight), and a more urgent request is remembered.
+    assert admission._queue.counter("A") == 50.0
+    assert not admission.has_room(replica("r0", 6, capacity=8), BATCH)
+    # Once one waits, a newcomer must queue behind it (wait_for_room decides who goes first).
+    room = [False]
+    waiting = asyncio.create_task(admission.wait_for_room(lambda: room[0], STANDARD, "B", cost=10.0))
+    await asyncio.sleep(0.01)
+    assert admission.depth == 1 and not admission.admit_at_once(STANDARD, "C", 1.0, 10.0)
+    assert admission._queue.counter("C") == 0.0  # not charged: it was not admitted
+    room[0] = True
+    admission.notify()
+    await waiting
+    assert admission.depth == 0 and admission.admit_at_once(BATCH, "C", 1.0, 10.0)
+    off = Admission(0, 16, 1.0, flow_control=False)
+    assert off.admit_at_once(STANDARD, "A", 1.0, 100.0) and off._queue.counter("A") == 0.0
+
+
 async def test_held_requests_go_by_class_then_fair_share() -> None:
     admission = Admission(0, 64, 5.0, flow_control=True)
     slots = [0]
