@@ -336,37 +336,28 @@ class Dispatcher:
         if not admission.holds:
             return candidates(features, tried)
         found = candidates(features, tried)
-        if found:  # room now: admitted at once unless others wait before it (no closure, no coroutine)
-            if ticket is None:
-                admitted = admission.admit_at_once(features.priority)
-            else:
-                admitted = admission.admit_at_once(features.priority, ticket.tenant, ticket.weight, ticket.cost)
-                if admitted:
-                    ticket.charged += ticket.cost
-                    ticket.cost = 0.0
-            if admitted:
-                self._metrics.queue_wait.observe(0.0)
-                return found
+        priority = features.priority
+        tenant, weight, cost = ("", 1.0, 0.0) if ticket is None else (ticket.tenant, ticket.weight, ticket.cost)
+        # Room now and nobody waiting before it: admitted without the waiting path's closure and coroutine.
+        if found and admission.admit_at_once(priority, tenant, weight, cost):
+            waited = 0.0
+        else:
 
-        def has_room() -> bool:
-            nonlocal found
-            found = candidates(features, tried)
-            # No candidate at all is not a reason to wait: the caller answers at once.
-            return bool(found) or all(r.id in tried for r in self._registry.routable(features.model))
+            def has_room() -> bool:
+                nonlocal found
+                found = candidates(features, tried)
+                # No candidate at all is not a reason to wait: the caller answers at once.
+                return bool(found) or all(r.id in tried for r in self._registry.routable(features.model))
 
-        try:
-            if ticket is None:
-                waited = await admission.wait_for_room(has_room, features.priority)
-            else:
-                waited = await admission.wait_for_room(
-                    has_room, features.priority, ticket.tenant, ticket.weight, ticket.cost
-                )
-                ticket.charged += ticket.cost
-                ticket.cost = 0.0
-                ticket.queue_s += waited
-        except OpenAIError as rejected:
-            self._metrics.admission_rejections.labels(rejected.code or "rejected").inc()
-            raise
+            try:
+                waited = await admission.wait_for_room(has_room, priority, tenant, weight, cost)
+            except OpenAIError as rejected:
+                self._metrics.admission_rejections.labels(rejected.code or "rejected").inc()
+                raise
+        if ticket is not None:
+            ticket.charged += ticket.cost
+            ticket.cost = 0.0
+            ticket.queue_s += waited
         self._metrics.queue_wait.observe(waited)
         return found
 
