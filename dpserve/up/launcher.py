@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -210,6 +211,13 @@ def _plan(settings: UpSettings) -> tuple[list[ReplicaPlan], str | None]:
 
         return plan_sims(settings, settings.served_model_name or settings.model or TINY_MODEL_NAME), None
     gpus, why_none = count_nvidia_gpus()
+    if importlib.util.find_spec("vllm") is None:
+        # Said before the tiny model is built and a replica fails with a bare ModuleNotFoundError.
+        extra = "gpu" if gpus else "cpu"
+        raise PlanError(
+            f"vLLM is not installed in this Python ({sys.executable}): install the engine with "
+            f"`pip install 'dpserve[{extra}]'`, or run simulated replicas with `dpserve up --sim N`"
+        )
     if why_none:
         # The router logs the reason (`no NVIDIA GPU found: ...`) once, as its GPU section's state.
         print("dpserve: no GPU, so vLLM runs on the CPU", flush=True)

@@ -137,6 +137,7 @@ async def test_router_reports_the_gpu_of_its_replica(busy_replica: tuple[str, su
     assert status["replicas"][1]["gpus"] == []
     (gpu,) = status["replicas"][0]["gpus"]
     assert gpu["index"] == 0 and gpu["uuid"].startswith("GPU-") and gpu["replica"] == "r0"
-    assert f'dpserve_gpu_utilization_ratio{{gpu="0",replica="r0",uuid="{gpu["uuid"]}"}}' in metrics
-    assert f'dpserve_gpu_up{{gpu="0",replica="r0",uuid="{gpu["uuid"]}"}} 1.0' in metrics
+    # host="": this host's GPU (an agent's carry its host)
+    assert f'dpserve_gpu_utilization_ratio{{gpu="0",host="",replica="r0",uuid="{gpu["uuid"]}"}}' in metrics
+    assert f'dpserve_gpu_up{{gpu="0",host="",replica="r0",uuid="{gpu["uuid"]}"}} 1.0' in metrics
     assert dashboard.status_code == 200 and gpu["uuid"] in dashboard.text

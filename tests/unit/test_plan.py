@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import sys
@@ -9,7 +10,7 @@ import pytest
 
 from dpserve.cli import _overrides, build_parser
 from dpserve.config import RouterSettings, UpSettings, load_settings
-from dpserve.up.launcher import Launcher, busy_ports, run_launcher
+from dpserve.up.launcher import Launcher, _plan, busy_ports, run_launcher
 from dpserve.up.plan import (
     PlanError,
     plan_replicas,
@@ -332,3 +333,19 @@ def test_launcher_refuses_a_lora_dir_that_is_not_here(tmp_path: Path, capsys: py
     settings = UpSettings(RouterSettings(lora_dir=str(missing)), sim_replicas=1, base_port=1024)
     assert run_launcher(settings) == 2
     assert f"--lora-dir {missing}: no such folder" in capsys.readouterr().err
+
+
+def test_launcher_says_plainly_when_vllm_is_not_installed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seen on a GPU machine without vLLM: the replica used to die with a bare ModuleNotFoundError."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        "dpserve.up.launcher.importlib.util.find_spec",
+        lambda name, *args: None if name == "vllm" else real_find_spec(name, *args),
+    )
+    assert run_launcher(UpSettings(base_port=1024)) == 2
+    err = capsys.readouterr().err
+    assert "vLLM is not installed" in err and "dpserve[" in err and "--sim" in err
+    # Simulated replicas need no engine.
+    assert _plan(UpSettings(sim_replicas=1))[0][0].device == "sim"
