@@ -95,10 +95,15 @@ async def test_a_throttling_gpu_is_drained_of_new_requests_and_refilled_after_it
             workers = [asyncio.create_task(traffic.worker(client, n)) for n in range(WORKERS)]
             try:
                 await asyncio.sleep(1.5)
-                hot_at = time.monotonic()
+                hot_at, hot_wall = time.monotonic(), time.time()
                 nvml.gpus[1].throttle_reasons = pynvml.nvmlClocksEventReasonHwThermalSlowdown
-                degraded_at = await wait(lambda s: s["r1"]["state"] == "degraded", 5)
-                shown = (await status())["r1"]
+                seen_at = await wait(lambda s: s["r1"]["state"] == "degraded", 5)
+                full = (await client.get(f"{url}/status")).json()
+                shown = {r["id"]: r for r in full["replicas"]}["r1"]
+                # When the router marked it (its own clock, time.time): the test's polls of /status queue
+                # behind the traffic on this one event loop, so when they see it says less.
+                (gpu1,) = [gpu for gpu in full["gpus"]["devices"] if gpu["index"] == 1]
+                degraded_after = gpu1["health"]["since"] - hot_wall
                 await asyncio.sleep(1.5)
                 clear_at = time.monotonic()
                 nvml.gpus[1].throttle_reasons = 0
@@ -118,11 +123,12 @@ async def test_a_throttling_gpu_is_drained_of_new_requests_and_refilled_after_it
     print(
         f"\nr1's share of new requests: {before:.0%} of {n_before} before; {drained:.1%} of {n_drained} from "
         f"2 intervals after the throttle began; {after:.0%} of {n_after} after it cleared. Degraded "
-        f"{degraded_at - hot_at:.2f} s after the throttle began (interval {INTERVAL_S} s); back "
+        f"{degraded_after:.2f} s after the throttle began (interval {INTERVAL_S} s; seen at /status after "
+        f"{seen_at - hot_at:.2f} s); back "
         f"{back_at - clear_at:.2f} s after it cleared (recover_after {RECOVER_S} s)"
     )
     assert before > 0.2 and n_drained > 50
-    assert degraded_at - hot_at <= 2 * INTERVAL_S
+    assert 0 <= degraded_after <= 2 * INTERVAL_S
     assert drained <= 0.01
     assert back_at - clear_at >= RECOVER_S
     assert after > 0.15
