@@ -267,6 +267,12 @@ class UpstreamResponse:
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._settled = False
+        # One deadline timer per response, moved only when a wait must end sooner than it fires: a
+        # timer set and cancelled around every read cost more than the read (benchmarks/README.md).
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._due = 0.0
+        self._due_reason = ""
 
     # -- fed by the connection
     def _header(self, name: bytes, value: bytes) -> None:
@@ -306,6 +312,7 @@ class UpstreamResponse:
     def _complete(self, keep_alive: bool) -> None:
         self._done = True
         self._keep_alive = keep_alive
+        self._stop_timer()  # nothing more to wait for
         self._wake()
 
     def _connection_lost(self) -> None:
@@ -346,15 +353,38 @@ class UpstreamResponse:
             timeout, reason = self._deadline - now, "the replica did not finish in time (request timeout)"
         if self._conn.write_paused and self._write_deadline - now < timeout:
             timeout, reason = self._write_deadline - now, "the replica did not take the request in time (write timeout)"
+        due = self._due = now + timeout
+        self._due_reason = reason
+        if self._timer is None or self._timer_at > due:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = due
+            self._timer = self._loop.call_at(due, self._check_deadline)
         waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(max(0.0, timeout), _time_out, waiter, reason)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
         if self._error is not None:
             raise self._error
+
+    def _check_deadline(self) -> None:
+        """The timer fired: the wait in progress times out if its own deadline has passed; one that began
+        later (after more bytes came) gets the timer again for the rest of its time."""
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait sets a timer
+        if self._loop.time() < self._due:
+            self._timer_at = self._due
+            self._timer = self._loop.call_at(self._due, self._check_deadline)
+            return
+        waiter.set_exception(TimeoutError(self._due_reason))
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     # -- read by the proxy
     async def _wait_headers(self) -> None:
@@ -405,6 +435,7 @@ class UpstreamResponse:
         if self._settled:
             return
         self._settled = True
+        self._stop_timer()
         conn = self._conn
         conn.finished()
         reusable = self._done and self._keep_alive and self._error is None
@@ -417,14 +448,10 @@ class UpstreamResponse:
         if self._settled:
             return
         self._settled = True
+        self._stop_timer()
         self._conn.finished()
         self._conn.close()
         self._fail(UpstreamError("closed by the router"))
-
-
-def _time_out(waiter: asyncio.Future[None], reason: str) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError(reason))
 
 
 class UpstreamPool:

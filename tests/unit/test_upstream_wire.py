@@ -353,6 +353,43 @@ async def test_the_total_deadline_ends_an_answer_that_never_stops_trickling() ->
         pool.close()
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_the_read_deadline_counts_from_the_last_byte_not_the_first_wait(loop: str) -> None:
+    """The one timer a response keeps is moved on, not set per read: a stream that keeps sending past
+    several read deadlines never times out, and one that then falls silent times out a read deadline
+    after its last byte. On both event loops (the router serves on uvloop)."""
+
+    async def trickle_then_stop(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(12):
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(10)
+
+    async def run() -> tuple[int, float, float]:
+        async with serving(answers(trickle_then_stop)) as (address, _):
+            pool = UpstreamPool(Deadlines(connect_s=1.0, write_s=1.0, read_s=0.2, total_s=30.0))
+            response = await pool.post(address, "/", b"", {})
+            started, received, last = time.monotonic(), 0, 0.0
+            with pytest.raises(TimeoutError, match="read timeout"):
+                while chunk := await asyncio.wait_for(response.readany(), 5):
+                    received, last = received + len(chunk), time.monotonic()
+            timed_out = time.monotonic()
+            pool.close()
+            return received, last - started, timed_out - last
+
+    factory = None
+    if loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        received, streamed_s, silent_s = runner.run(run())
+    assert received == 12 and streamed_s >= 0.4  # past two read deadlines of 0.2 s, still read
+    assert 0.15 <= silent_s < 0.6
+
+
 async def test_retry_after_is_read_and_other_headers_are_not_kept() -> None:
     answer = b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 7\r\nconnection: keep-alive\r\ncontent-length: 2\r\n\r\n"
     answer += b"{}"
