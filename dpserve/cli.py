@@ -99,6 +99,15 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--queue-size", type=int, dest="queue_size", help="requests the router queues (1024)")
     parser.add_argument(
+        "--receipts-sample",
+        type=float,
+        dest="receipts_sample",
+        help="share of requests given a routing receipt, 0 to 1 (0.1; /admin/receipts, dpserve_receipts_total)",
+    )
+    parser.add_argument(
+        "--receipts-keep", type=int, dest="receipts_keep", help="routing receipts kept for /admin/receipts (1024)"
+    )
+    parser.add_argument(
         "--queue-timeout", type=float, dest="queue_timeout_s", help="seconds a request may queue before 429 (30)"
     )
     parser.add_argument(

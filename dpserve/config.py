@@ -123,6 +123,11 @@ class RouterSettings:
     is 256 sequences: beyond that a request only waits inside the engine, where it can no longer move."""
     queue_size: int = 1024
     queue_timeout_s: float = 30.0
+    receipts_sample: float = 0.1
+    """The share of requests that get a routing receipt (predicted vs realized cached tokens, a class for
+    each miss: `router/receipts.py`); a request with `x-dpserve-receipt: 1` always gets one."""
+    receipts_keep: int = 1024
+    """Receipts kept for `GET /admin/receipts` (the newest)."""
     flow_control: bool = True
     """Hold requests past each replica's learned capacity (`replicas/capacity.py`) in the router, and release
     them by priority, then fair share between tenants; off: first come, first served."""

@@ -66,6 +66,7 @@ from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, Remote
 from dpserve.router.proxied_endpoints import ProxiedEndpoints, Relaying, proxied_openapi_paths
 from dpserve.router.proxied_paths import HotPath, RouterApp
 from dpserve.router.quotas import QuotaBook
+from dpserve.router.receipts import ReceiptBook, ReceiptCollector
 from dpserve.router.selection import PrefixLookup, Selector
 from dpserve.router.shutdown import Shutdown
 from dpserve.router.stored_responses import ResponseOwners
@@ -96,6 +97,7 @@ class RouterState:
     peers: PeerLinks
     """The other routers (and workers) this one shares routing state with; `enabled` is False without."""
     flow: Flow
+    receipts: ReceiptBook
 
 
 def policy_tuning(settings: RouterSettings) -> PolicyTuning:
@@ -348,6 +350,8 @@ def create_app(
     metrics = RouterMetrics(registry, policy.name)
     metrics.queue_depth.set_function(lambda: admission.depth)
     metrics.registry.register(UsageCollector(flow.usage))
+    receipts = ReceiptBook(settings.receipts_sample, settings.receipts_keep)
+    metrics.registry.register(ReceiptCollector(receipts))
     gpus = gpu_fleet(settings, registry, nvml, resolver)
     if gpus.enabled:
         metrics.registry.register(GpuCollector(gpus))
@@ -375,7 +379,9 @@ def create_app(
             bindings.on_news = peers.news
     open_streams = OpenStreams()
     shutdown = Shutdown(open_streams)
-    state = RouterState(registry, policy, metrics, kv_index, [], gpus, shutdown, time.time(), sources, peers, flow)
+    state = RouterState(
+        registry, policy, metrics, kv_index, [], gpus, shutdown, time.time(), sources, peers, flow, receipts
+    )
     if sources:
         metrics.registry.register(DiscoveryCollector(sources))
     if peers.enabled:
@@ -404,7 +410,14 @@ def create_app(
         )
         features = FeatureBuilder(policy.needs, registry, metrics, kv_index, text_index, tokens, bindings)
         relaying = Relaying(
-            registry, features, dispatcher, metrics, ResponseOwners(), max_body_bytes=settings.max_body_bytes, flow=flow
+            registry,
+            features,
+            dispatcher,
+            metrics,
+            ResponseOwners(),
+            max_body_bytes=settings.max_body_bytes,
+            flow=flow,
+            receipts=receipts,
         )
         zmq_context = zmq.asyncio.Context()
         subscribers = state.subscribers
@@ -510,6 +523,17 @@ def create_app(
             raise OpenAIError(409, "That origin is this router itself.", type="invalid_request_error")
         return Response(await peers.snapshot(), media_type="application/x-msgpack")
 
+    @app.get("/admin/receipts")
+    async def receipts_list(limit: str = "100") -> JSONResponse:
+        # The newest first; each: what the policy predicted, what the replica realized, the class.
+        try:
+            count = int(limit)
+        except ValueError:
+            count = -1
+        if count < 0:
+            raise OpenAIError(400, "`limit` must be a whole number, 0 or more.", param="limit")
+        return JSONResponse({"receipts": state.receipts.recent(count), **state.receipts.summary()})
+
     @app.get("/admin/usage")
     async def usage() -> JSONResponse:
         # Tenant names only, never keys: totals since start and per minute.
@@ -545,6 +569,7 @@ def _status(state: RouterState) -> dict[str, Any]:
         **({"discovery": [source.to_dict(time.time()) for source in state.discovery]} if state.discovery else {}),
         **({"peers": state.peers.status()} if state.peers.enabled else {}),
         "flow": state.flow.status(),
+        "routing_quality": state.receipts.summary(),
     }
 
 

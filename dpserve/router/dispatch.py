@@ -20,6 +20,7 @@ from dpserve.router.adapter_loader import AdapterLoader, AdapterLoadFailed
 from dpserve.router.admission import Admission, Ticket
 from dpserve.router.errors import OpenAIError, no_replica
 from dpserve.router.metrics import RouterMetrics
+from dpserve.router.receipts import Receipt
 from dpserve.router.selection import Selector
 from dpserve.router.upstream_client import (
     Address,
@@ -214,10 +215,16 @@ class Dispatcher:
         self._clock = clock
 
     async def send(
-        self, features: RequestFeatures, request: Outbound, started: float, ticket: Ticket | None = None
+        self,
+        features: RequestFeatures,
+        request: Outbound,
+        started: float,
+        ticket: Ticket | None = None,
+        receipt: Receipt | None = None,
     ) -> Buffered | Streaming:
         """To the replica the selector chooses, retried on others before the first byte. `ticket`: the
-        request's tenant and expected cost for the admission queue; it learns how long it waited."""
+        request's tenant and expected cost for the admission queue; it learns how long it waited. `receipt`:
+        what the policy chose and predicted is written on it (on a retry, the last attempt's)."""
         tried: list[str] = []
         last_failure: Buffered | None = None
         last_load_failure: AdapterLoadFailed | None = None
@@ -228,7 +235,7 @@ class Dispatcher:
             candidates = await self._admitted(features, tried, ticket)
             if not candidates:
                 break
-            replica_id = self._selector.choose(features, candidates).id
+            replica_id = self._selector.choose(features, candidates, receipt).id
             tried.append(replica_id)
             is_last = attempt == retries
             adapter = features.adapter

@@ -48,6 +48,7 @@ from dpserve.router.errors import (
 from dpserve.router.features import SESSION_HEADER, FeatureBuilder
 from dpserve.router.flow import Flow, Pass, with_fields
 from dpserve.router.metrics import RouterMetrics
+from dpserve.router.receipts import Receipt, ReceiptBook
 from dpserve.router.request_body import (
     body_chunks,
     parse_body,
@@ -64,6 +65,12 @@ log = logging.getLogger("dpserve.router")
 
 REPLICA_HEADER = "x-dpserve-replica"
 REQUEST_ID_HEADER = "x-request-id"
+RECEIPT_HEADER = "x-dpserve-receipt"
+"""`1` (or true, yes, on): this request gets a routing receipt whatever the sample, and its answer the
+predicted cached tokens in `x-dpserve-cached-tokens` (when the policy predicted any)."""
+CACHED_TOKENS_HEADER = b"x-dpserve-cached-tokens"
+_REPLICA_HEADER = REPLICA_HEADER.encode()
+_REQUEST_ID_HEADER = REQUEST_ID_HEADER.encode()
 _JSON = b"application/json"
 # The only request headers the hot path reads (the session header for the session policy; the content
 # type for multipart bodies, whose boundary the replica needs; the tenant and priority for flow control).
@@ -75,6 +82,7 @@ _READ_HEADERS = frozenset(
         SESSION_HEADER.encode(),
         TENANT_HEADER.encode(),
         PRIORITY_HEADER.encode(),
+        RECEIPT_HEADER.encode(),
     }
 )
 # Streams whose usage the router can ask for (`stream_options.include_usage`) and take out again.
@@ -95,6 +103,7 @@ class Relaying:
     """Which replica stored which response (`/v1/responses`)."""
     max_body_bytes: int
     flow: Flow
+    receipts: ReceiptBook
 
 
 class ProxiedEndpoints:
@@ -162,6 +171,10 @@ class _Exchange:
         self.status = CLIENT_CLOSED
         """The answer's status as the client got it (client gone until one is sent)."""
         self.usage: Usage | None = None
+        self.receipt: Receipt | None = None
+        self.receipt_asked = False
+        """The client asked for its receipt (`x-dpserve-receipt`): the predicted cached tokens come back
+        in `x-dpserve-cached-tokens`."""
 
     async def run(self) -> None:
         endpoint = self.endpoint
@@ -203,6 +216,13 @@ class _Exchange:
             finally:
                 watcher.cancel()
                 self.state.flow.end(self.flow_pass, self.status, self.usage)
+                receipt = self.receipt
+                if receipt is not None:
+                    usage = self.usage
+                    if usage is None:
+                        self.state.receipts.close(receipt, self.status, None, None)
+                    else:
+                        self.state.receipts.close(receipt, self.status, usage.prompt_tokens, usage.cached_tokens)
         except Exception:
             # Logged here with its trace; the client gets no internals.
             log.exception("unhandled error on %s", endpoint.path)
@@ -272,7 +292,7 @@ class _Exchange:
         response_id = prepared.response_id
         if response_id is None:
             ticket = self.flow_pass.ticket if self.flow_pass is not None else None
-            return await dispatcher.send(features, request, self.started, ticket)
+            return await dispatcher.send(features, request, self.started, ticket, self._open_receipt(features))
         owner = state.response_owners.get(response_id)
         if owner is None or owner not in state.registry:  # unseen, or its replica was removed since
             owner = await self._find_owner(response_id)
@@ -280,7 +300,7 @@ class _Exchange:
             if endpoint is RESPONSES:
                 # Continuing a response no replica holds: any replica gives vLLM's own 404 for it.
                 ticket = self.flow_pass.ticket if self.flow_pass is not None else None
-                return await dispatcher.send(features, request, self.started, ticket)
+                return await dispatcher.send(features, request, self.started, ticket, self._open_receipt(features))
             raise OpenAIError(
                 404,
                 f"No stored response `{response_id}` on any replica.",
@@ -289,6 +309,13 @@ class _Exchange:
                 code="response_not_found",
             )
         return await dispatcher.send_to(owner, features, request, self.started)
+
+    def _open_receipt(self, features: RequestFeatures) -> Receipt | None:
+        """A receipt for a request the policy routes, when it falls in the sample or the client asked."""
+        asked = self.receipt_asked = _asks_receipt(self.headers.get(RECEIPT_HEADER))
+        tenant = self.tenant.name if self.tenant is not None else ""
+        self.receipt = self.state.receipts.open(self.request_id, self.endpoint.name, features.model, tenant, asked)
+        return self.receipt
 
     async def _find_owner(self, response_id: str) -> str | None:
         """Asks each healthy replica for the response (made before a restart, or through another router)."""
@@ -394,7 +421,11 @@ class _Exchange:
             self.state.response_owners.remember(response_id, replica_id)
 
     def _routing_headers(self, replica_id: str) -> list[tuple[bytes, bytes]]:
-        return [(REPLICA_HEADER.encode(), replica_id.encode()), (REQUEST_ID_HEADER.encode(), self.request_id.encode())]
+        headers = [(_REPLICA_HEADER, replica_id.encode()), (_REQUEST_ID_HEADER, self.request_id.encode())]
+        receipt = self.receipt
+        if self.receipt_asked and receipt is not None and receipt.predicted is not None:
+            headers.append((CACHED_TOKENS_HEADER, str(receipt.predicted).encode()))
+        return headers
 
     def _count_refusal(self, err: OpenAIError) -> None:
         self.status = err.status
@@ -519,3 +550,7 @@ def proxied_openapi_paths(endpoints: Sequence[Endpoint]) -> dict[str, object]:
         }
     }
     return paths
+
+
+def _asks_receipt(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in ("1", "true", "yes", "on")

@@ -18,6 +18,7 @@ from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.admission import Admission
 from dpserve.router.metrics import RouterMetrics
+from dpserve.router.receipts import Receipt
 
 
 class Selector:
@@ -92,8 +93,11 @@ class Selector:
         self._metrics.labeled(self._metrics.adapter_placements, placement.reason).inc()
         return placement
 
-    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
-        """The policy's pick among `candidates` (not empty), counted and remembered where it went."""
+    def choose(
+        self, features: RequestFeatures, candidates: Sequence[ReplicaView], receipt: Receipt | None = None
+    ) -> Decision:
+        """The policy's pick among `candidates` (not empty), counted and remembered where it went, and
+        written on the request's `receipt` (if it has one) with what the policy predicted."""
         policy, prefixes = self.policy, self._prefixes
         if prefixes is not None:
             features = prefixes.match(features, candidates)
@@ -106,6 +110,8 @@ class Selector:
         metrics = self._metrics
         metrics.labeled(metrics.decisions, policy.name, decision.id).inc()
         metrics.labeled(metrics.decision_reasons, policy.name, decision.reason).inc()
+        if receipt is not None:
+            receipt.decided(policy.name, decision.id, decision.reason, features.prefix, candidates)
         if prefixes is not None:
             prefixes.record(features, decision.id)
         if self._bindings is not None and features.session_key:

@@ -286,6 +286,8 @@ _ROUTER_VALUE_FLAGS = (
     ("--route-sample", "route_sample"),
     ("--max-in-flight", "max_in_flight"),
     ("--queue-size", "queue_size"),
+    ("--receipts-sample", "receipts_sample"),
+    ("--receipts-keep", "receipts_keep"),
     ("--queue-timeout", "queue_timeout_s"),
     ("--api-key-file", "api_key_file"),
     ("--admin-key-file", "admin_key_file"),

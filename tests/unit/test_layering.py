@@ -73,6 +73,7 @@ ROUTER_PATH: tuple[str, ...] = (
     "quotas",
     "usage",
     "usage_stream",
+    "receipts",
     "errors",
 )
 
