@@ -532,7 +532,7 @@ def create_app(
             count = -1
         if count < 0:
             raise OpenAIError(400, "`limit` must be a whole number, 0 or more.", param="limit")
-        return JSONResponse({"receipts": state.receipts.recent(count), **state.receipts.summary()})
+        return JSONResponse({"receipts": state.receipts.recent(count), "summary": state.receipts.summary()})
 
     @app.get("/admin/usage")
     async def usage() -> JSONResponse:

@@ -1,0 +1,82 @@
+"""Routing receipts on the real vLLM CPU replicas: what the KV-aware policy predicted per request against
+the cached tokens vLLM reports in the answer's usage (streams too), and the class of each."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.conftest import Fleet, RouterFactory, wait_until
+from tests.integration.test_kv_routing import long_prompt, metric
+
+pytestmark = pytest.mark.integration
+
+
+def receipts(router_url: str, limit: int = 100) -> dict[str, Any]:
+    response = httpx.get(f"{router_url}/admin/receipts", params={"limit": limit}, timeout=5)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def send(router_url: str, prompt: str, stream: bool, **headers: str) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 2, "stream": stream}
+    response = httpx.post(f"{router_url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [line for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        # The router asked for the usage chunk to read the realized cached tokens, and took it out again.
+        assert all(json.loads(e[6:]).get("usage") is None for e in events[:-1])
+    return response
+
+
+def test_receipts_predict_what_vllm_reports_cached(fleet: Fleet, router_factory: RouterFactory) -> None:
+    sources = [f"{url}={endpoint}" for url, endpoint in zip(fleet.replica_urls, fleet.kv_event_endpoints, strict=True)]
+    extra = [arg for source in sources for arg in ("--kv-events", source)]
+    router = router_factory("kv_aware", *extra, "--receipts-sample", "1")
+    for seed in range(300, 303):
+        prompt = long_prompt(seed)
+        stored = metric(router.url, "dpserve_kv_events_total", type="BlockStored")
+        send(router.url, prompt, stream=False)
+        # The next decision can only predict what the replica's events have told the index.
+        wait_until(
+            lambda s=stored: metric(router.url, "dpserve_kv_events_total", type="BlockStored") > s, 10, 0.1, "events"
+        )
+        for stream in (False, True, False):
+            send(router.url, prompt, stream=stream)
+    book = receipts(router.url)
+    rows = book["receipts"]
+    assert len(rows) == 12 == book["summary"]["receipts"] == sum(book["summary"]["classes"].values())
+    firsts, repeats = rows[3::4], [r for i, r in enumerate(rows) if i % 4 != 3]  # newest first
+    for row in firsts:  # a new prompt: nothing held anywhere, nothing found
+        assert (row["class"], row["predicted_cached_tokens"], row["realized_cached_tokens"]) == ("cold", 0, 0), row
+    for row in repeats:
+        assert row["class"] == "hit", row
+        assert row["predicted_cached_tokens"] > 0 and row["realized_cached_tokens"] > 0
+        # Predicted against realized: within one block (vLLM computes a fully cached prompt's last block again).
+        assert abs(row["realized_cached_tokens"] - row["predicted_cached_tokens"]) <= row["block_tokens"], row
+        assert row["policy"] == "kv_aware" and row["replica"] == row["best_replica"]
+    quality = httpx.get(f"{router.url}/status", timeout=5).json()["routing_quality"]
+    assert quality["receipts"] == 12 and quality["classes"]["hit"] == 9 and quality["hit_mean_error_blocks"] <= 1
+    assert metric(router.url, "dpserve_receipts_total", **{"class": "hit"}) == 9
+    assert metric(router.url, "dpserve_receipt_tokens_total", kind="realized_cached") > 0
+
+
+def test_a_request_asks_for_its_receipt_and_gets_the_prediction(fleet: Fleet, router_factory: RouterFactory) -> None:
+    sources = [f"{url}={endpoint}" for url, endpoint in zip(fleet.replica_urls, fleet.kv_event_endpoints, strict=True)]
+    extra = [arg for source in sources for arg in ("--kv-events", source)]
+    router = router_factory("kv_aware", *extra, "--receipts-sample", "0")
+    prompt = long_prompt(310)
+    plain = send(router.url, prompt, stream=False)
+    assert "x-dpserve-cached-tokens" not in plain.headers
+    assert receipts(router.url)["receipts"] == []  # sample 0: none unless asked
+    wait_until(lambda: metric(router.url, "dpserve_kv_events_total", type="BlockStored") > 0, 10, 0.1, "events")
+    asked = send(router.url, prompt, stream=True, **{"x-dpserve-receipt": "1"})
+    predicted = int(asked.headers["x-dpserve-cached-tokens"])
+    (row,) = receipts(router.url)["receipts"]
+    assert row["predicted_cached_tokens"] == predicted > 0 and row["request_id"] == asked.headers["x-request-id"]
+    bad = httpx.get(f"{router.url}/admin/receipts", params={"limit": "many"}, timeout=5)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
