@@ -13,7 +13,7 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from dpserve.kvindex.events import (
@@ -85,6 +85,9 @@ class KvIndex:
         self._by_engine: dict[str, OrderedDict[EngineHash, _Entry]] = {}
         self._block_sizes: dict[str, int] = {}
         self._entries = 0
+        self.on_removed: Callable[[str, int], None] | None = None
+        """Called with (replica, key) when the replica's own events say it evicted a block: what the router
+        remembers having just sent there (`RecentRoutes`) no longer holds for it."""
 
     # -- events --------------------------------------------------------------------------------------
 
@@ -148,6 +151,8 @@ class KvIndex:
                 assert blocks is not None
                 del blocks[engine_hash]
                 self._drop_holder(entry.key, replica)
+                if self.on_removed is not None:
+                    self.on_removed(replica, entry.key)
 
     def clear(self, replica: str) -> None:
         """Forget everything about one replica (AllBlocksCleared, a sequence gap, a restart)."""

@@ -38,6 +38,13 @@ class RecentRoutes:
                 self.on_news()
         self.learn(keys, replica, 0.0, pending=True)
 
+    def forget(self, replica: str, key: int) -> None:
+        """The replica evicted this block (its own events say so): a route sent there before is no reason
+        to think it still holds it."""
+        holders = self._keys.get(key)
+        if holders is not None and holders.pop(replica, None) is not None and not holders:
+            del self._keys[key]
+
     def take_outbox(self) -> list[tuple[str, Sequence[int]]]:
         """This router's routes since the last call, oldest first (for its peers)."""
         if not self._outbox:

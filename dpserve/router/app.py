@@ -368,6 +368,10 @@ def create_app(
     recent = None
     if Need.KV_PREFIX in policy.needs:
         recent = RecentRoutes(time.monotonic, settings.recent_route_ttl_s, max_outbox=outbox)
+        if kv_index is not None:
+            # Found by routing receipts: a prompt sent to a replica that then evicted it was still predicted
+            # cached there for the routes' whole ttl (classed `evicted`), though the events had said so.
+            kv_index.on_removed = recent.forget
     bindings = SessionBindings(time.monotonic, max_outbox=outbox) if Need.SESSION in policy.needs else None
     board = PeerBoard(registry, origin_id(), recent, bindings, kv_index, timeout_s=settings.peer_timeout_s)
     board.quotas = flow.quotas  # quotas hold across routers: each counts what its peers report

@@ -4,12 +4,18 @@ the cached tokens vLLM reports in the answer's usage (streams too), and the clas
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
+import zmq
 
-from tests.integration.conftest import Fleet, RouterFactory, wait_until
+from tests.conftest import free_port
+from tests.integration.conftest import Fleet, RouterFactory, running_sim, start_router, stop_router, wait_until
 from tests.integration.test_kv_routing import long_prompt, metric
 
 pytestmark = pytest.mark.integration
@@ -80,3 +86,105 @@ def test_a_request_asks_for_its_receipt_and_gets_the_prediction(fleet: Fleet, ro
     assert row["predicted_cached_tokens"] == predicted > 0 and row["request_id"] == asked.headers["x-request-id"]
     bad = httpx.get(f"{router.url}/admin/receipts", params={"limit": "many"}, timeout=5)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+
+class EventRelay:
+    """Between a sim's KV-event publisher and the router: passes every message on, or drops them while
+    `paused` (events lost on the way: a fault the replica cannot make on demand)."""
+
+    def __init__(self, source: str) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.paused = threading.Event()
+        self.dropped = 0
+        self._stop = threading.Event()
+        self._context = zmq.Context()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(source)
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.bind(self.endpoint)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sub.poll(100):
+                continue
+            frames = self._sub.recv_multipart()
+            if self.paused.is_set():
+                self.dropped += 1
+            else:
+                self._pub.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sub.close(0)
+        self._pub.close(0)
+        self._context.term()
+
+
+@contextmanager
+def relayed_sim(*args: str) -> Iterator[tuple[str, EventRelay]]:
+    with running_sim(*args) as sim:
+        relay = EventRelay(sim.kv_events)
+        try:
+            yield sim.url, relay
+        finally:
+            relay.close()
+
+
+def test_lost_events_show_as_evicted_and_routing_recovers() -> None:
+    """A sim with room for about three prompts; its events reach the router through a relay that the test
+    pauses. While paused, the sim evicts a prompt the index still holds: asked again, its receipt says
+    `evicted`. Once events flow again, the sequence gap clears that replica from the index, and new
+    prompts are `cold`, then `hit`, as before."""
+    with relayed_sim("--num-blocks", "48", "--decode-ms-per-token", "1") as (url, relay):
+        router = start_router([url], "kv_aware", f"--kv-events={url}={relay.endpoint}", "--tokenizer", "remote")
+        try:
+            stored = lambda: metric(router.url, "dpserve_kv_events_total", type="BlockStored")  # noqa: E731
+
+            def fresh(seed: int) -> str:
+                """A new prompt, sent until its events are in (a relay's subscriber may join late)."""
+                before = stored()
+                prompt = long_prompt(seed, words=100)
+                send(router.url, prompt, stream=False)
+                wait_until(lambda: stored() > before, 10, 0.1, "the prompt's events")
+                return prompt
+
+            def classes() -> dict[str, int]:
+                return dict(receipts(router.url)["summary"]["classes"])
+
+            warm_up = iter(range(350, 400))
+
+            def heard() -> bool:
+                send(router.url, long_prompt(next(warm_up), words=100), stream=False)
+                time.sleep(0.2)
+                return stored() > 0
+
+            wait_until(heard, 20, 0.1, "events through the relay")
+            kept = fresh(401)
+            send(router.url, kept, stream=True, **{"x-dpserve-receipt": "1"})
+            assert receipts(router.url, 1)["receipts"][0]["class"] == "hit"
+
+            relay.paused.set()
+            for seed in range(402, 406):  # more than the cache holds beside `kept`: it is evicted
+                send(router.url, long_prompt(seed, words=100), stream=False)
+            before = classes()
+            send(router.url, kept, stream=False, **{"x-dpserve-receipt": "1"})
+            stale = receipts(router.url, 1)["receipts"][0]
+            assert stale["class"] == "evicted", stale
+            assert stale["predicted_cached_tokens"] > stale["realized_cached_tokens"] + stale["block_tokens"]
+            assert classes()["evicted"] == before["evicted"] + 1
+            assert relay.dropped > 0
+
+            relay.paused.clear()
+            again = fresh(406)  # its events carry a sequence number past the lost ones: a gap
+            status = httpx.get(f"{router.url}/status", timeout=5).json()
+            assert status["replicas"][0]["kv_events"]["gaps"] >= 1
+            send(router.url, again, stream=True, **{"x-dpserve-receipt": "1"})
+            assert receipts(router.url, 1)["receipts"][0]["class"] == "hit"
+            summary = receipts(router.url)["summary"]
+            assert summary["receipts"] == sum(summary["classes"].values())
+        finally:
+            stop_router(router)

@@ -8,6 +8,8 @@ from benchmarks.policy_workloads import (
     oracle_unbounded,
     shared_prefix,
 )
+from dpserve.kvindex.events import BlockRemoved, BlockStored
+from dpserve.kvindex.index import KvIndex, block_keys
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import CHUNK_CHARS, TextPrefixIndex, text_keys
 
@@ -44,6 +46,24 @@ def test_recent_routes_expire() -> None:
     assert recent.match([1, 2, 3], ["r0", "r1"]) == {"r0": 0, "r1": 2}
     recent.record(list(range(10, 30)), "r2")
     assert len(recent) == 10
+
+
+def test_a_replicas_eviction_overrides_what_was_just_routed_there() -> None:
+    """The replica's events are the truth about what it evicted: a route sent there moments before no
+    longer counts its blocks as cached (they did, for the routes' whole ttl, until receipts showed it)."""
+    now = [100.0]
+    recent = RecentRoutes(lambda: now[0], ttl_s=10)
+    index = KvIndex()
+    index.on_removed = recent.forget
+    tokens = list(range(12))
+    keys = block_keys(tokens, 4)
+    index.apply("r0", [BlockStored((1, 2, 3), None, tuple(tokens), 4, None, "GPU")])
+    recent.record(keys, "r0")
+    recent.record(keys[:1], "r1")
+    assert recent.match(keys, ["r0", "r1"]) == {"r0": 3, "r1": 1}
+    index.apply("r0", [BlockRemoved((3, 2), "GPU")])  # r0 evicts the prompt's tail, last block first
+    assert index.match(keys, ["r0"]) == {"r0": 1}
+    assert recent.match(keys, ["r0", "r1"]) == {"r0": 1, "r1": 1}  # r1's route is r1's own
 
 
 def test_workloads_have_the_promised_shape() -> None:
