@@ -56,6 +56,8 @@ PAGE = """<!doctype html>
   .warning { color: var(--warn); }
   .none { color: var(--dim); background: var(--panel); border-radius: 8px; padding: 12px 14px; }
   .stale { color: var(--warn); }
+  .classes span { display: inline-block; margin: 6px 6px 0 0; padding: 2px 8px; border-radius: 4px;
+                  background: var(--panel); }
 </style>
 </head>
 <body>
@@ -71,6 +73,8 @@ PAGE = """<!doctype html>
 </table>
 <h2>GPUs</h2>
 <div id="gpus"></div>
+<h2>Routing quality</h2>
+<div id="quality"></div>
 <script id="initial" type="application/json">__INITIAL__</script>
 <script>
 "use strict";
@@ -166,6 +170,29 @@ function renderGpus(gpus) {
   })));
 }
 
+function renderQuality(q, replicas) {
+  // Receipts: what the policy predicted cached against what the replicas reported, misses by class.
+  const box = document.getElementById("quality");
+  if (!q || !q.receipts) {
+    box.replaceChildren(el("div", {class: "none"}, "No receipts yet (sampled: " + pct(q ? q.sample : 0) + ")."));
+    return;
+  }
+  const events = replicas.map(r => r.kv_events).filter(e => e);
+  const gaps = events.reduce((n, e) => n + (e.gaps || 0), 0);
+  const ages = events.map(e => e.seconds_since_last).filter(a => a !== null && a !== undefined);
+  const error = q.hit_mean_error_blocks;
+  const staleness = events.length
+    ? " · KV-event gaps " + gaps + (ages.length ? ", last event " + Math.max(...ages).toFixed(1) + " s ago" : "")
+    : "";
+  const classes = Object.entries(q.classes).map(([name, n]) => el("span", {"data-class": name}, name + " " + n));
+  box.replaceChildren(
+    el("div", {class: "meta"}, "receipts ", el("b", {}, q.receipts), " (sample " + pct(q.sample) + ")",
+       " · hit rate predicted ", el("b", {}, pct(q.predicted_hit_rate)),
+       ", realized ", el("b", {}, pct(q.realized_hit_rate)),
+       " · a hit's error ", el("b", {}, error === null ? DASH : error.toFixed(2) + " blocks"), staleness),
+    el("div", {class: "classes"}, ...classes));
+}
+
 function render(status, stale) {
   const healthy = status.replicas.filter(r => r.healthy).length;
   const meta = [
@@ -176,6 +203,7 @@ function render(status, stale) {
   document.getElementById("meta").replaceChildren(...meta);
   renderReplicas(status);
   renderGpus(status.gpus);
+  renderQuality(status.routing_quality, status.replicas);
 }
 
 let last = JSON.parse(document.getElementById("initial").textContent);

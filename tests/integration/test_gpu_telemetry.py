@@ -146,7 +146,8 @@ def test_dashboard_renders_both_replicas_in_headless_chromium(
     router = router_factory("least_loaded")
     for _ in range(4):
         body = {"model": "dpserve-tiny", "prompt": "hello", "max_tokens": 4}
-        assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).status_code == 200
+        asked = {"x-dpserve-receipt": "1"}
+        assert httpx.post(f"{router.url}/v1/completions", json=body, headers=asked, timeout=60).status_code == 200
     dom = rendered_dom(f"{router.url}/dashboard", tmp_path / "profile")
     # The table body is empty in the HTML sent; these rows exist only if the page's script rendered them.
     rows = re.findall(r'<tr data-replica="(r\d)">(.*?)</tr>', dom, re.S)
@@ -156,6 +157,8 @@ def test_dashboard_renders_both_replicas_in_headless_chromium(
     served = sum(int(n) for n in re.findall(r'<td class="num">(\d+)</td>\s*<td>[^<]*</td>\s*</tr>', dom))
     assert served >= 4
     assert re.search(r'id="no-gpu">None\. no NVIDIA GPU found: ', dom)
+    # The routing-quality panel: 4 receipts asked for, unscored (least_loaded predicts no cache).
+    assert re.search(r"receipts <b>4</b>", dom) and '<span data-class="unscored">unscored 4</span>' in dom
     # It refreshed itself (every 2 s, within the 5 s of virtual time) without losing the router.
     refreshes = re.search(r'<body data-refreshes="(\d+)">', dom)
     assert refreshes is not None and int(refreshes.group(1)) >= 1
