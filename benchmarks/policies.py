@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -48,6 +49,8 @@ from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from dpserve.up.process import terminate
 
 DPSERVE_POLICIES = ("kv_aware", "prefix", "session", "least_loaded", "round_robin")
+SHADOWED = ("round_robin", "least_loaded")
+"""Run as shadows of dpserve:kv_aware (`--shadow-policy`), each estimate held against that policy's own run."""
 VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
 WORKLOADS = ("shared_prefix", "cache_pressure", "multi_turn")
 HITS, QUERIES, SUCCESS = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total"
@@ -93,6 +96,17 @@ class Row:
     per_replica: str
     reasons: str = ""
     """dpserve's decision reasons (dpserve_routing_decision_reasons_total) over the run."""
+    receipt_classes: str = ""
+    """dpserve's routing receipts (every request gets one here) by class, `hit=N cold=N ...`."""
+    receipt_predicted_hit_rate: float = math.nan
+    """Cached tokens the policy predicted on its choices over the prompts' tokens, from the receipts."""
+    receipt_realized_hit_rate: float = math.nan
+    """Cached tokens the replicas reported for the same requests over the prompts' tokens."""
+    receipt_hit_error_blocks: float = math.nan
+    """Mean |realized - predicted| of a `hit`, in blocks."""
+    shadows: str = ""
+    """dpserve:kv_aware's shadow policies' estimated hit rates, `NAME=rate ...` (`live` = kv_aware's own
+    choices through the same cache model)."""
 
 
 # -- processes ---------------------------------------------------------------------------------------
@@ -243,6 +257,23 @@ async def decision_reasons(session: aiohttp.ClientSession, router_url: str) -> s
     return " ".join(f"{labels.get('reason')}={int(value)}" for labels, value in samples.by_name.get(name, []))
 
 
+async def receipt_summary(session: aiohttp.ClientSession, router_url: str) -> dict[str, Any]:
+    """dpserve's routing receipts over the run (`/admin/receipts`, the summary alone)."""
+    text = await get_text(session, f"{router_url}/admin/receipts?limit=0")
+    summary: dict[str, Any] = orjson.loads(text)["summary"] if text else {}
+    return summary
+
+
+async def shadow_rates(session: aiohttp.ClientSession, router_url: str) -> str:
+    """The shadows' estimated hit rates from /status, `live=... round_robin=...`."""
+    text = await get_text(session, f"{router_url}/status")
+    status: dict[str, Any] = orjson.loads(text) if text else {}
+    block = status.get("shadows") or {}
+    rates = {"live": (block.get("live_modelled") or {}).get("estimated_hit_rate")}
+    rates |= {name: tally.get("estimated_hit_rate") for name, tally in (block.get("shadows") or {}).items()}
+    return " ".join(f"{name}={rate:.4f}" for name, rate in rates.items() if rate is not None)
+
+
 async def reset_caches(session: aiohttp.ClientSession, fleet: Fleet) -> None:
     for url in fleet.urls:
         for _ in range(50):
@@ -267,9 +298,14 @@ async def run_contender(
 ) -> Row:
     await reset_caches(session, fleet)
     port = port_block(2, random.Random())
-    process = spawn(
-        contender_command(contender, fleet, port, tokenizer, args.dpserve_args.split()), None, dict(os.environ)
-    )
+    extra = args.dpserve_args.split()
+    if contender.router == "dpserve":
+        extra += ["--receipts-sample", "1"]  # every request's prediction against what the replica reported
+    if contender == Contender("dpserve", "kv_aware"):
+        # What round robin and least loaded would have hit, estimated in the shadow of kv_aware's run, to
+        # hold against their own runs on the same workload.
+        extra += [f"--shadow-policy={name}" for name in SHADOWED]
+    process = spawn(contender_command(contender, fleet, port, tokenizer, extra), None, dict(os.environ))
     router_url = f"http://127.0.0.1:{port}"
     try:
         await wait_ok(session, f"{router_url}/v1/models", 60, process)
@@ -280,6 +316,8 @@ async def run_contender(
         )
         after = await replica_counters(session, fleet)
         reasons = await decision_reasons(session, router_url) if contender.router == "dpserve" else ""
+        receipts = await receipt_summary(session, router_url) if contender.router == "dpserve" else {}
+        shadows = await shadow_rates(session, router_url) if contender == Contender("dpserve", "kv_aware") else ""
     finally:
         terminate(process, 30)
     hits, queries, served = counter_deltas(before, after)
@@ -301,7 +339,61 @@ async def run_contender(
         max_share=round(max(served) / fair, 3) if fair else math.nan,
         per_replica="/".join(str(int(s)) for s in served),
         reasons=reasons,
+        receipt_classes=" ".join(f"{name}={count}" for name, count in receipts.get("classes", {}).items() if count),
+        receipt_predicted_hit_rate=_rounded(receipts.get("predicted_hit_rate")),
+        receipt_realized_hit_rate=_rounded(receipts.get("realized_hit_rate")),
+        receipt_hit_error_blocks=_rounded(receipts.get("hit_mean_error_blocks")),
+        shadows=shadows,
     )
+
+
+def _rounded(value: float | None) -> float:
+    return math.nan if value is None else round(value, 4)
+
+
+def receipts_table(rows: Sequence[Row]) -> str:
+    """dpserve's routing receipts: what each policy predicted cached against what the replicas reported."""
+    lines = [
+        "| backend | workload | contender | predicted hit rate | realized hit rate | a hit's error (blocks) "
+        "| classes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.receipt_classes:
+            lines.append(
+                f"| {r.backend} | {r.workload} | {r.contender} | {_cell(r.receipt_predicted_hit_rate)} | "
+                f"{_cell(r.receipt_realized_hit_rate)} | {_cell(r.receipt_hit_error_blocks, 2)} | {r.receipt_classes} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def shadow_table(rows: Sequence[Row]) -> str:
+    """Each shadow's estimate (made during dpserve:kv_aware's run) beside that policy's own run, and
+    kv_aware's own estimate through the same model beside what the replicas reported."""
+    by_key = {(r.backend, r.workload, r.contender): r for r in rows}
+    lines = [
+        "| backend | workload | policy | estimated in kv_aware's shadow | its own run | difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.contender != "dpserve:kv_aware" or not r.shadows:
+            continue
+        estimates = {name: float(rate) for name, rate in (part.split("=") for part in r.shadows.split())}
+        for name, estimate in estimates.items():
+            policy = "kv_aware" if name == "live" else name
+            own = by_key.get((r.backend, r.workload, f"dpserve:{policy}"))
+            if own is None:
+                continue
+            label = "kv_aware (its own choices, modelled)" if name == "live" else policy
+            lines.append(
+                f"| {r.backend} | {r.workload} | {label} | {estimate:.3f} | {own.hit_rate:.3f} | "
+                f"{estimate - own.hit_rate:+.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: float, digits: int = 3) -> str:
+    return "" if math.isnan(value) else f"{value:.{digits}f}"
 
 
 # -- workloads, oracles, sizes -----------------------------------------------------------------------
@@ -625,7 +717,9 @@ def main(argv: Sequence[str]) -> int:
         asyncio.run(run_backend(args, backend, contenders, rows, costs))
     write_csv(args.out / "policies.csv", [asdict(r) for r in rows], [f.name for f in fields(Row)])
     write_csv(args.out / "tokenize.csv", costs)
-    (args.out / "policies.md").write_text(summary_table(rows) + "\n" + markdown_table(rows))
+    (args.out / "policies.md").write_text(
+        summary_table(rows) + "\n" + markdown_table(rows) + "\n" + receipts_table(rows) + "\n" + shadow_table(rows)
+    )
     for backend in backends:
         plot(rows, args.out / f"policies-{backend}.png", backend)
     print()
@@ -637,6 +731,8 @@ def main(argv: Sequence[str]) -> int:
             f"router-side tokenizer p50 {cost['local_p50_us']} us, replica /tokenize p50 {cost['remote_p50_us']} us"
         )
     print()
+    print(receipts_table(rows))
+    print(shadow_table(rows))
     print("\n".join(verdicts(rows)))
     print(
         f"\nwrote {shown(args.out)}/policies.csv, policies.md, tokenize.csv, "

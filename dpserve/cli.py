@@ -108,6 +108,17 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         "--receipts-keep", type=int, dest="receipts_keep", help="routing receipts kept for /admin/receipts (1024)"
     )
     parser.add_argument(
+        "--receipts-log", dest="receipts_log", metavar="PATH", help="append every routing receipt to PATH (JSON lines)"
+    )
+    parser.add_argument(
+        "--shadow-policy",
+        action="append",
+        dest="shadow_policies",
+        metavar="NAME",
+        help="also ask this policy what it would choose, and estimate its cache hits (round_robin, least_loaded, "
+        "kv_aware; repeatable; /status shadows, dpserve_shadow_*)",
+    )
+    parser.add_argument(
         "--queue-timeout", type=float, dest="queue_timeout_s", help="seconds a request may queue before 429 (30)"
     )
     parser.add_argument(

@@ -33,6 +33,8 @@ class PrefixMatch:
     held: Mapping[str, int] = field(default_factory=dict)
     """Replica id -> blocks it holds in all (from the index): how much of the fleet's cached prefixes it
     already owns, so a new prefix can go where there is least."""
+    prompt_tokens: int = 0
+    """Tokens in the prompt (0 where not counted: routed text)."""
 
     def blocks(self, replica_id: str) -> int:
         return self.matched.get(replica_id, 0)

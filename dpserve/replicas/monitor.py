@@ -100,7 +100,8 @@ class ReplicaMonitor:
                 raise ProbeFailed(f"/metrics answered {resp.status}")
             text = await resp.text()
         samples = parse_samples(text, SCRAPED_METRICS)
-        block_size = (samples.first_labels(CACHE_CONFIG) or {}).get("block_size")
+        cache_config = samples.first_labels(CACHE_CONFIG) or {}
+        block_size, kv_blocks = cache_config.get("block_size"), cache_config.get("num_gpu_blocks")
         self._registry.record_scrape(
             replica.id,
             running=int(samples.total(RUNNING) or 0),
@@ -109,6 +110,7 @@ class ReplicaMonitor:
             prefix_cache_queries=samples.total(PREFIX_QUERIES) or 0.0,
             prefix_cache_hits=samples.total(PREFIX_HITS) or 0.0,
             block_size=int(block_size) if block_size and block_size.isdigit() else None,
+            kv_blocks=int(kv_blocks) if kv_blocks and kv_blocks.isdigit() else None,
         )
         lora = lora_info(samples.by_name.get(LORA_INFO, ()))
         if lora is not None:

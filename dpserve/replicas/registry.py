@@ -28,6 +28,8 @@ class Replica(LoadFromCounts):
     models: tuple[str, ...] = ()
     """The cards' ids: what routing checks on every request. Set both through `set_model_cards`."""
     block_size: int | None = None
+    kv_blocks: int = 0
+    """Its KV cache in blocks (`num_gpu_blocks`), 0 until read."""
     health: HealthState = field(default_factory=HealthState)
     draining: bool = False
     """Taken out of routing by the admin API: requests in flight finish, no new ones come."""
@@ -478,6 +480,7 @@ class ReplicaRegistry:
         prefix_cache_queries: float,
         prefix_cache_hits: float,
         block_size: int | None,
+        kv_blocks: int | None = None,
     ) -> None:
         replica = self._replicas.get(replica_id)
         if replica is None:
@@ -494,4 +497,6 @@ class ReplicaRegistry:
         replica.prefix_cache_hits = prefix_cache_hits
         if block_size is not None:
             replica.block_size = block_size
+        if kv_blocks is not None:
+            replica.kv_blocks = kv_blocks
         replica.last_scrape = time.monotonic()

@@ -66,8 +66,10 @@ from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, Remote
 from dpserve.router.proxied_endpoints import ProxiedEndpoints, Relaying, proxied_openapi_paths
 from dpserve.router.proxied_paths import HotPath, RouterApp
 from dpserve.router.quotas import QuotaBook
+from dpserve.router.receipt_log import ReceiptLog
 from dpserve.router.receipts import ReceiptBook, ReceiptCollector
 from dpserve.router.selection import PrefixLookup, Selector
+from dpserve.router.shadows import ShadowCollector, ShadowScorer
 from dpserve.router.shutdown import Shutdown
 from dpserve.router.stored_responses import ResponseOwners
 from dpserve.router.tenants import Tenants
@@ -98,6 +100,7 @@ class RouterState:
     """The other routers (and workers) this one shares routing state with; `enabled` is False without."""
     flow: Flow
     receipts: ReceiptBook
+    shadows: ShadowScorer | None
 
 
 def policy_tuning(settings: RouterSettings) -> PolicyTuning:
@@ -162,6 +165,7 @@ def selector_for(
     recent: RecentRoutes | None,
     rng: random.Random | None = None,
     bindings: SessionBindings | None = None,
+    shadows: ShadowScorer | None = None,
 ) -> Selector:
     """How the router chooses replicas (also what `benchmarks/decision_time.py` times); the prefix lookup
     only for a policy that reads prefixes."""
@@ -178,7 +182,21 @@ def selector_for(
         bindings=bindings,
         adapter_affinity=settings.lora_affinity,
         guard=BalanceGuard(settings.balance_rel, settings.balance_abs),
+        shadows=shadows,
     )
+
+
+def shadow_scorer(settings: RouterSettings, registry: ReplicaRegistry) -> ShadowScorer | None:
+    """`--shadow-policy`: each its own policy object (a shadow's turn or random draws are its own)."""
+    if not settings.shadow_policies:
+        return None
+    policies = [make_policy(name, random.Random(), policy_tuning(settings)) for name in settings.shadow_policies]
+
+    def capacity_of(replica_id: str) -> int:
+        replica = registry.find(replica_id)
+        return replica.kv_blocks if replica is not None else 0
+
+    return ShadowScorer(policies, capacity_of)
 
 
 def kv_event_endpoints(settings: RouterSettings, registry: ReplicaRegistry) -> dict[str, str]:
@@ -343,6 +361,10 @@ def create_app(
         raise ValueError("no replicas: give --replica URL or --discover dns:NAME:PORT")
     registry = registry or registry_for(settings)
     policy = policy or make_policy(settings.routing_policy, rng, policy_tuning(settings))
+    shadows = shadow_scorer(settings, registry)
+    # What features are computed: the live policy's, and the shadows' (a kv_aware shadow beside a load
+    # policy needs the prompt's blocks).
+    needs = policy.needs | (shadows.needs if shadows is not None else frozenset())
     keys = keys if keys is not None else load_keys(settings)
     admission = admission_for(settings)
     flow = flow_for(settings, keys, admission)
@@ -352,12 +374,17 @@ def create_app(
     metrics.registry.register(UsageCollector(flow.usage))
     receipts = ReceiptBook(settings.receipts_sample, settings.receipts_keep)
     metrics.registry.register(ReceiptCollector(receipts))
+    if shadows is not None:
+        metrics.registry.register(ShadowCollector(shadows))
+    receipt_log = ReceiptLog(settings.receipts_log) if settings.receipts_log else None  # a bad path fails here
+    if receipt_log is not None:
+        receipts.on_closed = receipt_log.write
     gpus = gpu_fleet(settings, registry, nvml, resolver)
     if gpus.enabled:
         metrics.registry.register(GpuCollector(gpus))
     endpoints = kv_event_endpoints(settings, registry)
     kv_index: KvIndex | None = None
-    if endpoints or Need.KV_PREFIX in policy.needs:
+    if endpoints or Need.KV_PREFIX in needs:
         kv_index = KvIndex(settings.kv_index_max_entries)
         if not endpoints:
             log.warning("policy %s has no --kv-events to learn from: it routes on load only", policy.name)
@@ -384,7 +411,7 @@ def create_app(
     open_streams = OpenStreams()
     shutdown = Shutdown(open_streams)
     state = RouterState(
-        registry, policy, metrics, kv_index, [], gpus, shutdown, time.time(), sources, peers, flow, receipts
+        registry, policy, metrics, kv_index, [], gpus, shutdown, time.time(), sources, peers, flow, receipts, shadows
     )
     if sources:
         metrics.registry.register(DiscoveryCollector(sources))
@@ -400,11 +427,11 @@ def create_app(
         control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
         monitor = ReplicaMonitor(registry, control, settings.probe_interval_s, settings.probe_timeout_s)
         tokens: TokenCache | None = None
-        if Need.KV_PREFIX in policy.needs:
+        if Need.KV_PREFIX in needs:
             tokenizer: PromptTokenizer = local or RemoteTokenizer(control)
             tokens = TokenCache(tokenizer, settings.token_cache_entries)
         selector = selector_for(
-            settings, registry, policy, admission, metrics, kv_index, text_index, recent, rng, bindings
+            settings, registry, policy, admission, metrics, kv_index, text_index, recent, rng, bindings, shadows
         )
         retry = RetryRules(settings.retries, settings.retry_backoff_s)
         adapters = AdapterLoader(registry, metrics)
@@ -412,7 +439,7 @@ def create_app(
         dispatcher = Dispatcher(
             registry, selector, hot, metrics, retry, admission, open_streams, rng=rng, adapters=adapters
         )
-        features = FeatureBuilder(policy.needs, registry, metrics, kv_index, text_index, tokens, bindings)
+        features = FeatureBuilder(needs, registry, metrics, kv_index, text_index, tokens, bindings)
         relaying = Relaying(
             registry,
             features,
@@ -480,6 +507,8 @@ def create_app(
             zmq_context.destroy(linger=0)
             hot.close()
             await control.close()
+            if receipt_log is not None:
+                receipt_log.close()
 
     app = RouterApp(hot_path, title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.shutdown = state.shutdown
@@ -574,6 +603,7 @@ def _status(state: RouterState) -> dict[str, Any]:
         **({"peers": state.peers.status()} if state.peers.enabled else {}),
         "flow": state.flow.status(),
         "routing_quality": state.receipts.summary(),
+        **({"shadows": state.shadows.status()} if state.shadows is not None else {}),
     }
 
 

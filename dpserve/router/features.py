@@ -100,7 +100,7 @@ class FeatureBuilder:
         self._metrics.prompt_tokens.inc(len(tokens))
         # Matches are read at decision time (`selection.PrefixLookup.match`): requests tokenized side by side must see
         # each other's routing, so the index is not read here.
-        return PrefixMatch(PrefixSource.KV_EVENTS, len(keys), block_size, keys=tuple(keys))
+        return PrefixMatch(PrefixSource.KV_EVENTS, len(keys), block_size, keys=tuple(keys), prompt_tokens=len(tokens))
 
     def _text_prefix(self, endpoint: str, model: str, payload: dict[str, Any]) -> PrefixMatch | None:
         if self._text_index is None:

@@ -158,6 +158,8 @@ class ReceiptBook:
         self.by_replica: dict[tuple[str, str], int] = {}
         """(replica, class) -> receipts."""
         self._scored = _Tally()
+        self.on_closed: Callable[[Receipt], None] | None = None
+        """Called with each receipt once its answer is done (`--receipts-log`)."""
 
     def open(self, request_id: str, endpoint: str, model: str, tenant: str, asked: bool = False) -> Receipt | None:
         """A receipt for this request when it falls in the sample (or `asked`), else None."""
@@ -189,6 +191,8 @@ class ReceiptBook:
                 tally.hit_error_tokens += error
                 tally.hit_error_blocks += error / max(receipt.block_tokens, 1)
         self._ring.append(receipt)
+        if self.on_closed is not None:
+            self.on_closed(receipt)
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
         """The last `limit` receipts, newest first."""

@@ -19,6 +19,7 @@ from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.admission import Admission
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.receipts import Receipt
+from dpserve.router.shadows import ShadowScorer
 
 
 class Selector:
@@ -34,12 +35,15 @@ class Selector:
         bindings: SessionBindings | None = None,
         adapter_affinity: bool = True,
         guard: BalanceGuard | None = None,
+        shadows: ShadowScorer | None = None,
     ) -> None:
         """`sample_size` > 0: a policy that allows it (`Policy.sampling`) sees at most that many replicas
         of a larger fleet, so a decision costs the same with 64 replicas as with 8. `adapter_affinity`
         False: LoRA requests ignore where adapters are loaded (a baseline; `--lora-affinity off`)."""
         self._adapter_affinity = adapter_affinity
         self._guard = guard or BalanceGuard()
+        self._shadows = shadows
+        """`--shadow-policy`: asked after each decision what they would have chosen (no traffic follows)."""
         """How much busier than the least loaded a replica holding an adapter may be (`--balance-*`)."""
         self.policy = policy
         self._registry = registry
@@ -112,6 +116,8 @@ class Selector:
         metrics.labeled(metrics.decision_reasons, policy.name, decision.reason).inc()
         if receipt is not None:
             receipt.decided(policy.name, decision.id, decision.reason, features.prefix, candidates)
+        if self._shadows is not None:
+            self._shadows.observe(features, candidates, decision.id)
         if prefixes is not None:
             prefixes.record(features, decision.id)
         if self._bindings is not None and features.session_key:

@@ -246,6 +246,8 @@ def router_flags(
         argv += ["--flow-control", "off"]
     for spec in settings.tenants:
         argv += ["--tenant", spec]
+    for name in settings.shadow_policies:
+        argv += ["--shadow-policy", name]
     if settings.vllm_priority:
         argv.append("--vllm-priority")
     for spec in settings.lora:
@@ -288,6 +290,7 @@ _ROUTER_VALUE_FLAGS = (
     ("--queue-size", "queue_size"),
     ("--receipts-sample", "receipts_sample"),
     ("--receipts-keep", "receipts_keep"),
+    ("--receipts-log", "receipts_log"),
     ("--queue-timeout", "queue_timeout_s"),
     ("--api-key-file", "api_key_file"),
     ("--admin-key-file", "admin_key_file"),

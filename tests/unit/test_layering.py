@@ -54,6 +54,7 @@ ROUTER_PATH: tuple[str, ...] = (
     "dispatch",
     "adapter_loader",
     "selection",
+    "shadows",
     "request_body",
     "engine_ops",
     "admission",
@@ -73,6 +74,7 @@ ROUTER_PATH: tuple[str, ...] = (
     "quotas",
     "usage",
     "usage_stream",
+    "receipt_log",
     "receipts",
     "errors",
 )

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dpserve.policies.base import PrefixMatch, PrefixSource
+from dpserve.router.receipt_log import ReceiptLog
 from dpserve.router.receipts import (
     BALANCED,
     CLASSES,
@@ -126,3 +129,26 @@ def test_the_ring_is_bounded_and_the_counts_add_up_to_the_receipts() -> None:
     text = generate_latest(registry).decode()
     assert 'dpserve_receipts_total{class="hit",replica="r0"} 6.0' in text
     assert 'dpserve_receipt_tokens_total{kind="realized_cached"} 528.0' in text
+
+
+def test_the_log_gets_every_closed_receipt_as_a_json_line(tmp_path: Path) -> None:
+    now = [0.0]
+    log = ReceiptLog(tmp_path / "receipts.jsonl", clock=lambda: now[0])
+    book = ReceiptBook(sample=0.5)
+    book.on_closed = log.write
+    for index in range(4):
+        receipt = book.open(f"req-{index}", "completions", "m", "t")
+        if receipt is not None:
+            receipt.decided("kv_aware", "r0", "cache_hit", match(r0=4), [View("r0", 0)])
+            book.close(receipt, 200, 100, 64)
+    assert log.written == 2
+    assert (tmp_path / "receipts.jsonl").read_bytes() == b""  # buffered, a second not yet passed
+    now[0] = 1.5
+    receipt = book.open("req-4", "completions", "m", "t", asked=True)
+    assert receipt is not None
+    book.close(receipt, 499, None, None)
+    lines = [json.loads(line) for line in (tmp_path / "receipts.jsonl").read_text().splitlines()]
+    assert [(r["request_id"], r["class"]) for r in lines] == [("req-1", HIT), ("req-3", HIT), ("req-4", UNSCORED)]
+    log.close()
+    with pytest.raises(ValueError, match=r"--receipts-log .*nowhere"):
+        ReceiptLog(tmp_path / "nowhere" / "receipts.jsonl")
