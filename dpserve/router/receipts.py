@@ -147,8 +147,10 @@ class ReceiptBook:
     always gets one), the last `keep` of them, and counts by class and replica since start."""
 
     def __init__(self, sample: float = 0.1, keep: int = 1024, clock: Callable[[], float] = time.time) -> None:
-        if not 0.0 <= sample <= 1.0 or keep < 0:
-            raise ValueError("the receipts' sample must be between 0 and 1, and keep at least 0")
+        if not 0.0 <= sample <= 1.0:
+            raise ValueError(f"--receipts-sample {sample}: must be between 0 and 1")
+        if keep < 0:
+            raise ValueError(f"--receipts-keep {keep}: must be 0 or more")
         self.sample = sample
         self._due = 0.0
         """The share of a receipt owed so far: every request adds `sample`, a receipt takes 1 (an even sample)."""

@@ -58,9 +58,10 @@ class ModelledCaches:
         return len(cache) if cache else 0
 
     def add(self, replica: str, keys: Sequence[int], capacity: int) -> None:
-        """The prompt's blocks are computed (or hit) there: most recently used now. `capacity` 0: unbounded."""
+        """The prompt's blocks are computed (or hit) there: most recently used now, the last block first, as
+        vLLM frees them (so a shared front outlives the tails it was shared by). `capacity` 0: unbounded."""
         cache = self._caches.setdefault(replica, OrderedDict())
-        for key in keys:
+        for key in reversed(keys):
             if key in cache:
                 cache.move_to_end(key)
             else:

@@ -176,6 +176,19 @@ def test_dashboard_renders_both_replicas_in_headless_chromium(
             ["--replica", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:2=tcp://127.0.0.1:3"],
             "--kv-events names http://127.0.0.1:2, which is not one of the router's --replica URLs",
         ),
+        (
+            ["--replica", "http://127.0.0.1:1", "--receipts-sample", "2"],
+            "--receipts-sample 2.0: must be between 0 and 1",
+        ),
+        (
+            ["--replica", "http://127.0.0.1:1", "--receipts-log", "/nowhere/receipts.jsonl"],
+            "--receipts-log /nowhere/receipts.jsonl: No such file or directory",
+        ),
+        (
+            ["--replica", "http://127.0.0.1:1", "--shadow-policy", "prefix"],
+            "--shadow-policy prefix: a shadow reads load or KV blocks only",
+        ),
+        (["--replica", "http://127.0.0.1:1", "--shadow-policy", "fastest"], "unknown policy 'fastest'"),
     ],
 )
 def test_bad_router_flags_are_one_line_and_exit_2(args: list[str], message: str) -> None:

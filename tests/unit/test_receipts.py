@@ -96,7 +96,7 @@ def test_the_sample_is_even_and_a_request_that_asks_always_gets_one() -> None:
     assert sum(opened) == 10 and opened[3::4] == [True] * 10
     assert book.open("asked", "completions", "m", "t", asked=True) is not None
     assert ReceiptBook(sample=0.0).open("x", "completions", "m", "t") is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"--receipts-sample 1\.5: must be between 0 and 1"):
         ReceiptBook(sample=1.5)
 
 

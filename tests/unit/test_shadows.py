@@ -26,11 +26,15 @@ def test_modelled_caches_are_lru_per_replica() -> None:
     caches = ModelledCaches()
     caches.add("r0", [1, 2, 3], capacity=4)
     assert (caches.leading("r0", [1, 2, 9]), caches.leading("r1", [1]), caches.blocks("r0")) == (2, 0, 3)
-    caches.add("r0", [1, 5], capacity=4)  # 1 used again: 2 is now the least recently used
+    caches.add("r0", [1, 5], capacity=4)  # 1 used again; 3, the first prompt's tail, is the least recent
     caches.add("r0", [6], capacity=4)
-    assert caches.leading("r0", [1]) == 1 and caches.leading("r0", [2]) == 0 and caches.blocks("r0") == 4
+    assert caches.leading("r0", [1, 2]) == 2 and caches.leading("r0", [3]) == 0 and caches.blocks("r0") == 4
     caches.add("r1", list(range(100)), capacity=0)  # unknown capacity: unbounded
     assert caches.blocks("r1") == 100
+    # A prompt's blocks are used last block first, as vLLM frees them: its front is evicted last.
+    caches.add("r2", [1, 2, 3], capacity=3)
+    caches.add("r2", [1, 8], capacity=3)  # the tail of [1, 2, 3] goes, its front (1) stays
+    assert caches.leading("r2", [1, 2]) == 2 and caches.leading("r2", [3]) == 0
     assert cacheable_blocks(request(0, 0).prefix) == 5  # type: ignore[arg-type]
 
 
@@ -62,8 +66,9 @@ def test_each_shadow_is_scored_on_the_caches_its_own_choices_would_have_made() -
     tight = run(capacity=6, load=(0, 3))
     assert tight["live"]["estimated_cached_tokens"] == 24 * BS  # a partition still fits
     assert tight["least_loaded"]["estimated_cached_tokens"] < 24 * BS  # both groups on r0: they evict each other
-    # Round robin alternates the groups on each replica: each evicts the other before it comes back.
-    assert tight["round_robin"]["estimated_cached_tokens"] == 0
+    # Round robin alternates the groups on each replica: each evicts all but the other's first block (a
+    # prompt's front is evicted last) before it comes back.
+    assert tight["round_robin"]["estimated_cached_tokens"] == 4 * BS
     assert tight["live"]["estimated_hit_rate"] == pytest.approx(96 / prompt)
 
 
