@@ -137,9 +137,8 @@ class _Tally:
     prompt_tokens: int = 0
     predicted: int = 0
     realized: int = 0
-    hit_error_tokens: int = 0
-    """Sum of |realized - predicted| over `hit`s (for the mean error in blocks)."""
     hit_error_blocks: float = 0.0
+    """Sum of |realized - predicted| over `hit`s, in blocks (for the mean)."""
 
 
 class ReceiptBook:
@@ -190,7 +189,6 @@ class ReceiptBook:
             tally.realized += receipt.realized or 0
             if verdict == HIT:
                 error = abs((receipt.realized or 0) - (receipt.predicted or 0))
-                tally.hit_error_tokens += error
                 tally.hit_error_blocks += error / max(receipt.block_tokens, 1)
         self._ring.append(receipt)
         if self.on_closed is not None:
