@@ -636,6 +636,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny_lora.add_argument("--cache-dir", type=Path, dest="cache_dir", help="where the tiny model is built")
 
+    # Its own flags are parsed by the command (`dpserve tune --help`).
+    commands.add_parser(
+        "tune", help="kv_aware's weights for a recorded workload (a receipts log), replayed in a model", add_help=False
+    )
+
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     # Its own flags are parsed by the benchmark (`dpserve bench upstream-client --help`).
@@ -694,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, vllm_args = argv[:split], argv[split + 1 :]
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "bench":
+    if rest and args.command not in ("bench", "tune"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     if args.command == "model":
@@ -745,6 +750,10 @@ def main(argv: list[str] | None = None) -> int:
         from dpserve.gpu.table import print_gpus
 
         return print_gpus(as_json=args.json)
+    if args.command == "tune":
+        from dpserve.tune.command import main as tune_main
+
+        return tune_main(rest)
     if args.command == "bench":
         module = benchmark_module(BENCH_MODULES[args.bench])
         if module is None:

@@ -222,7 +222,9 @@ class _Exchange:
                     if usage is None:
                         self.state.receipts.close(receipt, self.status, None, None)
                     else:
-                        self.state.receipts.close(receipt, self.status, usage.prompt_tokens, usage.cached_tokens)
+                        self.state.receipts.close(
+                            receipt, self.status, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+                        )
         except Exception:
             # Logged here with its trace; the client gets no internals.
             log.exception("unhandled error on %s", endpoint.path)

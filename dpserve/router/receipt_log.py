@@ -31,7 +31,7 @@ class ReceiptLog:
         self.written = 0
 
     def write(self, receipt: Receipt) -> None:
-        self._file.write(orjson.dumps(receipt.to_dict()) + b"\n")
+        self._file.write(orjson.dumps(receipt.to_dict(keys=True)) + b"\n")
         self.written += 1
         now = self._clock()
         if now - self._flushed_at >= FLUSH_AFTER_S:

@@ -27,7 +27,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dpserve.policies.base import PrefixMatch, ReplicaView
+from dpserve.policies.base import PrefixMatch, PrefixSource, ReplicaView
 
 HIT = "hit"
 COLD = "cold"
@@ -80,8 +80,11 @@ class Receipt:
     best_load: int | None = None
     status: int = 0
     prompt_tokens: int | None = None
+    completion_tokens: int | None = None
     realized: int | None = None
     verdict: str = UNSCORED
+    keys: tuple[int, ...] = ()
+    """The prompt's block keys (hashes, no text): what `dpserve tune` replays, in the log only."""
 
     def decided(
         self, policy: str, replica: str, reason: str, prefix: PrefixMatch | None, candidates: Sequence[ReplicaView]
@@ -92,9 +95,12 @@ class Receipt:
         self.load = chosen.load if chosen is not None else 0
         if prefix is None:
             self.source = self.predicted = self.best = self.best_replica = self.best_load = None
+            self.keys = ()
             return
         per_block = prefix.tokens_per_block
         self.source = prefix.source.value
+        if prefix.source is PrefixSource.KV_EVENTS:
+            self.keys = prefix.keys
         self.block_tokens, self.prompt_blocks = per_block, prefix.total_blocks
         self.predicted = prefix.blocks(replica) * per_block
         best_replica, best_blocks = replica, prefix.blocks(replica)
@@ -106,8 +112,9 @@ class Receipt:
         best = next((c for c in candidates if c.id == best_replica), None)
         self.best_load = best.load if best is not None else None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, keys: bool = False) -> dict[str, Any]:
+        """`keys`: with the prompt's block keys (for the log; long)."""
+        out = {
             "request_id": self.request_id,
             "at": self.at,
             "endpoint": self.endpoint,
@@ -127,8 +134,12 @@ class Receipt:
             "best_load": self.best_load,
             "status": self.status,
             "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
             "realized_cached_tokens": self.realized,
         }
+        if keys:
+            out["keys"] = list(self.keys)
+        return out
 
 
 @dataclass(slots=True)
@@ -172,11 +183,19 @@ class ReceiptBook:
             self._due = due - 1.0
         return Receipt(request_id, self._clock(), endpoint, model, tenant)
 
-    def close(self, receipt: Receipt, status: int, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+    def close(
+        self,
+        receipt: Receipt,
+        status: int,
+        prompt_tokens: int | None,
+        cached_tokens: int | None,
+        completion_tokens: int | None = None,
+    ) -> None:
         """The answer is done: what the replica realized, the class, the counts."""
         receipt.status = status
         if status < 400 and prompt_tokens is not None:
             receipt.prompt_tokens, receipt.realized = prompt_tokens, cached_tokens
+            receipt.completion_tokens = completion_tokens
         verdict = receipt.verdict = classify(receipt.predicted, receipt.best, receipt.realized, receipt.block_tokens)
         self.by_class[verdict] += 1
         key = (receipt.replica or "none", verdict)

@@ -20,7 +20,6 @@ request, so it is off unless asked for.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,47 +27,12 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dpserve.kvindex.modelled import ModelledCaches, cacheable_blocks
 from dpserve.policies.base import Need, Policy, PrefixMatch, PrefixSource, ReplicaView, RequestFeatures
 
 SHADOW_NEEDS = frozenset({Need.KV_PREFIX})
 """What a shadow may read: the prompt's KV blocks (answered from its own modelled caches), or load alone.
 The text and session policies keep state the live routing writes (routed text, session bindings)."""
-
-
-class ModelledCaches:
-    """What each replica would hold: an LRU of block keys per replica."""
-
-    def __init__(self) -> None:
-        self._caches: dict[str, OrderedDict[int, None]] = {}
-
-    def leading(self, replica: str, keys: Sequence[int]) -> int:
-        """How many of `keys`, from the first, the replica holds."""
-        cache = self._caches.get(replica)
-        if not cache:
-            return 0
-        count = 0
-        for key in keys:
-            if key not in cache:
-                break
-            count += 1
-        return count
-
-    def blocks(self, replica: str) -> int:
-        cache = self._caches.get(replica)
-        return len(cache) if cache else 0
-
-    def add(self, replica: str, keys: Sequence[int], capacity: int) -> None:
-        """The prompt's blocks are computed (or hit) there: most recently used now, the last block first, as
-        vLLM frees them (so a shared front outlives the tails it was shared by). `capacity` 0: unbounded."""
-        cache = self._caches.setdefault(replica, OrderedDict())
-        for key in reversed(keys):
-            if key in cache:
-                cache.move_to_end(key)
-            else:
-                cache[key] = None
-        if capacity > 0:
-            while len(cache) > capacity:
-                cache.popitem(last=False)
 
 
 @dataclass(slots=True)
@@ -104,13 +68,6 @@ class Shadow:
     """None: the live policy's own choices, run through the model (its estimate, for the model's error)."""
     caches: ModelledCaches = field(default_factory=ModelledCaches)
     tally: ShadowTally = field(default_factory=ShadowTally)
-
-
-def cacheable_blocks(prefix: PrefixMatch) -> int:
-    """Blocks vLLM can hit of this prompt: all full blocks but the one holding its last token."""
-    if prefix.prompt_tokens and prefix.tokens_per_block:
-        return min(prefix.total_blocks, (prefix.prompt_tokens - 1) // prefix.tokens_per_block)
-    return prefix.total_blocks
 
 
 class ShadowScorer:
@@ -164,7 +121,8 @@ class ShadowScorer:
                 break
         if kv is None:
             return
-        hit = min(shadow.caches.leading(chosen, kv.keys), cacheable_blocks(kv))
+        cacheable = cacheable_blocks(kv.total_blocks, kv.prompt_tokens, kv.tokens_per_block)
+        hit = min(shadow.caches.leading(chosen, kv.keys), cacheable)
         tally.prompt_tokens += kv.prompt_tokens or kv.total_blocks * kv.tokens_per_block
         tally.cached_tokens += hit * kv.tokens_per_block
         shadow.caches.add(chosen, kv.keys, self._capacity_of(chosen))

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dpserve.replicas",),  # the router's view of replicas: registry, health, probes, KV-event subscribers
     ("dpserve.sim", "dpserve.agent"),  # the vLLM-compatible simulator; the per-host GPU agent
     ("dpserve.router",),  # the gateway
+    ("dpserve.tune",),  # `dpserve tune`: kv_aware's weights replayed in a model of the fleet
     ("dpserve.up",),  # the `dpserve up` supervisor, which starts the router as a child
     ("dpserve.deploy",),  # compose files, Kubernetes manifests, dashboards
     ("dpserve.cli",),  # the commands

@@ -7,9 +7,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dpserve.kvindex.index import block_keys
+from dpserve.kvindex.modelled import ModelledCaches, cacheable_blocks
 from dpserve.policies import make_policy
 from dpserve.policies.base import PrefixMatch, PrefixSource, ReplicaSnapshot, RequestFeatures
-from dpserve.router.shadows import ModelledCaches, ShadowCollector, ShadowScorer, cacheable_blocks
+from dpserve.router.shadows import ShadowCollector, ShadowScorer
 
 BS = 4
 
@@ -35,7 +36,7 @@ def test_modelled_caches_are_lru_per_replica() -> None:
     caches.add("r2", [1, 2, 3], capacity=3)
     caches.add("r2", [1, 8], capacity=3)  # the tail of [1, 2, 3] goes, its front (1) stays
     assert caches.leading("r2", [1, 2]) == 2 and caches.leading("r2", [3]) == 0
-    assert cacheable_blocks(request(0, 0).prefix) == 5  # type: ignore[arg-type]
+    assert cacheable_blocks(5, 21, BS) == 5 and cacheable_blocks(5, 20, BS) == 4  # the last token's block
 
 
 def run(capacity: int, load: tuple[int, int] = (0, 0)) -> dict[str, dict]:  # type: ignore[type-arg]

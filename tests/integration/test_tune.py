@@ -1,0 +1,62 @@
+"""`dpserve tune` on a trace recorded through the real router over sims: the receipts log holds every
+request's blocks, the replay's defaults hit what the sims reported, and the best setting is printed."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+
+from tests.integration.conftest import running_sim, start_router, stop_router
+from tests.integration.test_kv_routing import long_prompt
+
+
+def test_a_recorded_trace_is_replayed_and_the_best_weights_printed(tmp_path: Path) -> None:
+    log = tmp_path / "receipts.jsonl"
+    with contextlib.ExitStack() as stack:
+        sims = [stack.enter_context(running_sim("--decode-ms-per-token", "2")) for _ in range(4)]
+        events = [f"--kv-events={sim.url}={sim.kv_events}" for sim in sims]
+        router = start_router(
+            [sim.url for sim in sims],
+            "kv_aware",
+            *events,
+            "--tokenizer",
+            "remote",
+            "--receipts-sample",
+            "1",
+            "--receipts-log",
+            str(log),
+        )
+        try:
+
+            def client(thread: int) -> None:
+                for turn in range(10):
+                    group = (thread + turn) % 6
+                    prompt = f"{long_prompt(700 + group, words=150)} {long_prompt(800 + 10 * thread + turn, words=10)}"
+                    body = {"prompt": prompt, "max_tokens": 4}
+                    assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).status_code == 200
+
+            threads = [threading.Thread(target=client, args=(n,)) for n in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            summary = httpx.get(f"{router.url}/admin/receipts?limit=0", timeout=5).json()["summary"]
+        finally:
+            stop_router(router)  # the log is written whole at shutdown
+    assert summary["receipts"] == 30 and len(log.read_text().splitlines()) == 30
+    command = [sys.executable, "-m", "dpserve", "tune", "--receipts", str(log), "--decode-ms-per-token", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    print(done.stdout)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("30 requests over ") and "4 replicas" in lines[0]
+    defaults = next(line.split() for line in lines if line.startswith("defaults"))
+    best = next(line.split() for line in lines if line.startswith("#1"))
+    # The model, with kv_aware's default weights, hits what the sims reported for the same requests.
+    assert abs(float(defaults[5]) - summary["realized_hit_rate"]) < 0.05, (defaults, summary)
+    assert float(best[6]) <= float(defaults[6])  # mean TTFT: the best is at least as good as the defaults
+    assert any(line.startswith("best: --kv-load-weight ") for line in lines)
