@@ -47,10 +47,26 @@ def child_env() -> dict[str, str]:
     return env
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def first_ephemeral_port() -> int:
+    """Where the ports the kernel hands to outgoing connections begin (Linux's default: 32768)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def port_block(count: int, rng: random.Random) -> int:
-    """The first of `count` consecutive free loopback ports."""
+    """The first of `count` consecutive free loopback ports, below the ephemeral range: a port found free
+    there can be taken by any outgoing connection before the process meant for it binds (seen in CI: a
+    soak router exited with "address already in use")."""
+    high = first_ephemeral_port()
+    if high - count <= 20000:  # an unusual range: take what is free anywhere
+        high = 60000
     for _ in range(200):
-        start = rng.randrange(20000, 60000 - count)
+        start = rng.randrange(20000, high - count)
         if not busy_ports(range(start, start + count)):
             return start
     raise RuntimeError("no block of free ports found")

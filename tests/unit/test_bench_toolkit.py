@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import random
 import subprocess
 import sys
 import time
@@ -11,7 +12,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from benchmarks.fleet import CHECKOUT, bench_tool, cpu_seconds, relative_source_paths, router_command
+from benchmarks.fleet import (
+    CHECKOUT,
+    bench_tool,
+    cpu_seconds,
+    first_ephemeral_port,
+    port_block,
+    relative_source_paths,
+    router_command,
+)
 from benchmarks.report import figure, format_table, shown, write_csv
 from dpserve.config import RouterSettings
 from dpserve.up.plan import RouterTarget, router_flags
@@ -101,3 +110,13 @@ def test_results_name_paths_as_the_repository_does(tmp_path: Path) -> None:
         '"file":"dpserve/router/relay.py" "site-packages/aiohttp/client.py" "name":"f (python3.11/asyncio/locks.py:3)" '
         '"name":"process 7:\\"python -m dpserve router\\""'
     )
+
+
+def test_benchmark_ports_come_from_below_the_ephemeral_range() -> None:
+    """A port found free in the ephemeral range can be handed to an outgoing connection before the router
+    meant for it binds: the soak benchmark's router once exited with "address already in use"."""
+    first = first_ephemeral_port()
+    if first - 4 <= 20000:
+        pytest.skip(f"this host's ephemeral ports start at {first}: no room below them")
+    starts = [port_block(4, random.Random(seed)) for seed in range(50)]
+    assert all(20000 <= start and start + 4 <= first for start in starts)
