@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,6 +154,20 @@ def running_sim(*args: str) -> Iterator[SimProcess]:
         yield sim
     finally:
         stop_process(process, 10)
+
+
+@contextlib.contextmanager
+def kv_router_over_sims(count: int, sim_args: Sequence[str], *router_args: str) -> Iterator[RouterProcess]:
+    """`count` sims publishing KV events (each with `sim_args`), and a kv_aware router over them that reads
+    the events and tokenizes on the replicas; the router is stopped (and its files written) on the way out."""
+    with contextlib.ExitStack() as stack:
+        sims = [stack.enter_context(running_sim(*sim_args)) for _ in range(count)]
+        events = [f"--kv-events={sim.url}={sim.kv_events}" for sim in sims]
+        router = start_router([sim.url for sim in sims], "kv_aware", *events, "--tokenizer", "remote", *router_args)
+        try:
+            yield router
+        finally:
+            stop_router(router)
 
 
 def sim_command(port: int, kv_events: str, *args: str) -> list[str]:

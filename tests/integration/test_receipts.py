@@ -3,7 +3,6 @@ the cached tokens vLLM reports in the answer's usage (streams too), and the clas
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -16,7 +15,15 @@ import pytest
 import zmq
 
 from tests.conftest import free_port
-from tests.integration.conftest import Fleet, RouterFactory, running_sim, start_router, stop_router, wait_until
+from tests.integration.conftest import (
+    Fleet,
+    RouterFactory,
+    kv_router_over_sims,
+    running_sim,
+    start_router,
+    stop_router,
+    wait_until,
+)
 from tests.integration.test_kv_routing import long_prompt, metric
 
 pytestmark = pytest.mark.integration
@@ -195,31 +202,14 @@ def test_shadow_policies_are_scored_beside_the_live_one() -> None:
     """kv_aware live over 4 sims, round robin in its shadow: 3 groups of a shared prompt, 4 prompts each.
     The live choices through the cache model estimate what the sims report; round robin's estimate is
     what spreading each group over the replicas would have hit, lower."""
-    with contextlib.ExitStack() as stack:
-        sims = [stack.enter_context(running_sim("--decode-ms-per-token", "1")) for _ in range(4)]
-        events = [f"--kv-events={sim.url}={sim.kv_events}" for sim in sims]
-        router = start_router(
-            [sim.url for sim in sims],
-            "kv_aware",
-            *events,
-            "--tokenizer",
-            "remote",
-            "--receipts-sample",
-            "1",
-            "--shadow-policy",
-            "round_robin",
-            "--shadow-policy",
-            "least_loaded",
-        )
-        try:
-            for turn in range(4):
-                for group in range(3):  # 3 groups, 4 replicas: round robin's turn does not follow the groups
-                    shared = long_prompt(500 + group, words=120)
-                    send(router.url, f"{shared} {long_prompt(600 + 4 * turn + group, words=12)}", stream=turn % 2 == 1)
-                time.sleep(0.3)  # the turn's events reach the index before the next
-            status = httpx.get(f"{router.url}/status", timeout=5).json()
-        finally:
-            stop_router(router)
+    shadows = ("--shadow-policy", "round_robin", "--shadow-policy", "least_loaded")
+    with kv_router_over_sims(4, ("--decode-ms-per-token", "1"), "--receipts-sample", "1", *shadows) as router:
+        for turn in range(4):
+            for group in range(3):  # 3 groups, 4 replicas: round robin's turn does not follow the groups
+                shared = long_prompt(500 + group, words=120)
+                send(router.url, f"{shared} {long_prompt(600 + 4 * turn + group, words=12)}", stream=turn % 2 == 1)
+            time.sleep(0.3)  # the turn's events reach the index before the next
+        status = httpx.get(f"{router.url}/status", timeout=5).json()
     shadows, quality = status["shadows"], status["routing_quality"]
     live, rr = shadows["live_modelled"], shadows["shadows"]["round_robin"]
     assert live["decisions"] == rr["decisions"] == 12 and set(shadows["shadows"]) == {"round_robin", "least_loaded"}

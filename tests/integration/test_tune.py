@@ -3,7 +3,6 @@ request's blocks, the replay's defaults hit what the sims reported, and the best
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 import threading
@@ -11,43 +10,29 @@ from pathlib import Path
 
 import httpx
 
-from tests.integration.conftest import running_sim, start_router, stop_router
+from tests.integration.conftest import kv_router_over_sims
 from tests.integration.test_kv_routing import long_prompt
 
 
 def test_a_recorded_trace_is_replayed_and_the_best_weights_printed(tmp_path: Path) -> None:
     log = tmp_path / "receipts.jsonl"
-    with contextlib.ExitStack() as stack:
-        sims = [stack.enter_context(running_sim("--decode-ms-per-token", "2")) for _ in range(4)]
-        events = [f"--kv-events={sim.url}={sim.kv_events}" for sim in sims]
-        router = start_router(
-            [sim.url for sim in sims],
-            "kv_aware",
-            *events,
-            "--tokenizer",
-            "remote",
-            "--receipts-sample",
-            "1",
-            "--receipts-log",
-            str(log),
-        )
-        try:
+    with kv_router_over_sims(
+        4, ("--decode-ms-per-token", "2"), "--receipts-sample", "1", "--receipts-log", str(log)
+    ) as router:  # the log is written whole once the router stops
 
-            def client(thread: int) -> None:
-                for turn in range(10):
-                    group = (thread + turn) % 6
-                    prompt = f"{long_prompt(700 + group, words=150)} {long_prompt(800 + 10 * thread + turn, words=10)}"
-                    body = {"prompt": prompt, "max_tokens": 4}
-                    assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).status_code == 200
+        def client(thread: int) -> None:
+            for turn in range(10):
+                group = (thread + turn) % 6
+                prompt = f"{long_prompt(700 + group, words=150)} {long_prompt(800 + 10 * thread + turn, words=10)}"
+                body = {"prompt": prompt, "max_tokens": 4}
+                assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).status_code == 200
 
-            threads = [threading.Thread(target=client, args=(n,)) for n in range(3)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            summary = httpx.get(f"{router.url}/admin/receipts?limit=0", timeout=5).json()["summary"]
-        finally:
-            stop_router(router)  # the log is written whole at shutdown
+        threads = [threading.Thread(target=client, args=(n,)) for n in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        summary = httpx.get(f"{router.url}/admin/receipts?limit=0", timeout=5).json()["summary"]
     assert summary["receipts"] == 30 and len(log.read_text().splitlines()) == 30
     command = [sys.executable, "-m", "dpserve", "tune", "--receipts", str(log), "--decode-ms-per-token", "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
