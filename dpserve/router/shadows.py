@@ -47,7 +47,8 @@ class ShadowTally:
     """Sum of the chosen replicas' load when chosen."""
     by_replica: dict[str, int] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, replicas: int) -> dict[str, Any]:
+        """`replicas`: how many the decisions were made among (the fair share's divisor)."""
         decisions = self.decisions
         return {
             "decisions": decisions,
@@ -56,7 +57,7 @@ class ShadowTally:
             "prompt_tokens": self.prompt_tokens,
             "estimated_cached_tokens": self.cached_tokens,
             "mean_load": self.load / decisions if decisions else None,
-            "max_share": max(self.by_replica.values()) * len(self.by_replica) / decisions if decisions else None,
+            "max_share": max(self.by_replica.values()) * replicas / decisions if decisions else None,
             "by_replica": dict(sorted(self.by_replica.items())),
         }
 
@@ -82,6 +83,8 @@ class ShadowScorer:
         self.shadows = [Shadow(policy.name, policy) for policy in policies]
         self.live = Shadow("live", None)
         self._capacity_of = capacity_of
+        self._replicas: set[str] = set()
+        """Every replica a decision was made among: a policy that never chose one still had it to choose."""
 
     @property
     def needs(self) -> frozenset[Need]:
@@ -95,6 +98,7 @@ class ShadowScorer:
         """The live policy chose `live` among `candidates` for a request with these features."""
         prefix = features.prefix
         kv = prefix if prefix is not None and prefix.source is PrefixSource.KV_EVENTS and prefix.keys else None
+        self._replicas.update(c.id for c in candidates)
         for shadow in self.shadows:
             policy = shadow.policy
             assert policy is not None
@@ -129,9 +133,10 @@ class ShadowScorer:
 
     def status(self) -> dict[str, Any]:
         """For /status: each shadow's tally, and the live policy's through the same model."""
+        replicas = len(self._replicas)
         return {
-            "live_modelled": self.live.tally.to_dict(),
-            "shadows": {shadow.name: shadow.tally.to_dict() for shadow in self.shadows},
+            "live_modelled": self.live.tally.to_dict(replicas),
+            "shadows": {shadow.name: shadow.tally.to_dict(replicas) for shadow in self.shadows},
         }
 
 

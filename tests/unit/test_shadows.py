@@ -60,7 +60,9 @@ def test_each_shadow_is_scored_on_the_caches_its_own_choices_would_have_made() -
     assert roomy["round_robin"]["estimated_cached_tokens"] == 16 * BS and roomy["round_robin"]["agreed"] == 4
     # Least loaded (r0 is idle in this snapshot): everything on r0, as many hits as the partition.
     assert roomy["least_loaded"]["by_replica"] == {"r0": 8} and roomy["least_loaded"]["estimated_cached_tokens"] == 96
-    assert roomy["least_loaded"]["mean_load"] == 0 and roomy["least_loaded"]["max_share"] == 1.0
+    # All 8 on one of 2 replicas: twice the fair share.
+    assert roomy["least_loaded"]["mean_load"] == 0 and roomy["least_loaded"]["max_share"] == 2.0
+    assert roomy["round_robin"]["max_share"] == 1.0
     # kv_aware decides on its own modelled caches: a group stays where its blocks are.
     assert roomy["kv_aware"]["estimated_cached_tokens"] == 24 * BS
     # Caches of 6 blocks: one group's prompt (5 blocks) fits a replica, two do not.
