@@ -99,8 +99,7 @@ class Receipt:
             return
         per_block = prefix.tokens_per_block
         self.source = prefix.source.value
-        if prefix.source is PrefixSource.KV_EVENTS:
-            self.keys = prefix.keys
+        self.keys = prefix.keys if prefix.source is PrefixSource.KV_EVENTS else ()
         self.block_tokens, self.prompt_blocks = per_block, prefix.total_blocks
         self.predicted = prefix.blocks(replica) * per_block
         best_replica, best_blocks = replica, prefix.blocks(replica)

@@ -42,9 +42,9 @@ class Selector:
         False: LoRA requests ignore where adapters are loaded (a baseline; `--lora-affinity off`)."""
         self._adapter_affinity = adapter_affinity
         self._guard = guard or BalanceGuard()
+        """How much busier than the least loaded a replica holding an adapter may be (`--balance-*`)."""
         self._shadows = shadows
         """`--shadow-policy`: asked after each decision what they would have chosen (no traffic follows)."""
-        """How much busier than the least loaded a replica holding an adapter may be (`--balance-*`)."""
         self.policy = policy
         self._registry = registry
         self._admission = admission
