@@ -51,11 +51,13 @@ def read_receipts(lines: Iterable[str]) -> tuple[list[TraceRequest], list[str]]:
         keys, prompt = row.get("keys"), row.get("prompt_tokens")
         if not keys or not isinstance(prompt, int) or not row.get("block_tokens"):
             continue
-        completion = row.get("completion_tokens")
+        at, completion = row.get("at"), row.get("completion_tokens")
+        if not isinstance(at, int | float) or not all(isinstance(k, int) for k in keys):
+            raise ValueError(f"line {number} is not a receipt (its `at` or `keys`)")
         requests.append(
             TraceRequest(
-                float(row["at"]),
-                tuple(int(k) for k in keys),
+                float(at),
+                tuple(keys),
                 int(row["block_tokens"]),
                 prompt,
                 completion if isinstance(completion, int) else 0,

@@ -46,6 +46,11 @@ def test_receipts_are_read_oldest_first_and_those_without_blocks_skipped() -> No
     assert replicas == ["r0", "r1", "r2"]
     with pytest.raises(ValueError, match="line 2 is not JSON"):
         read_receipts(["{}", "nope"])
+    # A line without its time is refused as such, not with a KeyError.
+    bad = json.loads(lines[0])
+    del bad["at"]
+    with pytest.raises(ValueError, match="line 1 is not a receipt"):
+        read_receipts([json.dumps(bad)])
 
 
 def test_the_model_hits_what_a_partition_would_and_the_defaults_are_among_the_settings() -> None:
