@@ -334,6 +334,10 @@ def split_list(text: str) -> tuple[str, ...]:
     return tuple(text.replace(",", " ").split())
 
 
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+"""What a setting in the environment, or a yes-or-no request header, reads as true."""
+FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
 SPACE_SEPARATED = frozenset({"tenants"})
 """List settings whose items hold commas themselves: separated by whitespace or `;` in the environment."""
 
@@ -344,9 +348,9 @@ def _coerce(name: str, hint: Any, raw: str) -> Any:
         if "tuple" in text:
             return tuple(raw.replace(";", " ").split()) if name in SPACE_SEPARATED else split_list(raw)
         if "bool" in text:
-            if raw.lower() in {"1", "true", "yes", "on"}:
+            if raw.lower() in TRUE_WORDS:
                 return True
-            if raw.lower() in {"0", "false", "no", "off"}:
+            if raw.lower() in FALSE_WORDS:
                 return False
             raise ValueError(raw)
         if "int" in text and "float" not in text:

@@ -22,6 +22,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
+from dpserve.config import TRUE_WORDS
 from dpserve.disconnect import ClientGone
 from dpserve.policies.base import RequestFeatures
 from dpserve.replicas.registry import ReplicaRegistry
@@ -555,4 +556,4 @@ def proxied_openapi_paths(endpoints: Sequence[Endpoint]) -> dict[str, object]:
 
 
 def _asks_receipt(value: str | None) -> bool:
-    return value is not None and value.strip().lower() in ("1", "true", "yes", "on")
+    return value is not None and value.strip().lower() in TRUE_WORDS
