@@ -107,6 +107,8 @@ class Row:
     shadows: str = ""
     """dpserve:kv_aware's shadow policies' estimated hit rates, `NAME=rate ...` (`live` = kv_aware's own
     choices through the same cache model)."""
+    round_hit_rates: str = ""
+    """Each round's hit rate (the row's is their mean)."""
 
 
 # -- processes ---------------------------------------------------------------------------------------
@@ -251,10 +253,10 @@ def counter_deltas(
     return hits, queries, [a[2] - b[2] for a, b in zip(after, before, strict=True)]
 
 
-async def decision_reasons(session: aiohttp.ClientSession, router_url: str) -> str:
+async def decision_reasons(session: aiohttp.ClientSession, router_url: str) -> dict[str, int]:
     name = "dpserve_routing_decision_reasons_total"
     samples = parse_samples(await get_text(session, f"{router_url}/metrics") or "", {name})
-    return " ".join(f"{labels.get('reason')}={int(value)}" for labels, value in samples.by_name.get(name, []))
+    return {str(labels.get("reason")): int(value) for labels, value in samples.by_name.get(name, [])}
 
 
 async def receipt_summary(session: aiohttp.ClientSession, router_url: str) -> dict[str, Any]:
@@ -264,14 +266,14 @@ async def receipt_summary(session: aiohttp.ClientSession, router_url: str) -> di
     return summary
 
 
-async def shadow_rates(session: aiohttp.ClientSession, router_url: str) -> str:
-    """The shadows' estimated hit rates from /status, `live=... round_robin=...`."""
+async def shadow_rates(session: aiohttp.ClientSession, router_url: str) -> dict[str, float]:
+    """The shadows' estimated hit rates from /status (`live`: the live policy's choices, modelled)."""
     text = await get_text(session, f"{router_url}/status")
     status: dict[str, Any] = orjson.loads(text) if text else {}
     block = status.get("shadows") or {}
     rates = {"live": (block.get("live_modelled") or {}).get("estimated_hit_rate")}
     rates |= {name: tally.get("estimated_hit_rate") for name, tally in (block.get("shadows") or {}).items()}
-    return " ".join(f"{name}={rate:.4f}" for name, rate in rates.items() if rate is not None)
+    return {name: float(rate) for name, rate in rates.items() if rate is not None}
 
 
 async def reset_caches(session: aiohttp.ClientSession, fleet: Fleet) -> None:
@@ -286,16 +288,32 @@ async def reset_caches(session: aiohttp.ClientSession, fleet: Fleet) -> None:
             raise RuntimeError(f"{url}/reset_prefix_cache kept failing (is VLLM_SERVER_DEV_MODE set?)")
 
 
-async def run_contender(
+@dataclass
+class RoundResult:
+    """One contender's run of a workload: a fresh router over caches just emptied."""
+
+    outcomes: list[Outcome]
+    seconds: float
+    hits: float
+    queries: float
+    served: list[float]
+    reasons: dict[str, int]
+    receipts: dict[str, Any]
+    shadows: dict[str, float]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+async def run_round(
     session: aiohttp.ClientSession,
     args: argparse.Namespace,
     fleet: Fleet,
     workload: Workload,
-    name: str,
     contender: Contender,
-    oracle: float,
     tokenizer: Path | None,
-) -> Row:
+) -> RoundResult:
     await reset_caches(session, fleet)
     port = port_block(2, random.Random())
     extra = args.dpserve_args.split()
@@ -315,15 +333,35 @@ async def run_contender(
             router_url, workload, args.concurrency or (4 if fleet.backend == "vllm" else 16), args.max_tokens
         )
         after = await replica_counters(session, fleet)
-        reasons = await decision_reasons(session, router_url) if contender.router == "dpserve" else ""
+        reasons = await decision_reasons(session, router_url) if contender.router == "dpserve" else {}
         receipts = await receipt_summary(session, router_url) if contender.router == "dpserve" else {}
-        shadows = await shadow_rates(session, router_url) if contender == Contender("dpserve", "kv_aware") else ""
+        shadows = await shadow_rates(session, router_url) if contender == Contender("dpserve", "kv_aware") else {}
     finally:
         terminate(process, 30)
     hits, queries, served = counter_deltas(before, after)
+    return RoundResult(outcomes, seconds, hits, queries, served, reasons, receipts, shadows)
+
+
+async def run_contender(
+    session: aiohttp.ClientSession,
+    args: argparse.Namespace,
+    fleet: Fleet,
+    workload: Workload,
+    name: str,
+    contender: Contender,
+    oracle: float,
+    tokenizer: Path | None,
+) -> Row:
+    """`args.rounds` rounds, pooled: every round sends the same prompts, so the pooled hit rate is the mean
+    of the rounds'; their spread is kept beside it."""
+    rounds = [await run_round(session, args, fleet, workload, contender, tokenizer) for _ in range(args.rounds)]
+    outcomes = [o for r in rounds for o in r.outcomes]
+    hits, queries = sum(r.hits for r in rounds), sum(r.queries for r in rounds)
+    served = [sum(column) for column in zip(*(r.served for r in rounds), strict=True)]
     ttfts = sorted(o.ttft_s * 1000 for o in outcomes if o.ok)
     fair = sum(served) / len(served) if served else 0
     hit_rate = hits / queries if queries else 0.0
+    receipts = pool_receipts([r.receipts for r in rounds])
     return Row(
         backend=fleet.backend,
         workload=name,
@@ -335,16 +373,53 @@ async def run_contender(
         vs_oracle=round(hit_rate / oracle, 3) if oracle else math.nan,
         ttft_p50_ms=round(percentile(ttfts, 50), 1),
         ttft_p99_ms=round(percentile(ttfts, 99), 1),
-        req_per_s=round(len(outcomes) / seconds, 2),
+        req_per_s=round(len(outcomes) / sum(r.seconds for r in rounds), 2),
         max_share=round(max(served) / fair, 3) if fair else math.nan,
         per_replica="/".join(str(int(s)) for s in served),
-        reasons=reasons,
+        reasons=" ".join(f"{reason}={count}" for reason, count in sum_counts([r.reasons for r in rounds]).items()),
         receipt_classes=" ".join(f"{name}={count}" for name, count in receipts.get("classes", {}).items() if count),
         receipt_predicted_hit_rate=_rounded(receipts.get("predicted_hit_rate")),
         receipt_realized_hit_rate=_rounded(receipts.get("realized_hit_rate")),
         receipt_hit_error_blocks=_rounded(receipts.get("hit_mean_error_blocks")),
-        shadows=shadows,
+        shadows=" ".join(f"{name}={rate:.4f}" for name, rate in mean_rates([r.shadows for r in rounds]).items()),
+        round_hit_rates=" ".join(f"{r.hit_rate:.3f}" for r in rounds),
     )
+
+
+def sum_counts(parts: Sequence[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for part in parts:
+        for key, count in part.items():
+            total[key] = total.get(key, 0) + count
+    return total
+
+
+def mean_rates(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each name's mean over the rounds that report it (every round sends the same prompt tokens)."""
+    seen: dict[str, list[float]] = {}
+    for part in parts:
+        for name, rate in part.items():
+            seen.setdefault(name, []).append(rate)
+    return {name: sum(rates) / len(rates) for name, rates in seen.items()}
+
+
+def pool_receipts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds' receipt summaries as one: classes summed, rates averaged, a hit's error weighted by hits."""
+    parts = [part for part in parts if part]
+    if not parts:
+        return {}
+    pooled: dict[str, Any] = {"classes": sum_counts([part.get("classes", {}) for part in parts])}
+    for key in ("predicted_hit_rate", "realized_hit_rate"):
+        rates = [part[key] for part in parts if part.get(key) is not None]
+        pooled[key] = sum(rates) / len(rates) if rates else None
+    weighted = [
+        (part["hit_mean_error_blocks"], part.get("classes", {}).get("hit", 0))
+        for part in parts
+        if part.get("hit_mean_error_blocks") is not None
+    ]
+    hits = sum(count for _, count in weighted)
+    pooled["hit_mean_error_blocks"] = sum(error * count for error, count in weighted) / hits if hits else None
+    return pooled
 
 
 def _rounded(value: float | None) -> float:
@@ -372,8 +447,8 @@ def shadow_table(rows: Sequence[Row]) -> str:
     kv_aware's own estimate through the same model beside what the replicas reported."""
     by_key = {(r.backend, r.workload, r.contender): r for r in rows}
     lines = [
-        "| backend | workload | policy | estimated in kv_aware's shadow | its own run | difference |",
-        "|---|---|---|---|---|---|",
+        "| backend | workload | policy | estimated in kv_aware's shadow | its own run | difference | its own rounds |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.contender != "dpserve:kv_aware" or not r.shadows:
@@ -387,7 +462,7 @@ def shadow_table(rows: Sequence[Row]) -> str:
             label = "kv_aware (its own choices, modelled)" if name == "live" else policy
             lines.append(
                 f"| {r.backend} | {r.workload} | {label} | {estimate:.3f} | {own.hit_rate:.3f} | "
-                f"{estimate - own.hit_rate:+.3f} |"
+                f"{estimate - own.hit_rate:+.3f} | {own.round_hit_rates} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -645,6 +720,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--sim-block-size", type=int, default=16)
     parser.add_argument("--sim-speed", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of each contender on each workload, pooled (a fresh router each)"
+    )
     parser.add_argument("--dpserve-args", default="", help="extra flags for every dpserve router, e.g. tuning")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
     parser.add_argument("--out", type=Path, default=Path("bench-results/policies"))

@@ -196,7 +196,7 @@ def shadow_scorer(settings: RouterSettings, registry: ReplicaRegistry) -> Shadow
         replica = registry.find(replica_id)
         return replica.kv_blocks if replica is not None else 0
 
-    return ShadowScorer(policies, capacity_of)
+    return ShadowScorer(policies, capacity_of, random.Random())
 
 
 def kv_event_endpoints(settings: RouterSettings, registry: ReplicaRegistry) -> dict[str, str]:

@@ -112,8 +112,10 @@ class Streaming:
         metrics: RouterMetrics,
         open_streams: OpenStreams,
         adapter: str | None = None,
+        ends: Sequence[Callable[[], None]] = (),
     ) -> None:
         self.replica_id = replica_id
+        self._ends = ends
         self._adapter = adapter
         self.status = status
         self.content_type = content_type
@@ -150,6 +152,8 @@ class Streaming:
         self._registry.release(self.replica_id)
         if self._adapter is not None:
             self._registry.release_adapter(self.replica_id, self._adapter)
+        for end in self._ends:
+            end()
 
     async def _relay(self) -> AsyncIterator[bytes]:
         """Chunks as they arrive, cut at event boundaries so a broken stream never ends mid-event."""
@@ -235,15 +239,16 @@ class Dispatcher:
             candidates = await self._admitted(features, tried, ticket)
             if not candidates:
                 break
-            replica_id = self._selector.choose(features, candidates, receipt).id
+            ends: list[Callable[[], None]] = []
+            replica_id = self._selector.choose(features, candidates, receipt, ends).id
             tried.append(replica_id)
             is_last = attempt == retries
             adapter = features.adapter
             try:
                 if adapter is not None:
-                    outcome = await self._adapter_attempt(replica_id, adapter, features, request, started)
+                    outcome = await self._adapter_attempt(replica_id, adapter, features, request, started, ends)
                 else:
-                    outcome = await self._attempt(replica_id, features, request, started)
+                    outcome = await self._attempt(replica_id, features, request, started, ends=ends)
             except AdapterLoadFailed as failed:
                 last_load_failure = failed
                 if not is_last:
@@ -285,7 +290,13 @@ class Dispatcher:
         )
 
     async def _adapter_attempt(
-        self, replica_id: str, adapter: str, features: RequestFeatures, request: Outbound, started: float
+        self,
+        replica_id: str,
+        adapter: str,
+        features: RequestFeatures,
+        request: Outbound,
+        started: float,
+        ends: Sequence[Callable[[], None]] = (),
     ) -> Buffered | Streaming:
         """One attempt of a LoRA request: the adapter is loaded there first if it must be (requests for
         it meanwhile join that load), and it counts as in use there until the answer is done."""
@@ -295,13 +306,13 @@ class Dispatcher:
         try:
             if loader is not None:
                 await loader.ready(replica_id, adapter)
-            outcome = await self._attempt(replica_id, features, request, started, adapter)
+            outcome = await self._attempt(replica_id, features, request, started, adapter, ends)
             # 404 for an adapter it was thought to hold: the replica restarted, or someone unloaded it.
             # Loaded again there, and tried once more.
             if outcome.status == 404 and loader is not None and not isinstance(outcome, Streaming):
                 loader.forget(replica_id, adapter)
                 await loader.ready(replica_id, adapter)
-                outcome = await self._attempt(replica_id, features, request, started, adapter)
+                outcome = await self._attempt(replica_id, features, request, started, adapter, ends)
             handed_over = isinstance(outcome, Streaming)
             return outcome
         finally:
@@ -375,7 +386,10 @@ class Dispatcher:
         request: Outbound,
         started: float,
         adapter: str | None = None,
+        ends: Sequence[Callable[[], None]] = (),
     ) -> Buffered | Streaming:
+        """`ends`: run when the attempt ends, here or when its stream finishes (each may run more than once:
+        an adapter's attempt retried after a 404 ends twice)."""
         registry = self._registry
         address = self._address(registry.get(replica_id).url)
         registry.acquire(replica_id)
@@ -408,7 +422,16 @@ class Dispatcher:
             self._metrics.labeled(self._metrics.first_byte, features.endpoint, "true").observe(self._clock() - started)
             handed_over = True
             return Streaming(
-                replica_id, resp.status, content_type, resp, first, registry, self._metrics, self._open_streams, adapter
+                replica_id,
+                resp.status,
+                content_type,
+                resp,
+                first,
+                registry,
+                self._metrics,
+                self._open_streams,
+                adapter,
+                ends,
             )
         except BaseException:
             if resp is not None:
@@ -419,6 +442,8 @@ class Dispatcher:
                 if resp is not None:
                     resp.release()
                 registry.release(replica_id)
+                for end in ends:
+                    end()
 
     def _address(self, url: str) -> Address:
         address = self._addresses.get(url)

@@ -5,7 +5,7 @@ benchmark call it directly."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from dpserve.kvindex.index import KvIndex
@@ -98,10 +98,15 @@ class Selector:
         return placement
 
     def choose(
-        self, features: RequestFeatures, candidates: Sequence[ReplicaView], receipt: Receipt | None = None
+        self,
+        features: RequestFeatures,
+        candidates: Sequence[ReplicaView],
+        receipt: Receipt | None = None,
+        ends: list[Callable[[], None]] | None = None,
     ) -> Decision:
         """The policy's pick among `candidates` (not empty), counted and remembered where it went, and
-        written on the request's `receipt` (if it has one) with what the policy predicted."""
+        written on the request's `receipt` (if it has one) with what the policy predicted. `ends`: what
+        must run when the attempt ends is appended there (the shadows' in-flight counts)."""
         policy, prefixes = self.policy, self._prefixes
         if prefixes is not None:
             features = prefixes.match(features, candidates)
@@ -117,7 +122,11 @@ class Selector:
         if receipt is not None:
             receipt.decided(policy.name, decision.id, decision.reason, features.prefix, candidates)
         if self._shadows is not None:
-            self._shadows.observe(features, candidates, decision.id)
+            hold = self._shadows.observe(features, candidates, decision.id)
+            if ends is not None:
+                ends.append(hold.release)
+            else:  # an attempt nobody follows to its end (a measured decision) holds nothing
+                hold.release()
         if prefixes is not None:
             prefixes.record(features, decision.id)
         if self._bindings is not None and features.session_key:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 def test_policy_benchmark_on_sims_writes_rows_plots_and_tables(tmp_path: Path) -> None:
     argv = ["bench", "policies", "--backend", "sim", "--replicas", "2", "--groups", "4", "--prompts", "3"]
     argv += ["--conversations", "2", "--turns", "2", "--prefix-words", "120", "--concurrency", "2"]
-    argv += ["--workloads", "shared_prefix,multi_turn", "--policies", "kv_aware,round_robin"]
+    argv += ["--workloads", "shared_prefix,multi_turn", "--policies", "kv_aware,round_robin", "--rounds", "2"]
     argv += ["--vllm-router-policies", "cache_aware", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "m")]
     assert main(argv) == 0
     with open(tmp_path / "policies.csv") as handle:
@@ -26,12 +26,19 @@ def test_policy_benchmark_on_sims_writes_rows_plots_and_tables(tmp_path: Path) -
         for w in ("shared_prefix", "multi_turn")
         for c in ("dpserve:kv_aware", "dpserve:round_robin", "vllm-router:cache_aware")
     }
+    sizes = {"shared_prefix": 4 * 3, "multi_turn": 2 * 2}
     for row in rows:
-        assert int(row["errors"]) == 0 and int(row["requests"]) > 0
+        # Two rounds pooled: each sent the whole workload, and kept its own hit rate.
+        assert int(row["errors"]) == 0 and int(row["requests"]) == 2 * sizes[row["workload"]]
+        assert len(row["round_hit_rates"].split()) == 2
         assert 0 <= float(row["hit_rate"]) <= 1 and 0 < float(row["oracle"]) <= 1
         assert sum(int(n) for n in row["per_replica"].split("/")) == int(row["requests"])
     kv = next(r for r in rows if r["contender"] == "dpserve:kv_aware" and r["workload"] == "shared_prefix")
     assert "cache_hit=" in kv["reasons"]
+    # Every request of both rounds got a receipt; round robin was scored in kv_aware's shadow.
+    classes = dict(part.split("=") for part in kv["receipt_classes"].split())
+    assert sum(int(n) for n in classes.values()) == int(kv["requests"])
+    assert {part.split("=")[0] for part in kv["shadows"].split()} == {"live", "round_robin", "least_loaded"}
     assert (tmp_path / "policies-sim.png").stat().st_size > 10_000
     assert "dpserve:kv_aware" in (tmp_path / "policies.md").read_text()
     with open(tmp_path / "tokenize.csv") as handle:

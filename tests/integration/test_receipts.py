@@ -201,7 +201,7 @@ def test_lost_events_show_as_evicted_and_routing_recovers() -> None:
 def test_shadow_policies_are_scored_beside_the_live_one() -> None:
     """kv_aware live over 4 sims, round robin in its shadow: 3 groups of a shared prompt, 4 prompts each.
     The live choices through the cache model estimate what the sims report; round robin's estimate is
-    what spreading each group over the replicas would have hit, lower."""
+    what spreading each group over the replicas in turn would have hit, lower."""
     shadows = ("--shadow-policy", "round_robin", "--shadow-policy", "least_loaded")
     with kv_router_over_sims(4, ("--decode-ms-per-token", "1"), "--receipts-sample", "1", *shadows) as router:
         for turn in range(4):
@@ -216,7 +216,8 @@ def test_shadow_policies_are_scored_beside_the_live_one() -> None:
     # The model, fed kv_aware's own choices, says what the sims reported cached (within a point).
     assert abs(live["estimated_hit_rate"] - quality["realized_hit_rate"]) < 0.01, (live, quality)
     assert live["estimated_hit_rate"] > 0.5
-    # Round robin sends each group to every replica in turn: each group's first visit to each misses.
+    # Round robin spreads each group over the replicas (its turn, in the cache model, a uniform draw): each
+    # group's first visit to each replica misses. Its decisions are the counter's, even.
     assert rr["estimated_hit_rate"] < live["estimated_hit_rate"] - 0.2 and rr["by_replica"] == {
         f"r{i}": 3 for i in range(4)
     }

@@ -56,6 +56,7 @@ ROUTER_PATH: tuple[str, ...] = (
     "adapter_loader",
     "selection",
     "shadows",
+    "prefill_cost",
     "request_body",
     "engine_ops",
     "admission",
