@@ -16,7 +16,35 @@ from dpserve.kvindex.matching import deepest_holders, leading_matches
 
 CHUNK_CHARS = 64
 CHARS_PER_TOKEN = 4
-"""A common rough ratio for English text, used only to report predicted cached tokens."""
+"""A common rough ratio for English text: tokens per chunk until the answers have taught the model's own."""
+
+
+class ChunkTokens:
+    """Tokens per text chunk, per model, learned from answers: each answer's prompt tokens against the
+    prompt's chunks. Used only to report what a text match predicts in tokens (receipts, their classes'
+    slack of one chunk); the text policy's choices do not read it. A tokenizer far from 4 characters a
+    token (the tiny model's, code, most non-English text) otherwise halves or doubles every prediction."""
+
+    def __init__(self, half_life: int = 256) -> None:
+        self._keep = 0.5 ** (1.0 / half_life)
+        self._sums: dict[str, tuple[float, float]] = {}
+        """model -> (chunks, tokens), exponentially weighted."""
+
+    def learn(self, model: str, full_chunks: int, prompt_tokens: int) -> None:
+        """An answer's prompt tokens for a prompt of `full_chunks` whole chunks (and a partial one: half a
+        chunk on average)."""
+        if prompt_tokens <= 0:
+            return
+        chunks, tokens = self._sums.get(model, (0.0, 0.0))
+        keep = self._keep
+        self._sums[model] = (chunks * keep + full_chunks + 0.5, tokens * keep + prompt_tokens)
+
+    def per_chunk(self, model: str) -> int:
+        sums = self._sums.get(model)
+        if sums is None:
+            return CHUNK_CHARS // CHARS_PER_TOKEN
+        chunks, tokens = sums
+        return max(1, round(tokens / chunks))
 
 
 def text_keys(text: str, chunk_chars: int = CHUNK_CHARS) -> list[int]:

@@ -33,7 +33,7 @@ from dpserve.gpu.placement import ReplicaClue
 from dpserve.gpu.sampler import GpuSampler
 from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
-from dpserve.kvindex.text_prefix import TextPrefixIndex
+from dpserve.kvindex.text_prefix import ChunkTokens, TextPrefixIndex
 from dpserve.policies import Need, Policy, PolicyTuning, make_policy
 from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.bindings import SessionBindings
@@ -372,7 +372,8 @@ def create_app(
     metrics = RouterMetrics(registry, policy.name)
     metrics.queue_depth.set_function(lambda: admission.depth)
     metrics.registry.register(UsageCollector(flow.usage))
-    receipts = ReceiptBook(settings.receipts_sample, settings.receipts_keep)
+    chunk_tokens = ChunkTokens()  # taught by the receipts' answers, read by the text prefix features
+    receipts = ReceiptBook(settings.receipts_sample, settings.receipts_keep, chunk_tokens=chunk_tokens)
     metrics.registry.register(ReceiptCollector(receipts))
     if shadows is not None:
         metrics.registry.register(ShadowCollector(shadows))
@@ -439,7 +440,7 @@ def create_app(
         dispatcher = Dispatcher(
             registry, selector, hot, metrics, retry, admission, open_streams, rng=rng, adapters=adapters
         )
-        features = FeatureBuilder(needs, registry, metrics, kv_index, text_index, tokens, bindings)
+        features = FeatureBuilder(needs, registry, metrics, kv_index, text_index, tokens, bindings, chunk_tokens)
         relaying = Relaying(
             registry,
             features,

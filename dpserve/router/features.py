@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dpserve.kvindex.index import KvIndex, block_keys
-from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, TextPrefixIndex, text_keys
+from dpserve.kvindex.text_prefix import ChunkTokens, TextPrefixIndex, text_keys
 from dpserve.policies.base import Need, PrefixMatch, PrefixSource, ReplicaView, RequestFeatures
 from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import ReplicaRegistry
@@ -33,10 +33,13 @@ class FeatureBuilder:
         text_index: TextPrefixIndex | None = None,
         tokens: TokenCache | None = None,
         bindings: SessionBindings | None = None,
+        chunk_tokens: ChunkTokens | None = None,
     ) -> None:
         """`needs`: what the policy reads (`Policy.needs`); the rest is never computed. `bindings`: where
-        sessions last went (the session policy's, shared with peers)."""
+        sessions last went (the session policy's, shared with peers). `chunk_tokens`: what a text chunk
+        is in tokens, as the answers taught it."""
         self._bindings = bindings
+        self._chunk_tokens = chunk_tokens or ChunkTokens()
         self._needs = needs
         self._registry = registry
         self._metrics = metrics
@@ -109,7 +112,8 @@ class FeatureBuilder:
         if text is None:
             return None
         keys = text_keys(f"{model}\0{text}")
-        return PrefixMatch(PrefixSource.ROUTED_TEXT, len(keys), CHUNK_CHARS // CHARS_PER_TOKEN, keys=tuple(keys))
+        per_chunk = self._chunk_tokens.per_chunk(model)
+        return PrefixMatch(PrefixSource.ROUTED_TEXT, len(keys), per_chunk, keys=tuple(keys))
 
     def _block_size(self, candidates: Sequence[ReplicaView]) -> int | None:
         assert self._kv_index is not None

@@ -27,6 +27,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dpserve.kvindex.text_prefix import ChunkTokens
 from dpserve.policies.base import PrefixMatch, PrefixSource, ReplicaView
 
 HIT = "hit"
@@ -87,9 +88,17 @@ class Receipt:
     """The prompt's block keys (hashes, no text): what `dpserve tune` replays, in the log only."""
 
     def decided(
-        self, policy: str, replica: str, reason: str, prefix: PrefixMatch | None, candidates: Sequence[ReplicaView]
+        self,
+        policy: str,
+        replica: str,
+        reason: str,
+        prefix: PrefixMatch | None,
+        candidates: Sequence[ReplicaView],
+        engine_block: int = 0,
     ) -> None:
-        """What the policy chose and predicted, from the snapshot it chose from."""
+        """What the policy chose and predicted, from the snapshot it chose from. `engine_block`: the chosen
+        replica's KV block in tokens (0: not known), what a routed-text prediction is rounded down to (the
+        engine caches whole blocks; a KV-event match already counts them)."""
         self.policy, self.replica, self.reason = policy, replica, reason
         chosen = next((c for c in candidates if c.id == replica), None)
         self.load = chosen.load if chosen is not None else 0
@@ -98,16 +107,19 @@ class Receipt:
             self.keys = ()
             return
         per_block = prefix.tokens_per_block
+        text = prefix.source is PrefixSource.ROUTED_TEXT
+        whole = engine_block if text and engine_block > 0 else 1
         self.source = prefix.source.value
-        self.keys = prefix.keys if prefix.source is PrefixSource.KV_EVENTS else ()
-        self.block_tokens, self.prompt_blocks = per_block, prefix.total_blocks
-        self.predicted = prefix.blocks(replica) * per_block
+        self.keys = () if text else prefix.keys
+        # A class's slack is one block of what was counted; text chunks do not end where the engine's do.
+        self.block_tokens, self.prompt_blocks = max(per_block, whole), prefix.total_blocks
+        self.predicted = prefix.blocks(replica) * per_block // whole * whole
         best_replica, best_blocks = replica, prefix.blocks(replica)
         for candidate in candidates:
             blocks = prefix.blocks(candidate.id)
             if blocks > best_blocks:
                 best_replica, best_blocks = candidate.id, blocks
-        self.best, self.best_replica = best_blocks * per_block, best_replica
+        self.best, self.best_replica = best_blocks * per_block // whole * whole, best_replica
         best = next((c for c in candidates if c.id == best_replica), None)
         self.best_load = best.load if best is not None else None
 
@@ -155,7 +167,14 @@ class ReceiptBook:
     """Receipts for a sample of requests (`sample`: the share, 0 to 1; a request that asks for its receipt
     always gets one), the last `keep` of them, and counts by class and replica since start."""
 
-    def __init__(self, sample: float = 0.1, keep: int = 1024, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        sample: float = 0.1,
+        keep: int = 1024,
+        clock: Callable[[], float] = time.time,
+        chunk_tokens: ChunkTokens | None = None,
+    ) -> None:
+        """`chunk_tokens`: taught what a text chunk is in tokens by each routed-text receipt's answer."""
         if not 0.0 <= sample <= 1.0:
             raise ValueError(f"--receipts-sample {sample}: must be between 0 and 1")
         if keep < 0:
@@ -164,6 +183,7 @@ class ReceiptBook:
         self._due = 0.0
         """The share of a receipt owed so far: every request adds `sample`, a receipt takes 1 (an even sample)."""
         self._clock = clock
+        self._chunk_tokens = chunk_tokens
         self._ring: deque[Receipt] = deque(maxlen=keep)
         self.by_class: dict[str, int] = dict.fromkeys(CLASSES, 0)
         self.by_replica: dict[tuple[str, str], int] = {}
@@ -195,6 +215,8 @@ class ReceiptBook:
         if status < 400 and prompt_tokens is not None:
             receipt.prompt_tokens, receipt.realized = prompt_tokens, cached_tokens
             receipt.completion_tokens = completion_tokens
+            if self._chunk_tokens is not None and receipt.source == PrefixSource.ROUTED_TEXT.value:
+                self._chunk_tokens.learn(receipt.model, receipt.prompt_blocks, prompt_tokens)
         verdict = receipt.verdict = classify(receipt.predicted, receipt.best, receipt.realized, receipt.block_tokens)
         self.by_class[verdict] += 1
         key = (receipt.replica or "none", verdict)

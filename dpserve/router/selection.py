@@ -120,7 +120,9 @@ class Selector:
         metrics.labeled(metrics.decisions, policy.name, decision.id).inc()
         metrics.labeled(metrics.decision_reasons, policy.name, decision.reason).inc()
         if receipt is not None:
-            receipt.decided(policy.name, decision.id, decision.reason, features.prefix, candidates)
+            chosen = self._registry.find(decision.id)
+            engine_block = (chosen.block_size or 0) if chosen is not None else 0
+            receipt.decided(policy.name, decision.id, decision.reason, features.prefix, candidates, engine_block)
         if self._shadows is not None:
             hold = self._shadows.observe(features, candidates, decision.id)
             if ends is not None:

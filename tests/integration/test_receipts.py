@@ -96,6 +96,29 @@ def test_a_request_asks_for_its_receipt_and_gets_the_prediction(fleet: Fleet, ro
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
 
 
+def test_text_prefix_receipts_learn_the_models_tokens_per_chunk(router_factory: RouterFactory) -> None:
+    """The prefix policy predicts in text chunks. The tiny model's tokenizer is far from 4 characters a
+    token and vLLM caches whole blocks of its own, so the predictions hold, in tokens, only once the answers
+    have taught the router what a chunk is and rounded to the engine's block."""
+    router = router_factory("prefix", "--receipts-sample", "1")
+    status = httpx.get(f"{router.url}/status", timeout=5).json()
+    block = max(replica["block_size"] or 0 for replica in status["replicas"])
+    assert block > 0  # the replicas' KV block, read from their metrics
+    for seed in range(320, 324):
+        prompt = long_prompt(seed)
+        for _ in range(3):
+            send(router.url, prompt, stream=False)
+    rows = receipts(router.url)["receipts"][::-1]  # oldest first
+    assert [row["source"] for row in rows] == ["routed_text"] * 12
+    assert all(row["class"] == "cold" for row in rows[::3])  # each new prompt
+    for row in [r for i, r in enumerate(rows) if i % 3]:  # its repeats, each taught by the answers before
+        assert row["class"] == "hit", row
+        # More than 4 characters a token would have said, and within a block of what vLLM reported.
+        assert row["predicted_cached_tokens"] > row["prompt_blocks"] * 16, row
+        assert row["block_tokens"] >= block
+        assert abs(row["realized_cached_tokens"] - row["predicted_cached_tokens"]) <= row["block_tokens"], row
+
+
 class EventRelay:
     """Between a sim's KV-event publisher and the router: passes every message on, or drops them while
     `paused` (events lost on the way: a fault the replica cannot make on demand)."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, ChunkTokens
 from dpserve.policies.base import PrefixMatch, PrefixSource
 from dpserve.router.receipt_log import ReceiptLog
 from dpserve.router.receipts import (
@@ -152,3 +153,40 @@ def test_the_log_gets_every_closed_receipt_as_a_json_line(tmp_path: Path) -> Non
     log.close()
     with pytest.raises(ValueError, match=r"--receipts-log .*nowhere"):
         ReceiptLog(tmp_path / "nowhere" / "receipts.jsonl")
+
+
+def test_routed_text_answers_teach_what_a_chunk_is_in_tokens() -> None:
+    chunks = ChunkTokens()
+    assert chunks.per_chunk("m") == CHUNK_CHARS // CHARS_PER_TOKEN  # nothing learned: the rough English ratio
+    book = ReceiptBook(sample=1.0, chunk_tokens=chunks)
+    candidates = [View("r0", load=0)]
+
+    def answered(source: PrefixSource, model: str, chunks_in_prompt: int, prompt_tokens: int) -> None:
+        receipt = book.open("req", "completions", model, "alice")
+        assert receipt is not None
+        per_chunk = chunks.per_chunk(model)
+        text = PrefixMatch(source, chunks_in_prompt, per_chunk, matched={"r0": chunks_in_prompt}, keys=(1,))
+        receipt.decided("prefix", "r0", "text_prefix", text, candidates)
+        book.close(receipt, 200, prompt_tokens=prompt_tokens, cached_tokens=0)
+
+    # A tokenizer of 1.6 characters a token: a 64-character chunk is 40 tokens (the prompt's partial chunk
+    # counts as half a chunk).
+    answered(PrefixSource.ROUTED_TEXT, "m", 19, 780)
+    assert chunks.per_chunk("m") == 40
+    answered(PrefixSource.ROUTED_TEXT, "m", 9, 380)
+    assert chunks.per_chunk("m") == 40 and chunks.per_chunk("other") == 16  # per model
+    answered(PrefixSource.KV_EVENTS, "other", 9, 3800)  # a KV-event match counts real blocks: nothing to learn
+    assert chunks.per_chunk("other") == 16
+
+
+def test_a_text_prediction_is_rounded_down_to_the_engines_block() -> None:
+    book = ReceiptBook(sample=1.0)
+    receipt = book.open("req", "completions", "m", "alice")
+    assert receipt is not None
+    text = PrefixMatch(PrefixSource.ROUTED_TEXT, 60, 40, matched={"r0": 52, "r1": 10}, keys=(1,))
+    receipt.decided("prefix", "r1", "least_loaded", text, [View("r0", load=3), View("r1", load=0)], engine_block=128)
+    # 10 chunks of 40 tokens: 400, of which vLLM can hold 3 whole blocks; the best, 52 chunks: 2080 -> 16 blocks.
+    assert (receipt.predicted, receipt.best, receipt.block_tokens) == (384, 2048, 128)
+    kv = PrefixMatch(PrefixSource.KV_EVENTS, 8, 16, matched={"r0": 5}, keys=tuple(range(8)))
+    receipt.decided("kv_aware", "r0", "cache_hit", kv, [View("r0", load=3)], engine_block=128)
+    assert (receipt.predicted, receipt.block_tokens) == (80, 16)  # KV events count the engine's own blocks
