@@ -241,6 +241,8 @@ class Dispatcher:
                 break
             ends: list[Callable[[], None]] = []
             replica_id = self._selector.choose(features, candidates, receipt, ends).id
+            if receipt is not None:
+                receipt.dispatched = self._clock()
             tried.append(replica_id)
             is_last = attempt == retries
             adapter = features.adapter

@@ -83,6 +83,10 @@ class Receipt:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     realized: int | None = None
+    dispatched: float | None = None
+    """When the last attempt was sent (the dispatcher's clock, `time.perf_counter`)."""
+    replica_s: float | None = None
+    """Seconds from that send to the answer's end: what `dpserve tune` fits its fleet's timing to."""
     verdict: str = UNSCORED
     keys: tuple[int, ...] = ()
     """The prompt's block keys (hashes, no text): what `dpserve tune` replays, in the log only."""
@@ -147,6 +151,7 @@ class Receipt:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "realized_cached_tokens": self.realized,
+            "replica_s": None if self.replica_s is None else round(self.replica_s, 6),
         }
         if keys:
             out["keys"] = list(self.keys)
@@ -173,8 +178,10 @@ class ReceiptBook:
         keep: int = 1024,
         clock: Callable[[], float] = time.time,
         chunk_tokens: ChunkTokens | None = None,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """`chunk_tokens`: taught what a text chunk is in tokens by each routed-text receipt's answer."""
+        """`clock`: a receipt's wall-clock time; `timer`: the dispatcher's, for its time on the replica.
+        `chunk_tokens`: taught what a text chunk is in tokens by each routed-text receipt's answer."""
         if not 0.0 <= sample <= 1.0:
             raise ValueError(f"--receipts-sample {sample}: must be between 0 and 1")
         if keep < 0:
@@ -183,6 +190,7 @@ class ReceiptBook:
         self._due = 0.0
         """The share of a receipt owed so far: every request adds `sample`, a receipt takes 1 (an even sample)."""
         self._clock = clock
+        self._timer = timer
         self._chunk_tokens = chunk_tokens
         self._ring: deque[Receipt] = deque(maxlen=keep)
         self.by_class: dict[str, int] = dict.fromkeys(CLASSES, 0)
@@ -215,6 +223,8 @@ class ReceiptBook:
         if status < 400 and prompt_tokens is not None:
             receipt.prompt_tokens, receipt.realized = prompt_tokens, cached_tokens
             receipt.completion_tokens = completion_tokens
+            if receipt.dispatched is not None:
+                receipt.replica_s = max(0.0, self._timer() - receipt.dispatched)
             if self._chunk_tokens is not None and receipt.source == PrefixSource.ROUTED_TEXT.value:
                 self._chunk_tokens.learn(receipt.model, receipt.prompt_blocks, prompt_tokens)
         verdict = receipt.verdict = classify(receipt.predicted, receipt.best, receipt.realized, receipt.block_tokens)

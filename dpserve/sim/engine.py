@@ -122,10 +122,13 @@ class SimEngine:
             last = self._clock()
             stats.first_token = last
             per_wake = 1 if streamed else BUFFERED_TOKENS_PER_WAKE
+            final = len(output_ids) - 1
             for index, token in enumerate(output_ids):
                 if index:
                     if index % per_wake == 0:
                         await self._wait(self.latency.decode_s_per_token * per_wake)
+                    elif index == final:  # the tokens since the last wake: every later token takes its time
+                        await self._wait(self.latency.decode_s_per_token * (index % per_wake))
                     now = self._clock()
                     self._observer.on_token(stats, now - last)
                     last = now

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from dpserve.sim.engine import LatencyModel
 from dpserve.text_table import format_table
-from dpserve.tune.replay import DEFAULTS, FleetModel, Outcome, grid, read_receipts, tune
+from dpserve.tune.replay import DEFAULTS, FleetModel, Outcome, TraceRequest, grid, read_receipts, tune
+from dpserve.tune.timing import TimedAnswer, fit_timing
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -23,8 +24,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--replicas", type=int, help="replicas to model (default: those the receipts name)")
     parser.add_argument("--kv-blocks", type=int, default=0, help="each replica's KV cache in blocks (0: unbounded)")
-    parser.add_argument("--prefill-ms-per-token", type=float, default=0.1, help="per uncached prompt token (0.1)")
-    parser.add_argument("--decode-ms-per-token", type=float, default=10.0, help="per output token (10)")
+    parser.add_argument(
+        "--prefill-ms-per-token",
+        type=float,
+        help="per computed prompt token (default: fitted to the receipts' times, else 0.1)",
+    )
+    parser.add_argument(
+        "--decode-ms-per-token", type=float, help="per output token (default: fitted to the receipts' times, else 10)"
+    )
     parser.add_argument("--batch-slowdown", type=float, default=0.02, help="per other running request (0.02)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="batch limit (256)")
     parser.add_argument("--top", type=int, default=5, help="settings to show (5)")
@@ -45,6 +52,39 @@ def _row(label: str, outcome: Outcome) -> tuple[str, ...]:
         f"{outcome.ttft_p99_ms:.1f}",
         f"{outcome.max_share:.2f}",
     )
+
+
+def fleet_timing(
+    requests: Sequence[TraceRequest], prefill_ms: float | None, decode_ms: float | None
+) -> tuple[float, float, str]:
+    """Seconds per computed prompt token and per output token for the replay: as given, else fitted to the
+    receipts' times (`replica_s`), else the simulator's defaults; and a line saying which."""
+    fitted = None
+    if prefill_ms is None or decode_ms is None:
+        fitted = fit_timing(
+            [
+                TimedAnswer(r.prompt_tokens - r.cached_tokens, r.completion_tokens, r.seconds)
+                for r in requests
+                if r.seconds is not None and r.cached_tokens is not None
+            ]
+        )
+    defaults = LatencyModel()
+    prefill = _pick(prefill_ms, fitted.prefill_s_per_token if fitted else None, defaults.prefill_s_per_token)
+    decode = _pick(decode_ms, fitted.decode_s_per_token if fitted else None, defaults.decode_s_per_token)
+    fit_note = f"fitted to {fitted.requests} receipts' times" if fitted else ""
+    line = ", ".join(
+        f"{name} {seconds * 1000:.4g} ms/token ({fit_note if source == 'fitted' else source})"
+        for name, (seconds, source) in (("prefill", prefill), ("decode", decode))
+    )
+    return prefill[0], decode[0], f"timing: {line}"
+
+
+def _pick(given_ms: float | None, fitted_s: float | None, default_s: float) -> tuple[float, str]:
+    if given_ms is not None:
+        return given_ms / 1000, "given"
+    if fitted_s is not None:
+        return fitted_s, "fitted"
+    return default_s, "the simulator's default"
 
 
 def main(argv: Sequence[str]) -> int:
@@ -69,7 +109,8 @@ def main(argv: Sequence[str]) -> int:
     if not replicas:
         print("dpserve tune: no replicas: give --replicas N", file=sys.stderr)
         return 2
-    latency = LatencyModel(args.prefill_ms_per_token / 1000, args.decode_ms_per_token / 1000, args.batch_slowdown)
+    prefill_s, decode_s, timing = fleet_timing(requests, args.prefill_ms_per_token, args.decode_ms_per_token)
+    latency = LatencyModel(prefill_s, decode_s, args.batch_slowdown)
     fleet = FleetModel(replicas, args.kv_blocks, latency, args.max_num_seqs)
     settings = grid()
     outcomes = tune(requests, fleet, settings)
@@ -79,6 +120,7 @@ def main(argv: Sequence[str]) -> int:
         f"{len(requests)} requests over {span:.1f} s, {len(replicas)} replicas, KV cache "
         f"{args.kv_blocks or 'unbounded'} blocks each; {len(settings)} settings of kv_aware tried"
     )
+    print(timing)
     header = ("", "load w", "cache w", "held w", "guard", "hit rate", "TTFT mean ms", "p50 ms", "p99 ms", "max share")
     rows = [_row(f"#{rank}", outcome) for rank, outcome in enumerate(outcomes[: args.top], 1)]
     rows.append(_row("defaults", defaults))

@@ -30,6 +30,10 @@ class TraceRequest:
     block_tokens: int
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None
+    """What vLLM reported cached for it where it went."""
+    seconds: float | None = None
+    """Its time on that replica, send to the answer's end (`replica_s`)."""
 
 
 def read_receipts(lines: Iterable[str]) -> tuple[list[TraceRequest], list[str]]:
@@ -54,6 +58,7 @@ def read_receipts(lines: Iterable[str]) -> tuple[list[TraceRequest], list[str]]:
         at, completion = row.get("at"), row.get("completion_tokens")
         if not isinstance(at, int | float) or not all(isinstance(k, int) for k in keys):
             raise ValueError(f"line {number} is not a receipt (its `at` or `keys`)")
+        cached, seconds = row.get("realized_cached_tokens"), row.get("replica_s")
         requests.append(
             TraceRequest(
                 float(at),
@@ -61,6 +66,8 @@ def read_receipts(lines: Iterable[str]) -> tuple[list[TraceRequest], list[str]]:
                 int(row["block_tokens"]),
                 prompt,
                 completion if isinstance(completion, int) else 0,
+                cached if isinstance(cached, int) else None,
+                float(seconds) if isinstance(seconds, int | float) and seconds >= 0 else None,
             )
         )
     requests.sort(key=lambda r: r.at)

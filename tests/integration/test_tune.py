@@ -1,8 +1,10 @@
 """`dpserve tune` on a trace recorded through the real router over sims: the receipts log holds every
-request's blocks, the replay's defaults hit what the sims reported, and the best setting is printed."""
+request's blocks and time, the fitted timing is the sims', the replay's defaults hit what the sims
+reported, and the best setting is printed."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -24,7 +26,7 @@ def test_a_recorded_trace_is_replayed_and_the_best_weights_printed(tmp_path: Pat
             for turn in range(10):
                 group = (thread + turn) % 6
                 prompt = f"{long_prompt(700 + group, words=150)} {long_prompt(800 + 10 * thread + turn, words=10)}"
-                body = {"prompt": prompt, "max_tokens": 4}
+                body = {"prompt": prompt, "max_tokens": 2 + (thread + 3 * turn) % 7}  # answers of 2 to 8 tokens
                 assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).status_code == 200
 
         threads = [threading.Thread(target=client, args=(n,)) for n in range(3)]
@@ -34,11 +36,17 @@ def test_a_recorded_trace_is_replayed_and_the_best_weights_printed(tmp_path: Pat
             thread.join()
         summary = httpx.get(f"{router.url}/admin/receipts?limit=0", timeout=5).json()["summary"]
     assert summary["receipts"] == 30 and len(log.read_text().splitlines()) == 30
-    command = [sys.executable, "-m", "dpserve", "tune", "--receipts", str(log), "--decode-ms-per-token", "2"]
+    command = [sys.executable, "-m", "dpserve", "tune", "--receipts", str(log)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
     print(done.stdout)
     lines = done.stdout.splitlines()
     assert lines[0].startswith("30 requests over ") and "4 replicas" in lines[0]
+    # The sims' timing, fitted to the receipts' times: 0.1 ms a computed prompt token, 2 ms an output token
+    # (the router's own time and the sims' batch slowdown on top).
+    timing = re.fullmatch(r"timing: prefill (\S+) ms/token \((.+)\), decode (\S+) ms/token \((.+)\)", lines[1])
+    assert timing is not None, lines[1]
+    assert timing[2] == timing[4] == "fitted to 30 receipts' times"
+    assert 0.07 < float(timing[1]) < 0.15 and 1.5 < float(timing[3]) < 3.0, lines[1]
     defaults = next(line.split() for line in lines if line.startswith("defaults"))
     best = next(line.split() for line in lines if line.startswith("#1"))
     # The model, with kv_aware's default weights, hits what the sims reported for the same requests.

@@ -190,3 +190,20 @@ def test_a_text_prediction_is_rounded_down_to_the_engines_block() -> None:
     kv = PrefixMatch(PrefixSource.KV_EVENTS, 8, 16, matched={"r0": 5}, keys=tuple(range(8)))
     receipt.decided("kv_aware", "r0", "cache_hit", kv, [View("r0", load=3)], engine_block=128)
     assert (receipt.predicted, receipt.block_tokens) == (80, 16)  # KV events count the engine's own blocks
+
+
+def test_a_receipt_times_the_answer_from_its_send_to_its_end() -> None:
+    now = [10.0]
+    book = ReceiptBook(sample=1.0, timer=lambda: now[0])
+    receipt = book.open("req", "completions", "m", "alice")
+    assert receipt is not None
+    receipt.decided("kv_aware", "r0", "cache_hit", match(r0=2), [View("r0", load=0)])
+    receipt.dispatched = 10.5  # the dispatcher's clock when it sent the last attempt
+    now[0] = 10.75
+    book.close(receipt, 200, prompt_tokens=140, cached_tokens=32, completion_tokens=4)
+    assert receipt.replica_s == 0.25 and receipt.to_dict()["replica_s"] == 0.25
+    failed = book.open("req-2", "completions", "m", "alice")
+    assert failed is not None
+    failed.dispatched = 10.5
+    book.close(failed, 502, prompt_tokens=None, cached_tokens=None)
+    assert failed.replica_s is None  # no answer: nothing to time

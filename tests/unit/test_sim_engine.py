@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -100,3 +101,16 @@ async def test_metrics_count_queries_hits_and_finished_requests() -> None:
     assert samples.total("vllm:prefix_cache_queries_total") == 18
     assert samples.total("vllm:prefix_cache_hits_total") == 8
     assert samples.total("vllm:request_success_total") == 2
+
+
+@pytest.mark.parametrize("count", [5, 16, 21])
+async def test_every_later_token_takes_its_decode_time_streamed_or_not(count: int) -> None:
+    """A buffered answer wakes once per 16 tokens, and once more for those after the last wake: an answer
+    of 5 tokens is not free."""
+    for streamed in (True, False):
+        engine = SimEngine(PrefixCache(64, 4), LatencyModel(prefill_s_per_token=0.0, decode_s_per_token=0.01), 8)
+        started = time.perf_counter()
+        tokens = [t async for t in engine.generate(request([1, 2, 3], count), [5] * count, RequestStats(0.0), streamed)]
+        elapsed = time.perf_counter() - started
+        assert len(tokens) == count
+        assert 0.01 * (count - 1) * 0.95 <= elapsed < 0.01 * (count - 1) + 0.1, (streamed, elapsed)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from dpserve.kvindex.index import block_keys
 from dpserve.sim.engine import LatencyModel
-from dpserve.tune.command import main
+from dpserve.tune.command import fleet_timing, main
 from dpserve.tune.replay import DEFAULTS, FleetModel, Setting, TraceRequest, grid, read_receipts, replay, tune
+from dpserve.tune.timing import TimedAnswer, fit_timing
 
 BS = 16
 
@@ -82,3 +84,45 @@ def test_the_command_prints_the_best_flags_and_the_defaults(tmp_path, capsys) ->
     empty.write_text(json.dumps({"at": 1, "replica": "r0"}) + "\n")
     assert main(["--receipts", str(empty)]) == 2
     assert "has no receipts with prompt blocks" in capsys.readouterr().err
+
+
+def test_the_fleets_timing_is_fitted_to_the_receipts_times() -> None:
+    # Answers timed as 2 ms + 0.05 ms a computed prompt token + 8 ms an output token, with a little noise.
+    answers = [
+        TimedAnswer(computed, generated, 0.002 + 0.00005 * computed + 0.008 * generated + noise)
+        for computed, generated, noise in [
+            (1000, 4, 0.0004),
+            (30, 8, -0.0003),
+            (500, 2, 0.0002),
+            (1500, 16, -0.0001),
+            (60, 4, 0.0003),
+            (800, 12, -0.0004),
+            (20, 2, 0.0001),
+            (1200, 6, -0.0002),
+        ]
+    ]
+    fitted = fit_timing(answers)
+    assert fitted is not None and fitted.requests == 8
+    assert fitted.prefill_s_per_token == pytest.approx(0.00005, rel=0.05)
+    assert fitted.decode_s_per_token == pytest.approx(0.008, rel=0.05)
+    assert fitted.overhead_s == pytest.approx(0.002, abs=0.001)
+    assert fit_timing(answers[:7]) is None  # too few to say
+    # Every answer the same length: the decode term cannot be told from the overhead, so it is not fitted.
+    same_length = [TimedAnswer(a.computed_tokens, 4, 0.002 + 0.00005 * a.computed_tokens) for a in answers]
+    flat = fit_timing(same_length)
+    assert flat is not None and flat.decode_s_per_token is None
+    assert flat.prefill_s_per_token == pytest.approx(0.00005)
+
+
+def test_tune_times_the_replay_as_given_else_as_the_receipts_say_else_as_the_simulator() -> None:
+    timed = [
+        TraceRequest(i * 0.1, (i,), BS, 100 + 50 * i, 2 + i % 3, 0, seconds=0.01 + 0.0002 * (100 + 50 * i))
+        for i in range(10)
+    ]
+    prefill, decode, line = fleet_timing(timed, None, 20.0)
+    assert prefill == pytest.approx(0.0002, rel=0.01) and decode == 0.02
+    assert line == "timing: prefill 0.2 ms/token (fitted to 10 receipts' times), decode 20 ms/token (given)"
+    untimed = [replace(r, seconds=None) for r in timed]
+    assert fleet_timing(untimed, None, None)[2] == (
+        "timing: prefill 0.1 ms/token (the simulator's default), decode 10 ms/token (the simulator's default)"
+    )
