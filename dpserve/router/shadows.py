@@ -187,16 +187,14 @@ class ShadowScorer:
             assert policy is not None
             views = self._views(shadow, candidates)
             seen = features
+            matched: dict[str, int] | None = None
             if kv is not None:
                 caches = shadow.caches
                 matched = {c.id: caches.leading(c.id, kv.keys) for c in candidates}
                 held = {c.id: caches.blocks(c.id) for c in candidates}
                 seen = replace(features, prefix=replace(kv, matched=matched, held=held))
             chosen = policy.choose(seen, views).id
-            if policy.sampling is Sampling.TURN:
-                uncached = self._count_turn(shadow, kv, chosen, views, live)
-            else:
-                uncached = self._count(shadow, kv, chosen, views, live)
+            uncached = self._count(shadow, kv, chosen, views, live, matched, policy.sampling is Sampling.TURN)
             shadow.in_flight[chosen] = shadow.in_flight.get(chosen, 0) + 1
             shadow.blocks_in_use[chosen] = shadow.blocks_in_use.get(chosen, 0) + blocks
             placed.append(Placed(shadow, chosen, blocks, uncached or 0.0))
@@ -255,39 +253,36 @@ class ShadowScorer:
                 break
 
     def _count(
-        self, shadow: Shadow, kv: PrefixMatch | None, chosen: str, candidates: Sequence[ReplicaView], live: str
+        self,
+        shadow: Shadow,
+        kv: PrefixMatch | None,
+        chosen: str,
+        candidates: Sequence[ReplicaView],
+        live: str,
+        matched: dict[str, int] | None = None,
+        turn: bool = False,
     ) -> float | None:
-        """Tallies the choice; the prompt tokens it computes (None: no KV blocks to count)."""
+        """Tallies the choice; the prompt tokens it computes (None: no KV blocks to count). `matched`: each
+        candidate's leading blocks in the shadow's caches, when the shadow already looked them up. `turn`:
+        the counter's choice is tallied, but the cache model takes a uniform draw and the estimate is the
+        mean hit over the candidates (see the module's note)."""
         self._tally(shadow, chosen, candidates, live)
         if kv is None:
             return None
         cacheable = cacheable_blocks(kv.total_blocks, kv.prompt_tokens, kv.tokens_per_block)
-        hit = min(shadow.caches.leading(chosen, kv.keys), cacheable) * kv.tokens_per_block
+        if matched is None:
+            matched = {chosen: shadow.caches.leading(chosen, kv.keys)}
+        placed = chosen
+        if turn:
+            hit = sum(min(blocks, cacheable) for blocks in matched.values()) * kv.tokens_per_block / len(matched)
+            placed = self._rng.choice(candidates).id
+        else:
+            hit = min(matched[chosen], cacheable) * kv.tokens_per_block
         prompt = kv.prompt_tokens or kv.total_blocks * kv.tokens_per_block
         tally = shadow.tally
         tally.prompt_tokens += prompt
         tally.cached_tokens += hit
-        shadow.caches.add(chosen, kv.keys, self._capacity_of(chosen))
-        return prompt - hit
-
-    def _count_turn(
-        self, shadow: Shadow, kv: PrefixMatch | None, chosen: str, candidates: Sequence[ReplicaView], live: str
-    ) -> float | None:
-        """A turn policy: the counter's choice is tallied; the cache model takes a uniform draw, and the
-        estimate is the mean hit over the candidates (see the module's note)."""
-        self._tally(shadow, chosen, candidates, live)
-        if kv is None:
-            return None
-        cacheable = cacheable_blocks(kv.total_blocks, kv.prompt_tokens, kv.tokens_per_block)
-        caches = shadow.caches
-        blocks = sum(min(caches.leading(c.id, kv.keys), cacheable) for c in candidates)
-        hit = blocks * kv.tokens_per_block / len(candidates)
-        prompt = kv.prompt_tokens or kv.total_blocks * kv.tokens_per_block
-        tally = shadow.tally
-        tally.prompt_tokens += prompt
-        tally.cached_tokens += hit
-        drawn = self._rng.choice(candidates).id
-        caches.add(drawn, kv.keys, self._capacity_of(drawn))
+        shadow.caches.add(placed, kv.keys, self._capacity_of(placed))
         return prompt - hit
 
     def status(self) -> dict[str, Any]:
