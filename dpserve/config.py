@@ -129,10 +129,10 @@ class RouterSettings:
     receipts_keep: int = 1024
     """Receipts kept for `GET /admin/receipts` (the newest)."""
     receipts_log: str | None = None
+    """A file each receipt is appended to as a JSON line (`router/receipt_log.py`)."""
     shadow_policies: tuple[str, ...] = ()
     """Policies asked, beside the live one, what they would choose (`router/shadows.py`): round_robin,
     least_loaded, kv_aware."""
-    """A file each receipt is appended to as a JSON line (`router/receipt_log.py`)."""
     flow_control: bool = True
     """Hold requests past each replica's learned capacity (`replicas/capacity.py`) in the router, and release
     them by priority, then fair share between tenants; off: first come, first served."""

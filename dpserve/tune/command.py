@@ -69,21 +69,22 @@ def fleet_timing(
             ]
         )
     defaults = LatencyModel()
-    prefill = _pick(prefill_ms, fitted.prefill_s_per_token if fitted else None, defaults.prefill_s_per_token)
-    decode = _pick(decode_ms, fitted.decode_s_per_token if fitted else None, defaults.decode_s_per_token)
-    fit_note = f"fitted to {fitted.requests} receipts' times" if fitted else ""
+    note = f"fitted to {fitted.requests} receipts' times" if fitted else ""
+    prefill = _pick(prefill_ms, fitted.prefill_s_per_token if fitted else None, note, defaults.prefill_s_per_token)
+    decode = _pick(decode_ms, fitted.decode_s_per_token if fitted else None, note, defaults.decode_s_per_token)
     line = ", ".join(
-        f"{name} {seconds * 1000:.4g} ms/token ({fit_note if source == 'fitted' else source})"
+        f"{name} {seconds * 1000:.4g} ms/token ({source})"
         for name, (seconds, source) in (("prefill", prefill), ("decode", decode))
     )
     return prefill[0], decode[0], f"timing: {line}"
 
 
-def _pick(given_ms: float | None, fitted_s: float | None, default_s: float) -> tuple[float, str]:
+def _pick(given_ms: float | None, fitted_s: float | None, fitted_note: str, default_s: float) -> tuple[float, str]:
+    """Seconds per token and where they came from."""
     if given_ms is not None:
         return given_ms / 1000, "given"
     if fitted_s is not None:
-        return fitted_s, "fitted"
+        return fitted_s, fitted_note
     return default_s, "the simulator's default"
 
 

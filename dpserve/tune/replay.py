@@ -1,8 +1,9 @@
 """Replaying a recorded workload (routing receipts with their prompts' block keys) through kv_aware with
 other weights, in a model of the fleet: each replica's KV cache as an LRU of block keys
-(`kvindex/modelled.py`), and its time as the simulator's latency model (`sim/engine.py`: time to first
-token = uncached prompt tokens x prefill time x batch slowdown; then each token x decode time x slowdown;
-at most `max_num_seqs` running, the rest wait for the first to finish). Requests arrive when they came.
+(`kvindex/modelled.py`), and its time in the form of the simulator's latency model (`sim/engine.py`: time
+to first token = uncached prompt tokens x prefill time x batch slowdown; then each token x decode time x
+slowdown; at most `max_num_seqs` running, the rest wait for the first to finish), the per-token times as
+given or fitted to the recorded fleet (`tune/timing.py`). Requests arrive when they came.
 
 Pure and deterministic: a setting's outcome depends only on the trace and the model's parameters.
 """
