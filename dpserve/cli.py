@@ -87,6 +87,13 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         "--max-header-bytes", type=int, dest="max_header_bytes", help="largest total of request headers (32768)"
     )
     parser.add_argument("--probe-interval", type=float, dest="probe_interval_s", help="seconds between probes")
+    parser.add_argument(
+        "--held-probe-interval",
+        type=float,
+        dest="held_probe_interval_s",
+        help="while requests are held, seconds between reads of /metrics of replicas busy with load not this "
+        "router's (0.1)",
+    )
     parser.add_argument("--retries", type=int, help="other replicas tried before the first byte (default 2)")
     parser.add_argument(
         "--route-sample",

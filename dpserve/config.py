@@ -105,6 +105,9 @@ class RouterSettings:
     """The largest non-streamed answer relayed; past it the client gets a 502 (streams are not bounded)."""
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 3.0
+    held_probe_interval_s: float = 0.1
+    """While requests are held, how often a replica filled partly by load that is not this router's (other
+    routers, other clients) has its /metrics read again: nothing else tells when that load ends."""
     fail_threshold: int = 2
     """Health probes failed in a row that eject a replica."""
     rise_threshold: int = 2
@@ -119,7 +122,8 @@ class RouterSettings:
     """Load-and-cache policies choose among this many replicas of a larger fleet, plus those likely to
     hold the prompt's prefix, so a decision costs the same at 64 replicas as at 8 (0: all of them)."""
     max_in_flight: int = 256
-    """Per replica; past it requests wait in the router's queue (0: no limit). vLLM's default batch
+    """Per replica, the requests of this router and its peers together; past it requests wait in the
+    router's queue (0: no limit). vLLM's default batch
     is 256 sequences: beyond that a request only waits inside the engine, where it can no longer move."""
     queue_size: int = 1024
     queue_timeout_s: float = 30.0

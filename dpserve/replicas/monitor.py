@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -35,8 +36,15 @@ class ReplicaMonitor:
         interval_s: float,
         timeout_s: float,
         models_refresh_s: float = 30.0,
+        held: Callable[[], bool] = lambda: False,
+        held_interval_s: float = 0.1,
     ) -> None:
+        """`held`: whether the router holds requests now; while it does, replicas busy with load that is not
+        the router's are read again every `held_interval_s` (`_watch_held`)."""
         self._registry = registry
+        self._held = held
+        self._held_interval_s = held_interval_s
+        self._held_task: asyncio.Task[None] | None = None
         self._session = session
         self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -52,9 +60,32 @@ class ReplicaMonitor:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="replica-monitor")
+        if self._held_interval_s > 0:
+            self._held_task = asyncio.create_task(self._watch_held(), name="replica-monitor-held")
 
     async def stop(self) -> None:
+        await cancel_and_wait(self._held_task)
         await cancel_and_wait(self._task)
+
+    async def _watch_held(self) -> None:
+        """While requests are held: a replica whose last scrape showed load that is not the routers' (a
+        client straight at it, a router without peers) is read again, since no answer of this router's
+        will say when that load ends; the scrape wakes the held requests (`ReplicaRegistry.on_change`).
+        A replica full of the routers' own requests needs none: their answers' ends wake them."""
+        while True:
+            await asyncio.sleep(self._held_interval_s)
+            if not self._held():
+                continue
+            busy = [replica for replica in self._registry if replica.routable and replica.external_load > 0]
+            if busy:
+                await asyncio.gather(*(self._rescrape(replica) for replica in busy))
+
+    async def _rescrape(self, replica: Replica) -> None:
+        try:
+            await self._scrape(replica)
+        except (aiohttp.ClientError, TimeoutError, ProbeFailed, ValueError) as exc:
+            # Health is the scheduled probe's to judge; this read only refreshes the load.
+            log.debug("reading /metrics of held-up replica %s failed: %s", replica.id, _describe(exc))
 
     async def _run(self) -> None:
         tick = 0

@@ -194,6 +194,7 @@ class ReplicaRegistry:
         self._next_id += 1
         self._replicas[replica.id] = replica
         self._reshaped()
+        self._changed()
         return replica
 
     def remove(self, replica_id: str) -> Replica:
@@ -228,7 +229,8 @@ class ReplicaRegistry:
         return True
 
     def on_change(self, listener: Callable[[], None]) -> None:
-        """`listener` runs whenever a replica may have gained room: a slot freed, a replica admitted."""
+        """`listener` runs whenever a replica may have gained room: a slot freed (this router's, a peer's),
+        a replica added or admitted, a scrape (load from elsewhere may have ended)."""
         self._listeners.append(listener)
 
     def on_refused(self, listener: Callable[[str], None]) -> None:
@@ -418,8 +420,13 @@ class ReplicaRegistry:
 
     def set_peer_in_flight(self, counts: dict[str, int]) -> None:
         """What the router's peers have in flight, per replica id (absent: none); sums over every peer."""
+        fell = False
         for replica in self._replicas.values():
-            replica.peer_in_flight = counts.get(replica.id, 0)
+            count = counts.get(replica.id, 0)
+            fell = fell or count < replica.peer_in_flight
+            replica.peer_in_flight = count
+        if fell:
+            self._changed()  # a peer's requests ended there
 
     def probe_succeeded(self, replica_id: str) -> None:
         replica = self._replicas.get(replica_id)
@@ -488,10 +495,7 @@ class ReplicaRegistry:
         replica.running = running
         replica.waiting = waiting
         replica.in_flight_at_scrape = replica.in_flight + replica.peer_in_flight
-        before = replica.learned.limit
         replica.learned = learn(replica.learned, running, waiting, kv_usage, replica.in_flight_at_scrape)
-        if replica.learned.limit > before:
-            self._changed()  # room for held requests
         replica.kv_usage = kv_usage
         replica.prefix_cache_queries = prefix_cache_queries
         replica.prefix_cache_hits = prefix_cache_hits
@@ -500,3 +504,6 @@ class ReplicaRegistry:
         if kv_blocks is not None:
             replica.kv_blocks = kv_blocks
         replica.last_scrape = time.monotonic()
+        # Every scrape, not only one that raised the capacity: load that was not this router's (other
+        # routers, other clients) may have ended, and no answer of this router's would say so.
+        self._changed()

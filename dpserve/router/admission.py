@@ -1,10 +1,17 @@
 """Admission control: how many requests each replica gets, and who waits in the router's queue for the
-rest. Two bounds, either off: a fixed `--max-in-flight` per replica (this router's own requests), and,
+rest. Two bounds, either off: a fixed `--max-in-flight` per replica (the requests of this router and of
+its peers, which tell theirs within `--peer-interval`), and,
 with flow control, the capacity each replica showed in its own metrics (`replicas/capacity.py`), against
 its whole load (peers' and other clients' requests included). Past them requests wait, released in fair
 order (`fair_queue.py`: priority classes, then tenants by tokens served), or, without flow control, in
 arrival order. A full queue or a wait past the timeout is refused with 429 and `Retry-After`; with a
 full queue a `batch` request is shed to make room for a more urgent one.
+
+Room is a fact about the replica now, not a memory of this router's traffic: the first held request
+looks again whenever a replica may have gained room (`notify`: an answer ended, a scrape, a peer's
+requests ended, a replica added or back), and at least every `RECHECK_S` whatever told it. While any is
+held, replicas busy with load that is not the routers' are scraped every `--held-probe-interval`
+(`replicas/monitor.py`), so load from elsewhere that ends is seen within that.
 
 A slot that frees on a replica stays empty for the router's round trip (the answer's end reaching the
 router, the next request reaching the engine) unless a request already waits in the engine. Where that
@@ -30,6 +37,9 @@ STANDARD = 1
 BATCH = 2
 URGENT_MEMORY_S = 30.0
 """How long after a more urgent request batch requests still leave their reserve."""
+RECHECK_S = 0.05
+"""The floor under every wake-up: the first held request looks for room at least this often, whatever
+did or did not tell it that room may have freed."""
 
 
 class Rejected(OpenAIError):
@@ -58,11 +68,12 @@ class Ticket:
 
 
 class _Waiter:
-    __slots__ = ("refused", "wake")
+    __slots__ = ("refused", "since", "wake")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, since: float) -> None:
         self.wake: asyncio.Future[None] = loop.create_future()
         self.refused: Rejected | None = None
+        self.since = since
 
 
 class Admission:
@@ -93,11 +104,21 @@ class Admission:
         """False: every request goes straight on, nothing ever waits."""
         self._clock = clock
         self._queue: FairQueue[_Waiter] = FairQueue()
+        self._waiters: set[_Waiter] = set()
+        """Everyone in the queue, for the longest wait (`oldest_wait_s`)."""
         self._urgent_until = -math.inf
+        self.timeouts = 0
+        """Requests refused after waiting `timeout_s` (429 `queue_timeout`)."""
 
     @property
     def depth(self) -> int:
         return len(self._queue)
+
+    def oldest_wait_s(self) -> float:
+        """How long the request held longest has waited so far (0 with none held)."""
+        if not self._waiters:
+            return 0.0
+        return self._clock() - min(waiter.since for waiter in self._waiters)
 
     def depth_by_priority(self) -> dict[str, int]:
         return dict(zip(("critical", "standard", "batch"), self._queue.depths(), strict=True))
@@ -110,7 +131,8 @@ class Admission:
 
     def has_room(self, replica: ReplicaView, priority: int = STANDARD) -> bool:
         limit = self.limit
-        if limit and replica.in_flight >= limit:
+        # The routers' requests together: peers tell theirs within `--peer-interval`.
+        if limit and replica.in_flight + replica.peer_in_flight >= limit:
             return False
         capacity = replica.capacity if self.flow_control else 0
         if not capacity:
@@ -177,7 +199,8 @@ class Admission:
                 victim.wake.set_result(None)
         started = self._clock()
         deadline = started + self.timeout_s
-        waiter = _Waiter(asyncio.get_running_loop())
+        waiter = _Waiter(asyncio.get_running_loop(), started)
+        self._waiters.add(waiter)
         queue.push(waiter, priority, tenant)
         try:
             while True:
@@ -185,22 +208,28 @@ class Admission:
                     raise waiter.refused
                 remaining = deadline - self._clock()
                 if remaining <= 0:
+                    self.timeouts += 1
                     raise Rejected(
                         "queue_timeout",
                         f"No replica had room for this request within {self.timeout_s:g} s; retry later.",
                         self.timeout_s / 4,
                     )
                 # Only the one that goes first may take a slot.
-                if queue.peek() is waiter and self._room_for_first(has_room, priority, tenant):
+                first = queue.peek() is waiter
+                if first and self._room_for_first(has_room, priority, tenant):
                     if cost:
                         queue.charge(tenant, cost, weight)
                     return self._clock() - started
+                # The first looks again within RECHECK_S even unwoken: room can come from where nothing
+                # tells (a replica's load from elsewhere, read by a scrape no listener heard).
+                pause = min(remaining, RECHECK_S) if first else remaining
                 try:
-                    await asyncio.wait_for(asyncio.shield(waiter.wake), remaining)
+                    await asyncio.wait_for(asyncio.shield(waiter.wake), pause)
                 except TimeoutError:
                     continue
                 waiter.wake = asyncio.get_running_loop().create_future()
         finally:
+            self._waiters.discard(waiter)
             queue.remove(waiter)
             # The next in line may find room too (several slots freed at once, or this one gave up).
             self.notify()

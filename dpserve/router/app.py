@@ -371,6 +371,7 @@ def create_app(
     registry.on_change(admission.notify)
     metrics = RouterMetrics(registry, policy.name)
     metrics.queue_depth.set_function(lambda: admission.depth)
+    metrics.queue_oldest_wait.set_function(admission.oldest_wait_s)
     metrics.registry.register(UsageCollector(flow.usage))
     chunk_tokens = ChunkTokens()  # taught by the receipts' answers, read by the text prefix features
     receipts = ReceiptBook(settings.receipts_sample, settings.receipts_keep, chunk_tokens=chunk_tokens)
@@ -426,7 +427,14 @@ def create_app(
         # Hot path: a lean HTTP/1.1 client (upstream_client.py; measured in benchmarks/README.md).
         hot = UpstreamPool(upstream_deadlines(settings), max_response_bytes=settings.max_response_bytes)
         control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
-        monitor = ReplicaMonitor(registry, control, settings.probe_interval_s, settings.probe_timeout_s)
+        monitor = ReplicaMonitor(
+            registry,
+            control,
+            settings.probe_interval_s,
+            settings.probe_timeout_s,
+            held=lambda: admission.depth > 0,
+            held_interval_s=settings.held_probe_interval_s,
+        )
         tokens: TokenCache | None = None
         if Need.KV_PREFIX in needs:
             tokenizer: PromptTokenizer = local or RemoteTokenizer(control)

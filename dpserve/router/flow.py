@@ -93,12 +93,16 @@ class Flow:
         self.usage.record(name, status >= 400, prompt, cached, completion, ticket.queue_s)
 
     def status(self) -> dict[str, Any]:
-        """For /status: whether requests are held past capacity, how many wait, the tenants by name."""
+        """For /status: whether requests are held past capacity, how many wait and the longest so far, how
+        many gave up after `--queue-timeout`, the tenants by name."""
         admission = self._admission
         return {
             "flow_control": admission.flow_control,
             "queued": admission.depth,
             "queued_by_priority": admission.depth_by_priority(),
+            "oldest_queued_s": round(admission.oldest_wait_s(), 3),
+            "queue_timeout_s": admission.timeout_s,
+            "queue_timeouts": admission.timeouts,
             "tenants": sorted(self.tenants.named),
         }
 

@@ -83,6 +83,11 @@ class RouterMetrics:
             "Requests waiting in the router's admission queue for a replica with room.",
             registry=self.registry,
         )
+        self.queue_oldest_wait = Gauge(
+            "dpserve_queue_oldest_wait_seconds",
+            "How long the request held longest in the admission queue has waited so far (0: none held).",
+            registry=self.registry,
+        )
         self.queue_wait = Histogram(
             "dpserve_queue_wait_seconds",
             "Time requests waited for admission (0 when a replica had room at once).",

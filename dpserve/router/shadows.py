@@ -102,6 +102,8 @@ class ShadowView:
     capacity: int
     confirmed_capacity: int
     slow_refill: bool
+    peer_in_flight: int = 0
+    """Peers' requests are in `load` already: a shadow never asks admission for room."""
 
 
 class ShadowHold:

@@ -282,6 +282,7 @@ _ROUTER_VALUE_FLAGS = (
     ("--read-timeout", "read_timeout_s"),
     ("--request-timeout", "request_timeout_s"),
     ("--probe-interval", "probe_interval_s"),
+    ("--held-probe-interval", "held_probe_interval_s"),
     ("--fail-threshold", "fail_threshold"),
     ("--rise-threshold", "rise_threshold"),
     ("--retries", "retries"),

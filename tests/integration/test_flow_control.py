@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -18,72 +19,28 @@ import orjson
 import pytest
 
 from dpserve.tiny_model import TINY_MODEL_NAME
-from tests.integration.conftest import Fleet, SimProcess, running_sim, start_router, stop_router
+from tests.integration.conftest import (
+    FLEET_START_TIMEOUT_S,
+    Fleet,
+    SimProcess,
+    running_fleet,
+    running_sim,
+    start_router,
+    stop_router,
+    wait_until,
+)
+from tests.integration.raw_replica import RawReplica, Seen, json_answer
+from tests.integration.traffic import Answer, closed_loop, replica_counts
 
 pytestmark = pytest.mark.integration
 
 SIM_ARGS = ("--max-num-seqs", "4", "--decode-ms-per-token", "10", "--seed", "3")
-ANSWER_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
 def sims() -> Iterator[list[SimProcess]]:
     with running_sim(*SIM_ARGS) as first, running_sim(*SIM_ARGS) as second:
         yield [first, second]
-
-
-@dataclass
-class Answer:
-    tenant: str
-    priority: str
-    started: float
-    ttft: float | None
-    ended: float
-    status: int
-    code: str | None = None
-
-
-async def stream_once(
-    session: aiohttp.ClientSession, url: str, tenant: str, priority: str = "standard", max_tokens: int = ANSWER_TOKENS
-) -> Answer:
-    body = orjson.dumps(
-        {
-            "model": "dpserve-tiny",
-            "messages": [{"role": "user", "content": f"hello from {tenant}"}],
-            "max_tokens": max_tokens,
-            "stream": True,
-        }
-    )
-    headers = {"content-type": "application/json", "x-dpserve-tenant": tenant, "x-dpserve-priority": priority}
-    started = time.monotonic()
-    ttft = None
-    async with session.post(f"{url}/v1/chat/completions", data=body, headers=headers) as response:
-        if response.status != 200:
-            error = orjson.loads(await response.read())["error"]
-            return Answer(tenant, priority, started, None, time.monotonic(), response.status, error["code"])
-        async for line in response.content:
-            if ttft is None and b'"content":"' in line:
-                ttft = time.monotonic() - started
-    return Answer(tenant, priority, started, ttft, time.monotonic(), 200)
-
-
-async def closed_loop(
-    url: str, tenant: str, streams: int, until: float, priority: str = "standard", pause_s: float = 0.0
-) -> list[Answer]:
-    """`streams` requests at a time for `tenant`, each replaced as it ends, until the deadline."""
-    answers: list[Answer] = []
-
-    async def one_stream(session: aiohttp.ClientSession) -> None:
-        while time.monotonic() < until:
-            answer = await stream_once(session, url, tenant, priority)
-            answers.append(answer)
-            if answer.status != 200 or pause_s:
-                await asyncio.sleep(max(pause_s, 0.05))
-
-    timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        await asyncio.gather(*(one_stream(session) for _ in range(streams)))
-    return answers
 
 
 def capacity_learned(url: str) -> bool:
@@ -274,3 +231,94 @@ def test_each_requests_class_reaches_vllm_as_its_priority_field(fleet: Fleet) ->
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "x-dpserve-priority"
     finally:
         stop_router(router)
+
+
+def sse_answer(seen: Seen) -> bytes:
+    body = b'data: {"choices":[{"index":0,"text":"x"}]}\n\ndata: [DONE]\n\n'
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def completion_answer(seen: Seen) -> bytes:
+    if orjson.loads(seen.body).get("stream"):
+        return sse_answer(seen)
+    return json_answer({"object": "text_completion", "choices": [{"index": 0, "text": "x"}]})
+
+
+def test_the_priority_field_a_replica_receives_is_the_requests_class() -> None:
+    """As the replica reads it, streamed or not, with a client's own `priority` replaced; without
+    `--vllm-priority` the client's body goes on untouched."""
+    sent = [(priority, stream) for priority in ("critical", "standard", "batch") for stream in (False, True)]
+    with RawReplica({"/v1/completions": completion_answer}) as replica:
+        for flags, expected in ((("--vllm-priority",), {"critical": -1, "standard": 0, "batch": 1}), ((), None)):
+            router = start_router([replica.url], "least_loaded", *flags)
+            try:
+                replica.seen.clear()
+                for priority, stream in sent:
+                    body = {"model": "m", "prompt": "x", "max_tokens": 1, "stream": stream, "priority": 7}
+                    headers = {"x-dpserve-priority": priority}
+                    got = httpx.post(f"{router.url}/v1/completions", json=body, headers=headers, timeout=10)
+                    assert got.status_code == 200, got.text
+            finally:
+                stop_router(router)
+            received = [orjson.loads(seen.body) for seen in replica.requests("/v1/completions")]
+            assert [(r["stream"], r["priority"]) for r in received] == [
+                (stream, 7 if expected is None else expected[priority]) for priority, stream in sent
+            ]
+
+
+def finish_order(router_url: str, replica_url: str) -> list[str]:
+    """On a replica that runs one request at a time: a long batch request, then 3 batch requests queued
+    behind it in the engine, then a critical one. The order in which they finished."""
+    finished: list[str] = []
+
+    def send(name: str, priority: str, tokens: int) -> None:
+        body = {"model": TINY_MODEL_NAME, "prompt": name, "max_tokens": tokens, "ignore_eos": True}
+        headers = {"x-dpserve-priority": priority}
+        got = httpx.post(f"{router_url}/v1/completions", json=body, headers=headers, timeout=120)
+        assert got.status_code == 200, got.text
+        finished.append(name)
+
+    def engine_has(running: int, waiting: int) -> bool:
+        async def read() -> tuple[int, int]:
+            async with aiohttp.ClientSession() as session:
+                return await replica_counts(session, replica_url)
+
+        return asyncio.run(read()) == (running, waiting)
+
+    threads = [threading.Thread(target=send, args=("long", "batch", 3000))]
+    threads[0].start()
+    wait_until(lambda: engine_has(1, 0), 60, 0.02, "the long request running")
+    for n in range(3):
+        threads.append(threading.Thread(target=send, args=(f"batch{n}", "batch", 100)))
+        threads[-1].start()
+    wait_until(lambda: engine_has(1, 3), 60, 0.02, "3 batch requests waiting in the engine")
+    threads.append(threading.Thread(target=send, args=("critical", "critical", 100)))
+    threads[-1].start()
+    for thread in threads:
+        thread.join(120)
+    return finished
+
+
+def test_a_critical_request_overtakes_queued_batch_ones_inside_vllm(tmp_path: Path) -> None:
+    """vLLM started `--scheduling-policy priority` (what `dpserve up --vllm-priority` does), one request at a
+    time; routers with flow control off, so every request waits in vLLM's own queue, ordered by the field."""
+    up_args = ["--replicas", "1", "--cache-dir", str(tmp_path / "cache"), "--vllm-priority"]
+    up_args += ["--", "--max-num-seqs", "1"]
+    with running_fleet(tmp_path, 1, up_args, FLEET_START_TIMEOUT_S) as fleet:
+        # A fresh engine's first requests can take seconds more (warm-up): not inside the scenario.
+        for _ in range(2):
+            warm = {"model": TINY_MODEL_NAME, "prompt": "warm", "max_tokens": 8}
+            assert httpx.post(f"{fleet.replica_urls[0]}/v1/completions", json=warm, timeout=120).status_code == 200
+        with_field = start_router(fleet.replica_urls, "least_loaded", "--flow-control", "off", "--vllm-priority")
+        try:
+            order = finish_order(with_field.url, fleet.replica_urls[0])
+        finally:
+            stop_router(with_field)
+        assert order.index("critical") < min(order.index(f"batch{n}") for n in range(3)), order
+        # The control: the same engine, a router that does not send the field (every request priority 0).
+        without = start_router(fleet.replica_urls, "least_loaded", "--flow-control", "off")
+        try:
+            order = finish_order(without.url, fleet.replica_urls[0])
+        finally:
+            stop_router(without)
+        assert order.index("critical") > max(order.index(f"batch{n}") for n in range(3)), order

@@ -4,6 +4,7 @@ updates), a scripted peer on a loopback socket."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 
@@ -34,7 +36,7 @@ from tests.integration.conftest import (
     stop_router,
     wait_until,
 )
-from tests.integration.traffic import MODEL, wait_for
+from tests.integration.traffic import MODEL, replica_counts, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -456,3 +458,86 @@ def test_a_tenants_quota_holds_across_peered_routers(sims: list[SimProcess], pee
         assert tpm <= served <= tpm + largest, served
     else:
         assert served >= 2 * tpm, served
+
+
+async def tenant_load(urls: list[str], connections: int, seconds: float, tenant: str) -> tuple[int, int, int]:
+    """`connections` closed loops of short chats per router for `tenant`: tokens served (usage), requests
+    served, requests refused with 429."""
+    served = ok = refused = 0
+    until = time.monotonic() + seconds
+
+    async def loop(session: aiohttp.ClientSession, url: str) -> None:
+        nonlocal served, ok, refused
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "count these"}], "max_tokens": 16}
+        while time.monotonic() < until:
+            async with session.post(
+                f"{url}/v1/chat/completions", json=body, headers={"x-dpserve-tenant": tenant}
+            ) as response:
+                answer = await response.json()
+            if response.status == 200:
+                served += answer["usage"]["total_tokens"]
+                ok += 1
+            else:
+                assert response.status == 429, answer
+                refused += 1
+                await asyncio.sleep(0.01)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        await asyncio.gather(*(loop(session, url) for url in urls for _ in range(connections)))
+    return served, ok, refused
+
+
+QUOTA_TPM = 3000
+CONNECTIONS = 3
+
+
+def test_a_tokens_per_minute_quota_holds_across_three_peered_routers() -> None:
+    """One tenant over its quota through 3 routers at once. The bound, stated in the README: served tokens
+    reach the quota and pass it by at most what the tenant has in flight on all routers when it is crossed
+    (answers are counted when they end) plus what gets through in one peer report's lag: at most one more
+    request per connection each, so 2 x connections x one request's tokens. Without peers each router
+    counts alone, and the tenant gets about 3 quotas (the control)."""
+    rule = f"--tenant=acme:tpm={QUOTA_TPM}"
+    with running_sim("--decode-ms-per-token", "2") as sim:
+        for peered in (True, False):
+            with routers([[sim.url]] * 3, "least_loaded", rule, peered=peered) as started:
+                served, ok, refused = asyncio.run(tenant_load([r.url for r in started], CONNECTIONS, 6.0, "acme"))
+            per_request = served / ok
+            bound = QUOTA_TPM + 2 * 3 * CONNECTIONS * per_request
+            print(f"peered={peered}: served {served} tokens in {ok} requests ({refused} refused), quota {QUOTA_TPM}")
+            if peered:
+                assert QUOTA_TPM <= served <= bound, (served, bound)
+            else:
+                assert served > bound, (served, bound)
+
+
+def test_the_in_flight_cap_holds_across_three_peered_routers() -> None:
+    """`--max-in-flight 2` on 3 routers, each with more clients than that: the replica's own count of
+    requests (running + waiting) over time, against the cap. Each router's count reaches the others
+    within `--peer-interval`, so three routers may each take a freed slot before hearing of the others:
+    the mean stays near the cap; the control without peers runs 3 caps."""
+    with running_sim("--decode-ms-per-token", "10") as sim:
+        means = {}
+        for peered in (True, False):
+            with routers([[sim.url]] * 3, "least_loaded", "--max-in-flight", "2", peered=peered) as started:
+                means[peered], peak = asyncio.run(in_flight_at(sim.url, [r.url for r in started], 4.0))
+            print(f"peered={peered}: the replica ran {means[peered]:.2f} on average, {peak} at most; cap 2")
+        assert means[True] <= 2 * 1.25 and means[False] >= 2 * 2.5, means
+
+
+async def in_flight_at(replica_url: str, router_urls: list[str], seconds: float) -> tuple[float, int]:
+    """4 closed loops per router while the replica's running + waiting is read every 20 ms (after the
+    first second): the mean and the most."""
+    counts: list[int] = []
+
+    async def sample(session: aiohttp.ClientSession) -> None:
+        start = time.monotonic()
+        while time.monotonic() < start + seconds:
+            running, waiting = await replica_counts(session, replica_url)
+            if time.monotonic() > start + 1.0:
+                counts.append(running + waiting)
+            await asyncio.sleep(0.02)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        await asyncio.gather(sample(session), tenant_load(router_urls, 4, seconds, "anyone"))
+    return sum(counts) / len(counts), max(counts)

@@ -1,8 +1,10 @@
 """Client traffic for the integration tests that change a fleet under load: a chat, a long prompt, a steady
-load of non-streaming requests whose every outcome is kept, and a wait that says what it waited for."""
+load of non-streaming requests whose every outcome is kept, a wait that says what it waited for, and
+closed loops of streams per tenant and priority (flow control)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -10,9 +12,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
+import orjson
+
+from dpserve.replicas.prometheus_text import parse_samples
 
 MODEL = "dpserve-tiny"
+ANSWER_TOKENS = 16
+"""What `stream_once` asks for: on a sim at 10 ms a token, an answer of about 0.17 s."""
 
 
 def long_prompt(first_word: str) -> str:
@@ -78,3 +86,71 @@ def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.
                 return time.monotonic() - start
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@dataclass
+class Answer:
+    tenant: str
+    priority: str
+    started: float
+    ttft: float | None
+    ended: float
+    status: int
+    code: str | None = None
+
+
+async def stream_once(
+    session: aiohttp.ClientSession, url: str, tenant: str, priority: str = "standard", max_tokens: int = ANSWER_TOKENS
+) -> Answer:
+    body = orjson.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"hello from {tenant}"}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+    )
+    headers = {"content-type": "application/json", "x-dpserve-tenant": tenant, "x-dpserve-priority": priority}
+    started = time.monotonic()
+    ttft = None
+    async with session.post(f"{url}/v1/chat/completions", data=body, headers=headers) as response:
+        if response.status != 200:
+            error = orjson.loads(await response.read())["error"]
+            return Answer(tenant, priority, started, None, time.monotonic(), response.status, error["code"])
+        async for line in response.content:
+            if ttft is None and b'"content":"' in line:
+                ttft = time.monotonic() - started
+    return Answer(tenant, priority, started, ttft, time.monotonic(), 200)
+
+
+async def closed_loop(
+    url: str,
+    tenant: str,
+    streams: int,
+    until: float,
+    priority: str = "standard",
+    pause_s: float = 0.0,
+    stop: asyncio.Event | None = None,
+) -> list[Answer]:
+    """`streams` requests at a time for `tenant`, each replaced as it ends, until the deadline (or until
+    `stop` is set)."""
+    answers: list[Answer] = []
+
+    async def one_stream(session: aiohttp.ClientSession) -> None:
+        while time.monotonic() < until and not (stop is not None and stop.is_set()):
+            answer = await stream_once(session, url, tenant, priority)
+            answers.append(answer)
+            if answer.status != 200 or pause_s:
+                await asyncio.sleep(max(pause_s, 0.05))
+
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        await asyncio.gather(*(one_stream(session) for _ in range(streams)))
+    return answers
+
+
+async def replica_counts(session: aiohttp.ClientSession, replica_url: str) -> tuple[int, int]:
+    """What a replica itself reports on its /metrics: requests running, requests waiting."""
+    async with session.get(f"{replica_url}/metrics") as response:
+        found = parse_samples(await response.text(), {"vllm:num_requests_running", "vllm:num_requests_waiting"})
+    return int(found.total("vllm:num_requests_running") or 0), int(found.total("vllm:num_requests_waiting") or 0)

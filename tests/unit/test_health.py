@@ -146,3 +146,20 @@ def test_registry_draining_and_removal() -> None:
     with pytest.raises(ValueError, match="already a replica"):
         registry.add("http://a:1/")
     assert changes  # listeners heard of the drain and the releases
+
+
+def test_held_requests_hear_of_every_scrape_a_peers_ended_requests_and_a_new_replica() -> None:
+    # Load that was not this router's ends without any answer of its own: only these can say so.
+    registry = ReplicaRegistry(["http://a:1"], RULES)
+    heard: list[int] = []
+    registry.on_change(lambda: heard.append(1))
+    scrape = {"kv_usage": 0.0, "prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0, "block_size": None}
+    registry.record_scrape("r0", running=4, waiting=4, **scrape)
+    registry.record_scrape("r0", running=0, waiting=0, **scrape)
+    assert len(heard) == 2 and registry.get("r0").load == 0
+    registry.set_peer_in_flight({"r0": 3})
+    assert len(heard) == 2  # more peer load: no room gained
+    registry.set_peer_in_flight({})
+    assert len(heard) == 3
+    registry.add("http://b:2")
+    assert len(heard) == 4
