@@ -82,7 +82,7 @@ class ReplicaMonitor:
 
     async def _rescrape(self, replica: Replica) -> None:
         try:
-            await self._scrape(replica)
+            await self._scrape(replica, scheduled=False)
         except (aiohttp.ClientError, TimeoutError, ProbeFailed, ValueError) as exc:
             # Health is the scheduled probe's to judge; this read only refreshes the load.
             log.debug("reading /metrics of held-up replica %s failed: %s", replica.id, _describe(exc))
@@ -125,7 +125,7 @@ class ReplicaMonitor:
             raise ProbeFailed("/v1/models lists no model")
         return cards
 
-    async def _scrape(self, replica: Replica) -> None:
+    async def _scrape(self, replica: Replica, scheduled: bool = True) -> None:
         async with self._session.get(f"{replica.url}/metrics", timeout=self._timeout) as resp:
             if resp.status != 200:
                 raise ProbeFailed(f"/metrics answered {resp.status}")
@@ -142,6 +142,7 @@ class ReplicaMonitor:
             prefix_cache_hits=samples.total(PREFIX_HITS) or 0.0,
             block_size=int(block_size) if block_size and block_size.isdigit() else None,
             kv_blocks=int(kv_blocks) if kv_blocks and kv_blocks.isdigit() else None,
+            scheduled=scheduled,
         )
         lora = lora_info(samples.by_name.get(LORA_INFO, ()))
         if lora is not None:

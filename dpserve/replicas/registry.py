@@ -488,14 +488,18 @@ class ReplicaRegistry:
         prefix_cache_hits: float,
         block_size: int | None,
         kv_blocks: int | None = None,
+        scheduled: bool = True,
     ) -> None:
+        """`scheduled` False: a read between the probes (held requests, `ReplicaMonitor`), which refreshes
+        the load but does not teach the capacity, whose rules count scheduled scrapes (`capacity.py`)."""
         replica = self._replicas.get(replica_id)
         if replica is None:
             return
         replica.running = running
         replica.waiting = waiting
         replica.in_flight_at_scrape = replica.in_flight + replica.peer_in_flight
-        replica.learned = learn(replica.learned, running, waiting, kv_usage, replica.in_flight_at_scrape)
+        if scheduled:
+            replica.learned = learn(replica.learned, running, waiting, kv_usage, replica.in_flight_at_scrape)
         replica.kv_usage = kv_usage
         replica.prefix_cache_queries = prefix_cache_queries
         replica.prefix_cache_hits = prefix_cache_hits

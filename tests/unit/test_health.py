@@ -163,3 +163,15 @@ def test_held_requests_hear_of_every_scrape_a_peers_ended_requests_and_a_new_rep
     assert len(heard) == 3
     registry.add("http://b:2")
     assert len(heard) == 4
+
+
+def test_a_read_between_probes_refreshes_the_load_but_teaches_no_capacity() -> None:
+    # The capacity's rules count scheduled scrapes: reads for held requests, 10 a second, must not speed them.
+    registry = ReplicaRegistry(["http://a:1"], RULES)
+    scrape = {"kv_usage": 0.0, "prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0, "block_size": None}
+    for _ in range(3):
+        registry.record_scrape("r0", running=4, waiting=4, scheduled=False, **scrape)
+    assert registry.get("r0").capacity == 0 and registry.get("r0").load == 8
+    for _ in range(2):
+        registry.record_scrape("r0", running=4, waiting=4, **scrape)
+    assert registry.get("r0").capacity == 4
