@@ -102,7 +102,10 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         help="replicas a load or cache policy weighs per request in a larger fleet (8; 0: all)",
     )
     parser.add_argument(
-        "--max-in-flight", type=int, dest="max_in_flight", help="requests per replica before queueing (256; 0: off)"
+        "--max-in-flight",
+        type=int,
+        dest="max_in_flight",
+        help="requests per replica, this router's and its peers', before queueing (256; 0: off)",
     )
     parser.add_argument("--queue-size", type=int, dest="queue_size", help="requests the router queues (1024)")
     parser.add_argument(
