@@ -28,6 +28,9 @@ ROUTED_CONNECTIONS = 6
 ROUTED_S = 6.0
 DEFAULT_PROBE_INTERVAL = ("--probe-interval", "1.0")
 """The router's default: the test helper's faster probing would hide a stall between two probes."""
+LONGEST_HOLD_S = 2.0
+"""The longest any request may be seen held (`/status` `oldest_queued_s`) in the routed phase: the outside
+load's last requests end within ~0.4 s, then a slot frees every ~0.05 s. Today's code: `--queue-timeout`."""
 WAIT_WITH_ROOM_MAX_S = 0.5
 """The longest the router may hold a request while the replica reports room: one held-request scrape
 (0.1 s) plus the floor timer and the answers' own round trips, with margin. Today's code held them for
@@ -38,6 +41,7 @@ the whole phase."""
 class Sample:
     at: float
     queued: int
+    oldest_queued_s: float
     running: int
     waiting: int
 
@@ -48,9 +52,9 @@ async def sample_until(router_url: str, replica_url: str, until: float) -> list[
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         while time.monotonic() < until:
             async with session.get(f"{router_url}/status") as response:
-                queued = int((await response.json())["flow"]["queued"])
+                flow = (await response.json())["flow"]
             running, waiting = await replica_counts(session, replica_url)
-            samples.append(Sample(time.monotonic(), queued, running, waiting))
+            samples.append(Sample(time.monotonic(), flow["queued"], flow["oldest_queued_s"], running, waiting))
             await asyncio.sleep(0.05)
     return samples
 
@@ -103,6 +107,10 @@ async def outside_then_routed(outside_url: str, router_url: str, replica_url: st
     assert all(a.status == 200 for a in outside_answers + routed), [a for a in routed if a.status != 200][:3]
     capacity_bound = rate(outside_answers, started + 1.0, switched)
     assert capacity_bound > 0, "the outside load served nothing"
+    held = [sample.oldest_queued_s for sample in samples if sample.queued]
+    # The wait is visible in /status while it lasts, and bounded: a slot frees every service time / 4.
+    assert not held or max(held) > 0, "requests were held but /status showed no wait"
+    assert max(held, default=0.0) <= LONGEST_HOLD_S, f"a request was held {max(held):.2f} s"
     return capacity_bound, rate(routed, switched, until), longest_wait_with_room(samples)
 
 
