@@ -7,12 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
-import aiohttp
 import httpx
 import openai
 import orjson
@@ -20,17 +17,14 @@ import pytest
 
 from dpserve.tiny_model import TINY_MODEL_NAME
 from tests.integration.conftest import (
-    FLEET_START_TIMEOUT_S,
     Fleet,
     SimProcess,
-    running_fleet,
     running_sim,
     start_router,
     stop_router,
-    wait_until,
 )
 from tests.integration.raw_replica import RawReplica, Seen, json_answer
-from tests.integration.traffic import Answer, closed_loop, replica_counts
+from tests.integration.traffic import Answer, closed_loop
 
 pytestmark = pytest.mark.integration
 
@@ -264,76 +258,3 @@ def test_the_priority_field_a_replica_receives_is_the_requests_class() -> None:
             assert [(r["stream"], r["priority"]) for r in received] == [
                 (stream, 7 if expected is None else expected[priority]) for priority, stream in sent
             ]
-
-
-def start_order(router_url: str, replica_url: str) -> list[str]:
-    """On a replica that runs one request at a time: a long batch request, then 3 batch requests queued
-    behind it in the engine, then a critical one. The order in which their first tokens came, which is the
-    order the engine took them in: each runs ~2 s alone (400 tokens), longer than a starved API server
-    lumps its outputs together."""
-    started: list[str] = []
-    long_running = threading.Event()
-
-    def send(name: str, priority: str, tokens: int) -> None:
-        body = {"model": TINY_MODEL_NAME, "prompt": name, "max_tokens": tokens, "ignore_eos": True, "stream": True}
-        headers = {"x-dpserve-priority": priority}
-        with httpx.stream("POST", f"{router_url}/v1/completions", json=body, headers=headers, timeout=300) as got:
-            assert got.status_code == 200, got.read()
-            for line in got.iter_lines():
-                if line.startswith("data: {") and name not in started:
-                    # It runs in the engine (an idle vLLM's gauges keep their last value: /metrics cannot say).
-                    started.append(name)
-                    long_running.set()
-
-    def engine_waits(waiting: int) -> bool:
-        async def read() -> tuple[int, int]:
-            async with aiohttp.ClientSession() as session:
-                return await replica_counts(session, replica_url)
-
-        return asyncio.run(read()) == (1, waiting)
-
-    def dispatched(count: int) -> bool:
-        return bool(httpx.get(f"{router_url}/status", timeout=5).json()["replicas"][0]["in_flight"] == count)
-
-    threads = [threading.Thread(target=send, args=("long", "batch", 3000))]
-    threads[0].start()
-    assert long_running.wait(120), "the long request never started"
-    for n in range(3):
-        threads.append(threading.Thread(target=send, args=(f"batch{n}", "batch", 400)))
-        threads[-1].start()
-    wait_until(lambda: dispatched(4), 60, 0.02, "the 3 batch requests sent on to the replica")
-    # And taken into its engine's queue: its gauges say so, unless its API server is too starved to update
-    # them (seen on this 2-core machine under load), where the requests' order on the wire must do.
-    with contextlib.suppress(AssertionError):
-        wait_until(lambda: engine_waits(3), 10, 0.02, "3 batch requests waiting in the engine")
-    assert started == ["long"], started
-    threads.append(threading.Thread(target=send, args=("critical", "critical", 400)))
-    threads[-1].start()
-    for thread in threads:
-        thread.join(300)
-    return started
-
-
-def test_a_critical_request_overtakes_queued_batch_ones_inside_vllm(tmp_path: Path) -> None:
-    """vLLM started `--scheduling-policy priority` (what `dpserve up --vllm-priority` does), one request at a
-    time; routers with flow control off, so every request waits in vLLM's own queue, ordered by the field."""
-    up_args = ["--replicas", "1", "--cache-dir", str(tmp_path / "cache"), "--vllm-priority"]
-    up_args += ["--", "--max-num-seqs", "1"]
-    with running_fleet(tmp_path, 1, up_args, FLEET_START_TIMEOUT_S) as fleet:
-        # A fresh engine's first requests can take seconds more (warm-up): not inside the scenario.
-        for _ in range(2):
-            warm = {"model": TINY_MODEL_NAME, "prompt": "warm", "max_tokens": 8}
-            assert httpx.post(f"{fleet.replica_urls[0]}/v1/completions", json=warm, timeout=120).status_code == 200
-        with_field = start_router(fleet.replica_urls, "least_loaded", "--flow-control", "off", "--vllm-priority")
-        try:
-            order = start_order(with_field.url, fleet.replica_urls[0])
-        finally:
-            stop_router(with_field)
-        assert order.index("critical") < min(order.index(f"batch{n}") for n in range(3)), order
-        # The control: the same engine, a router that does not send the field (every request priority 0).
-        without = start_router(fleet.replica_urls, "least_loaded", "--flow-control", "off")
-        try:
-            order = start_order(without.url, fleet.replica_urls[0])
-        finally:
-            stop_router(without)
-        assert order.index("critical") > max(order.index(f"batch{n}") for n in range(3)), order
