@@ -76,7 +76,7 @@ class ReplicaMonitor:
             await asyncio.sleep(self._held_interval_s)
             if not self._held():
                 continue
-            busy = [replica for replica in self._registry if replica.routable and replica.external_load > 0]
+            busy = [replica for replica in self._registry if replica.routable and _full_of_others(replica)]
             if busy:
                 await asyncio.gather(*(self._rescrape(replica) for replica in busy))
 
@@ -150,6 +150,14 @@ class ReplicaMonitor:
             # vLLM logs the metric on engine steps only: an idle replica keeps showing its last batch.
             idle = not samples.total(RUNNING) and not samples.total(WAITING)
             self._registry.set_lora_info(replica.id, max_loras, frozenset() if idle else active)
+
+
+def _full_of_others(replica: Replica) -> bool:
+    """At its learned capacity only because of load that is not the routers': the routers' own requests
+    alone leave room, so only a fresh read can tell when the rest ends."""
+    capacity = replica.capacity
+    routers = replica.in_flight + replica.peer_in_flight
+    return bool(capacity) and replica.external_load > 0 and routers < capacity <= replica.load
 
 
 class ProbeFailed(Exception):
