@@ -68,10 +68,11 @@ class ReplicaMonitor:
         await cancel_and_wait(self._task)
 
     async def _watch_held(self) -> None:
-        """While requests are held: a replica whose last scrape showed load that is not the routers' (a
-        client straight at it, a router without peers) is read again, since no answer of this router's
-        will say when that load ends; the scrape wakes the held requests (`ReplicaRegistry.on_change`).
-        A replica full of the routers' own requests needs none: their answers' ends wake them."""
+        """While requests are held: a replica full only because of load that is not the routers' (a client
+        straight at it, a router without peers) is read again, since no answer of this router's will say
+        when that load ends; the scrape wakes the held requests (`ReplicaRegistry.on_change`). A replica
+        full of the routers' own requests needs none: their answers' ends wake them (and reading it too
+        changed when a killed replica's streams were cut, in the chaos test)."""
         while True:
             await asyncio.sleep(self._held_interval_s)
             if not self._held():

@@ -10,8 +10,8 @@ full queue a `batch` request is shed to make room for a more urgent one.
 Room is a fact about the replica now, not a memory of this router's traffic: the first held request
 looks again whenever a replica may have gained room (`notify`: an answer ended, a scrape, a peer's
 requests ended, a replica added or back), and at least every `RECHECK_S` whatever told it. While any is
-held, replicas busy with load that is not the routers' are scraped every `--held-probe-interval`
-(`replicas/monitor.py`), so load from elsewhere that ends is seen within that.
+held, replicas full only because of load that is not the routers' are scraped every
+`--held-probe-interval` (`replicas/monitor.py`), so load from elsewhere that ends is seen within that.
 
 A slot that frees on a replica stays empty for the router's round trip (the answer's end reaching the
 router, the next request reaching the engine) unless a request already waits in the engine. Where that
