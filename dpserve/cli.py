@@ -91,8 +91,8 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
         "--held-probe-interval",
         type=float,
         dest="held_probe_interval_s",
-        help="while requests are held, seconds between reads of /metrics of replicas busy with load not this "
-        "router's (0.1)",
+        help="while requests are held, seconds between reads of /metrics of replicas full only because of load "
+        "not the routers' (0.1)",
     )
     parser.add_argument("--retries", type=int, help="other replicas tried before the first byte (default 2)")
     parser.add_argument(

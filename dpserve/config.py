@@ -106,8 +106,8 @@ class RouterSettings:
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 3.0
     held_probe_interval_s: float = 0.1
-    """While requests are held, how often a replica filled partly by load that is not this router's (other
-    routers, other clients) has its /metrics read again: nothing else tells when that load ends."""
+    """While requests are held, how often a replica full only because of load that is not the routers' (other
+    clients, routers without peers) has its /metrics read again: nothing else tells when that load ends."""
     fail_threshold: int = 2
     """Health probes failed in a row that eject a replica."""
     rise_threshold: int = 2

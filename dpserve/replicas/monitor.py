@@ -39,8 +39,8 @@ class ReplicaMonitor:
         held: Callable[[], bool] = lambda: False,
         held_interval_s: float = 0.1,
     ) -> None:
-        """`held`: whether the router holds requests now; while it does, replicas busy with load that is not
-        the router's are read again every `held_interval_s` (`_watch_held`)."""
+        """`held`: whether the router holds requests now; while it does, replicas full only because of load
+        that is not the routers' are read again every `held_interval_s` (`_watch_held`)."""
         self._registry = registry
         self._held = held
         self._held_interval_s = held_interval_s
@@ -158,7 +158,8 @@ def _full_of_others(replica: Replica) -> bool:
     alone leave room, so only a fresh read can tell when the rest ends."""
     capacity = replica.capacity
     routers = replica.in_flight + replica.peer_in_flight
-    return bool(capacity) and replica.external_load > 0 and routers < capacity <= replica.load
+    # load = the routers' requests + the rest, so the rest is what fills it.
+    return bool(capacity) and routers < capacity <= replica.load
 
 
 class ProbeFailed(Exception):
