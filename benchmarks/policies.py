@@ -44,7 +44,7 @@ from benchmarks.report import figure, format_table, shown, write_csv
 from benchmarks.stats import percentile
 from dpserve.kvindex.index import block_keys
 from dpserve.replicas.prometheus_text import parse_samples
-from dpserve.router.prompt_tokens import LocalTokenizer, RemoteTokenizer
+from dpserve.router.observe.prompt_tokens import LocalTokenizer, RemoteTokenizer
 from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from dpserve.up.process import terminate
 

@@ -31,7 +31,7 @@ from benchmarks.fleet import child_env, spawn, stop_all, wait_ok
 from benchmarks.report import format_table
 from dpserve.config import RouterSettings
 from dpserve.router.app import create_app
-from dpserve.router.http_protocol import bounded_protocol
+from dpserve.router.http.protocol import bounded_protocol
 
 PACKAGE = Path(dpserve.__file__).resolve().parent
 CHAT = {

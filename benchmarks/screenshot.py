@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from dpserve.router.dashboard import REFRESH_MS, dashboard_html
+from dpserve.router.control.dashboard import REFRESH_MS, dashboard_html
 
 # Chromium on a closed network: no background connections, no updates, a fresh profile per run.
 FLAGS = (

@@ -295,8 +295,8 @@ def build_relay_app(kind: str, backend_url: str) -> Any:
         return app
 
     if kind == "dpserve":
-        # The router's own hot-path client (dpserve/router/upstream_client.py), behind the same FastAPI relay.
-        from dpserve.router.upstream_client import Address, UpstreamPool
+        # The router's own hot-path client (dpserve/router/http/upstream_client.py), behind the same FastAPI relay.
+        from dpserve.router.http.upstream_client import Address, UpstreamPool
 
         address = Address.from_url(backend_url)
 

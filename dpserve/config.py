@@ -129,13 +129,13 @@ class RouterSettings:
     queue_timeout_s: float = 30.0
     receipts_sample: float = 0.1
     """The share of requests that get a routing receipt (predicted vs realized cached tokens, a class for
-    each miss: `router/receipts.py`); a request with `x-dpserve-receipt: 1` always gets one."""
+    each miss: `router/quality/receipts.py`); a request with `x-dpserve-receipt: 1` always gets one."""
     receipts_keep: int = 1024
     """Receipts kept for `GET /admin/receipts` (the newest)."""
     receipts_log: str | None = None
-    """A file each receipt is appended to as a JSON line (`router/receipt_log.py`)."""
+    """A file each receipt is appended to as a JSON line (`router/quality/receipt_log.py`)."""
     shadow_policies: tuple[str, ...] = ()
-    """Policies asked, beside the live one, what they would choose (`router/shadows.py`): round_robin,
+    """Policies asked, beside the live one, what they would choose (`router/quality/shadows.py`): round_robin,
     least_loaded, kv_aware."""
     flow_control: bool = True
     """Hold requests past each replica's learned capacity (`replicas/capacity.py`) in the router, and release
@@ -147,7 +147,7 @@ class RouterSettings:
     alone fills the router's queue, so a slot that frees is filled without the router's round trip."""
     tenants: tuple[str, ...] = ()
     """Tenants' rules: `NAME:weight=2,priority=batch,max-priority=standard,rpm=60,tpm=100000,concurrent=8`
-    (`*` for every tenant without its own; `router/tenants.py`)."""
+    (`*` for every tenant without its own; `router/flow/tenants.py`)."""
     vllm_priority: bool = False
     """Pass each request's class to vLLM as its `priority` field (replicas run `--scheduling-policy priority`)."""
     lora: tuple[str, ...] = ()
@@ -190,7 +190,7 @@ class RouterSettings:
     gpu_pcie_busy_utilization: float = 0.5
     """A PCIe generation below the maximum counts only while the GPU is at least this busy."""
     peers: tuple[str, ...] = ()
-    """Other routers (http://HOST:PORT) this one shares routing state with (router/peer_links.py)."""
+    """Other routers (http://HOST:PORT) this one shares routing state with (router/peers/links.py)."""
     discover_peers: tuple[str, ...] = ()
     """Other routers found by DNS: `dns:NAME:PORT` (every address of NAME; this router's own is skipped)."""
     peer_interval_s: float = 0.02

@@ -20,7 +20,7 @@ DASHBOARD_FILE = Path("monitoring/grafana/dashboards/dpserve.json")
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 RATE = "[$__rate_interval]"
 GPU_SERIES = "gpu, uuid, replica, host"
-"""The router's labels of one GPU's series (router/gpu_metrics.py): the same GPU, whichever router read it."""
+"""The router's labels of one GPU's series (router/fleet/gpu_metrics.py): the same GPU, whichever router read it."""
 
 
 @dataclass(frozen=True)

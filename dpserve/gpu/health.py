@@ -2,7 +2,7 @@
 
 A replica on a GPU that throttles, logs Xid or uncorrected ECC errors, runs its PCIe link below its
 width, or waits for a reset to retire memory still answers `/health`, but it is slow or wrong. The
-router soft-drains such a replica (router/gpu_fleet.py); this module only says which GPUs are
+router soft-drains such a replica (router/fleet/gpus.py); this module only says which GPUs are
 degraded and why. Pure: the clock is passed in, so tests step through time.
 """
 

@@ -1,5 +1,5 @@
 """A model of what replicas' KV caches hold, for estimates the live index cannot give: what a shadow policy
-would have hit (`router/shadows.py`), what other weights would have (`dpserve tune`). Per replica, an LRU of
+would have hit (`router/quality/shadows.py`), what other weights would have (`dpserve tune`). Per replica, an LRU of
 block keys; vLLM's rules for a hit (leading full blocks, not the one holding the prompt's last token)."""
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class RequestFeatures:
     bound: str | None = None
     """The replica the session's requests last went to, through this router or a peer (session policy)."""
     priority: int = 1
-    """0 critical, 1 standard, 2 batch (`router/tenants.py`): how much of a full replica it may take."""
+    """0 critical, 1 standard, 2 batch (`router/flow/tenants.py`): how much of a full replica it may take."""
     adapter: str | None = None
     """The LoRA adapter `model` names, if it names one: it goes where the adapter is, or is loaded
     (`policies/adapters.py`)."""

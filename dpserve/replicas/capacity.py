@@ -15,7 +15,7 @@ routers keep it full and nothing waits in it, the share of its slots not running
 from the router to the engine (the answer's end reaching the router, the next request reaching the
 engine). Where that is more than `SLOW_REFILL` of the slots (measured: a sixth of them on a CPU replica
 answering in ~100 ms; well under 1% on the simulator), a request waiting in the engine fills them
-(`admission.py`'s engine queue). No I/O: the registry calls it on every scrape.
+(`flow/admission.py`'s engine queue). No I/O: the registry calls it on every scrape.
 """
 
 from __future__ import annotations

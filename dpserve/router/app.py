@@ -44,37 +44,37 @@ from dpserve.replicas.health import HealthRules
 from dpserve.replicas.kv_events import KvEventSubscriber, parse_kv_event_source
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import Replica, ReplicaRegistry
-from dpserve.router.access import Guard, Keys, load_keys
-from dpserve.router.adapter_loader import AdapterLoader
-from dpserve.router.admin import FleetControl, add_admin_routes
-from dpserve.router.admission import Admission
-from dpserve.router.dashboard import dashboard_html
-from dpserve.router.discovery import Discovery, DiscoveryCollector, SourceState
-from dpserve.router.dispatch import Dispatcher, OpenStreams, RetryRules
-from dpserve.router.endpoints import PROXIED_ENDPOINTS
-from dpserve.router.errors import CLIENT_CLOSED, OpenAIError, bad_request, status_type
-from dpserve.router.features import FeatureBuilder
-from dpserve.router.flow import Flow
-from dpserve.router.gpu_agents import GpuAgents
-from dpserve.router.gpu_fleet import GpuFleet
-from dpserve.router.gpu_metrics import GpuCollector
-from dpserve.router.metrics import RouterMetrics, RoutingStateCollector
-from dpserve.router.peer_board import PeerBoard
-from dpserve.router.peer_links import SNAPSHOT_PATH, STREAM_PATH, PeerCollector, PeerLinks, SuspectChecks
-from dpserve.router.peer_wire import MAX_ROUTES
-from dpserve.router.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
-from dpserve.router.proxied_endpoints import ProxiedEndpoints, Relaying, proxied_openapi_paths
-from dpserve.router.proxied_paths import HotPath, RouterApp
-from dpserve.router.quotas import QuotaBook
-from dpserve.router.receipt_log import ReceiptLog
-from dpserve.router.receipts import ReceiptBook, ReceiptCollector
-from dpserve.router.selection import PrefixLookup, Selector
-from dpserve.router.shadows import ShadowCollector, ShadowScorer
+from dpserve.router.control.admin import FleetControl, add_admin_routes
+from dpserve.router.control.dashboard import dashboard_html
+from dpserve.router.control.discovery import Discovery, DiscoveryCollector, SourceState
+from dpserve.router.fleet.agents import GpuAgents
+from dpserve.router.fleet.gpu_metrics import GpuCollector
+from dpserve.router.fleet.gpus import GpuFleet
+from dpserve.router.flow.access import Guard, Keys, load_keys
+from dpserve.router.flow.admission import Admission
+from dpserve.router.flow.gate import Flow
+from dpserve.router.flow.quotas import QuotaBook
+from dpserve.router.flow.tenants import Tenants
+from dpserve.router.flow.usage import UsageBook, UsageCollector
+from dpserve.router.http.endpoints import PROXIED_ENDPOINTS
+from dpserve.router.http.errors import CLIENT_CLOSED, OpenAIError, bad_request, status_type
+from dpserve.router.http.proxied_paths import HotPath, RouterApp
+from dpserve.router.http.stored_responses import ResponseOwners
+from dpserve.router.http.upstream_client import Deadlines, UpstreamPool
+from dpserve.router.observe.metrics import RouterMetrics, RoutingStateCollector
+from dpserve.router.observe.prompt_tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, TokenCache
+from dpserve.router.peers.board import PeerBoard
+from dpserve.router.peers.links import SNAPSHOT_PATH, STREAM_PATH, PeerCollector, PeerLinks, SuspectChecks
+from dpserve.router.peers.wire import MAX_ROUTES
+from dpserve.router.quality.receipt_log import ReceiptLog
+from dpserve.router.quality.receipts import ReceiptBook, ReceiptCollector
+from dpserve.router.quality.shadows import ShadowCollector, ShadowScorer
+from dpserve.router.routing.adapter_loader import AdapterLoader
+from dpserve.router.routing.dispatch import Dispatcher, OpenStreams, RetryRules
+from dpserve.router.routing.features import FeatureBuilder
+from dpserve.router.routing.proxied_endpoints import ProxiedEndpoints, Relaying, proxied_openapi_paths
+from dpserve.router.routing.selection import PrefixLookup, Selector
 from dpserve.router.shutdown import Shutdown
-from dpserve.router.stored_responses import ResponseOwners
-from dpserve.router.tenants import Tenants
-from dpserve.router.upstream_client import Deadlines, UpstreamPool
-from dpserve.router.usage import UsageBook, UsageCollector
 
 log = logging.getLogger("dpserve.router")
 
@@ -424,7 +424,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Hot path: a lean HTTP/1.1 client (upstream_client.py; measured in benchmarks/README.md).
+        # Hot path: a lean HTTP/1.1 client (http/upstream_client.py; measured in benchmarks/README.md).
         hot = UpstreamPool(upstream_deadlines(settings), max_response_bytes=settings.max_response_bytes)
         control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
         monitor = ReplicaMonitor(

@@ -20,9 +20,9 @@ import prometheus_client
 import uvicorn
 
 from dpserve.config import RouterSettings
-from dpserve.router.access import check_bind, load_keys
 from dpserve.router.app import create_app
-from dpserve.router.http_protocol import bounded_protocol
+from dpserve.router.flow.access import check_bind, load_keys
+from dpserve.router.http.protocol import bounded_protocol
 from dpserve.router.shutdown import Shutdown
 
 log = logging.getLogger("dpserve.router")

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from dpserve.router.dispatch import OpenStreams
+from dpserve.router.routing.dispatch import OpenStreams
 
 log = logging.getLogger("dpserve.router")
 

@@ -19,7 +19,7 @@ import aiohttp
 
 from dpserve.config import UpSettings
 from dpserve.gpu.nvml import count_nvidia_gpus
-from dpserve.router.access import check_bind, load_keys
+from dpserve.router.flow.access import check_bind, load_keys
 from dpserve.text_table import format_table
 from dpserve.up.plan import (
     PlanError,

@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.adapter_loader import AdapterLoader, AdapterLoadFailed
-from dpserve.router.metrics import RouterMetrics
+from dpserve.router.observe.metrics import RouterMetrics
+from dpserve.router.routing.adapter_loader import AdapterLoader, AdapterLoadFailed
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration

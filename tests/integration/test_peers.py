@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from dpserve.replicas.prometheus_text import parse_samples
-from dpserve.router.peer_wire import PeerUpdate, encode_update
+from dpserve.router.peers.wire import PeerUpdate, encode_update
 from tests.conftest import free_port
 from tests.integration.conftest import (
     RouterProcess,

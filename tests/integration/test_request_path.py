@@ -17,14 +17,16 @@ async def test_each_step_of_a_streamed_request_is_entered_only_from_the_step_bef
         name.removeprefix("dpserve/"): [c.removeprefix("dpserve/") for c in found]
         for name, found in visits.callers.items()
     }
-    assert callers["router/proxied_paths.py"] == ["router/access.py"]
-    assert callers["router/proxied_endpoints.py"] == ["router/proxied_paths.py"]
-    assert callers["router/request_body.py"] == ["router/proxied_endpoints.py"]
-    assert callers["router/features.py"] == ["router/proxied_endpoints.py"]
-    assert callers["router/selection.py"] == ["router/dispatch.py"]
-    assert callers["router/upstream_client.py"] == ["router/dispatch.py"]
+    assert callers["router/http/proxied_paths.py"] == ["router/flow/access.py"]
+    assert callers["router/routing/proxied_endpoints.py"] == ["router/http/proxied_paths.py"]
+    assert callers["router/http/request_body.py"] == ["router/routing/proxied_endpoints.py"]
+    assert callers["router/routing/features.py"] == ["router/routing/proxied_endpoints.py"]
+    assert callers["router/routing/selection.py"] == ["router/routing/dispatch.py"]
+    assert callers["router/http/upstream_client.py"] == ["router/routing/dispatch.py"]
     # The policy is asked by the selector alone.
     policy_file = f"policies/{policy}.py"
-    assert callers[policy_file] == ["router/selection.py"]
+    assert callers[policy_file] == ["router/routing/selection.py"]
     if policy == "kv_aware":
-        assert "router/prompt_tokens.py" in callers and callers["router/prompt_tokens.py"] == ["router/features.py"]
+        assert "router/observe/prompt_tokens.py" in callers and callers["router/observe/prompt_tokens.py"] == [
+            "router/routing/features.py"
+        ]

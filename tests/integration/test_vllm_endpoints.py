@@ -12,8 +12,8 @@ import openai
 import orjson
 import pytest
 
-from dpserve.router.endpoints import PROXIED_ENDPOINTS, RESPONSE_BY_ID
-from dpserve.router.engine_ops import ENGINE_OPS, ROUTER_OWN
+from dpserve.router.control.engine_ops import ENGINE_OPS, ROUTER_OWN
+from dpserve.router.http.endpoints import PROXIED_ENDPOINTS, RESPONSE_BY_ID
 from dpserve.tiny_model import TINY_MODEL_NAME
 from tests.integration.conftest import Fleet, RouterFactory
 

@@ -8,9 +8,9 @@ from dpserve.kvindex.index import KvIndex
 from dpserve.policies import RequestFeatures, make_policy
 from dpserve.replicas.health import HealthRules
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.admission import Admission
-from dpserve.router.metrics import RouterMetrics
-from dpserve.router.selection import PrefixLookup, Selector
+from dpserve.router.flow.admission import Admission
+from dpserve.router.observe.metrics import RouterMetrics
+from dpserve.router.routing.selection import PrefixLookup, Selector
 
 MODEL = "m"
 REQUEST = RequestFeatures("completions", MODEL, False)

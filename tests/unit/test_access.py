@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from dpserve.config import RouterSettings, load_settings
-from dpserve.router.access import Access, Keys, authorize, check_bind, load_keys, required_access
-from dpserve.router.errors import OpenAIError
-from dpserve.router.tenants import Caller, key_tenant
+from dpserve.router.flow.access import Access, Keys, authorize, check_bind, load_keys, required_access
+from dpserve.router.flow.tenants import Caller, key_tenant
+from dpserve.router.http.errors import OpenAIError
 
 KEYS = Keys(users=(b"user-key-1", b"user-key-2"), admins=(b"admin-key-1",))
 

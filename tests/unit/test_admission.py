@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from dpserve.policies.base import ReplicaSnapshot
-from dpserve.router.admission import RECHECK_S, Admission, Rejected
+from dpserve.router.flow.admission import RECHECK_S, Admission, Rejected
 
 
 def snapshot(rid: str, in_flight: int) -> ReplicaSnapshot:

@@ -8,8 +8,8 @@ import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dpserve.config import RouterSettings
-from dpserve.router.access import Guard, Keys
 from dpserve.router.app import create_app
+from dpserve.router.flow.access import Guard, Keys
 
 USER_KEY = "user-key-0001"
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from dpserve.router.endpoints import PROXIED_ENDPOINTS, RESPONSES, BodyKind, Prompt, by_id_endpoint, is_proxied
-from dpserve.router.engine_ops import ENGINE_OPS, engine_op, fill_path
-from dpserve.router.errors import OpenAIError
-from dpserve.router.features import response_as_chat
-from dpserve.router.proxied_endpoints import proxied_openapi_paths, request_id_error, upstream_path
-from dpserve.router.request_body import parse_body, parse_form
-from dpserve.router.stored_responses import ResponseOwners, id_of_answer, id_of_stream
+from dpserve.router.control.engine_ops import ENGINE_OPS, engine_op, fill_path
+from dpserve.router.http.endpoints import PROXIED_ENDPOINTS, RESPONSES, BodyKind, Prompt, by_id_endpoint, is_proxied
+from dpserve.router.http.errors import OpenAIError
+from dpserve.router.http.request_body import parse_body, parse_form
+from dpserve.router.http.stored_responses import ResponseOwners, id_of_answer, id_of_stream
+from dpserve.router.routing.features import response_as_chat
+from dpserve.router.routing.proxied_endpoints import proxied_openapi_paths, request_id_error, upstream_path
 
 TRANSCRIPTIONS = next(endpoint for endpoint in PROXIED_ENDPOINTS if endpoint.path == "/v1/audio/transcriptions")
 FORM = "multipart/form-data; boundary=XX"

@@ -10,11 +10,11 @@ from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import TextPrefixIndex
 from dpserve.policies import make_policy
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.endpoints import CHAT, COMPLETIONS, EMBEDDINGS
-from dpserve.router.features import FeatureBuilder
-from dpserve.router.metrics import RouterMetrics
-from dpserve.router.prompt_tokens import TokenCache, TokenIds
-from dpserve.router.selection import PrefixLookup
+from dpserve.router.http.endpoints import CHAT, COMPLETIONS, EMBEDDINGS
+from dpserve.router.observe.metrics import RouterMetrics
+from dpserve.router.observe.prompt_tokens import TokenCache, TokenIds
+from dpserve.router.routing.features import FeatureBuilder
+from dpserve.router.routing.selection import PrefixLookup
 
 
 class WordIds:

@@ -11,12 +11,11 @@ import pytest
 
 from dpserve.policies.base import ReplicaSnapshot, RequestFeatures
 from dpserve.replicas.capacity import PROBE_AFTER, Capacity, learn
-from dpserve.router.admission import URGENT_MEMORY_S, Admission, Rejected
-from dpserve.router.errors import OpenAIError
-from dpserve.router.fair_queue import FairQueue
-from dpserve.router.flow import Flow, completion_tokens_guess, with_fields
-from dpserve.router.quotas import QuotaBook
-from dpserve.router.tenants import (
+from dpserve.router.flow.admission import URGENT_MEMORY_S, Admission, Rejected
+from dpserve.router.flow.fair_queue import FairQueue
+from dpserve.router.flow.gate import Flow, completion_tokens_guess, with_fields
+from dpserve.router.flow.quotas import QuotaBook
+from dpserve.router.flow.tenants import (
     ANONYMOUS,
     Caller,
     Priority,
@@ -26,7 +25,8 @@ from dpserve.router.tenants import (
     parse_tenant_rules,
     split_named_key,
 )
-from dpserve.router.usage import UsageBook
+from dpserve.router.flow.usage import UsageBook
+from dpserve.router.http.errors import OpenAIError
 
 CRITICAL, STANDARD, BATCH = int(Priority.CRITICAL), int(Priority.STANDARD), int(Priority.BATCH)
 
@@ -261,7 +261,7 @@ def test_a_tenant_is_made_once_per_name_and_class_and_named_ones_stay_bounded(
     assert urgent.priority is Priority.CRITICAL and urgent.rules is plain.rules
     assert urgent is tenants.identify(Caller("acme", False), {"x-dpserve-priority": "critical"})
     # Names from a trusted header are not bounded: the made ones are forgotten past MADE_TENANTS.
-    monkeypatch.setattr("dpserve.router.tenants.MADE_TENANTS", 3)
+    monkeypatch.setattr("dpserve.router.flow.tenants.MADE_TENANTS", 3)
     named = [tenants.identify(Caller("gw", False), {"x-dpserve-tenant": f"t{n}"}) for n in range(10)]
     assert [t.name for t in named] == [f"t{n}" for n in range(10)]
     assert len(tenants._made) <= 3

@@ -17,7 +17,7 @@ from dpserve.agent.app import create_agent_app
 from dpserve.agent.reading import ReachableCache
 from dpserve.config import AgentSettings
 from dpserve.gpu.listeners import Reachable, cgroup_identity, reachable
-from dpserve.router.gpu_agents import parse_reading
+from dpserve.router.fleet.agents import parse_reading
 from tests.fake_nvml import FakeGpu, FakeNvml
 
 POD = "0f3c9a52-1b7e-4c1a-9d4e-8a6b2c3d4e5f"

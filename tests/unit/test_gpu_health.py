@@ -17,8 +17,8 @@ from dpserve.gpu.sample import GpuProcess, GpuSample
 from dpserve.replicas.health import HealthRules
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.app import gpu_health_rules
-from dpserve.router.gpu_agents import AgentReadingError, parse_reading
-from dpserve.router.gpu_fleet import GpuFleet
+from dpserve.router.fleet.agents import AgentReadingError, parse_reading
+from dpserve.router.fleet.gpus import GpuFleet
 from tests.fake_nvml import FakeGpu, FakeNvml
 from tests.unit.selection_fixtures import REQUEST, fleet, selector
 

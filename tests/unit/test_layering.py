@@ -1,6 +1,6 @@
 """The package's layering, written down once and checked by reading every module's imports with `ast`:
-each layer imports only from layers below it (or within its own package), the router's modules only from
-those below them on the request's path, and no module-level import cycle anywhere in `dpserve/`.
+each layer imports only from layers below it (or within its own package), the router's rooms only the
+rooms below them, and no module-level import cycle anywhere in `dpserve/`.
 
 Run with `-s` to see the graph printed."""
 
@@ -37,48 +37,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dpserve.__main__",),  # python -m dpserve
 )
 
-ROUTER_PATH: tuple[str, ...] = (
-    # Inside the router, top first: a module imports only modules after it. The request walks down this
-    # list (endpoints -> features -> selection -> dispatch -> upstream client) and its answer comes back up.
-    "serve",
-    "app",
-    "peer_links",
-    "peer_board",
-    "peer_wire",
-    "discovery",
-    "admin",
-    "proxied_paths",
-    "shutdown",
-    "proxied_endpoints",
-    "flow",
-    "features",
-    "dispatch",
-    "adapter_loader",
-    "selection",
-    "shadows",
-    "prefill_cost",
-    "request_body",
-    "engine_ops",
-    "admission",
-    "fair_queue",
-    "metrics",
-    "gpu_metrics",
-    "gpu_fleet",
-    "gpu_agents",
-    "access",
-    "tenants",
-    "http_protocol",
-    "dashboard",
-    "upstream_client",
-    "prompt_tokens",
-    "stored_responses",
-    "endpoints",
-    "quotas",
-    "usage",
-    "usage_stream",
-    "receipt_log",
-    "receipts",
-    "errors",
+ROUTER_ROOMS: tuple[str, ...] = (
+    # The router's rooms, top first: a module imports only its own room and the rooms after it. A request
+    # enters at `routing` (the proxied endpoints), which asks `quality` and `flow` and sends with `http`;
+    # `app`, `serve` and `shutdown` (the room's own top level) assemble and run it.
+    "",  # dpserve/router/*.py: serve, app, shutdown
+    "control",  # the admin API, replica discovery, the status page, engine operations
+    "peers",  # routers sharing what they know
+    "fleet",  # GPU agents and the fleet's GPU view
+    "routing",  # the request's path: proxied endpoints, features, selection, dispatch
+    "quality",  # receipts, shadow policies, prefill cost
+    "flow",  # who may send (access, tenants, quotas), in what order (admission, fair queue), usage
+    "observe",  # metrics, prompt-token counting
+    "http",  # the wire: errors, endpoint table, request bodies, the upstream client, the server protocol
 )
 
 
@@ -159,18 +130,32 @@ def test_every_module_is_in_a_layer_and_imports_only_downwards() -> None:
     assert not upward, "imports that run up (or sideways) a layer:\n" + "\n".join(upward)
 
 
-def test_the_router_imports_only_down_the_requests_path() -> None:
+def room_of(module: str) -> str:
+    """`dpserve.router.flow.admission` -> `flow`; the router's top-level modules -> ''."""
+    inside = module.removeprefix("dpserve.router.").split(".")
+    return inside[0] if len(inside) > 1 else ""
+
+
+def test_the_router_rooms_import_one_way() -> None:
     edges = graph(module_level_only=False)
-    router = {m.removeprefix("dpserve.router.") for m in edges if m.startswith("dpserve.router.")}
-    assert router == set(ROUTER_PATH), f"ROUTER_PATH must list every router module: {router ^ set(ROUTER_PATH)}"
+    router = [m for m in edges if m.startswith("dpserve.router.")]
+    rooms = {room_of(m) for m in router}
+    assert rooms == set(ROUTER_ROOMS), (
+        f"ROUTER_ROOMS must list every room of dpserve/router: {rooms ^ set(ROUTER_ROOMS)}"
+    )
     wrong = []
-    print("\nrouter modules, top first:")
-    for rank, name in enumerate(ROUTER_PATH):
-        inside = sorted(t.removeprefix("dpserve.router.") for t in edges[f"dpserve.router.{name}"])
-        inside = [t for t in inside if t in router]
-        print(f"  {name} -> {', '.join(inside) or '-'}")
-        wrong += [f"{name} -> {t}" for t in inside if ROUTER_PATH.index(t) <= rank]
-    assert not wrong, "router imports against the request's path:\n" + "\n".join(wrong)
+    print("\nrouter rooms, top first:")
+    for rank, room in enumerate(ROUTER_ROOMS):
+        members = [m for m in router if room_of(m) == room]
+        targets = {room_of(t) for m in members for t in edges[m] if t.startswith("dpserve.router.")} - {room}
+        print(f"  {room or '(top)'} -> {', '.join(sorted(targets, key=ROUTER_ROOMS.index)) or '-'}")
+        wrong += [
+            f"{m} -> {t}"
+            for m in members
+            for t in edges[m]
+            if t.startswith("dpserve.router.") and ROUTER_ROOMS.index(room_of(t)) < rank
+        ]
+    assert not wrong, "router imports up a room:\n" + "\n".join(sorted(wrong))
 
 
 def test_no_import_cycle_at_module_level() -> None:

@@ -1,4 +1,4 @@
-"""What routers tell each other (peer_wire.py) and what one router makes of it (peer_board.py), without
+"""What routers tell each other (peers/wire.py) and what one router makes of it (peers/board.py), without
 sockets: updates round-trip, anything malformed is refused, stale or foreign updates change nothing, and
 nothing a peer sends grows this router's memory past its bounds."""
 
@@ -12,8 +12,9 @@ from dpserve.kvindex.index import KvIndex, block_keys
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.peer_board import PeerBoard
-from dpserve.router.peer_wire import (
+from dpserve.router.flow.quotas import Quota, QuotaBook
+from dpserve.router.peers.board import PeerBoard
+from dpserve.router.peers.wire import (
     LENGTH,
     MAX_FRAME_BYTES,
     MAX_ROUTES,
@@ -26,7 +27,6 @@ from dpserve.router.peer_wire import (
     encode_update,
     frame_length,
 )
-from dpserve.router.quotas import Quota, QuotaBook
 
 URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 

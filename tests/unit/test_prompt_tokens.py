@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dpserve import tiny_model as tiny
-from dpserve.router.prompt_tokens import (
+from dpserve.router.observe.prompt_tokens import (
     THREAD_MIN_CHARS,
     LocalTokenizer,
     TokenCache,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpserve.router.quotas import CONCURRENT_RETRY_S, OverQuota, Quota, QuotaBook
+from dpserve.router.flow.quotas import CONCURRENT_RETRY_S, OverQuota, Quota, QuotaBook
 
 
 class Clock:

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, ChunkTokens
 from dpserve.policies.base import PrefixMatch, PrefixSource
-from dpserve.router.receipt_log import ReceiptLog
-from dpserve.router.receipts import (
+from dpserve.router.quality.receipt_log import ReceiptLog
+from dpserve.router.quality.receipts import (
     BALANCED,
     CLASSES,
     COLD,

@@ -5,9 +5,9 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 
-from dpserve.router.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, Endpoint
-from dpserve.router.errors import OpenAIError
-from dpserve.router.request_body import (
+from dpserve.router.http.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, Endpoint
+from dpserve.router.http.errors import OpenAIError
+from dpserve.router.http.request_body import (
     parse_body,
     read_limited,
     with_model,

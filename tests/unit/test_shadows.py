@@ -12,8 +12,8 @@ from dpserve.kvindex.index import block_keys
 from dpserve.kvindex.modelled import ModelledCaches, cacheable_blocks
 from dpserve.policies import make_policy
 from dpserve.policies.base import PrefixMatch, PrefixSource, ReplicaSnapshot, RequestFeatures
-from dpserve.router.prefill_cost import PrefillCost
-from dpserve.router.shadows import ShadowCollector, ShadowScorer
+from dpserve.router.quality.prefill_cost import PrefillCost
+from dpserve.router.quality.shadows import ShadowCollector, ShadowScorer
 
 BS = 4
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from dpserve.router.upstream_client import Address, Deadlines, UpstreamConnectError, UpstreamError, UpstreamPool
+from dpserve.router.http.upstream_client import Address, Deadlines, UpstreamConnectError, UpstreamError, UpstreamPool
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

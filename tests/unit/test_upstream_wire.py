@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
-from dpserve.router import upstream_client as upstream
-from dpserve.router.upstream_client import (
+from dpserve.router.http import upstream_client as upstream
+from dpserve.router.http.upstream_client import (
     Address,
     Deadlines,
     InvalidHeader,

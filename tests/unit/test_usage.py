@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from dpserve.router.usage import UsageBook, UsageCollector, UsageCounts
+from dpserve.router.flow.usage import UsageBook, UsageCollector, UsageCounts
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""Token usage of answers and streams (dpserve.router.usage_stream), against answers captured from a real
+"""Token usage of answers and streams (dpserve.router.flow.usage_stream), against answers captured from a real
 vLLM 0.32.0 replica (tests/unit/fixtures/usage_stream/) and against the simulator."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from dpserve.config import SimSettings
-from dpserve.router import usage_stream
-from dpserve.router.usage_stream import Usage, UsageTap, ask_for_usage, usage_of, usage_of_answer
+from dpserve.router.flow import usage_stream
+from dpserve.router.flow.usage_stream import Usage, UsageTap, ask_for_usage, usage_of, usage_of_answer
 from dpserve.sim.server import build_simulator
 
 FIXTURES = Path(__file__).parent / "fixtures" / "usage_stream"

@@ -1,0 +1,181 @@
+"""Who may call what: API keys, the admin key, limits on request headers, and the bind rule.
+
+Paths fall in three classes. Probes and metrics are public (load balancers and Prometheus call them
+without keys). The OpenAI API needs a user key (an admin key works too). The admin API, and /status
+and /dashboard (which show replica URLs), need an admin key. With no key configured at all, every
+path is open, which is why the router then refuses to listen beyond loopback unless told --insecure.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dpserve.config import RouterSettings
+from dpserve.router.flow.tenants import CALLER_SCOPE_KEY, Caller, split_named_key
+from dpserve.router.http.errors import OpenAIError
+
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
+ADMIN_PATHS = frozenset({"/status", "/dashboard"})
+ADMIN_PREFIX = "/admin/"
+
+
+class Access(Enum):
+    PUBLIC = "public"
+    USER = "user"
+    ADMIN = "admin"
+
+
+def required_access(path: str) -> Access:
+    if path in PUBLIC_PATHS:
+        return Access.PUBLIC
+    if path in ADMIN_PATHS or path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX.rstrip("/"):
+        return Access.ADMIN
+    return Access.USER
+
+
+ADMIN_TENANT = "admin"
+"""The tenant of requests made with an admin key that has no name of its own."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    users: tuple[bytes, ...] = ()
+    admins: tuple[bytes, ...] = ()
+    user_names: tuple[str, ...] = ()
+    """The tenant of each user key, in the same order (`NAME:KEY`, or a hash of a bare key)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.users or self.admins)
+
+    def name_of(self, index: int) -> str:
+        return self.user_names[index] if index < len(self.user_names) else f"key-{index}"
+
+
+def read_key_file(path: Path) -> list[str]:
+    """One key per line; blank lines and `#` comments are skipped."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read key file {path}: {exc.strerror}") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise ValueError(f"key file {path} has no key in it")
+    return keys
+
+
+def load_keys(settings: RouterSettings) -> Keys:
+    """User keys may be named (`NAME:KEY`, in flags, files and DPSERVE_API_KEYS alike): NAME is their
+    tenant. Admin keys are taken whole."""
+    given = list(settings.api_keys) + (read_key_file(settings.api_key_file) if settings.api_key_file else [])
+    named = [split_named_key(text) for text in given]
+    admins = list(settings.admin_keys) + (read_key_file(settings.admin_key_file) if settings.admin_key_file else [])
+    for key in [key for _, key in named] + admins:
+        if len(key) < 8 or any(ch.isspace() for ch in key):
+            raise ValueError("API and admin keys need at least 8 characters and no whitespace")
+    return Keys(
+        tuple(key.encode() for _, key in named),
+        tuple(key.encode() for key in admins),
+        tuple(name for name, _ in named),
+    )
+
+
+def check_bind(host: str, keys: Keys, insecure: bool) -> None:
+    """Raises ValueError when the router would serve without keys beyond this machine."""
+    if keys.enabled or insecure or is_loopback(host):
+        return
+    raise ValueError(
+        f"refusing to listen on {host} without API keys: give --api-key (or --api-key-file), "
+        "bind 127.0.0.1, or pass --insecure to serve anyone who can reach it"
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _match(candidate: bytes, keys: Iterable[bytes]) -> int:
+    """The index of the key that matches, or -1. Every key is compared, each in constant time, so timing
+    says nothing about which is close."""
+    found = -1
+    for index, key in enumerate(keys):
+        if hmac.compare_digest(candidate, key):
+            found = index
+    return found
+
+
+def authorize(keys: Keys, access: Access, authorization: bytes | None) -> OpenAIError | Caller | None:
+    """The caller (its key's tenant) when the request may go on, None when no key is needed, else the error
+    to answer with."""
+    if access is Access.PUBLIC or not keys.enabled:
+        return None
+    token = _bearer(authorization)
+    admin = _match(token, keys.admins) if token is not None else -1
+    user = _match(token, keys.users) if token is not None and admin < 0 else -1
+    if token is None or (admin < 0 and user < 0):
+        message = (
+            "Missing API key: send `Authorization: Bearer YOUR_KEY`." if token is None else "Invalid API key provided."
+        )
+        return OpenAIError(401, message, code="invalid_api_key", headers={"www-authenticate": 'Bearer realm="dpserve"'})
+    if access is Access.ADMIN and admin < 0:
+        return OpenAIError(403, "This path needs an admin key.", type="permission_error", code="admin_key_required")
+    # An admin key is trusted to name the tenant it acts for.
+    return Caller(ADMIN_TENANT, True) if admin >= 0 else Caller(keys.name_of(user), False)
+
+
+def _bearer(authorization: bytes | None) -> bytes | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    token = token.strip()
+    return token or None
+
+
+class Guard:
+    """ASGI middleware in front of everything: header size limit, then the key check. Pure ASGI (no
+    BaseHTTPMiddleware) so streams pass through untouched and the hot path pays one loop over headers."""
+
+    def __init__(self, app: ASGIApp, keys: Keys, max_header_bytes: int) -> None:
+        self.app = app
+        self.keys = keys
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        size = 0
+        authorization = None
+        for name, value in scope["headers"]:
+            size += len(name) + len(value)
+            if name == b"authorization":
+                authorization = value
+        error: OpenAIError | Caller | None
+        if size > self.max_header_bytes:
+            error = OpenAIError(
+                431,
+                f"Request headers total {size} bytes, over this router's limit of {self.max_header_bytes}.",
+                code="headers_too_large",
+            )
+        else:
+            error = authorize(self.keys, required_access(scope["path"]), authorization)
+        if not isinstance(error, OpenAIError):
+            if error is not None:
+                scope[CALLER_SCOPE_KEY] = error
+            await self.app(scope, receive, send)
+            return
+        await error.to_response({"connection": "close"} if error.status == 431 else None)(scope, receive, send)

@@ -1,0 +1,461 @@
+"""Carrying updates between routers (`--peer`, `--discover-peers`, `--workers`).
+
+Transport: each router serves `GET /admin/peer/stream`, one long HTTP/1.1 response of length-prefixed
+msgpack frames (peers/wire.py), and follows every peer's stream with one such request. It uses the router's
+own port and admin key (nothing more to open, secure or route through a load balancer), and it is off the
+request path: a request only appends its route to a bounded outbox (recent.py, bindings.py) and wakes one
+task, which turns the outboxes and the in-flight counts into one update, encoded once for every follower:
+routes and bindings go out at once (at most one update per `NEWS_GAP_S`), changed in-flight counts within
+`interval_s`. Without news
+an update still goes out every `HEARTBEAT_S`, so a silent link means a dead peer.
+
+Workers of one host (`--workers`) follow each other on private loopback ports. A router on another host
+that follows this host's shared port reaches one worker, chosen by the kernel; that worker relays its
+siblings' updates to it (`relay=1`), so every worker of every host is heard through one link per router.
+
+A starting router loads a peer's snapshot (`GET /admin/peer/snapshot`: its KV index and recent routes)
+before it serves, so a restart does not scatter prefixes that its peers are keeping together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from dpserve.background import cancel_and_wait
+from dpserve.replicas.discovery import DiscoveryError, DiscoverySource, DnsResolver
+from dpserve.replicas.monitor import ReplicaMonitor
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.peers.board import PeerBoard
+from dpserve.router.peers.wire import (
+    SNAPSHOT_MAX_BYTES,
+    PeerWireError,
+    decode_snapshot,
+    decode_update,
+    encode_snapshot,
+    encode_update,
+    frame,
+    frame_length,
+)
+
+log = logging.getLogger("dpserve.peers")
+
+STREAM_PATH = "/admin/peer/stream"
+SNAPSHOT_PATH = "/admin/peer/snapshot"
+HEARTBEAT_S = 0.5
+FOLLOWER_QUEUE = 1024
+"""Frames a follower may lag behind; past it the follower is cut off (it reconnects and catches up:
+counts are whole in every update, routes lost meanwhile only cost some cache hits)."""
+NEWS_GAP_S = 0.002
+RETRY_MIN_S = 0.1
+RETRY_MAX_S = 2.0
+
+
+@dataclass
+class Follower:
+    """A peer following this router's stream."""
+
+    origin: str
+    relay: bool
+    """Also send it what this router's sibling workers say (it is on another host)."""
+    frames: asyncio.Queue[bytes | None] = field(default_factory=lambda: asyncio.Queue(FOLLOWER_QUEUE))
+    cut: bool = False
+
+    def offer(self, data: bytes) -> None:
+        if self.cut:
+            return
+        try:
+            self.frames.put_nowait(data)
+        except asyncio.QueueFull:
+            self.end()
+
+    def end(self, last: bytes | None = None) -> None:
+        """No more frames: its stream ends, after `last` if given (frames still queued are dropped)."""
+        self.cut = True
+        while not self.frames.empty():
+            self.frames.get_nowait()
+        if last is not None:
+            self.frames.put_nowait(last)
+        self.frames.put_nowait(None)
+
+
+@dataclass
+class Link:
+    """This router following one peer's stream."""
+
+    url: str
+    sibling: bool
+    static: bool
+    state: str = "connecting"
+    """connecting, up, down, self (the URL is this router: found by DNS)."""
+    updates: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    last_error: str | None = None
+    task: asyncio.Task[None] | None = None
+
+    def failed(self, kind: str, detail: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+        self.last_error = detail
+
+
+class PeerLinks:
+    def __init__(
+        self,
+        board: PeerBoard,
+        *,
+        peers: Sequence[str] = (),
+        siblings: Sequence[str] = (),
+        sources: Sequence[DiscoverySource] = (),
+        resolver: DnsResolver | None = None,
+        interval_s: float = 0.05,
+        timeout_s: float = 2.0,
+        discover_interval_s: float = 5.0,
+        admin_key: bytes | None = None,
+        on_suspect: Callable[[str], None] = lambda rid: None,
+        max_snapshot_blocks: int = 2_000_000,
+    ) -> None:
+        self.board = board
+        self._session: aiohttp.ClientSession | None = None
+        self._draining = False
+        self._news = asyncio.Event()
+        self._sources = list(sources)
+        self._resolver = resolver
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._heartbeat_s = min(HEARTBEAT_S, timeout_s / 4)
+        self._discover_interval_s = discover_interval_s
+        self._headers = {"authorization": f"Bearer {admin_key.decode()}"} if admin_key else {}
+        self.on_suspect = on_suspect
+        self._max_snapshot_blocks = max_snapshot_blocks
+        self._links: dict[str, Link] = {}
+        for url in siblings:
+            self._links[url.rstrip("/")] = Link(url.rstrip("/"), sibling=True, static=True)
+        for url in peers:
+            self._links.setdefault(url.rstrip("/"), Link(url.rstrip("/"), sibling=False, static=True))
+        self._followers: list[Follower] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
+        self.warm_start: dict[str, Any] | None = None
+        self.frames_sent = 0
+        self.followers_cut = 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._links or self._sources)
+
+    # -- serving followers ---------------------------------------------------------------------------
+
+    def follow(self, origin: str, relay: bool) -> Follower | None:
+        """A peer starts following this router; None when `origin` is this router itself."""
+        if origin == self.board.origin:
+            return None
+        follower = Follower(origin, relay)
+        self._followers.append(follower)
+        return follower
+
+    async def frames(self, follower: Follower) -> AsyncIterator[bytes]:
+        """What the follower's stream sends: this router's current update at once, then every update."""
+        try:
+            yield encode_update(self.board.update(news=False))
+            while True:
+                data = await follower.frames.get()
+                if data is None:
+                    if not self._draining:
+                        log.warning("peer %s fell behind this router's updates: cut off", follower.origin)
+                        self.followers_cut += 1
+                    return
+                yield data
+        finally:
+            with contextlib.suppress(ValueError):
+                self._followers.remove(follower)
+
+    async def snapshot(self) -> bytes:
+        snapshot = self.board.snapshot()
+        return await asyncio.to_thread(encode_snapshot, snapshot)
+
+    def _send(self, data: bytes, relayed_from: str | None = None) -> None:
+        for follower in self._followers:
+            if relayed_from is None:
+                follower.offer(data)
+            elif follower.relay and follower.origin != relayed_from:
+                follower.offer(data)
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def attach(self, session: aiohttp.ClientSession) -> None:
+        """The HTTP client it follows peers and fetches snapshots with (the app's control-plane session)."""
+        self._session = session
+
+    def drain(self) -> None:
+        """SIGTERM: followers hear goodbye and their streams end, so the server's drain is not held up by
+        them (peers then forget this router's in-flight requests while they finish)."""
+        self._draining = True
+        goodbye = encode_update(self.board.update(leaving=True))
+        for follower in list(self._followers):
+            follower.end(goodbye)
+
+    def start(self) -> None:
+        self._started = True
+        self._tasks.append(asyncio.create_task(self._publish(), name="peer-updates"))
+        for link in self._links.values():
+            self._start_link(link)
+        if self._sources and self._resolver is not None:
+            self._tasks.append(asyncio.create_task(self._discover(), name="peer-discovery"))
+
+    async def stop(self) -> None:
+        """Says goodbye to followers (they forget this router at once), then stops following."""
+        if not self._draining:
+            self.drain()
+        await asyncio.sleep(0)  # the goodbye frames reach the streams' buffers
+        for task in [*self._tasks, *(link.task for link in self._links.values() if link.task is not None)]:
+            await cancel_and_wait(task)
+
+    def news(self) -> None:
+        """A route or a binding was just made: peers hear of it at once (a burst of requests for a new
+        prefix reaches several routers within milliseconds), not at the next interval."""
+        self._news.set()
+
+    async def _publish(self) -> None:
+        last: tuple[dict[str, int], tuple[str, ...]] | None = None
+        last_sent = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._news.wait(), self._interval_s)
+            # Decisions made in this turn of the loop join this update. At most one update per NEWS_GAP_S:
+            # a quiet router's news goes at once (a group's next prompt may reach a peer a millisecond
+            # later), a busy one's is batched, so the cost per request stays an append to the outbox.
+            await asyncio.sleep(max(0.0, NEWS_GAP_S - (time.monotonic() - last_sent)))
+            self._news.clear()
+            self.board.expire()
+            update = self.board.update()
+            shape = (update.in_flight, update.unhealthy)
+            now = time.monotonic()
+            news = update.routes or update.bindings or update.usage or shape != last
+            if self._draining or not self._followers or (not news and now - last_sent < self._heartbeat_s):
+                continue
+            last, last_sent = shape, now
+            self._send(encode_update(update))
+            self.frames_sent += 1
+
+    # -- following peers -----------------------------------------------------------------------------
+
+    def _start_link(self, link: Link) -> None:
+        link.task = asyncio.create_task(self._follow(link), name=f"peer-{link.url}")
+
+    async def _follow(self, link: Link) -> None:
+        delay = RETRY_MIN_S
+        params = {"origin": self.board.origin, "relay": "0" if link.sibling else "1"}
+        timeout = aiohttp.ClientTimeout(total=None, connect=self._timeout_s, sock_read=self._timeout_s)
+        assert self._session is not None
+        while True:
+            try:
+                async with self._session.get(
+                    link.url + STREAM_PATH, params=params, headers=self._headers, timeout=timeout
+                ) as resp:
+                    if resp.status == 409:
+                        link.state = "self"
+                        log.info("peer %s is this router: not followed", link.url)
+                        return
+                    if resp.status != 200:
+                        raise PeerWireError(f"{STREAM_PATH} answered {resp.status}")
+                    link.state = "up"
+                    delay = RETRY_MIN_S
+                    await self._read(link, resp.content)
+            except PeerWireError as exc:
+                link.failed("protocol", str(exc))
+                log.warning("peer %s: %s; following it again later", link.url, exc)
+            except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError, OSError) as exc:
+                link.failed("silent" if isinstance(exc, TimeoutError) else "connection", _describe(exc))
+            finally:
+                if link.state != "self":
+                    link.state = "down"
+                self.board.link_lost(link.url)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+
+    async def _read(self, link: Link, content: aiohttp.StreamReader) -> None:
+        while True:
+            prefix = await content.readexactly(4)
+            payload = await content.readexactly(frame_length(prefix))
+            update = decode_update(payload)
+            link.updates += 1
+            for replica_id in self.board.apply(update, link.url):
+                self.on_suspect(replica_id)
+            if link.sibling:
+                self._send(frame(payload), relayed_from=update.origin)
+
+    async def _discover(self) -> None:
+        assert self._resolver is not None
+        while True:
+            found: set[str] = set()
+            for source in self._sources:
+                try:
+                    found |= await self._resolver.replica_urls(source)
+                except DiscoveryError as exc:
+                    log.warning("peer discovery %s: %s", source, exc)
+                    found |= {url for url, link in self._links.items() if not link.static}  # keep what we had
+            for url in found - set(self._links):
+                link = self._links[url] = Link(url, sibling=False, static=False)
+                self._start_link(link)
+            for url in [u for u, link in self._links.items() if not link.static and u not in found]:
+                link = self._links.pop(url)
+                await cancel_and_wait(link.task)
+            await asyncio.sleep(self._discover_interval_s)
+
+    # -- warm start ----------------------------------------------------------------------------------
+
+    async def load_from_a_peer(self, timeout_s: float) -> dict[str, Any] | None:
+        """Before serving: the first peer's snapshot that arrives in time is loaded. None when no peer
+        answered (this router is the first, or alone): it starts cold, as a router without peers does."""
+        urls = list(self._links)
+        for source in self._sources:
+            if self._resolver is not None:
+                with contextlib.suppress(DiscoveryError):
+                    urls += [url for url in await self._resolver.replica_urls(source) if url not in urls]
+        if not urls:
+            return None
+        started = time.monotonic()
+        tries = [asyncio.create_task(self._fetch_snapshot(url, timeout_s)) for url in urls]
+        try:
+            for next_done in asyncio.as_completed(tries, timeout=timeout_s):
+                with contextlib.suppress(Exception):
+                    url, payload = await next_done
+                    snapshot = await asyncio.to_thread(decode_snapshot, payload, self._max_snapshot_blocks)
+                    blocks, routes = self.board.load(snapshot)
+                    self.warm_start = {
+                        "from": url,
+                        "kv_blocks": blocks,
+                        "recent_routes": routes,
+                        "seconds": round(time.monotonic() - started, 3),
+                    }
+                    log.info("warm start from peer %s: %d KV blocks, %d recent routes", url, blocks, routes)
+                    return self.warm_start
+        except TimeoutError:
+            log.warning("warm start: no peer's snapshot within %.1f s; starting cold", timeout_s)
+        finally:
+            for task in tries:
+                task.cancel()
+        return None
+
+    async def _fetch_snapshot(self, url: str, timeout_s: float) -> tuple[str, bytes]:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        params = {"origin": self.board.origin}
+        async with self._session.get(
+            url + SNAPSHOT_PATH, params=params, headers=self._headers, timeout=timeout
+        ) as resp:
+            if resp.status != 200:
+                raise PeerWireError(f"{SNAPSHOT_PATH} answered {resp.status}")
+            if (resp.content_length or 0) > SNAPSHOT_MAX_BYTES:
+                raise PeerWireError("snapshot too large")
+            return url, await resp.content.read(SNAPSHOT_MAX_BYTES + 1)
+
+    # -- what /status and /metrics show --------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            **self.board.status(),
+            "links": [
+                {
+                    "url": link.url,
+                    "sibling": link.sibling,
+                    "state": link.state,
+                    "updates": link.updates,
+                    "errors": dict(link.errors),
+                    "last_error": link.last_error,
+                }
+                for link in self._links.values()
+            ],
+            "followers": len(self._followers),
+            "warm_start": self.warm_start,
+        }
+
+    @property
+    def links(self) -> list[Link]:
+        return list(self._links.values())
+
+
+class SuspectChecks:
+    """A peer says a replica this router still routes to is unhealthy: probe it now, as many times in a row
+    as ejecting takes, rather than wait for the next ticks. This router's own probes decide: a peer's word
+    alone never ejects a replica."""
+
+    GAP_S = 0.1
+
+    def __init__(self, registry: ReplicaRegistry, monitor: ReplicaMonitor, probes: int, min_gap_s: float) -> None:
+        self._registry = registry
+        self._monitor = monitor
+        self._probes = probes
+        self._min_gap_s = min_gap_s
+        self._last: dict[str, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __call__(self, replica_id: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(replica_id, -self._min_gap_s) < self._min_gap_s:
+            return
+        self._last[replica_id] = now
+        task = asyncio.create_task(self._check(replica_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _check(self, replica_id: str) -> None:
+        for attempt in range(self._probes):
+            replica = self._registry.find(replica_id)
+            if replica is None or not replica.healthy:
+                return
+            if attempt:
+                await asyncio.sleep(self.GAP_S)
+            await self._monitor.probe_now(replica)
+            if replica.health.probe_failures == 0:
+                return  # it answered: the peer's view was stale or its own
+
+
+class PeerCollector(Collector):
+    """dpserve_peer_* series, read from the links and the board at scrape time."""
+
+    def __init__(self, links: PeerLinks) -> None:
+        self._links = links
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        links, stats = self._links, self._links.board.stats
+        known = GaugeMetricFamily("dpserve_peers", "Peer routers (and workers) heard from within the timeout")
+        known.add_metric([], len(links.board.origins))
+        yield known
+        up = GaugeMetricFamily("dpserve_peer_links_up", "Peer streams this router follows that are up")
+        up.add_metric([], sum(1 for link in links.links if link.state == "up"))
+        yield up
+        updates = CounterMetricFamily("dpserve_peer_updates", "Peer updates applied")
+        updates.add_metric([], stats.updates)
+        yield updates
+        stale = CounterMetricFamily("dpserve_peer_stale_updates", "Peer updates dropped as old or out of order")
+        stale.add_metric([], stats.stale)
+        yield stale
+        errors = CounterMetricFamily("dpserve_peer_link_errors", "Peer streams that ended badly", labels=["kind"])
+        totals: dict[str, int] = {}
+        for link in links.links:
+            for kind, count in link.errors.items():
+                totals[kind] = totals.get(kind, 0) + count
+        for kind, count in sorted(totals.items()):
+            errors.add_metric([kind], count)
+        yield errors
+        forgotten = CounterMetricFamily("dpserve_peers_forgotten", "Peers forgotten, by why", labels=["why"])
+        for why, count in sorted(stats.forgotten.items()):
+            forgotten.add_metric([why], count)
+        yield forgotten
+        sent = CounterMetricFamily("dpserve_peer_frames_sent", "Updates this router sent to its followers")
+        sent.add_metric([], links.frames_sent)
+        yield sent
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

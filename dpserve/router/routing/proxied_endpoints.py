@@ -1,0 +1,559 @@
+"""The proxied OpenAI endpoints as one raw ASGI app: the router's hot path.
+
+Every request and every streamed chunk passes through here, so it skips the framework's own per-request
+work: no routing table, no dependency solving, no Request or Response objects, one task (not two)
+watching for the client leaving. It still sits inside the app's middleware (`http/proxied_paths.py`), so
+access control, and anything added later, wraps it as it wraps the rest. The body is parsed once for
+what routing needs and relayed as the bytes it came in; the answer is relayed as the bytes the replica
+sent. The rest of the router (admin, status, metrics) is FastAPI's routes, where per-request cost does
+not matter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+from dpserve.config import TRUE_WORDS
+from dpserve.disconnect import ClientGone
+from dpserve.policies.base import RequestFeatures
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.flow.gate import Flow, Pass, with_fields
+from dpserve.router.flow.tenants import CALLER_SCOPE_KEY, PRIORITY_HEADER, TENANT_HEADER, Priority, Tenant
+from dpserve.router.flow.usage_stream import Usage, UsageTap, ask_for_usage, usage_of_answer
+from dpserve.router.http.endpoints import (
+    CHAT,
+    COMPLETIONS,
+    RESPONSE_BY_ID,
+    RESPONSES,
+    VERSION,
+    BodyKind,
+    Endpoint,
+    by_id_endpoint,
+    path_response_id,
+)
+from dpserve.router.http.errors import (
+    CLIENT_CLOSED,
+    OpenAIError,
+    bad_request,
+    model_not_found,
+    no_replica,
+    upstream_error_body,
+)
+from dpserve.router.http.request_body import (
+    body_chunks,
+    parse_body,
+    parse_form,
+    read_limited,
+    request_schema,
+)
+from dpserve.router.http.stored_responses import ResponseOwners, id_of_answer, id_of_stream
+from dpserve.router.http.upstream_client import InvalidHeader, check_header
+from dpserve.router.observe.metrics import RouterMetrics
+from dpserve.router.quality.receipts import Receipt, ReceiptBook
+from dpserve.router.routing.dispatch import SSE_DONE, Buffered, Dispatcher, Outbound, Streaming
+from dpserve.router.routing.features import SESSION_HEADER, FeatureBuilder
+
+log = logging.getLogger("dpserve.router")
+
+REPLICA_HEADER = "x-dpserve-replica"
+REQUEST_ID_HEADER = "x-request-id"
+RECEIPT_HEADER = "x-dpserve-receipt"
+"""`1` (or true, yes, on): this request gets a routing receipt whatever the sample, and its answer the
+predicted cached tokens in `x-dpserve-cached-tokens` (when the policy predicted any)."""
+CACHED_TOKENS_HEADER = b"x-dpserve-cached-tokens"
+_REPLICA_HEADER = REPLICA_HEADER.encode()
+_REQUEST_ID_HEADER = REQUEST_ID_HEADER.encode()
+_JSON = b"application/json"
+# The only request headers the hot path reads (the session header for the session policy; the content
+# type for multipart bodies, whose boundary the replica needs; the tenant and priority for flow control).
+_READ_HEADERS = frozenset(
+    {
+        b"content-length",
+        b"content-type",
+        REQUEST_ID_HEADER.encode(),
+        SESSION_HEADER.encode(),
+        TENANT_HEADER.encode(),
+        PRIORITY_HEADER.encode(),
+        RECEIPT_HEADER.encode(),
+    }
+)
+# Streams whose usage the router can ask for (`stream_options.include_usage`) and take out again.
+_USAGE_ON_REQUEST = frozenset({CHAT.name, COMPLETIONS.name})
+MAX_REQUEST_ID_CHARS = 128
+NO_BODY_STATUSES = frozenset({204, 304})
+
+
+@dataclass(frozen=True, slots=True)
+class Relaying:
+    """What an exchange needs, all of it there from the start."""
+
+    registry: ReplicaRegistry
+    features: FeatureBuilder
+    dispatcher: Dispatcher
+    metrics: RouterMetrics
+    response_owners: ResponseOwners
+    """Which replica stored which response (`/v1/responses`)."""
+    max_body_bytes: int
+    flow: Flow
+    receipts: ReceiptBook
+
+
+class ProxiedEndpoints:
+    """Answers the proxied paths (`endpoints`, and stored responses by id); another method there gets 405."""
+
+    def __init__(self, relaying: Relaying, endpoints: Sequence[Endpoint]) -> None:
+        self._relaying = relaying
+        self._endpoints = {endpoint.path: endpoint for endpoint in endpoints}
+        self._request_ids = RequestIds()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        endpoint = self._endpoints.get(path) or by_id_endpoint(path, scope["method"])
+        if endpoint is None:
+            error = OpenAIError(404, f"Unknown path: {scope['method']} {path}", type="not_found_error")
+            await _send_error(send, error, self._request_ids.next())
+            return
+        if scope["method"] != endpoint.method:
+            error = OpenAIError(
+                405, f"Method {scope['method']} is not allowed on {path}", headers={"allow": endpoint.method}
+            )
+            await _send_error(send, error, self._request_ids.next())
+            return
+        exchange = _Exchange(self._relaying, endpoint, scope, receive, send, self._request_ids)
+        await exchange.run()
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A request ready for a replica."""
+
+    features: RequestFeatures
+    request: Outbound
+    response_id: str | None = None
+    """The stored response it must reach (by id, or `previous_response_id`), None for any replica."""
+    payload: dict[str, Any] | None = None
+    strip_usage: bool = False
+    """The router asked for the stream's usage: its usage chunk is taken out before the client sees it."""
+
+
+class _Exchange:
+    """One request and its answer."""
+
+    def __init__(
+        self, state: Relaying, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send, ids: RequestIds
+    ) -> None:
+        self.state = state
+        self.endpoint = endpoint
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.started = time.perf_counter()
+        self.headers = read_headers(scope["headers"])
+        client_id = self.headers.get(REQUEST_ID_HEADER)
+        self.refused_id = request_id_error(client_id) if client_id else None
+        """Why the client's own request id cannot be used; it is then answered under a fresh one."""
+        self.request_id = client_id if client_id and self.refused_id is None else ids.next()
+        self.response_started = False
+        self.answered = False
+        """The last message is on its way: from then on uvicorn reports the end of the exchange as a
+        disconnect, which is not the client leaving."""
+        self.client_gone = False
+        self.tenant: Tenant | None = None
+        self.flow_pass: Pass | None = None
+        self.status = CLIENT_CLOSED
+        """The answer's status as the client got it (client gone until one is sent)."""
+        self.usage: Usage | None = None
+        self.receipt: Receipt | None = None
+        self.receipt_asked = False
+        """The client asked for its receipt (`x-dpserve-receipt`): the predicted cached tokens come back
+        in `x-dpserve-cached-tokens`."""
+
+    async def run(self) -> None:
+        endpoint = self.endpoint
+        try:
+            try:
+                prepared = await self._prepare()
+                assert self.tenant is not None
+                self.flow_pass = self.state.flow.begin(
+                    self.tenant, prepared.features, prepared.payload or {}, len(prepared.request.body)
+                )
+            except OpenAIError as err:
+                self._count_refusal(err)
+                await _send_error(self.send, err, self.request_id)
+                return
+            except ClientGone:
+                self._count_client_gone("none")
+                return
+            # From here on a client that leaves cancels this task, so the replica's request is dropped
+            # (and aborted there) instead of computed for no one. (One frame, not a helper coroutine: every
+            # chunk of a stream resumes through each frame of this await chain.)
+            watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
+            try:
+                outcome = await self._dispatch(prepared)
+                if isinstance(outcome, Buffered):
+                    await self._answer(outcome)
+                else:
+                    await self._relay(outcome, prepared.strip_usage)
+            except OpenAIError as err:
+                self._count_refusal(err)
+                self.answered = True
+                await _send_error(self.send, err, self.request_id)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not self.client_gone or task is None:
+                    raise
+                task.uncancel()
+                if not self.response_started:
+                    self._count_client_gone("none")
+            finally:
+                watcher.cancel()
+                self.state.flow.end(self.flow_pass, self.status, self.usage)
+                receipt = self.receipt
+                if receipt is not None:
+                    usage = self.usage
+                    if usage is None:
+                        self.state.receipts.close(receipt, self.status, None, None)
+                    else:
+                        self.state.receipts.close(
+                            receipt, self.status, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+                        )
+        except Exception:
+            # Logged here with its trace; the client gets no internals.
+            log.exception("unhandled error on %s", endpoint.path)
+            if not self.response_started:
+                await _send_error(
+                    self.send, OpenAIError(500, "Internal router error.", type="server_error"), self.request_id
+                )
+            else:
+                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _prepare(self) -> _Prepared:
+        """Reads and checks the request; OpenAIError (4xx) for anything the router will not send on."""
+        state, endpoint, headers = self.state, self.endpoint, self.headers
+        if self.refused_id is not None:
+            raise self.refused_id
+        tenant = self.tenant = state.flow.identify(self.scope.get(CALLER_SCOPE_KEY), headers)
+        upstream_headers = {"content-type": "application/json", REQUEST_ID_HEADER: self.request_id}
+        path = upstream_path(self.scope)
+        if endpoint.body is BodyKind.NONE:
+            # Nothing to relay (a replica ignores a body here too), but read it so the connection stays usable.
+            await read_limited(headers, body_chunks(self.receive), state.max_body_bytes)
+            del upstream_headers["content-type"]
+            stream = endpoint.method == "GET" and b"stream=true" in self.scope.get("query_string", b"")
+            features = RequestFeatures(endpoint.name, "", stream)
+            response_id = path_response_id(endpoint)
+            return _Prepared(features, Outbound(endpoint.method, path, b"", upstream_headers), response_id)
+        raw = await read_limited(headers, body_chunks(self.receive), state.max_body_bytes)
+        if endpoint.body is BodyKind.FORM:
+            content_type = headers.get("content-type")
+            parsed = parse_form(raw, content_type, endpoint)
+            assert content_type is not None
+            upstream_headers["content-type"] = content_type
+            try:
+                check_header("content-type", content_type)
+            except InvalidHeader as exc:
+                raise bad_request(f"Invalid Content-Type header: {exc}.") from None
+        else:
+            parsed = parse_body(raw, endpoint)
+        model = resolve_model(state.registry, parsed.model)
+        features = await state.features.build(endpoint, model, parsed.stream, parsed.payload, headers)
+        if tenant.priority is not Priority.STANDARD:
+            features = replace(features, priority=int(tenant.priority))
+        body, strip_usage = raw, False
+        if endpoint.body is BodyKind.JSON:
+            fields = state.flow.upstream_fields(tenant)
+            if parsed.model != model:  # the client left `model` out and the router chose it
+                fields["model"] = model
+            if parsed.stream and endpoint.name in _USAGE_ON_REQUEST:
+                # Every stream's usage is counted: asked for when the client did not, and taken out again.
+                asked = ask_for_usage(parsed.payload)
+                if asked is not None:
+                    fields["stream_options"] = asked["stream_options"]
+                    strip_usage = True
+            body = with_fields(raw, parsed.payload, fields)
+        previous = parsed.payload.get("previous_response_id") if endpoint is RESPONSES else None
+        response_id = previous if isinstance(previous, str) and previous else None
+        outbound = Outbound(endpoint.method, path, body, upstream_headers)
+        return _Prepared(features, outbound, response_id, parsed.payload, strip_usage)
+
+    async def _dispatch(self, prepared: _Prepared) -> Buffered | Streaming:
+        state, endpoint = self.state, self.endpoint
+        dispatcher = state.dispatcher
+        features, request = prepared.features, prepared.request
+        if endpoint is VERSION:
+            # The same release everywhere (the engine is pinned): any healthy replica answers.
+            return await dispatcher.send_to_any(features, request, self.started)
+        response_id = prepared.response_id
+        if response_id is None:
+            ticket = self.flow_pass.ticket if self.flow_pass is not None else None
+            return await dispatcher.send(features, request, self.started, ticket, self._open_receipt(features))
+        owner = state.response_owners.get(response_id)
+        if owner is None or owner not in state.registry:  # unseen, or its replica was removed since
+            owner = await self._find_owner(response_id)
+        if owner is None:
+            if endpoint is RESPONSES:
+                # Continuing a response no replica holds: any replica gives vLLM's own 404 for it.
+                ticket = self.flow_pass.ticket if self.flow_pass is not None else None
+                return await dispatcher.send(features, request, self.started, ticket, self._open_receipt(features))
+            raise OpenAIError(
+                404,
+                f"No stored response `{response_id}` on any replica.",
+                type="not_found_error",
+                param="response_id",
+                code="response_not_found",
+            )
+        return await dispatcher.send_to(owner, features, request, self.started)
+
+    def _open_receipt(self, features: RequestFeatures) -> Receipt | None:
+        """A receipt for a request the policy routes, when it falls in the sample or the client asked."""
+        asked = self.receipt_asked = _asks_receipt(self.headers.get(RECEIPT_HEADER))
+        tenant = self.tenant.name if self.tenant is not None else ""
+        self.receipt = self.state.receipts.open(self.request_id, self.endpoint.name, features.model, tenant, asked)
+        return self.receipt
+
+    async def _find_owner(self, response_id: str) -> str | None:
+        """Asks each healthy replica for the response (made before a restart, or through another router)."""
+        state = self.state
+        features = RequestFeatures("responses_find", "", False)
+        request = Outbound("GET", f"{RESPONSE_BY_ID}{response_id}", b"", {REQUEST_ID_HEADER: self.request_id})
+        for replica in state.registry.healthy():
+            try:
+                outcome = await state.dispatcher.send_to(replica.id, features, request, self.started)
+            except OpenAIError:
+                continue
+            assert isinstance(outcome, Buffered)
+            if outcome.status == 200:
+                state.response_owners.remember(response_id, replica.id)
+                return replica.id
+        return None
+
+    async def _watch_disconnect(self, task: asyncio.Task[object] | None) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        if self.answered:
+            return
+        self.client_gone = True
+        if task is not None:
+            task.cancel()
+
+    async def _answer(self, outcome: Buffered) -> None:
+        metrics, endpoint = self.state.metrics, self.endpoint
+        status = outcome.status
+        metrics.labeled(metrics.requests, endpoint.name, outcome.replica_id, str(status)).inc()
+        metrics.labeled(metrics.duration, endpoint.name, "false").observe(time.perf_counter() - self.started)
+        body, content_type = outcome.body, outcome.content_type.encode("latin-1")
+        if status >= 400:
+            # Always OpenAI-shaped JSON by now, whatever the replica's own content type was.
+            body, content_type = upstream_error_body(status, body, endpoint.path), _JSON
+        else:
+            if endpoint is RESPONSES and status == 200:
+                self._learn_owner(id_of_answer(body), outcome.replica_id)
+            if status == 200 and endpoint.body is BodyKind.JSON:
+                self.usage = usage_of_answer(body)
+        if status in NO_BODY_STATUSES:
+            headers = self._routing_headers(outcome.replica_id)
+            body = b""
+        else:
+            headers = [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *self._routing_headers(outcome.replica_id),
+            ]
+        if outcome.retry_after is not None and status in (429, 503):
+            headers.append((b"retry-after", outcome.retry_after.encode("latin-1")))
+        self.response_started = True
+        self.status = status
+        await self.send({"type": "http.response.start", "status": outcome.status, "headers": headers})
+        self.answered = True
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _relay(self, stream: Streaming, strip_usage: bool) -> None:
+        """Relays a stream as it comes; the upstream is always closed and accounted for, and its usage read
+        (and taken out when the router asked for it)."""
+        tap = UsageTap(strip_usage)
+        # The stream's `[DONE]` reached the client: whatever happens after (the client closing before the
+        # replica's last byte), it was served.
+        done = False
+        try:
+            headers = [
+                (b"content-type", stream.content_type.encode("latin-1")),
+                *self._routing_headers(stream.replica_id),
+            ]
+            self.response_started = True
+            send = self.send
+            await send({"type": "http.response.start", "status": stream.status, "headers": headers})
+            first = self.endpoint is RESPONSES
+            async for chunk in stream:
+                if first:
+                    first = False
+                    self._learn_owner(id_of_stream(chunk), stream.replica_id)
+                chunk = tap.feed(chunk)
+                if not chunk:
+                    continue
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                done = chunk.endswith(SSE_DONE)
+            held = tap.flush()  # a last event held back to see whether a usage chunk followed it
+            if held:
+                await send({"type": "http.response.body", "body": held, "more_body": True})
+            self.answered = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            stream.finish()
+            self.usage = tap.usage
+            metrics, name = self.state.metrics, self.endpoint.name
+            status = str(stream.status)
+            self.status = 502 if stream.broken else stream.status
+            if not stream.completed and not stream.broken and not done:
+                status = str(CLIENT_CLOSED)
+                self.status = CLIENT_CLOSED
+                metrics.client_disconnects.labels(name).inc()
+            metrics.labeled(metrics.requests, name, stream.replica_id, status).inc()
+            metrics.labeled(metrics.duration, name, "true").observe(time.perf_counter() - self.started)
+
+    def _learn_owner(self, response_id: str | None, replica_id: str) -> None:
+        if response_id is not None:
+            self.state.response_owners.remember(response_id, replica_id)
+
+    def _routing_headers(self, replica_id: str) -> list[tuple[bytes, bytes]]:
+        headers = [(_REPLICA_HEADER, replica_id.encode()), (_REQUEST_ID_HEADER, self.request_id.encode())]
+        receipt = self.receipt
+        if self.receipt_asked and receipt is not None and receipt.predicted is not None:
+            headers.append((CACHED_TOKENS_HEADER, str(receipt.predicted).encode()))
+        return headers
+
+    def _count_refusal(self, err: OpenAIError) -> None:
+        self.status = err.status
+        if self.flow_pass is None and self.tenant is not None:
+            self.state.flow.usage.record(self.tenant.name, error=True)
+        metrics = self.state.metrics
+        metrics.rejected.labels(str(err.status)).inc()
+        metrics.labeled(metrics.requests, self.endpoint.name, "none", str(err.status)).inc()
+
+    def _count_client_gone(self, replica_id: str) -> None:
+        metrics = self.state.metrics
+        metrics.client_disconnects.labels(self.endpoint.name).inc()
+        metrics.labeled(metrics.requests, self.endpoint.name, replica_id, str(CLIENT_CLOSED)).inc()
+
+
+class RequestIds:
+    """Ids for requests that come without an `x-request-id`: a random prefix per router process and a
+    counter, unique across routers and restarts without a random draw per request."""
+
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(8)
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._count):016x}"
+
+
+def request_id_error(request_id: str) -> OpenAIError | None:
+    """Why a client's `x-request-id` cannot be used (it goes to the replica and into logs: bounded, and a
+    valid header value), or None."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        return bad_request(f"`x-request-id` is longer than {MAX_REQUEST_ID_CHARS} characters.", param=REQUEST_ID_HEADER)
+    if not visible_ascii(request_id):
+        return bad_request("`x-request-id` may hold only visible ASCII characters.", param=REQUEST_ID_HEADER)
+    return None
+
+
+def visible_ascii(text: str) -> bool:
+    """Only characters 0x21-0x7e (checked in C: no regex on the hot path)."""
+    return bool(text) and text.isascii() and text.isprintable() and " " not in text
+
+
+def upstream_path(scope: Scope) -> str:
+    """The path and query as the client sent them (raw: percent-escapes kept)."""
+    raw: bytes = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string") or b""
+    return (raw + b"?" + query if query else raw).decode("latin-1")
+
+
+def read_headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The few request headers the hot path reads, by lower-case name (ASGI servers give names in lower
+    case); the first of a repeated header wins, as `Headers.get` does."""
+    found: dict[str, str] = {}
+    for name, value in raw:
+        if name in _READ_HEADERS:
+            found.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    return found
+
+
+async def _send_error(send: Send, error: OpenAIError, request_id: str) -> None:
+    body = error.body()
+    headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in error.headers.items()]
+    headers += [
+        (b"content-type", _JSON),
+        (b"content-length", str(len(body)).encode()),
+        (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1")),
+    ]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def resolve_model(registry: ReplicaRegistry, requested: str | None) -> str:
+    if requested is None:
+        only = registry.only_model()
+        if only is not None:
+            return only
+        served = registry.served_models()
+        if not served:
+            raise no_replica("No healthy replica is serving a model right now.")
+        raise bad_request(f"Missing `model`; this router serves: {', '.join(served)}.", param="model")
+    if registry.serves(requested):
+        return requested
+    if registry.find_new_adapters() and registry.serves(requested):
+        return requested
+    if requested in registry.known_models():
+        raise no_replica(f"No healthy replica serves the model `{requested}` right now.")
+    raise model_not_found(requested)
+
+
+def proxied_openapi_paths(endpoints: Sequence[Endpoint]) -> dict[str, object]:
+    """OpenAPI path items for the proxied endpoints, which FastAPI does not see."""
+    answer = {"200": {"description": "The replica's answer, relayed as it came (SSE when streaming)."}}
+    paths: dict[str, object] = {}
+    for endpoint in endpoints:
+        operation: dict[str, object] = {
+            "summary": f"vLLM {endpoint.name}, routed to a replica",
+            "operationId": endpoint.path.strip("/").replace("/", "_"),
+            "responses": answer,
+        }
+        if endpoint.body is BodyKind.JSON:
+            content = {"application/json": {"schema": request_schema(endpoint)}}
+            operation["requestBody"] = {"required": True, "content": content}
+        elif endpoint.body is BodyKind.FORM:
+            form = {"type": "object", "properties": {"file": {"type": "string", "format": "binary"}}}
+            operation["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": form}}}
+        paths[endpoint.path] = {endpoint.method.lower(): operation}
+    by_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    paths[RESPONSE_BY_ID + "{response_id}"] = {
+        "get": {
+            "summary": "A stored response, from the replica that holds it",
+            "operationId": "responses_get",
+            "parameters": by_id,
+            "responses": answer,
+        }
+    }
+    paths[RESPONSE_BY_ID + "{response_id}/cancel"] = {
+        "post": {
+            "summary": "Cancel a background response, on the replica that holds it",
+            "operationId": "responses_cancel",
+            "parameters": by_id,
+            "responses": answer,
+        }
+    }
+    return paths
+
+
+def _asks_receipt(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in TRUE_WORDS
