@@ -165,7 +165,6 @@ def selector_for(
     recent: RecentRoutes | None,
     rng: random.Random | None = None,
     bindings: SessionBindings | None = None,
-    shadows: ShadowScorer | None = None,
 ) -> Selector:
     """How the router chooses replicas (also what `benchmarks/decision_time.py` times); the prefix lookup
     only for a policy that reads prefixes."""
@@ -182,7 +181,6 @@ def selector_for(
         bindings=bindings,
         adapter_affinity=settings.lora_affinity,
         guard=BalanceGuard(settings.balance_rel, settings.balance_abs),
-        shadows=shadows,
     )
 
 
@@ -440,7 +438,7 @@ def create_app(
             tokenizer: PromptTokenizer = local or RemoteTokenizer(control)
             tokens = TokenCache(tokenizer, settings.token_cache_entries)
         selector = selector_for(
-            settings, registry, policy, admission, metrics, kv_index, text_index, recent, rng, bindings, shadows
+            settings, registry, policy, admission, metrics, kv_index, text_index, recent, rng, bindings
         )
         retry = RetryRules(settings.retries, settings.retry_backoff_s)
         adapters = AdapterLoader(registry, metrics)
@@ -458,6 +456,7 @@ def create_app(
             max_body_bytes=settings.max_body_bytes,
             flow=flow,
             receipts=receipts,
+            shadows=shadows,
         )
         zmq_context = zmq.asyncio.Context()
         subscribers = state.subscribers

@@ -6,8 +6,9 @@ import orjson
 import pytest
 
 from dpserve.router.control.engine_ops import ENGINE_OPS, engine_op, fill_path
-from dpserve.router.http.endpoints import PROXIED_ENDPOINTS, RESPONSES, BodyKind, Prompt, by_id_endpoint, is_proxied
+from dpserve.router.http.endpoints import PROXIED_ENDPOINTS, RESPONSES, BodyKind, Prompt, by_id_endpoint
 from dpserve.router.http.errors import OpenAIError
+from dpserve.router.http.proxied_paths import is_proxied
 from dpserve.router.http.request_body import parse_body, parse_form
 from dpserve.router.http.stored_responses import ResponseOwners, id_of_answer, id_of_stream
 from dpserve.router.routing.features import response_as_chat

@@ -2,14 +2,13 @@
 whether its tenant is within its quotas, what it is expected to cost (for the fair queue), and, once
 answered, what it really took: usage per tenant, the quota window, the fair queue's correction.
 
-The exchange calls `begin` before dispatch and `end` exactly once after, whatever happened between.
+The exchange calls `begin` before dispatch and watches the request's life with the pass it returns.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -19,7 +18,7 @@ from dpserve.router.flow.admission import Admission, Rejected, Ticket
 from dpserve.router.flow.quotas import QuotaBook
 from dpserve.router.flow.tenants import Caller, Priority, Tenant, Tenants
 from dpserve.router.flow.usage import UsageBook
-from dpserve.router.flow.usage_stream import Usage
+from dpserve.router.observe.life import RequestLife, Usage, Watch
 
 log = logging.getLogger("dpserve.flow")
 
@@ -31,13 +30,25 @@ VLLM_PRIORITY = {Priority.CRITICAL: -1, Priority.STANDARD: 0, Priority.BATCH: 1}
 """vLLM's `priority` request field (lower is scheduled first; 0 is its default)."""
 
 
-@dataclass(slots=True)
-class Pass:
-    """One request admitted to flow control: ended once by `Flow.end`."""
+class Pass(Watch):
+    """One request admitted to flow control, following it to its end: charged once when admission lets it
+    go (retries included), its wait added up, and at the end what it took counted for its tenant."""
 
-    tenant: Tenant
-    ticket: Ticket
-    ended: bool = False
+    __slots__ = ("_flow", "tenant", "ticket")
+
+    def __init__(self, flow: Flow, tenant: Tenant, ticket: Ticket) -> None:
+        self._flow = flow
+        self.tenant = tenant
+        self.ticket = ticket
+
+    def admitted(self, waited_s: float) -> None:
+        ticket = self.ticket
+        ticket.charged += ticket.cost
+        ticket.cost = 0.0
+        ticket.queue_s += waited_s
+
+    def finished(self, life: RequestLife) -> None:
+        self._flow.end(self, life.status, life.usage)
 
 
 class Flow:
@@ -71,13 +82,11 @@ class Flow:
                 raise Rejected(over.limit, over.message, over.retry_after_s)
             self.quotas.start(tenant.name)
         cost = prompt_tokens_guess(features, body_bytes) + completion_tokens_guess(payload)
-        return Pass(tenant, Ticket(tenant.name, tenant.rules.weight, float(cost)))
+        return Pass(self, tenant, Ticket(tenant.name, tenant.rules.weight, float(cost)))
 
     def end(self, flow: Pass, status: int, usage: Usage | None) -> None:
-        """The answer is done (or failed, or the client left): counts what it took, once."""
-        if flow.ended:
-            return
-        flow.ended = True
+        """The answer is done (or failed, or the client left): counts what it took (once: the request's
+        life ends once)."""
         tenant, ticket = flow.tenant, flow.ticket
         name, rules = tenant.name, tenant.rules
         if usage is None:

@@ -16,16 +16,17 @@ tests/unit/fixtures/usage_stream/):
   `"usage":{...}`. A client that set it without include_usage saw no usage at all, so `ask_for_usage`
   turns it off when it turns include_usage on.
 
-Pure functions, no I/O; nothing here imports another router module.
+Pure functions, no I/O; of the router it imports only `Usage` (`observe/life.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from dpserve.router.observe.life import Usage
 
 EVENT_END = b"\n\n"
 USAGE_KEY = b'"usage":{'
@@ -38,14 +39,6 @@ ORDINARY_KEY = b'"finish_reason":null'
 """In a token event that ends no choice."""
 TAIL_SEARCH_BYTES = 1024
 """Chunks up to this long are searched whole; longer ones only in their last three events."""
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    """usage.prompt_tokens_details.cached_tokens (input_tokens_details for the responses API); 0 when absent."""
 
 
 def usage_of(obj: Any) -> Usage | None:

@@ -84,11 +84,6 @@ PROXIED_ENDPOINTS: tuple[Endpoint, ...] = (
 PROXIED_PATHS = frozenset(endpoint.path for endpoint in PROXIED_ENDPOINTS)
 
 
-def is_proxied(path: str) -> bool:
-    """Whether the hot path answers `path`: a proxied endpoint, or a stored response by id."""
-    return path in PROXIED_PATHS or path.startswith(RESPONSE_BY_ID)
-
-
 _RESPONSE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,256}")  # vLLM's are resp_ and hex
 
 

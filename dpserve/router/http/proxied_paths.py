@@ -9,8 +9,13 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from dpserve.router.http.endpoints import is_proxied
+from dpserve.router.http.endpoints import PROXIED_PATHS, RESPONSE_BY_ID
 from dpserve.router.http.errors import OpenAIError
+
+
+def is_proxied(path: str) -> bool:
+    """Whether the hot path answers `path`: a proxied endpoint, or a stored response by id."""
+    return path in PROXIED_PATHS or path.startswith(RESPONSE_BY_ID)
 
 
 class HotPath:

@@ -14,6 +14,8 @@ from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.text_prefix import TextPrefixIndex
 from dpserve.replicas.kv_events import KvEventSubscriber
 from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.http.errors import CLIENT_CLOSED
+from dpserve.router.observe.life import RequestLife, Watch
 from dpserve.router.observe.prompt_tokens import TokenCache
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -160,6 +162,43 @@ class RouterMetrics:
         if child is None:
             child = self._children[key] = metric.labels(*values)
         return child
+
+    def watch(self, life: RequestLife) -> RequestMetrics:
+        return RequestMetrics(self, life)
+
+
+class RequestMetrics(Watch):
+    """One request's counts: its wait for admission, its first byte, and at the end its status (by the
+    replica that answered, `none` when the router answered itself), its duration and whether its client left."""
+
+    __slots__ = ("_life", "_metrics")
+
+    def __init__(self, metrics: RouterMetrics, life: RequestLife) -> None:
+        self._metrics = metrics
+        self._life = life
+
+    def admitted(self, waited_s: float) -> None:
+        self._metrics.queue_wait.observe(waited_s)
+
+    def first_byte(self, replica_id: str, at: float) -> None:
+        life, metrics = self._life, self._metrics
+        stream = "true" if life.stream else "false"
+        metrics.labeled(metrics.first_byte, life.endpoint, stream).observe(at - life.started)
+
+    def finished(self, life: RequestLife) -> None:
+        metrics, endpoint, status = self._metrics, life.endpoint, str(life.status)
+        if life.refused:
+            metrics.rejected.labels(status).inc()
+            metrics.labeled(metrics.requests, endpoint, "none", status).inc()
+            return
+        if life.status == CLIENT_CLOSED:
+            metrics.client_disconnects.labels(endpoint).inc()
+        if life.replica_id is None:  # gone before any answer began
+            metrics.labeled(metrics.requests, endpoint, "none", status).inc()
+            return
+        metrics.labeled(metrics.requests, endpoint, life.replica_id, status).inc()
+        stream = "true" if life.stream else "false"
+        metrics.labeled(metrics.duration, endpoint, stream).observe(life.elapsed())
 
 
 class _ReplicaStateCollector(Collector):

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from dpserve.kvindex.text_prefix import ChunkTokens
 from dpserve.policies.base import PrefixMatch, PrefixSource, ReplicaView
+from dpserve.router.observe.life import Choice, RequestLife, Watch
 
 HIT = "hit"
 COLD = "cold"
@@ -158,6 +159,35 @@ class Receipt:
         return out
 
 
+class ReceiptWatch(Watch):
+    """A sampled request's receipt, filled in from its life: the policy's choice (the last, on a retry),
+    when it was sent, and at the end what the replica realized."""
+
+    __slots__ = ("_book", "receipt")
+
+    def __init__(self, book: ReceiptBook, receipt: Receipt) -> None:
+        self._book = book
+        self.receipt = receipt
+
+    def decided(self, choice: Choice) -> None:
+        decision = choice.decision
+        self.receipt.decided(
+            choice.policy, decision.id, decision.reason, choice.features.prefix, choice.candidates, choice.engine_block
+        )
+
+    def dispatched(self, replica_id: str, at: float) -> None:
+        self.receipt.dispatched = at
+
+    def finished(self, life: RequestLife) -> None:
+        usage = life.usage
+        if usage is None:
+            self._book.close(self.receipt, life.status, None, None)
+        else:
+            self._book.close(
+                self.receipt, life.status, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+            )
+
+
 @dataclass(slots=True)
 class _Tally:
     receipts: int = 0
@@ -209,6 +239,13 @@ class ReceiptBook:
                 return None
             self._due = due - 1.0
         return Receipt(request_id, self._clock(), endpoint, model, tenant)
+
+    def watch(
+        self, request_id: str, endpoint: str, model: str, tenant: str, asked: bool = False
+    ) -> ReceiptWatch | None:
+        """A receipt following this request when it falls in the sample (or `asked`), else None."""
+        receipt = self.open(request_id, endpoint, model, tenant, asked)
+        return ReceiptWatch(self, receipt) if receipt is not None else None
 
     def close(
         self,

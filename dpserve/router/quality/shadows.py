@@ -43,6 +43,7 @@ from prometheus_client.registry import Collector
 
 from dpserve.kvindex.modelled import ModelledCaches, cacheable_blocks
 from dpserve.policies.base import Need, Policy, PrefixMatch, PrefixSource, ReplicaView, RequestFeatures, Sampling
+from dpserve.router.observe.life import Choice, RequestLife, Watch
 from dpserve.router.quality.prefill_cost import PrefillCost
 
 SHADOW_NEEDS = frozenset({Need.KV_PREFIX})
@@ -126,6 +127,26 @@ class ShadowHold:
             self._scorer.ended(placed, self._started, self._live_uncached)
 
 
+class ShadowWatch(Watch):
+    """The shadows following one request: each live decision is shown to them, and their choices for it
+    end when its attempt does (the next decision, on a retry, or the request's end)."""
+
+    __slots__ = ("_hold", "_scorer")
+
+    def __init__(self, scorer: ShadowScorer) -> None:
+        self._scorer = scorer
+        self._hold: ShadowHold | None = None
+
+    def decided(self, choice: Choice) -> None:
+        if self._hold is not None:  # the attempt before this one ended without an answer
+            self._hold.release()
+        self._hold = self._scorer.observe(choice.features, choice.candidates, choice.decision.id)
+
+    def finished(self, life: RequestLife) -> None:
+        if self._hold is not None:
+            self._hold.release()
+
+
 @dataclass(slots=True)
 class Placed:
     """One shadow's choice for a request in flight."""
@@ -173,6 +194,9 @@ class ShadowScorer:
             assert shadow.policy is not None
             needs |= shadow.policy.needs
         return needs
+
+    def watch(self, life: RequestLife) -> ShadowWatch:
+        return ShadowWatch(self)
 
     def observe(self, features: RequestFeatures, candidates: Sequence[ReplicaView], live: str) -> ShadowHold:
         """The live policy chose `live` among `candidates` for a request with these features. Release the

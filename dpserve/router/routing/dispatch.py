@@ -7,17 +7,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import orjson
+from starlette.types import Send
 
 from dpserve.policies.base import ReplicaView, RequestFeatures, pick_least_loaded
 from dpserve.replicas.health import Outcome, classify_status
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.admission import Admission, Ticket
-from dpserve.router.http.errors import OpenAIError, no_replica
+from dpserve.router.flow.usage_stream import UsageTap
+from dpserve.router.http.errors import CLIENT_CLOSED, OpenAIError, no_replica
 from dpserve.router.http.upstream_client import (
     Address,
     ResponseTooLarge,
@@ -26,8 +27,8 @@ from dpserve.router.http.upstream_client import (
     UpstreamPool,
     UpstreamResponse,
 )
+from dpserve.router.observe.life import RequestLife
 from dpserve.router.observe.metrics import RouterMetrics
-from dpserve.router.quality.receipts import Receipt
 from dpserve.router.routing.adapter_loader import AdapterLoader, AdapterLoadFailed
 from dpserve.router.routing.selection import Selector
 
@@ -97,9 +98,9 @@ class OpenStreams:
 
 
 class Streaming:
-    """An open stream whose first event has arrived: its whole life on the replica's side. Iterate it to
-    relay the rest; `finish` (idempotent) drops the upstream connection, returns the replica's slot and
-    leaves the open streams, whether or not iteration ever began."""
+    """An open stream whose first event has arrived, and its whole life: `relay` is its one loop, from the
+    replica to the client, and its one end, which drops or returns the upstream connection, returns the
+    replica's slot, leaves the open streams and sets the one `outcome`."""
 
     def __init__(
         self,
@@ -112,20 +113,23 @@ class Streaming:
         metrics: RouterMetrics,
         open_streams: OpenStreams,
         adapter: str | None = None,
-        ends: Sequence[Callable[[], None]] = (),
     ) -> None:
         self.replica_id = replica_id
-        self._ends = ends
         self._adapter = adapter
         self.status = status
         self.content_type = content_type
+        self.first = first
+        """The stream's first bytes, read before the router committed to this replica."""
         self.completed = False
         self.broken = False
+        self.ending = False
+        """The last message is on its way to the client: a disconnect from here on is the exchange's end."""
+        self.outcome = CLIENT_CLOSED
+        """The status the client's request ended with: the replica's, 502 when the stream broke, 499 when
+        the client left before `[DONE]`."""
         self._resp = resp
-        self._first = first
         self._registry = registry
         self._metrics = metrics
-        self._finished = False
         self._cut_reason: str | None = None
         self._open = open_streams
         open_streams.add(self)
@@ -136,13 +140,26 @@ class Streaming:
         self._cut_reason = reason
         self._resp.close()
 
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._relay()
+    async def relay(self, send: Send, headers: list[tuple[bytes, bytes]], tap: UsageTap) -> None:
+        """Relays the stream to the client as it comes, cut at event boundaries so a broken stream never
+        ends mid-event, each event through `tap` (usage read, and taken out when the router asked for it)."""
+        done = False  # `[DONE]` reached the client: whatever happens after, it was served
+        try:
+            await send({"type": "http.response.start", "status": self.status, "headers": headers})
+            async for event in self._events():
+                out = tap.feed(event)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                    done = out.endswith(SSE_DONE)
+            held = tap.flush()  # a last event held back to see whether a usage chunk followed it
+            if held:
+                await send({"type": "http.response.body", "body": held, "more_body": True})
+            self.ending = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._end(done)
 
-    def finish(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
+    def _end(self, done: bool) -> None:
         self._open.discard(self)
         if self.completed:
             self._resp.release()  # whole: the connection goes back to the pool
@@ -152,15 +169,17 @@ class Streaming:
         self._registry.release(self.replica_id)
         if self._adapter is not None:
             self._registry.release_adapter(self.replica_id, self._adapter)
-        for end in self._ends:
-            end()
+        if self.broken:
+            self.outcome = 502
+        elif self.completed or done:
+            self.outcome = self.status
 
-    async def _relay(self) -> AsyncIterator[bytes]:
-        """Chunks as they arrive, cut at event boundaries so a broken stream never ends mid-event."""
+    async def _events(self) -> AsyncIterator[bytes]:
+        """The replica's chunks as they arrive, whole events only; on a break, an error event and [DONE]."""
         pending = b""
         resp = self._resp
         try:
-            chunk = self._first
+            chunk = self.first
             while chunk:
                 if not pending and chunk.endswith(SSE_EVENT_END):
                     yield chunk
@@ -188,8 +207,6 @@ class Streaming:
             self._metrics.broken_streams.labels(self.replica_id).inc()
             yield stream_error_event("The replica serving this stream failed mid-response.")
             yield SSE_DONE
-        finally:
-            self.finish()
 
 
 class Dispatcher:
@@ -203,7 +220,6 @@ class Dispatcher:
         admission: Admission,
         open_streams: OpenStreams,
         rng: random.Random | None = None,
-        clock: Callable[[], float] = time.perf_counter,
         adapters: AdapterLoader | None = None,
     ) -> None:
         self._adapters = adapters
@@ -216,19 +232,12 @@ class Dispatcher:
         self._admission = admission
         self._open_streams = open_streams
         self._rng = rng or random.Random()
-        self._clock = clock
 
     async def send(
-        self,
-        features: RequestFeatures,
-        request: Outbound,
-        started: float,
-        ticket: Ticket | None = None,
-        receipt: Receipt | None = None,
+        self, features: RequestFeatures, request: Outbound, life: RequestLife, ticket: Ticket | None = None
     ) -> Buffered | Streaming:
-        """To the replica the selector chooses, retried on others before the first byte. `ticket`: the
-        request's tenant and expected cost for the admission queue; it learns how long it waited. `receipt`:
-        what the policy chose and predicted is written on it (on a retry, the last attempt's)."""
+        """To the replica the selector chooses, retried on others before the first byte; each step told to
+        the request's `life`. `ticket`: the request's tenant and expected cost for the admission queue."""
         tried: list[str] = []
         last_failure: Buffered | None = None
         last_load_failure: AdapterLoadFailed | None = None
@@ -236,21 +245,21 @@ class Dispatcher:
         for attempt in range(retries + 1):
             if attempt:
                 await asyncio.sleep(self._retry.pause(attempt, self._rng))
-            candidates = await self._admitted(features, tried, ticket)
+            candidates = await self._admitted(features, tried, ticket, life)
             if not candidates:
                 break
-            ends: list[Callable[[], None]] = []
-            replica_id = self._selector.choose(features, candidates, receipt, ends).id
-            if receipt is not None:
-                receipt.dispatched = self._clock()
+            choice = self._selector.choose(features, candidates)
+            life.decided(choice)
+            replica_id = choice.decision.id
+            life.dispatched(replica_id)
             tried.append(replica_id)
             is_last = attempt == retries
             adapter = features.adapter
             try:
                 if adapter is not None:
-                    outcome = await self._adapter_attempt(replica_id, adapter, features, request, started, ends)
+                    outcome = await self._adapter_attempt(replica_id, adapter, features, request, life)
                 else:
-                    outcome = await self._attempt(replica_id, features, request, started, ends=ends)
+                    outcome = await self._attempt(replica_id, features, request, life)
             except AdapterLoadFailed as failed:
                 last_load_failure = failed
                 if not is_last:
@@ -297,8 +306,7 @@ class Dispatcher:
         adapter: str,
         features: RequestFeatures,
         request: Outbound,
-        started: float,
-        ends: Sequence[Callable[[], None]] = (),
+        life: RequestLife,
     ) -> Buffered | Streaming:
         """One attempt of a LoRA request: the adapter is loaded there first if it must be (requests for
         it meanwhile join that load), and it counts as in use there until the answer is done."""
@@ -308,36 +316,41 @@ class Dispatcher:
         try:
             if loader is not None:
                 await loader.ready(replica_id, adapter)
-            outcome = await self._attempt(replica_id, features, request, started, adapter, ends)
+            outcome = await self._attempt(replica_id, features, request, life, adapter)
             # 404 for an adapter it was thought to hold: the replica restarted, or someone unloaded it.
             # Loaded again there, and tried once more.
             if outcome.status == 404 and loader is not None and not isinstance(outcome, Streaming):
                 loader.forget(replica_id, adapter)
                 await loader.ready(replica_id, adapter)
-                outcome = await self._attempt(replica_id, features, request, started, adapter, ends)
+                outcome = await self._attempt(replica_id, features, request, life, adapter)
             handed_over = isinstance(outcome, Streaming)
             return outcome
         finally:
             if not handed_over:
                 registry.release_adapter(replica_id, adapter)
 
-    async def send_to_any(self, features: RequestFeatures, request: Outbound, started: float) -> Buffered | Streaming:
+    async def send_to_any(
+        self, features: RequestFeatures, request: Outbound, life: RequestLife
+    ) -> Buffered | Streaming:
         """To any healthy replica, the least loaded, for what every replica answers alike (no model named)."""
         healthy = [replica for replica in self._registry.healthy() if not replica.draining]
         if not healthy:
             raise no_replica("No healthy replica to ask right now.")
-        return await self.send_to(pick_least_loaded(healthy, self._rng).id, features, request, started)
+        return await self.send_to(pick_least_loaded(healthy, self._rng).id, features, request, life)
 
     async def send_to(
-        self, replica_id: str, features: RequestFeatures, request: Outbound, started: float
+        self, replica_id: str, features: RequestFeatures, request: Outbound, life: RequestLife | None
     ) -> Buffered | Streaming:
         """To one replica, chosen by what it holds (a stored response), not by a policy: no retry
-        elsewhere, and a draining replica still answers for what it holds."""
+        elsewhere, and a draining replica still answers for what it holds. `life` None: the router's own
+        question (looking for a stored response), not a client's request."""
         replica = self._registry.find(replica_id)
         if replica is None or not replica.healthy:
             raise no_replica(f"The replica holding this ({replica_id}) is not available right now.")
         try:
-            outcome = await self._attempt(replica_id, features, request, started)
+            if life is not None:
+                life.dispatched(replica_id)
+            outcome = await self._attempt(replica_id, features, request, life)
         except RETRYABLE as exc:
             refused = isinstance(exc, UpstreamConnectError)
             self._registry.observe(replica_id, Outcome.REFUSED if refused else Outcome.FAILED, type(exc).__name__)
@@ -348,7 +361,7 @@ class Dispatcher:
         return outcome
 
     async def _admitted(
-        self, features: RequestFeatures, tried: Sequence[str], ticket: Ticket | None
+        self, features: RequestFeatures, tried: Sequence[str], ticket: Ticket | None, life: RequestLife
     ) -> list[ReplicaView]:
         """Candidates with room, after waiting in the admission queue when every one is full."""
         admission = self._admission
@@ -374,11 +387,7 @@ class Dispatcher:
             except OpenAIError as rejected:
                 self._metrics.admission_rejections.labels(rejected.code or "rejected").inc()
                 raise
-        if ticket is not None:
-            ticket.charged += ticket.cost
-            ticket.cost = 0.0
-            ticket.queue_s += waited
-        self._metrics.queue_wait.observe(waited)
+        life.admitted(waited)
         return found
 
     async def _attempt(
@@ -386,12 +395,11 @@ class Dispatcher:
         replica_id: str,
         features: RequestFeatures,
         request: Outbound,
-        started: float,
+        life: RequestLife | None,
         adapter: str | None = None,
-        ends: Sequence[Callable[[], None]] = (),
     ) -> Buffered | Streaming:
-        """`ends`: run when the attempt ends, here or when its stream finishes (each may run more than once:
-        an adapter's attempt retried after a 404 ends twice)."""
+        """One try on one replica. Its slot is taken here and returned when the answer is read, or by the
+        stream this hands over."""
         registry = self._registry
         address = self._address(registry.get(replica_id).url)
         registry.acquire(replica_id)
@@ -402,8 +410,8 @@ class Dispatcher:
             content_type = resp.content_type
             stream = features.stream and resp.status == 200
             if not stream:
-                metrics = self._metrics
-                metrics.labeled(metrics.first_byte, features.endpoint, "false").observe(self._clock() - started)
+                if life is not None:
+                    life.first_byte(replica_id, False)
                 try:
                     answer = await resp.read()
                 except ResponseTooLarge as exc:
@@ -421,7 +429,8 @@ class Dispatcher:
             first = await resp.readany()
             if not first:
                 raise UpstreamError("stream closed before the first event")
-            self._metrics.labeled(self._metrics.first_byte, features.endpoint, "true").observe(self._clock() - started)
+            if life is not None:
+                life.first_byte(replica_id, True)
             handed_over = True
             return Streaming(
                 replica_id,
@@ -433,7 +442,6 @@ class Dispatcher:
                 self._metrics,
                 self._open_streams,
                 adapter,
-                ends,
             )
         except BaseException:
             if resp is not None:
@@ -444,8 +452,6 @@ class Dispatcher:
                 if resp is not None:
                     resp.release()
                 registry.release(replica_id)
-                for end in ends:
-                    end()
 
     def _address(self, url: str) -> Address:
         address = self._addresses.get(url)

@@ -15,7 +15,6 @@ import asyncio
 import itertools
 import logging
 import secrets
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,7 +27,7 @@ from dpserve.policies.base import RequestFeatures
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.gate import Flow, Pass, with_fields
 from dpserve.router.flow.tenants import CALLER_SCOPE_KEY, PRIORITY_HEADER, TENANT_HEADER, Priority, Tenant
-from dpserve.router.flow.usage_stream import Usage, UsageTap, ask_for_usage, usage_of_answer
+from dpserve.router.flow.usage_stream import UsageTap, ask_for_usage, usage_of_answer
 from dpserve.router.http.endpoints import (
     CHAT,
     COMPLETIONS,
@@ -57,9 +56,11 @@ from dpserve.router.http.request_body import (
 )
 from dpserve.router.http.stored_responses import ResponseOwners, id_of_answer, id_of_stream
 from dpserve.router.http.upstream_client import InvalidHeader, check_header
+from dpserve.router.observe.life import RequestLife, Usage
 from dpserve.router.observe.metrics import RouterMetrics
 from dpserve.router.quality.receipts import Receipt, ReceiptBook
-from dpserve.router.routing.dispatch import SSE_DONE, Buffered, Dispatcher, Outbound, Streaming
+from dpserve.router.quality.shadows import ShadowScorer
+from dpserve.router.routing.dispatch import Buffered, Dispatcher, Outbound, Streaming
 from dpserve.router.routing.features import SESSION_HEADER, FeatureBuilder
 
 log = logging.getLogger("dpserve.router")
@@ -105,6 +106,8 @@ class Relaying:
     max_body_bytes: int
     flow: Flow
     receipts: ReceiptBook
+    shadows: ShadowScorer | None
+    """`--shadow-policy`: shown each decision, to say what they would have chosen (no traffic follows)."""
 
 
 class ProxiedEndpoints:
@@ -156,21 +159,27 @@ class _Exchange:
         self.scope = scope
         self.receive = receive
         self.send = send
-        self.started = time.perf_counter()
         self.headers = read_headers(scope["headers"])
         client_id = self.headers.get(REQUEST_ID_HEADER)
         self.refused_id = request_id_error(client_id) if client_id else None
         """Why the client's own request id cannot be used; it is then answered under a fresh one."""
         self.request_id = client_id if client_id and self.refused_id is None else ids.next()
+        life = self.life = RequestLife(self.request_id, endpoint.name)
+        life.watch(state.metrics.watch(life))
+        if state.shadows is not None:
+            life.watch(state.shadows.watch(life))
         self.response_started = False
         self.answered = False
         """The last message is on its way: from then on uvicorn reports the end of the exchange as a
         disconnect, which is not the client leaving."""
+        self.stream: Streaming | None = None
         self.client_gone = False
         self.tenant: Tenant | None = None
         self.flow_pass: Pass | None = None
         self.status = CLIENT_CLOSED
         """The answer's status as the client got it (client gone until one is sent)."""
+        self.refused = False
+        """The router answered with its own error."""
         self.usage: Usage | None = None
         self.receipt: Receipt | None = None
         self.receipt_asked = False
@@ -178,63 +187,63 @@ class _Exchange:
         in `x-dpserve-cached-tokens`."""
 
     async def run(self) -> None:
-        endpoint = self.endpoint
+        """The exchange, and its life's one end, whatever happened."""
         try:
-            try:
-                prepared = await self._prepare()
-                assert self.tenant is not None
-                self.flow_pass = self.state.flow.begin(
-                    self.tenant, prepared.features, prepared.payload or {}, len(prepared.request.body)
-                )
-            except OpenAIError as err:
-                self._count_refusal(err)
-                await _send_error(self.send, err, self.request_id)
-                return
-            except ClientGone:
-                self._count_client_gone("none")
-                return
-            # From here on a client that leaves cancels this task, so the replica's request is dropped
-            # (and aborted there) instead of computed for no one. (One frame, not a helper coroutine: every
-            # chunk of a stream resumes through each frame of this await chain.)
-            watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
-            try:
-                outcome = await self._dispatch(prepared)
-                if isinstance(outcome, Buffered):
-                    await self._answer(outcome)
-                else:
-                    await self._relay(outcome, prepared.strip_usage)
-            except OpenAIError as err:
-                self._count_refusal(err)
-                self.answered = True
-                await _send_error(self.send, err, self.request_id)
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if not self.client_gone or task is None:
-                    raise
-                task.uncancel()
-                if not self.response_started:
-                    self._count_client_gone("none")
-            finally:
-                watcher.cancel()
-                self.state.flow.end(self.flow_pass, self.status, self.usage)
-                receipt = self.receipt
-                if receipt is not None:
-                    usage = self.usage
-                    if usage is None:
-                        self.state.receipts.close(receipt, self.status, None, None)
-                    else:
-                        self.state.receipts.close(
-                            receipt, self.status, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
-                        )
+            await self._exchange()
         except Exception:
             # Logged here with its trace; the client gets no internals.
-            log.exception("unhandled error on %s", endpoint.path)
+            log.exception("unhandled error on %s", self.endpoint.path)
+            self.status, self.refused = 500, True
             if not self.response_started:
                 await _send_error(
                     self.send, OpenAIError(500, "Internal router error.", type="server_error"), self.request_id
                 )
             else:
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.life.finish(self.status, self.usage, self.refused)
+
+    async def _exchange(self) -> None:
+        try:
+            prepared = await self._prepare()
+            assert self.tenant is not None
+            self.flow_pass = self.state.flow.begin(
+                self.tenant, prepared.features, prepared.payload or {}, len(prepared.request.body)
+            )
+            self.life.watch(self.flow_pass)
+        except OpenAIError as err:
+            await self._refuse(err)
+            return
+        except ClientGone:
+            return
+        # From here on a client that leaves cancels this task, so the replica's request is dropped
+        # (and aborted there) instead of computed for no one. (One frame, not a helper coroutine: every
+        # chunk of a stream resumes through each frame of this await chain.)
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
+        try:
+            outcome = await self._dispatch(prepared)
+            if isinstance(outcome, Buffered):
+                await self._answer(outcome)
+            else:
+                if self.endpoint is RESPONSES:
+                    self._learn_owner(id_of_stream(outcome.first), outcome.replica_id)
+                self.response_started = True
+                self.stream = outcome
+                tap = UsageTap(prepared.strip_usage)
+                try:
+                    await outcome.relay(self.send, self._routing_headers(outcome), tap)
+                finally:
+                    self.usage, self.status = tap.usage, outcome.outcome
+        except OpenAIError as err:
+            self.answered = True
+            await self._refuse(err)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.client_gone or task is None:
+                raise
+            task.uncancel()
+        finally:
+            watcher.cancel()
 
     async def _prepare(self) -> _Prepared:
         """Reads and checks the request; OpenAIError (4xx) for anything the router will not send on."""
@@ -291,19 +300,17 @@ class _Exchange:
         features, request = prepared.features, prepared.request
         if endpoint is VERSION:
             # The same release everywhere (the engine is pinned): any healthy replica answers.
-            return await dispatcher.send_to_any(features, request, self.started)
+            return await dispatcher.send_to_any(features, request, self.life)
         response_id = prepared.response_id
         if response_id is None:
-            ticket = self.flow_pass.ticket if self.flow_pass is not None else None
-            return await dispatcher.send(features, request, self.started, ticket, self._open_receipt(features))
+            return await self._routed(features, request)
         owner = state.response_owners.get(response_id)
         if owner is None or owner not in state.registry:  # unseen, or its replica was removed since
             owner = await self._find_owner(response_id)
         if owner is None:
             if endpoint is RESPONSES:
                 # Continuing a response no replica holds: any replica gives vLLM's own 404 for it.
-                ticket = self.flow_pass.ticket if self.flow_pass is not None else None
-                return await dispatcher.send(features, request, self.started, ticket, self._open_receipt(features))
+                return await self._routed(features, request)
             raise OpenAIError(
                 404,
                 f"No stored response `{response_id}` on any replica.",
@@ -311,14 +318,19 @@ class _Exchange:
                 param="response_id",
                 code="response_not_found",
             )
-        return await dispatcher.send_to(owner, features, request, self.started)
+        return await dispatcher.send_to(owner, features, request, self.life)
 
-    def _open_receipt(self, features: RequestFeatures) -> Receipt | None:
-        """A receipt for a request the policy routes, when it falls in the sample or the client asked."""
+    async def _routed(self, features: RequestFeatures, request: Outbound) -> Buffered | Streaming:
+        """Sent where the policy chooses, with a receipt when it falls in the sample or the client asked."""
+        state = self.state
         asked = self.receipt_asked = _asks_receipt(self.headers.get(RECEIPT_HEADER))
         tenant = self.tenant.name if self.tenant is not None else ""
-        self.receipt = self.state.receipts.open(self.request_id, self.endpoint.name, features.model, tenant, asked)
-        return self.receipt
+        receipt = state.receipts.watch(self.request_id, self.endpoint.name, features.model, tenant, asked)
+        if receipt is not None:
+            self.receipt = receipt.receipt
+            self.life.watch(receipt)
+        ticket = self.flow_pass.ticket if self.flow_pass is not None else None
+        return await state.dispatcher.send(features, request, self.life, ticket)
 
     async def _find_owner(self, response_id: str) -> str | None:
         """Asks each healthy replica for the response (made before a restart, or through another router)."""
@@ -327,7 +339,7 @@ class _Exchange:
         request = Outbound("GET", f"{RESPONSE_BY_ID}{response_id}", b"", {REQUEST_ID_HEADER: self.request_id})
         for replica in state.registry.healthy():
             try:
-                outcome = await state.dispatcher.send_to(replica.id, features, request, self.started)
+                outcome = await state.dispatcher.send_to(replica.id, features, request, None)
             except OpenAIError:
                 continue
             assert isinstance(outcome, Buffered)
@@ -339,17 +351,14 @@ class _Exchange:
     async def _watch_disconnect(self, task: asyncio.Task[object] | None) -> None:
         while (await self.receive())["type"] != "http.disconnect":
             pass
-        if self.answered:
+        if self.answered or (self.stream is not None and self.stream.ending):
             return
         self.client_gone = True
         if task is not None:
             task.cancel()
 
     async def _answer(self, outcome: Buffered) -> None:
-        metrics, endpoint = self.state.metrics, self.endpoint
-        status = outcome.status
-        metrics.labeled(metrics.requests, endpoint.name, outcome.replica_id, str(status)).inc()
-        metrics.labeled(metrics.duration, endpoint.name, "false").observe(time.perf_counter() - self.started)
+        endpoint, status = self.endpoint, outcome.status
         body, content_type = outcome.body, outcome.content_type.encode("latin-1")
         if status >= 400:
             # Always OpenAI-shaped JSON by now, whatever the replica's own content type was.
@@ -360,13 +369,13 @@ class _Exchange:
             if status == 200 and endpoint.body is BodyKind.JSON:
                 self.usage = usage_of_answer(body)
         if status in NO_BODY_STATUSES:
-            headers = self._routing_headers(outcome.replica_id)
+            headers = self._routing_headers(outcome)
             body = b""
         else:
             headers = [
                 (b"content-type", content_type),
                 (b"content-length", str(len(body)).encode()),
-                *self._routing_headers(outcome.replica_id),
+                *self._routing_headers(outcome),
             ]
         if outcome.retry_after is not None and status in (429, 503):
             headers.append((b"retry-after", outcome.retry_after.encode("latin-1")))
@@ -376,72 +385,25 @@ class _Exchange:
         self.answered = True
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _relay(self, stream: Streaming, strip_usage: bool) -> None:
-        """Relays a stream as it comes; the upstream is always closed and accounted for, and its usage read
-        (and taken out when the router asked for it)."""
-        tap = UsageTap(strip_usage)
-        # The stream's `[DONE]` reached the client: whatever happens after (the client closing before the
-        # replica's last byte), it was served.
-        done = False
-        try:
-            headers = [
-                (b"content-type", stream.content_type.encode("latin-1")),
-                *self._routing_headers(stream.replica_id),
-            ]
-            self.response_started = True
-            send = self.send
-            await send({"type": "http.response.start", "status": stream.status, "headers": headers})
-            first = self.endpoint is RESPONSES
-            async for chunk in stream:
-                if first:
-                    first = False
-                    self._learn_owner(id_of_stream(chunk), stream.replica_id)
-                chunk = tap.feed(chunk)
-                if not chunk:
-                    continue
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                done = chunk.endswith(SSE_DONE)
-            held = tap.flush()  # a last event held back to see whether a usage chunk followed it
-            if held:
-                await send({"type": "http.response.body", "body": held, "more_body": True})
-            self.answered = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            stream.finish()
-            self.usage = tap.usage
-            metrics, name = self.state.metrics, self.endpoint.name
-            status = str(stream.status)
-            self.status = 502 if stream.broken else stream.status
-            if not stream.completed and not stream.broken and not done:
-                status = str(CLIENT_CLOSED)
-                self.status = CLIENT_CLOSED
-                metrics.client_disconnects.labels(name).inc()
-            metrics.labeled(metrics.requests, name, stream.replica_id, status).inc()
-            metrics.labeled(metrics.duration, name, "true").observe(time.perf_counter() - self.started)
-
     def _learn_owner(self, response_id: str | None, replica_id: str) -> None:
         if response_id is not None:
             self.state.response_owners.remember(response_id, replica_id)
 
-    def _routing_headers(self, replica_id: str) -> list[tuple[bytes, bytes]]:
-        headers = [(_REPLICA_HEADER, replica_id.encode()), (_REQUEST_ID_HEADER, self.request_id.encode())]
+    def _routing_headers(self, answer: Buffered | Streaming) -> list[tuple[bytes, bytes]]:
+        headers = [(_REPLICA_HEADER, answer.replica_id.encode()), (_REQUEST_ID_HEADER, self.request_id.encode())]
+        if isinstance(answer, Streaming):
+            headers.insert(0, (b"content-type", answer.content_type.encode("latin-1")))
         receipt = self.receipt
         if self.receipt_asked and receipt is not None and receipt.predicted is not None:
             headers.append((CACHED_TOKENS_HEADER, str(receipt.predicted).encode()))
         return headers
 
-    def _count_refusal(self, err: OpenAIError) -> None:
-        self.status = err.status
-        if self.flow_pass is None and self.tenant is not None:
+    async def _refuse(self, err: OpenAIError) -> None:
+        """The router's own error for this request."""
+        self.status, self.refused = err.status, True
+        if self.flow_pass is None and self.tenant is not None:  # not counted in by flow control yet
             self.state.flow.usage.record(self.tenant.name, error=True)
-        metrics = self.state.metrics
-        metrics.rejected.labels(str(err.status)).inc()
-        metrics.labeled(metrics.requests, self.endpoint.name, "none", str(err.status)).inc()
-
-    def _count_client_gone(self, replica_id: str) -> None:
-        metrics = self.state.metrics
-        metrics.client_disconnects.labels(self.endpoint.name).inc()
-        metrics.labeled(metrics.requests, self.endpoint.name, replica_id, str(CLIENT_CLOSED)).inc()
+        await _send_error(self.send, err, self.request_id)
 
 
 class RequestIds:

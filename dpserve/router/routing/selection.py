@@ -5,7 +5,7 @@ benchmark call it directly."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 from dpserve.kvindex.index import KvIndex
@@ -17,9 +17,8 @@ from dpserve.policies.base import Decision, Policy, PrefixSource, ReplicaView, R
 from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.flow.admission import Admission
+from dpserve.router.observe.life import Choice
 from dpserve.router.observe.metrics import RouterMetrics
-from dpserve.router.quality.receipts import Receipt
-from dpserve.router.quality.shadows import ShadowScorer
 
 
 class Selector:
@@ -35,7 +34,6 @@ class Selector:
         bindings: SessionBindings | None = None,
         adapter_affinity: bool = True,
         guard: BalanceGuard | None = None,
-        shadows: ShadowScorer | None = None,
     ) -> None:
         """`sample_size` > 0: a policy that allows it (`Policy.sampling`) sees at most that many replicas
         of a larger fleet, so a decision costs the same with 64 replicas as with 8. `adapter_affinity`
@@ -43,8 +41,6 @@ class Selector:
         self._adapter_affinity = adapter_affinity
         self._guard = guard or BalanceGuard()
         """How much busier than the least loaded a replica holding an adapter may be (`--balance-*`)."""
-        self._shadows = shadows
-        """`--shadow-policy`: asked after each decision what they would have chosen (no traffic follows)."""
         self.policy = policy
         self._registry = registry
         self._admission = admission
@@ -97,16 +93,9 @@ class Selector:
         self._metrics.labeled(self._metrics.adapter_placements, placement.reason).inc()
         return placement
 
-    def choose(
-        self,
-        features: RequestFeatures,
-        candidates: Sequence[ReplicaView],
-        receipt: Receipt | None = None,
-        ends: list[Callable[[], None]] | None = None,
-    ) -> Decision:
-        """The policy's pick among `candidates` (not empty), counted and remembered where it went, and
-        written on the request's `receipt` (if it has one) with what the policy predicted. `ends`: what
-        must run when the attempt ends is appended there (the shadows' in-flight counts)."""
+    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Choice:
+        """The policy's pick among `candidates` (not empty), counted and remembered where it went, with the
+        snapshot it was made from (for the request's life: its receipt and the shadows read it there)."""
         policy, prefixes = self.policy, self._prefixes
         if prefixes is not None:
             features = prefixes.match(features, candidates)
@@ -119,26 +108,18 @@ class Selector:
         metrics = self._metrics
         metrics.labeled(metrics.decisions, policy.name, decision.id).inc()
         metrics.labeled(metrics.decision_reasons, policy.name, decision.reason).inc()
-        if receipt is not None:
-            chosen = self._registry.find(decision.id)
-            engine_block = (chosen.block_size or 0) if chosen is not None else 0
-            receipt.decided(policy.name, decision.id, decision.reason, features.prefix, candidates, engine_block)
-        if self._shadows is not None:
-            hold = self._shadows.observe(features, candidates, decision.id)
-            if ends is not None:
-                ends.append(hold.release)
-            else:  # an attempt nobody follows to its end (a measured decision) holds nothing
-                hold.release()
         if prefixes is not None:
             prefixes.record(features, decision.id)
         if self._bindings is not None and features.session_key:
             self._bindings.bind(features.session_key, decision.id)
-        return decision
+        chosen = self._registry.find(decision.id)
+        engine_block = (chosen.block_size or 0) if chosen is not None else 0
+        return Choice(policy.name, decision, features, candidates, engine_block)
 
     def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
         """The decision alone, as a dispatch makes it when a replica has room (for measuring it)."""
         candidates = self.candidates(features, tried)
-        return self.choose(features, candidates) if candidates else None
+        return self.choose(features, candidates).decision if candidates else None
 
     def _sample(self, view: Sequence[Replica], features: RequestFeatures) -> Sequence[Replica]:
         size, sampling, count = self._sample_size, self._sampling, len(view)

@@ -1,0 +1,138 @@
+"""One request's life in the router, as one object whose events the features observe.
+
+The exchange (`routing/proxied_endpoints.py`) makes a `RequestLife` per request and attaches a `Watch` for
+each feature that follows it: metrics, flow control (its tenant's quota, usage and fair-queue charge),
+a routing receipt, the shadow policies, and later tracing. The dispatcher reports what happens as it
+happens: admitted (after any wait in the queue), decided (the policy's choice; again on a retry),
+dispatched (sent to a replica), first byte (the replica's answer began). The exchange finishes the life
+exactly once, with one outcome, whatever happened between (answered, refused, failed, the client gone).
+
+No feature reaches into another's state, and nothing is passed down the path to be filled in: a watch
+keeps what it needs for its request, and reads the life at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dpserve.policies.base import Decision, ReplicaView, RequestFeatures
+from dpserve.router.http.errors import CLIENT_CLOSED
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What an answer took, as the replica reported it."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    """usage.prompt_tokens_details.cached_tokens (input_tokens_details for the responses API); 0 when absent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One routing decision and the snapshot it was made from."""
+
+    policy: str
+    decision: Decision
+    features: RequestFeatures
+    """As the policy saw them: with the prefix matched against the candidates."""
+    candidates: Sequence[ReplicaView]
+    engine_block: int
+    """The chosen replica's KV block in tokens (0: not known)."""
+
+
+class Watch:
+    """A feature following one request. Each event is a no-op unless a watch overrides it."""
+
+    __slots__ = ()
+
+    def admitted(self, waited_s: float) -> None:
+        """Admission let the request go to a replica, after `waited_s` in its queue (once per attempt)."""
+
+    def decided(self, choice: Choice) -> None:
+        """The policy chose (again on a retry)."""
+
+    def dispatched(self, replica_id: str, at: float) -> None:
+        """The request went to `replica_id` (again on a retry)."""
+
+    def first_byte(self, replica_id: str, at: float) -> None:
+        """The replica's answer began (its headers; a stream's first event)."""
+
+    def finished(self, life: RequestLife) -> None:
+        """The request is over: exactly once."""
+
+
+class RequestLife:
+    """One request, from the router's first look at it to its last byte."""
+
+    __slots__ = (
+        "_clock",
+        "_watches",
+        "endpoint",
+        "first_byte_at",
+        "is_finished",
+        "refused",
+        "replica_id",
+        "request_id",
+        "started",
+        "status",
+        "stream",
+        "usage",
+    )
+
+    def __init__(self, request_id: str, endpoint: str, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self.request_id = request_id
+        self.endpoint = endpoint
+        self.stream = False
+        """The answer streams: known at its first byte."""
+        self.started = self._clock()
+        self._watches: list[Watch] = []
+        self.replica_id: str | None = None
+        """The replica whose answer the client got (or is getting); None before one began."""
+        self.first_byte_at: float | None = None
+        self.status = CLIENT_CLOSED
+        """The answer's status as the client got it (client gone until one is set)."""
+        self.usage: Usage | None = None
+        self.refused = False
+        """The router answered with its own error (a bad request, no room, no replica), not a replica's answer."""
+        self.is_finished = False
+
+    def watch(self, watch: Watch | None) -> None:
+        if watch is not None:
+            self._watches.append(watch)
+
+    def admitted(self, waited_s: float) -> None:
+        for watch in self._watches:
+            watch.admitted(waited_s)
+
+    def decided(self, choice: Choice) -> None:
+        for watch in self._watches:
+            watch.decided(choice)
+
+    def dispatched(self, replica_id: str) -> None:
+        at = self._clock()
+        for watch in self._watches:
+            watch.dispatched(replica_id, at)
+
+    def first_byte(self, replica_id: str, stream: bool) -> None:
+        """`stream`: the answer streams (a stream asked for can come back as one JSON error)."""
+        at = self.first_byte_at = self._clock()
+        self.replica_id, self.stream = replica_id, stream
+        for watch in self._watches:
+            watch.first_byte(replica_id, at)
+
+    def finish(self, status: int, usage: Usage | None = None, refused: bool = False) -> None:
+        """The one outcome. A second call is a bug on the path, not a second outcome: it is ignored."""
+        if self.is_finished:
+            return
+        self.is_finished = True
+        self.status, self.usage, self.refused = status, usage, refused
+        for watch in self._watches:
+            watch.finished(self)
+
+    def elapsed(self) -> float:
+        return self._clock() - self.started

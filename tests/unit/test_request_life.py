@@ -1,0 +1,243 @@
+"""A request's life as one object: its events reach every watch, it ends once with one outcome, and each
+feature (metrics, flow control, receipts, shadows) keeps its own state in its watch. A stream's relay is
+its one loop and its one end (no sockets: a scripted upstream response)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import pytest
+from prometheus_client import generate_latest
+
+from dpserve.policies import make_policy
+from dpserve.policies.base import Decision, ReplicaSnapshot, RequestFeatures
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.flow.admission import Admission
+from dpserve.router.flow.gate import Flow
+from dpserve.router.flow.quotas import QuotaBook
+from dpserve.router.flow.tenants import Tenants
+from dpserve.router.flow.usage import UsageBook
+from dpserve.router.flow.usage_stream import UsageTap
+from dpserve.router.http.errors import CLIENT_CLOSED
+from dpserve.router.http.upstream_client import UpstreamError, UpstreamResponse
+from dpserve.router.observe.life import Choice, RequestLife, Usage, Watch
+from dpserve.router.observe.metrics import RouterMetrics
+from dpserve.router.quality.receipts import ReceiptBook
+from dpserve.router.quality.shadows import ShadowScorer
+from dpserve.router.routing.dispatch import SSE_DONE, OpenStreams, Streaming
+
+FEATURES = RequestFeatures("chat_completions", "m", True)
+CANDIDATES = [ReplicaSnapshot("r0"), ReplicaSnapshot("r1", in_flight=2)]
+
+
+class Recorder(Watch):
+    __slots__ = ("events",)
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def admitted(self, waited_s: float) -> None:
+        self.events.append(("admitted", waited_s))
+
+    def decided(self, choice: Choice) -> None:
+        self.events.append(("decided", choice.decision.id))
+
+    def dispatched(self, replica_id: str, at: float) -> None:
+        self.events.append(("dispatched", replica_id))
+
+    def first_byte(self, replica_id: str, at: float) -> None:
+        self.events.append(("first_byte", replica_id))
+
+    def finished(self, life: RequestLife) -> None:
+        self.events.append(("finished", life.status, life.refused))
+
+
+def choice(replica: str) -> Choice:
+    return Choice("least_loaded", Decision(replica, "least_loaded"), FEATURES, CANDIDATES, 0)
+
+
+def test_every_watch_sees_each_event_in_order_and_the_end_once() -> None:
+    life = RequestLife("req-1", "chat_completions")
+    first, second = Recorder(), Recorder()
+    life.watch(first)
+    life.watch(None)  # a feature that does not follow this request
+    life.watch(second)
+    life.admitted(0.25)
+    life.decided(choice("r0"))
+    life.dispatched("r0")
+    life.decided(choice("r1"))  # a retry elsewhere
+    life.dispatched("r1")
+    life.first_byte("r1", True)
+    life.finish(200, Usage(10, 2, 4))
+    life.finish(502)  # a second end is ignored: the first outcome stands
+    expected = [
+        ("admitted", 0.25),
+        ("decided", "r0"),
+        ("dispatched", "r0"),
+        ("decided", "r1"),
+        ("dispatched", "r1"),
+        ("first_byte", "r1"),
+        ("finished", 200, False),
+    ]
+    assert first.events == expected and second.events == expected
+    assert (life.status, life.replica_id, life.stream, life.usage) == (200, "r1", True, Usage(10, 2, 4))
+
+
+def metric(metrics: RouterMetrics, line_start: str) -> float:
+    text = generate_latest(metrics.registry).decode()
+    found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start)]
+    return sum(found)
+
+
+def test_the_metrics_watch_counts_an_answer_a_refusal_and_a_client_gone_by_their_one_outcome() -> None:
+    metrics = RouterMetrics(ReplicaRegistry([]), "least_loaded")
+    answered = RequestLife("a", "chat_completions")
+    answered.watch(metrics.watch(answered))
+    answered.admitted(0.0)
+    answered.first_byte("r0", True)
+    answered.finish(200)
+    refused = RequestLife("b", "chat_completions")
+    refused.watch(metrics.watch(refused))
+    refused.finish(429, refused=True)
+    gone = RequestLife("c", "completions")
+    gone.watch(metrics.watch(gone))
+    gone.finish(CLIENT_CLOSED)  # the client left before any answer began
+    requests = 'dpserve_requests_total{endpoint="chat_completions",'
+    assert metric(metrics, requests + 'replica="r0",status="200"}') == 1
+    assert metric(metrics, requests + 'replica="none",status="429"}') == 1
+    assert metric(metrics, 'dpserve_rejected_requests_total{status="429"}') == 1
+    assert metric(metrics, 'dpserve_requests_total{endpoint="completions",replica="none",status="499"}') == 1
+    assert metric(metrics, 'dpserve_client_disconnects_total{endpoint="completions"}') == 1
+    assert metric(metrics, 'dpserve_time_to_first_byte_seconds_count{endpoint="chat_completions",stream="true"}') == 1
+    assert metric(metrics, 'dpserve_request_duration_seconds_count{endpoint="chat_completions",stream="true"}') == 1
+    assert metric(metrics, "dpserve_queue_wait_seconds_count") == 1
+
+
+def test_flow_controls_pass_charges_once_across_retries_and_counts_what_the_answer_took() -> None:
+    admission = Admission(0, 10, 5.0, flow_control=True)
+    usage = UsageBook(named=frozenset({"alice"}))
+    flow = Flow(Tenants.from_specs([], [], open_access=True), QuotaBook(), usage, admission)
+    tenant = flow.identify(None, {"x-dpserve-tenant": "alice"})
+    life = RequestLife("req", "chat_completions")
+    flow_pass = flow.begin(tenant, FEATURES, {"max_tokens": 16}, 400)
+    life.watch(flow_pass)
+    guess = flow_pass.ticket.cost
+    assert guess == 400 // 4 + 16
+    life.admitted(0.5)
+    life.admitted(0.25)  # the retry's admission charges nothing more
+    assert (flow_pass.ticket.charged, flow_pass.ticket.cost, flow_pass.ticket.queue_s) == (guess, 0.0, 0.75)
+    life.finish(200, Usage(prompt_tokens=90, completion_tokens=10, cached_tokens=30))
+    counts = usage.totals_by_label()["alice"]
+    assert (counts.requests, counts.errors, counts.prompt_tokens, counts.cached_tokens) == (1, 0, 90, 30)
+    assert counts.queue_s == pytest.approx(0.75)
+
+
+def test_a_receipt_keeps_the_last_decision_and_closes_with_the_outcome() -> None:
+    book = ReceiptBook(sample=0.0)
+    assert book.watch("x", "chat_completions", "m", "t") is None  # not in the sample
+    watch = book.watch("req", "chat_completions", "m", "t", asked=True)
+    assert watch is not None
+    life = RequestLife("req", "chat_completions")
+    life.watch(watch)
+    life.decided(choice("r0"))
+    life.decided(choice("r1"))
+    life.dispatched("r1")
+    life.finish(200, Usage(12, 3, 0))
+    (receipt,) = book.recent(1)
+    assert (receipt["replica"], receipt["status"], receipt["prompt_tokens"]) == ("r1", 200, 12)
+    assert receipt["replica_s"] is not None and receipt["class"] == "unscored"
+
+
+def test_the_shadows_choice_for_a_failed_attempt_ends_when_the_next_decision_comes() -> None:
+    scorer = ShadowScorer([make_policy("least_loaded")], lambda _: 0)
+    life = RequestLife("req", "chat_completions")
+    life.watch(scorer.watch(life))
+    life.decided(choice("r0"))
+    assert sum(scorer.shadows[0].in_flight.values()) == 1
+    life.decided(choice("r1"))  # a retry: the first attempt's shadow choice is over
+    assert sum(scorer.shadows[0].in_flight.values()) == 1
+    life.finish(200)
+    assert scorer.shadows[0].in_flight == {}
+
+
+class ScriptedUpstream:
+    """An upstream response whose chunks are scripted; `None` breaks the connection there."""
+
+    def __init__(self, chunks: list[bytes | None]) -> None:
+        self._chunks = chunks
+        self.released = self.closed = False
+
+    async def readany(self) -> bytes:
+        chunk = self._chunks.pop(0) if self._chunks else b""
+        if chunk is None:
+            raise UpstreamError("connection reset")
+        return chunk
+
+    def release(self) -> None:
+        self.released = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Slots:
+    """The registry's side of a stream: its slot returned once."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self.observed: list[str] = []
+
+    def release(self, replica_id: str) -> None:
+        self.released.append(replica_id)
+
+    def observe(self, replica_id: str, *_: object) -> None:
+        self.observed.append(replica_id)
+
+
+def stream(upstream: ScriptedUpstream, slots: Slots, streams: OpenStreams) -> Streaming:
+    metrics = RouterMetrics(ReplicaRegistry([]), "least_loaded")
+    response = cast(UpstreamResponse, upstream)
+    return Streaming(
+        "r0", 200, "text/event-stream", response, b"data: 1\n\n", cast(ReplicaRegistry, slots), metrics, streams
+    )
+
+
+async def relay(streaming: Streaming, leave_after: int | None = None) -> list[bytes]:
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            if leave_after is not None and len(sent) >= leave_after:
+                raise asyncio.CancelledError  # the client left: the exchange's task is cancelled
+            sent.append(message["body"])
+
+    try:
+        await streaming.relay(send, [], UsageTap(False))
+    except asyncio.CancelledError:
+        pass
+    return sent
+
+
+@pytest.mark.parametrize(
+    ("chunks", "leave_after", "outcome", "upstream_end"),
+    [
+        ([b"data: 2\n", b"\n", SSE_DONE], None, 200, "released"),  # whole, an event split across reads
+        ([b"data: 2\n\n", None], None, 502, "closed"),  # the replica broke off: an error event and [DONE]
+        ([b"data: 2\n\n", b"data: 3\n\n", SSE_DONE], 1, CLIENT_CLOSED, "closed"),  # the client left
+    ],
+)
+async def test_a_stream_relays_in_one_loop_and_ends_once_with_one_outcome(
+    chunks: list[bytes | None], leave_after: int | None, outcome: int, upstream_end: str
+) -> None:
+    upstream, slots, streams = ScriptedUpstream(chunks), Slots(), OpenStreams()
+    streaming = stream(upstream, slots, streams)
+    sent = await relay(streaming, leave_after)
+    assert streaming.outcome == outcome and slots.released == ["r0"]
+    assert (upstream.released, upstream.closed) == (upstream_end == "released", upstream_end == "closed")
+    assert streams.cut_all("gone") == 0  # it left the open streams
+    if outcome == 200:
+        assert b"".join(sent) == b"data: 1\n\ndata: 2\n\n" + SSE_DONE
+    if outcome == 502:
+        assert sent[-3].startswith(b'data: {"error"') and sent[-2] == SSE_DONE and sent[-1] == b""
+        assert slots.observed == ["r0"]  # the replica is blamed
