@@ -82,6 +82,12 @@ def benchmark_module(command: str) -> ModuleType:
 
 
 def run_benchmark(command: str, argv: Sequence[str]) -> int:
-    """`dpserve bench COMMAND ARGV...`: the benchmark parses its own flags and returns the exit status."""
-    status: int = benchmark_module(command).main(list(argv))  # every benchmark's `main(argv) -> int`
+    """`dpserve bench COMMAND ARGV...`: the benchmark parses its own flags and returns the exit status; 2, and
+    NO_BENCHMARKS on stderr, where there is no checkout."""
+    try:
+        module = benchmark_module(command)
+    except NoCheckout as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    status: int = module.main(list(argv))  # every benchmark's `main(argv) -> int`
     return status

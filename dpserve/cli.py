@@ -719,13 +719,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return tune_main(rest)
     if args.command == "bench":
-        from dpserve.checkout import NoCheckout, run_benchmark
+        from dpserve.checkout import run_benchmark
 
-        try:
-            return run_benchmark(args.bench, rest)
-        except NoCheckout as exc:
-            print(exc, file=sys.stderr)
-            return 2
+        return run_benchmark(args.bench, rest)
 
     overrides = _overrides(args)
     if args.command == "sim":
