@@ -685,7 +685,7 @@ def plot(rows: Sequence[Row], path: Path, backend: str) -> None:
                 w_index + 0.42,
                 colors="black",
                 linestyles="dashed",
-                label="oracle" if w_index == 0 else None,
+                label="oracle" if w_index == 0 else "_nolegend_",  # one legend entry for all the oracle lines
             )
         for axis in axes:
             axis.set_xticks(range(len(workloads)), workloads)

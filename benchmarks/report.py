@@ -15,6 +15,8 @@ from dpserve.text_table import format_table
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+    from matplotlib.artist import Artist
+    from matplotlib.axes import Axes
 
 __all__ = ["DPI", "figure", "format_table", "read_rows", "shown", "write_csv"]
 
@@ -69,7 +71,7 @@ def figure(
     legend_loc: str = "best",
     grid: bool = False,
     suptitle: str | None = None,
-) -> Iterator[list[Any]]:
+) -> Iterator[list[Axes]]:
     """A row of one panel per title, drawn by the caller in the `with` block, then titled, labelled, given its
     legend, laid out and saved as a PNG at DPI; the figure is closed however the block ends (saved only if it
     ends normally).
@@ -96,7 +98,7 @@ def figure(
             for axis in axes:
                 axis.legend(fontsize=8, loc=legend_loc)
         elif legend == "figure":
-            by_label: dict[str, Any] = {}
+            by_label: dict[str, Artist] = {}
             for axis in axes:
                 for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
                     by_label.setdefault(label, handle)
