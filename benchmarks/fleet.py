@@ -91,7 +91,8 @@ async def wait_ok(session: aiohttp.ClientSession, url: str, timeout_s: float, pr
     deadline = time.monotonic() + timeout_s
     while await get_text(session, url) is None:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args[:4]} exited with {process.returncode} while starting")
+            head = process.args[:4] if isinstance(process.args, list) else process.args
+            raise RuntimeError(f"{head!r} exited with {process.returncode} while starting")
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url} not ready after {timeout_s:.0f}s")
         await asyncio.sleep(0.5)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import math
 import os
 import random
@@ -40,7 +39,7 @@ from benchmarks.policy_workloads import (
     oracle_unbounded,
     shared_prefix,
 )
-from benchmarks.report import figure, format_table, shown, write_csv
+from benchmarks.report import figure, format_table, read_rows, shown, write_csv
 from benchmarks.stats import percentile
 from dpserve.kvindex.index import block_keys
 from dpserve.replicas.prometheus_text import parse_samples
@@ -239,8 +238,9 @@ async def replica_counters(session: aiohttp.ClientSession, fleet: Fleet) -> list
     for url in fleet.urls:
         text = await get_text(session, f"{url}/metrics") or ""
         samples = parse_samples(text, {HITS, QUERIES, SUCCESS})
-        counters.append(tuple(samples.total(name) or 0.0 for name in (HITS, QUERIES, SUCCESS)))
-    return counters  # type: ignore[return-value]
+        hits, queries, success = (samples.total(name) or 0.0 for name in (HITS, QUERIES, SUCCESS))
+        counters.append((hits, queries, success))
+    return counters
 
 
 def counter_deltas(
@@ -527,7 +527,13 @@ def oracle_for(name: str, workload: Workload, fleet: Fleet, max_tokens: int) -> 
 # -- tokenizer cost ----------------------------------------------------------------------------------
 
 
-async def tokenizer_cost(session: aiohttp.ClientSession, fleet: Fleet, workload: Workload, model_dir: Path) -> dict:
+# One tokenize.csv row: the backend, the prompts' mean length, the local and remote tokenizers' p50 and p99.
+TokenizerCost = dict[str, str | int | float]
+
+
+async def tokenizer_cost(
+    session: aiohttp.ClientSession, fleet: Fleet, workload: Workload, model_dir: Path
+) -> TokenizerCost:
     local = LocalTokenizer(model_dir)
     remote = RemoteTokenizer(session)
     local_us, remote_us = [], []
@@ -628,14 +634,7 @@ def summary_table(rows: Sequence[Row]) -> str:
 
 def load_rows(path: Path) -> list[Row]:
     """Rows back from a policies.csv (to redraw the plot or the tables without rerunning)."""
-    types = {name: field.type for name, field in Row.__dataclass_fields__.items()}
-    with open(path, newline="") as handle:
-        return [
-            Row(
-                **{k: (float(v) if types[k] == "float" else int(v) if types[k] == "int" else v) for k, v in rec.items()}
-            )
-            for rec in csv.DictReader(handle)
-        ]
+    return read_rows(Row, path)
 
 
 def verdicts(rows: Sequence[Row]) -> list[str]:
@@ -686,7 +685,7 @@ def plot(rows: Sequence[Row], path: Path, backend: str) -> None:
                 w_index + 0.42,
                 colors="black",
                 linestyles="dashed",
-                label="oracle" if w_index == 0 else None,
+                label="oracle" if w_index == 0 else "_nolegend_",  # one legend entry for all the oracle lines
             )
         for axis in axes:
             axis.set_xticks(range(len(workloads)), workloads)
@@ -730,7 +729,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 async def run_backend(
-    args: argparse.Namespace, backend: str, contenders: list[Contender], rows: list[Row], costs: list[dict]
+    args: argparse.Namespace, backend: str, contenders: list[Contender], rows: list[Row], costs: list[TokenizerCost]
 ) -> None:
     replicas = args.replicas or (2 if backend == "vllm" else 8)
     concurrency = args.concurrency or (4 if backend == "vllm" else 16)
@@ -790,7 +789,7 @@ def main(argv: Sequence[str]) -> int:
     backends = ("vllm", "sim") if args.backend == "both" else (args.backend,)
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
-    costs: list[dict] = []
+    costs: list[TokenizerCost] = []
     for backend in backends:
         asyncio.run(run_backend(args, backend, contenders, rows, costs))
     write_csv(args.out / "policies.csv", [asdict(r) for r in rows], [f.name for f in fields(Row)])

@@ -73,7 +73,7 @@ def _text(rng: random.Random, words: int) -> str:
 def shared_prefix(groups: int, prompts: int, prefix_words: int, question_words: int, seed: int) -> Workload:
     rng = random.Random(seed)
     systems = [f"Group {g}. " + _text(rng, prefix_words) for g in range(groups)]
-    requests = []
+    requests: list[BenchRequest] = []
     for p in range(prompts):
         # Every group once per round, in a new order each round: a fixed order would let round robin
         # pin each group to one replica whenever the group count is a multiple of the replica count.

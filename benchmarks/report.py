@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import csv
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from benchmarks.fleet import CHECKOUT
 from dpserve.text_table import format_table
 
-__all__ = ["DPI", "figure", "format_table", "shown", "write_csv"]
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+    from matplotlib.artist import Artist
+    from matplotlib.axes import Axes
+
+__all__ = ["DPI", "figure", "format_table", "read_rows", "shown", "write_csv"]
+
+RowT = TypeVar("RowT", bound="DataclassInstance")
 
 DPI = 110
 
@@ -36,6 +44,20 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[s
         writer.writerows(rows)
 
 
+# A CSV cell back as its field's declared type; the annotations are strings (`from __future__ import annotations`).
+CELL_PARSERS: dict[str, Callable[[str], int | float | str]] = {"int": int, "float": float, "str": str}
+
+
+def read_rows(kind: type[RowT], path: Path) -> list[RowT]:
+    """The `kind` dataclass rows a CSV holds (as write_csv wrote them from `asdict`): each cell read as its field's
+    declared type (int, float or str); a field the CSV lacks keeps its default."""
+    parsers = {field.name: CELL_PARSERS[str(field.type)] for field in fields(kind)}
+    with open(path, newline="") as handle:
+        return [
+            kind(**{name: parsers[name](text) for name, text in record.items()}) for record in csv.DictReader(handle)
+        ]
+
+
 @contextlib.contextmanager
 def figure(
     path: Path,
@@ -49,7 +71,7 @@ def figure(
     legend_loc: str = "best",
     grid: bool = False,
     suptitle: str | None = None,
-) -> Iterator[list[Any]]:
+) -> Iterator[list[Axes]]:
     """A row of one panel per title, drawn by the caller in the `with` block, then titled, labelled, given its
     legend, laid out and saved as a PNG at DPI; the figure is closed however the block ends (saved only if it
     ends normally).
@@ -76,7 +98,7 @@ def figure(
             for axis in axes:
                 axis.legend(fontsize=8, loc=legend_loc)
         elif legend == "figure":
-            by_label: dict[str, Any] = {}
+            by_label: dict[str, Artist] = {}
             for axis in axes:
                 for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
                     by_label.setdefault(label, handle)

@@ -115,7 +115,7 @@ async def trace_one_request(policy: str) -> Visits:
                 await _stream(client, url)
             finally:
                 sys.setprofile(None)
-                threading.setprofile(None)  # type: ignore[arg-type]
+                threading.setprofile(None)
         server.should_exit = True
         await task
         return visits

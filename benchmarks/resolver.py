@@ -66,6 +66,7 @@ async def _time(lookup: Callable[[], Awaitable[set[str]]], lookups: int) -> tupl
 
 async def measure(port: int, lookups: int) -> list[dict[str, object]]:
     import aiodns
+    import pycares  # aiodns's own dependency: the record types it answers with
 
     dnspython = DnsResolver(f"{ADDRESS}:{port}")
     cares = aiodns.DNSResolver(nameservers=[f"{ADDRESS}:{port}"])
@@ -80,7 +81,11 @@ async def measure(port: int, lookups: int) -> list[dict[str, object]]:
         found: set[str] = set()
         for answer in answers:
             if not isinstance(answer, BaseException):
-                found.update(str(record.data.addr) for record in answer.answer)
+                found.update(
+                    str(record.data.addr)
+                    for record in answer.answer
+                    if isinstance(record.data, pycares.ARecordData | pycares.AAAARecordData)
+                )
         return found
 
     rows: list[dict[str, object]] = []

@@ -36,7 +36,7 @@ import orjson
 import psutil
 
 from benchmarks.fleet import CHECKOUT, UpPorts, cpu_seconds, progress, spawn, start_up
-from benchmarks.report import figure, format_table, shown, write_csv
+from benchmarks.report import figure, format_table, read_rows, shown, write_csv
 from dpserve.up.process import terminate
 
 LOCUSTFILE = CHECKOUT / "loadtests" / "locustfile.py"
@@ -149,7 +149,7 @@ def locust_command(
 def users_for(args: argparse.Namespace, count: int, processes: int) -> int:
     if args.arrival_rate_per_replica:
         return 2 * processes  # arrival generators: two per load process
-    return args.users_per_replica * count
+    return int(args.users_per_replica) * count
 
 
 def load_processes_for(args: argparse.Namespace, count: int) -> int:
@@ -198,7 +198,8 @@ def read_stats(path: Path) -> list[dict[str, str]]:
 def read_entries(path: Path) -> list[dict[str, Any]]:
     """Locust's final statistics (`--json-file`): written at shutdown, so nothing is missing (its CSV is
     rewritten once a second and may lag the end)."""
-    return orjson.loads(path.read_bytes())
+    entries: list[dict[str, Any]] = orjson.loads(path.read_bytes())
+    return entries
 
 
 def histogram_percentile(response_times: dict[str, int], q: float) -> float:
@@ -376,15 +377,7 @@ def save_rows(rows: Sequence[ScalingRow], path: Path) -> None:
 
 
 def load_rows(path: Path) -> list[ScalingRow]:
-    types = {f.name: f.type for f in fields(ScalingRow)}
-    rows = []
-    for record in read_stats(path):
-        values = {}
-        for name, value in record.items():
-            kind = types[name]
-            values[name] = int(value) if kind == "int" else float(value) if kind == "float" else value
-        rows.append(ScalingRow(**values))
-    return rows
+    return read_rows(ScalingRow, path)
 
 
 TABLE_COLUMNS = (

@@ -204,7 +204,7 @@ class RouterProbe:
 
     def _cpu_s(self) -> float:
         times = self._process.cpu_times()
-        return times.user + times.system
+        return float(times.user + times.system)  # psutil ships no types
 
     def _cpu_pct(self) -> float:
         cpu, now = self._cpu_s(), time.monotonic()

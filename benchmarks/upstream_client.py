@@ -421,7 +421,8 @@ def _start_server(procs: Processes, args: list[str]) -> tuple[subprocess.Popen[s
 def _post(url: str, body: bytes, timeout: float = 10.0) -> bytes:
     req = urllib.request.Request(url + PATH, data=body, headers=FORWARD_HEADERS, method="POST")
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read()
+        answer: bytes = resp.read()  # urlopen is typed to return Any
+        return answer
 
 
 def _check_target(name: str, url: str) -> None:

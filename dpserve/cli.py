@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from dpserve.config import (
@@ -317,49 +314,6 @@ def _add_gpu_health_flags(parser: argparse.ArgumentParser) -> None:
         dest="gpu_pcie_busy_utilization",
         help="utilization from which a PCIe generation below max counts (0.5)",
     )
-
-
-# `dpserve bench NAME`: the module under benchmarks/ that runs it. The benchmarks live beside the package in a
-# checkout of the repository and are not installed with it.
-BENCH_MODULES = {
-    "upstream-client": "upstream_client",
-    "sim": "sim_cost",
-    "policies": "policies",
-    "routers": "routers",
-    "scaling": "scaling",
-    "soak": "soak",
-    "overhead": "overhead",
-    "fairness": "fairness",
-    "lora": "lora",
-}
-NO_BENCHMARKS = (
-    "dpserve bench needs a checkout of the dpserve repository (the benchmarks are not part of the installed "
-    "package): git clone the repository, run `make install` in it and use its .venv/bin/dpserve bench"
-)
-
-
-def benchmarks_dir() -> Path:
-    """Where a checkout keeps the benchmarks: `benchmarks/` beside the `dpserve/` package directory."""
-    import dpserve
-
-    return Path(dpserve.__file__).resolve().parents[1] / "benchmarks"
-
-
-def benchmark_module(name: str) -> ModuleType | None:
-    """`benchmarks.NAME` from the checkout this dpserve runs from; None (and one line on stderr) when this
-    dpserve is an installed package without the benchmarks beside it."""
-    directory = benchmarks_dir()
-    if not (directory / "__init__.py").is_file():
-        print(NO_BENCHMARKS, file=sys.stderr)
-        return None
-    spec = importlib.util.find_spec("benchmarks")
-    found = spec.origin if spec is not None else None
-    if found is None or Path(found).resolve().parent != directory:
-        # Not importable, or another `benchmarks` would be: the checkout's comes first.
-        sys.path.insert(0, str(directory.parent))
-        sys.modules.pop("benchmarks", None)
-        importlib.invalidate_caches()
-    return importlib.import_module(f"benchmarks.{name}")
 
 
 def _discovery_source(text: str) -> str:
@@ -765,11 +719,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return tune_main(rest)
     if args.command == "bench":
-        module = benchmark_module(BENCH_MODULES[args.bench])
-        if module is None:
-            return 2
-        status: int = module.main(rest)  # every benchmark's `main(argv) -> int`
-        return status
+        from dpserve.checkout import run_benchmark
+
+        return run_benchmark(args.bench, rest)
 
     overrides = _overrides(args)
     if args.command == "sim":

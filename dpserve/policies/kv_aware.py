@@ -19,7 +19,7 @@ The `held` term decides where a new prefix (a new group, a new conversation: no 
 the prompt) settles: on the replica that owns the least of what the fleet has cached (blocks from the
 index plus blocks routed in the last seconds), as the Rust routers send a miss to their smallest tree.
 By load alone, new groups landed by chance, one replica came to own 5 groups of 8 and, under cache
-pressure, evicted its own prefixes (`dpserve bench policies`: 0.94 of the oracle; see the bench README).
+pressure, evicted its own prefixes (`dpserve bench policies`: 0.94 of the oracle; see docs/benchmarks/policies.md).
 Warm requests leave it out, so owning a lot never pushes a request away from its own cached prefix.
 
 Two guards: replicas over the balance limit (see `BalanceGuard`) are not chosen while others are,

@@ -422,7 +422,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Hot path: a lean HTTP/1.1 client (http/upstream_client.py; measured in benchmarks/README.md).
+        # Hot path: a lean HTTP/1.1 client (http/upstream_client.py; measured in docs/benchmarks/overhead.md).
         hot = UpstreamPool(upstream_deadlines(settings), max_response_bytes=settings.max_response_bytes)
         control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
         monitor = ReplicaMonitor(

@@ -222,7 +222,7 @@ def _plan(settings: UpSettings) -> tuple[list[ReplicaPlan], str | None]:
         # The router logs the reason (`no NVIDIA GPU found: ...`) once, as its GPU section's state.
         print("dpserve: no GPU, so vLLM runs on the CPU", flush=True)
     model, served_name = _resolve_model(settings)
-    # Measured (benchmarks/README.md): the router's own tokenizer costs far less than a
+    # Measured (docs/benchmarks/policies.md): the router's own tokenizer costs far less than a
     # round trip to a replica's /tokenize, so use it whenever the model's files are here.
     tokenizer = model if (Path(model) / "tokenizer.json").is_file() else None
     return plan_replicas(settings, model, served_name, gpus, sorted(os.sched_getaffinity(0))), tokenizer

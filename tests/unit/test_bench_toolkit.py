@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import csv
+import math
 import random
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
@@ -21,7 +23,7 @@ from benchmarks.fleet import (
     relative_source_paths,
     router_command,
 )
-from benchmarks.report import figure, format_table, shown, write_csv
+from benchmarks.report import figure, format_table, read_rows, shown, write_csv
 from dpserve.config import RouterSettings
 from dpserve.up.plan import RouterTarget, router_flags
 
@@ -42,6 +44,23 @@ def test_write_csv_writes_the_columns_given_or_the_first_rows(tmp_path: Path) ->
         assert list(csv.DictReader(handle)) == [{"x": "1", "y": "2.5"}, {"x": "3", "y": ""}]
     write_csv(tmp_path / "b.csv", [], ["x", "y"])
     assert (tmp_path / "b.csv").read_bytes() == b"x,y\r\n"
+
+
+@dataclass
+class _Row:
+    name: str
+    count: int
+    share: float
+    note: str = "default"
+
+
+def test_read_rows_reads_each_cell_as_its_fields_type(tmp_path: Path) -> None:
+    rows = [_Row("a", 3, 0.25, "x"), _Row("b", 0, math.inf, "")]
+    write_csv(tmp_path / "rows.csv", [asdict(row) for row in rows])
+    assert read_rows(_Row, tmp_path / "rows.csv") == rows
+    # An older CSV without a later column: the field keeps its default.
+    write_csv(tmp_path / "old.csv", [{"name": "c", "count": 1, "share": 1.5}])
+    assert read_rows(_Row, tmp_path / "old.csv") == [_Row("c", 1, 1.5)]
 
 
 def test_figure_draws_titles_and_saves_a_png(tmp_path: Path) -> None:

@@ -1,18 +1,30 @@
 """The package's layering, written down once and checked by reading every module's imports with `ast`:
 each layer imports only from layers below it (or within its own package), the router's rooms only the
-rooms below them, and no module-level import cycle anywhere in `dpserve/`.
+rooms below them, and no module-level import cycle anywhere in `dpserve/` and `benchmarks/`.
+
+The checkout's benchmarks are a layer too: dpserve/checkout.py loads them by name at run time (an edge `ast`
+cannot see), so its BENCH_MODULES are added as its edges, and no other module may reach them.
 
 Run with `-s` to see the graph printed."""
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "dpserve"
+from dpserve.checkout import BENCH_MODULES
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+PACKAGE = CHECKOUT / "dpserve"
+BENCHMARKS = CHECKOUT / "benchmarks"
+TOPS = ("dpserve", "benchmarks")  # the import names the graph follows
+# The one module that reaches benchmarks/, and the edges it takes (loaded by name, so invisible to `ast`).
+BENCHMARKS_DOOR = "dpserve.checkout"
+DOOR_EDGES = {f"benchmarks.{module}" for module in BENCH_MODULES.values()}
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # Lowest first. A module may import its own package and anything in a lower layer, nothing else.
@@ -33,6 +45,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dpserve.tune",),  # `dpserve tune`: kv_aware's weights replayed in a model of the fleet
     ("dpserve.up",),  # the `dpserve up` supervisor, which starts the router as a child
     ("dpserve.deploy",),  # compose files, Kubernetes manifests, dashboards
+    ("benchmarks",),  # the checkout's benchmarks (not installed): any layer of dpserve below, never the commands
+    ("dpserve.checkout",),  # `dpserve bench`'s door to benchmarks/ (loads them by name)
     ("dpserve.cli",),  # the commands
     ("dpserve.__main__",),  # python -m dpserve
 )
@@ -54,12 +68,20 @@ ROUTER_ROOMS: tuple[str, ...] = (
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = path.relative_to(CHECKOUT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def sources() -> list[Path]:
+    return sorted([*PACKAGE.rglob("*.py"), *BENCHMARKS.glob("*.py")])
+
+
+def is_ours(name: str) -> bool:
+    return name.split(".")[0] in TOPS
+
+
 def imports(path: Path, module_level_only: bool) -> Iterator[str]:
-    """The dpserve modules `path` imports (`from x import y` counts as x.y when y is a module)."""
+    """The dpserve and benchmarks modules `path` imports (`from x import y` counts as x.y when y is a module)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     nodes = tree.body if module_level_only else list(ast.walk(tree))
@@ -67,28 +89,30 @@ def imports(path: Path, module_level_only: bool) -> Iterator[str]:
         if isinstance(node, ast.If) and module_level_only:
             continue  # `if TYPE_CHECKING:` blocks do not run
         if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names if alias.name.startswith("dpserve"))
+            yield from (alias.name for alias in node.names if is_ours(alias.name))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 target = ".".join([*base, *([node.module] if node.module else [])])
             else:
                 target = node.module or ""
-            if not target.startswith("dpserve"):
+            if not is_ours(target):
                 continue
             for alias in node.names:
                 candidate = f"{target}.{alias.name}"
                 yield candidate if candidate in MODULES else target
 
 
-MODULES = {module_name(path) for path in PACKAGE.rglob("*.py")}
+MODULES = {module_name(path) for path in sources()}
 
 
 def graph(module_level_only: bool) -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sources():
         name = module_name(path)
         edges[name] = {target for target in imports(path, module_level_only) if target != name}
+    if not module_level_only:
+        edges[BENCHMARKS_DOOR] |= DOOR_EDGES  # at run time, when `dpserve bench` runs one
     return edges
 
 
@@ -128,6 +152,63 @@ def test_every_module_is_in_a_layer_and_imports_only_downwards() -> None:
     for package in sorted(packages, key=layer_of):
         print(f"  {package} (layer {layer_of(package)}) -> {', '.join(sorted(packages[package], key=layer_of))}")
     assert not upward, "imports that run up (or sideways) a layer:\n" + "\n".join(upward)
+
+
+BENCHMARKS_NAME = re.compile(r"benchmarks(\.\w+)*")
+
+
+def names_benchmarks(source: str) -> list[str]:
+    """Where `source` names a benchmarks module as a value (a call's argument, an assignment, the start of an
+    f-string): how a module would load one by name, past what `imports` sees. Keyword arguments (a flag's
+    help text) and docstrings are prose."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            values = node.args
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            values = [node.value]
+        else:
+            continue
+        for value in values:
+            text = value.values[0] if isinstance(value, ast.JoinedStr) and value.values else value
+            if isinstance(text, ast.Constant) and isinstance(text.value, str):
+                named = text.value if text is value else text.value.rstrip(".")
+                if BENCHMARKS_NAME.fullmatch(named):
+                    found.append(ast.unparse(value))
+    return found
+
+
+def test_only_the_door_reaches_the_benchmarks() -> None:
+    """dpserve.checkout alone loads benchmarks/ (by import or by name), so the edges the graph adds for it are all
+    there are."""
+    edges = graph(module_level_only=False)
+    reaching = [
+        f"{module} -> {target}"
+        for module, targets in edges.items()
+        if module.startswith("dpserve") and module != BENCHMARKS_DOOR
+        for target in targets
+        if target.split(".")[0] == "benchmarks"
+    ]
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if module_name(path) != BENCHMARKS_DOOR:
+            reaching += [f"{module_name(path)} names {text}" for text in names_benchmarks(path.read_text("utf-8"))]
+    assert not reaching, f"only {BENCHMARKS_DOOR} may reach benchmarks/:\n" + "\n".join(reaching)
+    assert DOOR_EDGES <= MODULES, f"BENCH_MODULES names modules benchmarks/ lacks: {DOOR_EDGES - MODULES}"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ('importlib.import_module("benchmarks.fleet")', ["'benchmarks.fleet'"]),
+        ('__import__("benchmarks")', ["'benchmarks'"]),
+        ('importlib.import_module(f"benchmarks.{name}")', ["f'benchmarks.{name}'"]),
+        ('WHERE = "benchmarks.loadgen"', ["'benchmarks.loadgen'"]),
+        ('parser.add_parser("bench", help="benchmarks")', []),
+        ('print("benchmarks/README.md")', []),
+    ],
+)
+def test_names_benchmarks_finds_loads_by_name(source: str, expected: list[str]) -> None:
+    assert names_benchmarks(source) == expected
 
 
 def room_of(module: str) -> str:

@@ -2,7 +2,7 @@
 
 General-purpose clients spend most of a proxied request's CPU on features the router never uses
 (cookies, redirects, auto headers, payload registries, per-read timeout rescheduling); measured in
-benchmarks/README.md. This one does what relaying needs and no more, and what it does follows
+docs/benchmarks/overhead.md. This one does what relaying needs and no more, and what it does follows
 HTTP/1.1 as httpcore/h11 do (tests/unit/test_upstream_wire.py holds the cases):
 - keep-alive connections pooled per replica, reused only when both sides finished the exchange; an idle
   connection the replica has closed is found before reuse (a readable idle socket is EOF or garbage), and
@@ -268,7 +268,7 @@ class UpstreamResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._settled = False
         # One deadline timer per response, moved only when a wait must end sooner than it fires: a
-        # timer set and cancelled around every read cost more than the read (benchmarks/README.md).
+        # timer set and cancelled around every read cost more than the read (docs/benchmarks/overhead.md).
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._due = 0.0
