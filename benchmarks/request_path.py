@@ -54,7 +54,7 @@ class Visits:
         if event != "call":
             return
         name = _dpserve_file(frame)
-        if name is None:
+        if name is None or not _on_the_request():
             return
         if name not in self.functions:
             self.order.append(name)
@@ -66,6 +66,23 @@ class Visits:
         caller = _dpserve_file(frame.f_back) if frame.f_back is not None else None
         if caller is not None and caller != name and caller not in self.callers[name]:
             self.callers[name].append(caller)
+
+
+REQUEST_TASKS = frozenset({"RequestResponseCycle.run_asgi", "_Exchange._watch_disconnect"})
+"""The tasks a request runs in: uvicorn's for its exchange, the router's watching for the client leaving."""
+
+
+def _on_the_request() -> bool:
+    """A call in one of the request's tasks, or in a callback outside any task (the protocols reading the
+    sockets); not a background task's that happened to run meanwhile (a probe, the held-request watch)."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no loop running in this thread
+        return True
+    if task is None:
+        return True
+    coro = task.get_coro()
+    return getattr(coro, "__qualname__", "") in REQUEST_TASKS
 
 
 def _dpserve_file(frame: FrameType) -> str | None:
@@ -124,7 +141,8 @@ async def trace_one_request(policy: str) -> Visits:
 
 
 async def _stream(client: httpx.AsyncClient, url: str) -> None:
-    async with client.stream("POST", url, json=CHAT) as response:
+    # With its receipt, as a sampled request gets one: the walk includes what a receipt costs.
+    async with client.stream("POST", url, json=CHAT, headers={"x-dpserve-receipt": "1"}) as response:
         response.raise_for_status()
         async for _ in response.aiter_bytes():
             pass

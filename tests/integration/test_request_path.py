@@ -1,5 +1,7 @@
-"""A streamed chat request walks the router one way: each step is entered only from the step before it
-(traced with a profiler through a real router app in front of a `dpserve sim`)."""
+"""A streamed chat request walks the router one way: each step is entered only from the step before it,
+its life's events come from the two that drive it, and it walks no more files than `docs/architecture.md`
+says (traced with a profiler through a real router app in front of a `dpserve sim`, the request asking for
+its receipt as a sampled one gets it)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,10 @@ import pytest
 from benchmarks.request_path import trace_one_request
 
 pytestmark = pytest.mark.integration
+
+MOST_FILES = {"kv_aware": 27, "least_loaded": 22}
+"""The files one streamed chat request enters (`python -m benchmarks.request_path`), as written down in
+docs/architecture.md: a new file on the path must be worth it, and this number says so when it grows."""
 
 
 @pytest.mark.parametrize("policy", ["least_loaded", "kv_aware"])
@@ -23,6 +29,14 @@ async def test_each_step_of_a_streamed_request_is_entered_only_from_the_step_bef
     assert callers["router/routing/features.py"] == ["router/routing/proxied_endpoints.py"]
     assert callers["router/routing/selection.py"] == ["router/routing/dispatch.py"]
     assert callers["router/http/upstream_client.py"] == ["router/routing/dispatch.py"]
+    # Its life is told what happens by the exchange and the dispatcher only; the features watch it.
+    assert sorted(callers["router/observe/life.py"]) == [
+        "router/routing/dispatch.py",
+        "router/routing/proxied_endpoints.py",
+    ]
+    assert callers["router/routing/dispatch.py"] == ["router/routing/proxied_endpoints.py"]
+    assert callers["router/quality/receipts.py"] == ["router/routing/proxied_endpoints.py", "router/observe/life.py"]
+    assert len(visits.order) <= MOST_FILES[policy], visits.order
     # The policy is asked by the selector alone.
     policy_file = f"policies/{policy}.py"
     assert callers[policy_file] == ["router/routing/selection.py"]

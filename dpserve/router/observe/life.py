@@ -71,6 +71,7 @@ class RequestLife:
     __slots__ = (
         "_clock",
         "_watches",
+        "ended_at",
         "endpoint",
         "first_byte_at",
         "is_finished",
@@ -100,6 +101,7 @@ class RequestLife:
         self.refused = False
         """The router answered with its own error (a bad request, no room, no replica), not a replica's answer."""
         self.is_finished = False
+        self.ended_at = 0.0
 
     def watch(self, watch: Watch | None) -> None:
         if watch is not None:
@@ -130,9 +132,7 @@ class RequestLife:
         if self.is_finished:
             return
         self.is_finished = True
+        self.ended_at = self._clock()
         self.status, self.usage, self.refused = status, usage, refused
         for watch in self._watches:
             watch.finished(self)
-
-    def elapsed(self) -> float:
-        return self._clock() - self.started

@@ -26,6 +26,16 @@ TOKENIZE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
 class RouterMetrics:
     def __init__(self, replicas: ReplicaRegistry, policy_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._answers()
+        self._retries_and_adapters()
+        self._admission()
+        self._routing()
+        self.policy_name = policy_name
+        self.registry.register(_ReplicaStateCollector(replicas))
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
+
+    def _answers(self) -> None:
+        """What clients got: answers by status, their timing, who left, which streams broke."""
         self.requests = Counter(
             "dpserve_requests",
             "Requests answered by the router, by endpoint, replica and HTTP status.",
@@ -47,6 +57,21 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.client_disconnects = Counter(
+            "dpserve_client_disconnects",
+            "Requests whose client left before the answer was complete (the replica's request is aborted).",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.broken_streams = Counter(
+            "dpserve_broken_streams",
+            "Streams cut by the replica after the first byte, ended with an SSE error event.",
+            ["replica"],
+            registry=self.registry,
+        )
+
+    def _retries_and_adapters(self) -> None:
+        """Requests sent again elsewhere, and LoRA adapters loaded, unloaded and placed."""
         self.retries = Counter(
             "dpserve_retries",
             "Requests sent again to another replica, by reason.",
@@ -80,6 +105,9 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+
+    def _admission(self) -> None:
+        """The admission queue and what the router refused itself."""
         self.queue_depth = Gauge(
             "dpserve_queue_depth",
             "Requests waiting in the router's admission queue for a replica with room.",
@@ -108,6 +136,9 @@ class RouterMetrics:
             ["status"],
             registry=self.registry,
         )
+
+    def _routing(self) -> None:
+        """The policy's decisions and what it predicted."""
         self.decisions = Counter(
             "dpserve_routing_decisions",
             "Routing decisions, by policy and chosen replica.",
@@ -139,21 +170,6 @@ class RouterMetrics:
             buckets=TOKENIZE_BUCKETS,
             registry=self.registry,
         )
-        self.client_disconnects = Counter(
-            "dpserve_client_disconnects",
-            "Requests whose client left before the answer was complete (the replica's request is aborted).",
-            ["endpoint"],
-            registry=self.registry,
-        )
-        self.broken_streams = Counter(
-            "dpserve_broken_streams",
-            "Streams cut by the replica after the first byte, ended with an SSE error event.",
-            ["replica"],
-            registry=self.registry,
-        )
-        self.policy_name = policy_name
-        self.registry.register(_ReplicaStateCollector(replicas))
-        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
 
     def labeled(self, metric: MetricWrapperBase, *values: str) -> Any:
         """`metric.labels(*values)`, remembered: the hot path skips the library's lock and label checks."""
@@ -198,7 +214,7 @@ class RequestMetrics(Watch):
             return
         metrics.labeled(metrics.requests, endpoint, life.replica_id, status).inc()
         stream = "true" if life.stream else "false"
-        metrics.labeled(metrics.duration, endpoint, stream).observe(life.elapsed())
+        metrics.labeled(metrics.duration, endpoint, stream).observe(life.ended_at - life.started)
 
 
 class _ReplicaStateCollector(Collector):
