@@ -438,6 +438,22 @@ def _lora_options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: overrides[name] for name in LORA_OPTIONS if overrides.get(name) is not None}
 
 
+def _build_model(args: argparse.Namespace) -> int:
+    """`dpserve model tiny|tiny-lora DIR`."""
+    from dpserve.tiny_model import build_tiny_model, ensure_tiny_model
+
+    if args.kind == "tiny-lora":
+        from dpserve.tiny_lora import build_tiny_loras
+
+        # The same folder `dpserve up` serves by default, so the adapters' base_model_name_or_path matches.
+        base = args.base or ensure_tiny_model(args.cache_dir or default_cache_dir())
+        for path in build_tiny_loras(args.dir, base, args.count, seed=args.seed, rank=args.rank):
+            print(path)
+        return 0
+    print(build_tiny_model(args.dir, seed=args.seed))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_args: list[str] = []
@@ -450,18 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     if args.command == "model":
-        from dpserve.tiny_model import build_tiny_model, ensure_tiny_model
-
-        if args.kind == "tiny-lora":
-            from dpserve.tiny_lora import build_tiny_loras
-
-            # The same folder `dpserve up` serves by default, so the adapters' base_model_name_or_path matches.
-            base = args.base or ensure_tiny_model(args.cache_dir or default_cache_dir())
-            for path in build_tiny_loras(args.dir, base, args.count, seed=args.seed, rank=args.rank):
-                print(path)
-            return 0
-        print(build_tiny_model(args.dir, seed=args.seed))
-        return 0
+        return _build_model(args)
     if args.command == "compose":
         from dpserve.deploy.command import run_compose
 

@@ -715,8 +715,10 @@ def unknown_variables(env: Mapping[str, str]) -> list[str]:
     for variable in sorted(env):
         if not variable.startswith(ENV_PREFIX) or variable in known or variable in NOT_SETTINGS:
             continue
-        close = difflib.get_close_matches(variable, list(known), n=1)
-        hint = f": did you mean {known[close[0]]}?" if close else ""
+        # Compared without the prefix every name shares, which would make any two look close.
+        bare = {name.removeprefix(ENV_PREFIX): name for name in known}
+        close = difflib.get_close_matches(variable.removeprefix(ENV_PREFIX), list(bare), n=1)
+        hint = f": did you mean {known[bare[close[0]]]}?" if close else ""
         lines.append(f"{variable} is set, but no dpserve setting reads it{hint}")
     return lines
 

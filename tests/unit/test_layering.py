@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dpserve.up",),  # the `dpserve up` supervisor, which starts the router as a child
     ("dpserve.deploy",),  # compose files, Kubernetes manifests, dashboards
     ("dpserve.cli",),  # the commands
+    ("dpserve.cli_docs",),  # docs/cli.md, from the commands' parser
     ("dpserve.__main__",),  # python -m dpserve
 )
 
