@@ -1,232 +1,35 @@
-"""The `dpserve` command: up, router, sim, agent, gpus, compose, kube, model, bench."""
+"""The `dpserve` command: up, router, sim, agent, gpus, compose, kube, model, tune, bench."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.metadata
 import os
 import sys
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 from dpserve.config import (
+    ENGINE_LORA,
     AgentSettings,
+    Form,
     RouterSettings,
+    Setting,
     SimSettings,
     UpSettings,
     default_cache_dir,
     load_settings,
     parse_lora,
+    settings_of,
     split_list,
+    unknown_variables,
 )
 from dpserve.policies import POLICY_NAMES
 
-
-def _add_router_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--policy",
-        choices=POLICY_NAMES,
-        help="routing policy (default: kv_aware when replicas publish KV events, else least_loaded)",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        metavar="DIR|remote",
-        help="token ids for kv_aware: a model directory with tokenizer.json, or `remote` (replica's /tokenize)",
-    )
-    parser.add_argument("--kv-load-weight", type=float, dest="kv_load_weight", help="kv_aware: cost per request (0.05)")
-    parser.add_argument("--kv-cache-weight", type=float, dest="kv_cache_weight", help="kv_aware: cost of full KV (0.2)")
-    parser.add_argument(
-        "--kv-held-weight",
-        type=float,
-        dest="kv_held_weight",
-        help="kv_aware: new prefixes avoid replicas owning more cache (1.0)",
-    )
-    parser.add_argument("--kv-temperature", type=float, dest="kv_temperature", help="kv_aware: softmax temperature")
-
-    parser.add_argument("--balance-abs", type=int, dest="balance_abs", help="affinity guard: extra requests (8)")
-    parser.add_argument("--balance-rel", type=float, dest="balance_rel", help="affinity guard: load ratio (1.5)")
-    parser.add_argument(
-        "--kv-index-max-entries",
-        type=int,
-        dest="kv_index_max_entries",
-        help="KV index bound, in blocks (2000000; about 470 bytes each)",
-    )
-    parser.add_argument(
-        "--prefix-index-max-chunks", type=int, dest="prefix_index_max_chunks", help="prefix policy's index bound"
-    )
-    parser.add_argument("--host", help="address the router binds (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="router port (default 8000)")
-    parser.add_argument("--max-body-bytes", type=int, dest="max_body_bytes", help="largest request body accepted")
-    parser.add_argument(
-        "--max-response-bytes",
-        type=int,
-        dest="max_response_bytes",
-        help="largest non-streamed answer relayed; past it a 502 (67108864)",
-    )
-    parser.add_argument(
-        "--connect-timeout", type=float, dest="connect_timeout_s", help="seconds to connect to a replica (5)"
-    )
-    parser.add_argument(
-        "--write-timeout", type=float, dest="write_timeout_s", help="seconds for a replica to take a request (60)"
-    )
-    parser.add_argument(
-        "--read-timeout",
-        type=float,
-        dest="read_timeout_s",
-        help="longest silence of a replica, before the first byte and between bytes (900)",
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        dest="request_timeout_s",
-        help="one attempt whole, request sent to last byte, streams included (3600)",
-    )
-    parser.add_argument(
-        "--max-header-bytes", type=int, dest="max_header_bytes", help="largest total of request headers (32768)"
-    )
-    parser.add_argument("--probe-interval", type=float, dest="probe_interval_s", help="seconds between probes")
-    parser.add_argument(
-        "--held-probe-interval",
-        type=float,
-        dest="held_probe_interval_s",
-        help="while requests are held, seconds between reads of /metrics of replicas full only because of load "
-        "not the routers' (0.1)",
-    )
-    parser.add_argument("--retries", type=int, help="other replicas tried before the first byte (default 2)")
-    parser.add_argument(
-        "--route-sample",
-        type=int,
-        dest="route_sample",
-        help="replicas a load or cache policy weighs per request in a larger fleet (8; 0: all)",
-    )
-    parser.add_argument(
-        "--max-in-flight",
-        type=int,
-        dest="max_in_flight",
-        help="requests per replica, this router's and its peers', before queueing (256; 0: off)",
-    )
-    parser.add_argument("--queue-size", type=int, dest="queue_size", help="requests the router queues (1024)")
-    parser.add_argument(
-        "--receipts-sample",
-        type=float,
-        dest="receipts_sample",
-        help="share of requests given a routing receipt, 0 to 1 (0.1; /admin/receipts, dpserve_receipts_total)",
-    )
-    parser.add_argument(
-        "--receipts-keep", type=int, dest="receipts_keep", help="routing receipts kept for /admin/receipts (1024)"
-    )
-    parser.add_argument(
-        "--receipts-log", dest="receipts_log", metavar="PATH", help="append every routing receipt to PATH (JSON lines)"
-    )
-    parser.add_argument(
-        "--shadow-policy",
-        action="append",
-        dest="shadow_policies",
-        metavar="NAME",
-        help="also ask this policy what it would choose, and estimate its cache hits (round_robin, least_loaded, "
-        "kv_aware; repeatable; /status shadows, dpserve_shadow_*)",
-    )
-    parser.add_argument(
-        "--queue-timeout", type=float, dest="queue_timeout_s", help="seconds a request may queue before 429 (30)"
-    )
-    parser.add_argument(
-        "--flow-control",
-        choices=("on", "off"),
-        dest="flow_control",
-        help="hold requests past each replica's learned capacity and release them by priority, then fair "
-        "share between tenants (on); off: first come, first served",
-    )
-    parser.add_argument(
-        "--tenant",
-        action="append",
-        dest="tenants",
-        metavar="NAME:RULES",
-        help="a tenant's rules, e.g. acme:weight=2,priority=standard,max-priority=critical,rpm=600,tpm=200000,"
-        "concurrent=32,trusted=false; NAME * for every tenant without its own; repeatable",
-    )
-    parser.add_argument(
-        "--batch-reserve",
-        type=float,
-        dest="batch_reserve",
-        help="share of each replica's slots batch requests leave to more urgent ones (0.1)",
-    )
-    parser.add_argument(
-        "--engine-queue",
-        type=int,
-        dest="engine_queue",
-        help="requests per replica past its capacity that may wait in the engine while one tenant alone "
-        "fills the router's queue, so freed slots fill without the router's round trip (1; 0: none)",
-    )
-    parser.add_argument(
-        "--vllm-priority",
-        action="store_true",
-        default=None,
-        dest="vllm_priority",
-        help="pass each request's class to vLLM as `priority` (replicas run --scheduling-policy priority)",
-    )
-    _add_lora_router_flags(
-        parser, "a folder whose every subfolder is a LoRA adapter named after it, as the replicas see it"
-    )
-    parser.add_argument(
-        "--fail-threshold", type=int, dest="fail_threshold", help="failed probes in a row that eject a replica (2)"
-    )
-    parser.add_argument(
-        "--rise-threshold", type=int, dest="rise_threshold", help="passed probes in a row that re-admit it (2)"
-    )
-    parser.add_argument(
-        "--api-key",
-        action="append",
-        dest="api_keys",
-        metavar="[NAME:]KEY",
-        help="a key clients must send as `Authorization: Bearer KEY`; NAME is its tenant; repeatable "
-        "(also DPSERVE_API_KEYS)",
-    )
-    parser.add_argument(
-        "--api-key-file", type=Path, dest="api_key_file", help="file of API keys, one per line (# comments)"
-    )
-    parser.add_argument(
-        "--admin-key",
-        action="append",
-        dest="admin_keys",
-        metavar="KEY",
-        help="a key for the admin API (/admin/replicas) and /status; repeatable (also DPSERVE_ADMIN_KEYS)",
-    )
-    parser.add_argument("--admin-key-file", type=Path, dest="admin_key_file", help="file of admin keys, one per line")
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        default=None,
-        help="allow serving without API keys on an address other than loopback",
-    )
-    parser.add_argument(
-        "--shutdown-grace",
-        type=float,
-        dest="shutdown_grace_s",
-        help="seconds in-flight requests get to finish on SIGTERM (30)",
-    )
-    parser.add_argument(
-        "--gpu-interval", type=float, dest="gpu_interval_s", help="seconds between NVML samples (default 1; 0: off)"
-    )
-    _add_gpu_health_flags(parser)
-    parser.add_argument(
-        "--workers", type=int, help="router processes behind the one port (SO_REUSEPORT), sharing state (1)"
-    )
-    parser.add_argument(
-        "--peer-interval",
-        type=float,
-        dest="peer_interval_s",
-        help="seconds peers' view of in-flight counts may lag (0.02)",
-    )
-    parser.add_argument(
-        "--peer-timeout", type=float, dest="peer_timeout_s", help="seconds before a silent peer is forgotten (2)"
-    )
-    parser.add_argument(
-        "--warm-start-timeout",
-        type=float,
-        dest="warm_start_timeout_s",
-        help="seconds a starting router waits for a peer's snapshot before serving (10)",
-    )
-    parser.add_argument("--access-log", action="store_true", default=None, dest="access_log")
-    parser.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 def _lora_spec(text: str) -> str:
@@ -235,85 +38,6 @@ def _lora_spec(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
-
-
-def _add_lora_router_flags(parser: argparse.ArgumentParser, lora_dir_help: str | None) -> None:
-    """The router's LoRA flags (`--lora-dir` where the command has a folder to give it)."""
-    parser.add_argument(
-        "--lora",
-        action="append",
-        dest="lora",
-        type=_lora_spec,
-        metavar="NAME=PATH",
-        help="a LoRA adapter the router loads into replicas at run time, PATH as the replicas see it; repeatable",
-    )
-    if lora_dir_help is not None:
-        parser.add_argument("--lora-dir", dest="lora_dir", metavar="DIR", help=lora_dir_help)
-    parser.add_argument(
-        "--lora-affinity",
-        choices=("on", "off"),
-        dest="lora_affinity",
-        help="route an adapter's requests to replicas that have it loaded (on); off: ignore it (a baseline)",
-    )
-    parser.add_argument(
-        "--lora-slots",
-        type=int,
-        dest="lora_slots",
-        help="adapters each replica keeps loaded before unloading its least recently used idle one "
-        "(default 0: four per replica's --max-loras)",
-    )
-
-
-def _add_lora_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """vLLM's LoRA flags for the replicas a command starts or writes."""
-    parser.add_argument(
-        "--enable-lora",
-        action="store_true",
-        default=None,
-        dest="enable_lora",
-        help="start replicas with LoRA (implied by --lora or --lora-dir); adapters are loaded at run time",
-    )
-    parser.add_argument("--max-loras", type=int, dest="max_loras", help="adapters per batch per replica (2)")
-    parser.add_argument("--max-lora-rank", type=int, dest="max_lora_rank", help="highest adapter rank (16)")
-
-
-def _add_gpu_health_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--no-gpu-health",
-        action="store_false",
-        default=None,
-        dest="gpu_health",
-        help="show GPU health in /status and /metrics, but do not drain replicas on degraded GPUs",
-    )
-    parser.add_argument(
-        "--gpu-throttle-reasons",
-        dest="gpu_throttle_reasons",
-        metavar="R1,R2",
-        type=split_list,
-        help="NVML throttle reasons that degrade a GPU (hw_slowdown,sw_thermal,hw_thermal,hw_power_brake)",
-    )
-    parser.add_argument(
-        "--gpu-ignored-xids",
-        dest="gpu_ignored_xids",
-        metavar="X1,X2",
-        type=split_list,
-        help="Xids ignored (13,31,43,45)",
-    )
-    parser.add_argument(
-        "--gpu-event-hold", type=float, dest="gpu_event_hold_s", help="seconds a new Xid/ECC error degrades (300)"
-    )
-    parser.add_argument(
-        "--gpu-degrade-after", type=float, dest="gpu_degrade_after_s", help="seconds a throttle/PCIe state lasts (2)"
-    )
-    parser.add_argument(
-        "--gpu-recover-after", type=float, dest="gpu_recover_after_s", help="seconds clear before recovery (30)"
-    )
-    parser.add_argument(
-        "--gpu-pcie-busy",
-        type=float,
-        dest="gpu_pcie_busy_utilization",
-        help="utilization from which a PCIe generation below max counts (0.5)",
-    )
 
 
 def _discovery_source(text: str) -> str:
@@ -326,164 +50,189 @@ def _discovery_source(text: str) -> str:
     return text
 
 
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from on, off)")
+    return text == "on"
+
+
+# Checks on a flag's value that need modules above dpserve.config, by setting.
+FLAG_CHECKS: dict[str, Callable[[str], Any]] = {
+    "discover": _discovery_source,
+    "discover_agents": _discovery_source,
+    "discover_peers": _discovery_source,
+    "lora": _lora_spec,
+}
+FLAG_CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICY_NAMES}
+
+
+def _value_type(hint: Any) -> Callable[[str], Any]:
+    text = str(hint)
+    if "int" in text and "float" not in text:
+        return int
+    if "float" in text:
+        return float
+    if "Path" in text:
+        return Path
+    return str
+
+
+def _shown_default(found: Setting, default: Any) -> str | None:
+    """The default as the help shows it; None where there is nothing to show (unset, empty, a switch off)."""
+    if default is dataclasses.MISSING or default is None or default == () or found.form is Form.SWITCH:
+        return None
+    if found.form is Form.OFF_SWITCH:
+        return None
+    if found.form is Form.ON_OFF:
+        return "on" if default else "off"
+    if isinstance(default, tuple):
+        return ",".join(default)
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
+def flag_help(found: Setting, default: Any, env_in_help: bool = True) -> str:
+    """A flag's help: what it does, its default and its variable (argparse %-formats help, hence `%%`)."""
+    notes = []
+    shown = _shown_default(found, default)
+    if shown is not None:
+        notes.append(f"default: {shown}")
+    if env_in_help and found.env is not None:
+        notes.append(f"env {found.env}")
+    text = found.help + (f" ({'; '.join(notes)})" if notes else "")
+    return text.replace("%", "%%")
+
+
+def _argument(name: str, found: Setting, hint: Any) -> dict[str, Any]:
+    """add_argument's keywords for a setting's flag (its dest and help aside). Every default is None: a flag
+    not given leaves the setting to the environment and the declared default (`load_settings`)."""
+    check = FLAG_CHECKS.get(name)
+    if found.form is Form.REPEAT:
+        return {"action": "append", "type": check or str, "metavar": found.metavar}
+    if found.form is Form.LIST:
+        return {"type": split_list, "metavar": found.metavar}
+    if found.form is Form.SWITCH:
+        return {"action": "store_true", "default": None}
+    if found.form is Form.OFF_SWITCH:
+        return {"action": "store_false", "default": None}
+    if found.form is Form.ON_OFF:
+        return {"type": _on_off, "metavar": "on|off"}
+    choices = FLAG_CHOICES.get(name, found.choices)
+    return {"type": check or _value_type(hint), "metavar": found.metavar or _metavar(name, found), "choices": choices}
+
+
+def _metavar(name: str, found: Setting) -> str | None:
+    if found.choices or name in FLAG_CHOICES:
+        return None  # argparse lists the choices
+    if name.endswith("_s"):
+        return "SECONDS"
+    assert found.flag is not None
+    return found.flag.removeprefix("--").replace("-", "_").upper()
+
+
+def add_setting_flags(
+    parser: argparse.ArgumentParser,
+    group: type[DataclassInstance],
+    *,
+    router_only: bool = True,
+    only: Collection[str] | None = None,
+    env_in_help: bool = True,
+    help_for: Mapping[str, str] | None = None,
+) -> None:
+    """`group`'s flags, generated from its declarations, in one help section per declared group (`only`: these
+    settings alone; `router_only`: with the flags only `dpserve router` takes)."""
+    hints = get_type_hints(group)
+    defaults = {f.name: f.default for f in dataclasses.fields(group)}
+    sections: dict[str, argparse._ArgumentGroup] = {}
+    for name, found in settings_of(group):
+        if found.flag is None or (found.router_only and not router_only) or (only is not None and name not in only):
+            continue
+        if found.group not in sections:
+            sections[found.group] = parser.add_argument_group(found.group)
+        own_help = (help_for or {}).get(name)
+        shown = dataclasses.replace(found, help=own_help) if own_help else found
+        text = argparse.SUPPRESS if found.hidden else flag_help(shown, defaults[name], env_in_help)
+        sections[found.group].add_argument(found.flag, dest=name, help=text, **_argument(name, found, hints[name]))
+
+
+ROUTER_LORA = ("lora", "lora_dir", "lora_affinity", "lora_slots")
+ENGINE_LORA_SETTINGS = tuple(name for name, found in settings_of(UpSettings) if found.group == ENGINE_LORA)
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("dpserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+ENVIRONMENT_NOTE = (
+    "Every setting can also be given in the environment, as the variable each flag's help names; flags win. "
+    "Defaults are shown in parentheses."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_router_command(commands)
+    _add_up_command(commands)
+    _add_sim_command(commands)
+    _add_agent_command(commands)
+    gpus = commands.add_parser("gpus", help="the NVIDIA GPUs here (NVML) and what runs on them")
+    gpus.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_compose_command(commands)
+    _add_kube_command(commands)
+    _add_model_command(commands)
+    # Its own flags are parsed by the command (`dpserve tune --help`).
+    commands.add_parser(
+        "tune", help="kv_aware's weights for a recorded workload (a receipts log), replayed in a model", add_help=False
+    )
+    _add_bench_command(commands)
+    return parser
 
-    router = commands.add_parser("router", help="run the OpenAI-compatible router in front of replicas")
-    router.add_argument(
-        "--replica",
-        action="append",
-        dest="replicas",
-        metavar="URL[@gpu=N]",
-        help="a replica's base URL, e.g. http://127.0.0.1:8100, optionally with the GPU it runs on "
-        "(http://10.0.0.2:8000@gpu=1, an NVML index or UUID); repeat for each replica",
-    )
-    router.add_argument(
-        "--discover",
-        action="append",
-        dest="discover",
-        type=_discovery_source,
-        metavar="dns:NAME:PORT|srv:_service._proto.NAME",
-        help="find replicas by DNS: every A/AAAA address of NAME at PORT, or every SRV record's host and port; "
-        "repeatable, with or without --replica",
-    )
-    router.add_argument(
-        "--discover-interval", type=float, dest="discover_interval_s", help="seconds between lookups (default 5)"
-    )
-    router.add_argument(
-        "--discover-kv-port", type=int, dest="discover_kv_port", help="discovered replicas' KV-event port (5557)"
-    )
-    router.add_argument(
-        "--discover-nameserver",
-        dest="discover_nameserver",
-        metavar="HOST[:PORT]",
-        help="DNS server to ask (default: the system's, from /etc/resolv.conf)",
-    )
-    router.add_argument(
-        "--gpu-agent",
-        action="append",
-        dest="gpu_agents",
-        metavar="URL",
-        help="a `dpserve agent` (http://HOST:9400) whose GPUs the router reads; repeat per GPU host. "
-        "Given agents, the router reads no GPUs itself",
-    )
-    router.add_argument(
-        "--discover-agents",
-        action="append",
-        dest="discover_agents",
-        type=_discovery_source,
-        metavar="dns:NAME:PORT|srv:_service._proto.NAME",
-        help="find GPU agents by DNS, as --discover finds replicas; repeatable",
-    )
-    router.add_argument(
-        "--kv-events",
-        action="append",
-        dest="kv_events",
-        metavar="REPLICA_URL=tcp://HOST:PORT",
-        help="subscribe to a replica's KV-cache events (ZMQ), e.g. http://127.0.0.1:8100=tcp://127.0.0.1:5557",
-    )
-    router.add_argument(
-        "--peer",
-        action="append",
-        dest="peers",
-        metavar="URL",
-        help="another router (http://HOST:PORT) to share routing state with; repeat per router",
-    )
-    router.add_argument(
-        "--discover-peers",
-        action="append",
-        dest="discover_peers",
-        type=_discovery_source,
-        metavar="dns:NAME:PORT",
-        help="find the other routers by DNS (this router's own address is skipped); repeatable",
-    )
-    _add_router_flags(router)
 
+def _add_router_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    router = commands.add_parser(
+        "router",
+        help="run the OpenAI-compatible router in front of replicas",
+        description="The OpenAI-compatible router in front of vLLM replicas. " + ENVIRONMENT_NOTE,
+    )
+    add_setting_flags(router, RouterSettings)
+
+
+def _add_up_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = commands.add_parser(
         "up",
         help="launch one vLLM replica per GPU (or CPU replicas) and the router",
-        description="Everything after `--` is passed to every `vllm serve` replica unchanged.",
+        description="Everything after `--` is passed to every `vllm serve` replica unchanged. The router flags "
+        "are `dpserve router`'s (the replicas, their KV events and the peers are set by `dpserve up`). "
+        + ENVIRONMENT_NOTE,
     )
-    up.add_argument("--replicas", type=int, dest="num_replicas", help="replica count (default: one per GPU, else 2)")
-    up.add_argument("--model", help="model path or name (default: the built-in tiny model, built on first use)")
-    up.add_argument("--served-model-name", dest="served_model_name", help="name clients use for the model")
-    up.add_argument("--base-port", type=int, dest="base_port", help="first replica port (default 8100)")
-    up.add_argument("--kv-events-base-port", type=int, dest="kv_events_base_port", help="first KV-event port")
-    up.add_argument("--cache-dir", type=Path, dest="cache_dir", help="where the tiny model is built")
-    up.add_argument("--run-dir", type=Path, dest="run_dir", help="where replica logs go")
-    up.add_argument("--max-model-len", type=int, dest="max_model_len", help="context length (default 4096)")
-    up.add_argument("--start-timeout", type=float, dest="replica_start_timeout_s", help="seconds to wait per replica")
-    up.add_argument(
-        "--routers",
-        type=int,
-        metavar="N",
-        help="routers on --port, --port+1, ..., each a --peer of the others, sharing routing state (1)",
-    )
-    _add_router_flags(up)
-    _add_lora_engine_flags(up)
+    add_setting_flags(up, UpSettings)
+    add_setting_flags(up, RouterSettings, router_only=False)
 
-    up.add_argument(
-        "--sim",
-        type=int,
-        dest="sim_replicas",
-        metavar="N",
-        help="start N simulator replicas (dpserve sim) instead of vLLM",
-    )
 
+def _add_sim_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sim = commands.add_parser(
         "sim",
         help="run one simulated vLLM replica (same API, metrics and KV events; no model)",
-        description="A vLLM-compatible simulator replica for scale tests and router benchmarks.",
+        description="A vLLM-compatible simulator replica for scale tests and router benchmarks. " + ENVIRONMENT_NOTE,
     )
-    sim.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    sim.add_argument("--port", type=int, help="port (default 8000)")
-    sim.add_argument("--model", help="served model name (default dpserve-tiny)")
-    sim.add_argument("--max-model-len", type=int, dest="max_model_len", help="context length (default 4096)")
-    sim.add_argument("--block-size", type=int, dest="sim_block_size", help="tokens per KV block (default 16)")
-    sim.add_argument("--num-blocks", type=int, dest="sim_num_blocks", help="KV-cache capacity in blocks (default 8192)")
-    sim.add_argument("--max-num-seqs", type=int, dest="sim_max_num_seqs", help="batch limit (default 256)")
-    sim.add_argument(
-        "--prefill-ms-per-token", type=float, dest="sim_prefill_ms_per_token", help="per uncached token (default 0.1)"
-    )
-    sim.add_argument(
-        "--decode-ms-per-token", type=float, dest="sim_decode_ms_per_token", help="per output token (default 10)"
-    )
-    sim.add_argument(
-        "--batch-slowdown",
-        type=float,
-        dest="sim_batch_slowdown",
-        help="extra time per other running request, as a fraction (default 0.02)",
-    )
-    sim.add_argument(
-        "--jitter", type=float, dest="sim_jitter", help="relative random spread of every wait (0.1 = ±10%%)"
-    )
-    sim.add_argument("--seed", type=int, dest="sim_seed", help="seed for jitter and generated tokens (default 0)")
-    sim.add_argument("--speed", type=float, dest="sim_speed", help="time scale: 2 = twice as fast, 0 = no waits at all")
-    sim.add_argument(
-        "--tokenizer", choices=("tiny", "fast"), dest="sim_tokenizer", help="tiny model's BPE or fast hash"
-    )
-    sim.add_argument(
-        "--kv-events", dest="sim_kv_events", metavar="ENDPOINT", help="publish KV events, e.g. tcp://*:5557"
-    )
-    sim.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
-    sim.add_argument("--access-log", action="store_true", default=None, dest="access_log")
+    add_setting_flags(sim, SimSettings)
 
+
+def _add_agent_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     agent = commands.add_parser(
         "agent",
         help="serve this host's GPU readings (NVML) to routers on other hosts: /gpus, /metrics (DCGM names)",
+        description="One per GPU host; it serves readings only (no prompts, no keys): keep its port inside the "
+        "cluster's network. " + ENVIRONMENT_NOTE,
     )
-    agent.add_argument("--host", help="address to bind (default 0.0.0.0: routers elsewhere read it)")
-    agent.add_argument("--port", type=int, help="port (default 9400, as DCGM's exporter)")
-    agent.add_argument("--interval", type=float, dest="interval_s", help="seconds between NVML readings (1)")
-    agent.add_argument("--hostname", help="the host name to report (default: this machine's; a node name)")
-    agent.add_argument("--nvml", metavar="MODULE:CALLABLE", help=argparse.SUPPRESS)  # a GPU-less rehearsal's NVML
-    agent.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
-    agent.add_argument("--access-log", action="store_true", default=None, dest="access_log")
+    add_setting_flags(agent, AgentSettings)
 
-    gpus = commands.add_parser("gpus", help="the NVIDIA GPUs here (NVML) and what runs on them")
-    gpus.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+def _add_compose_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     compose = commands.add_parser(
         "compose",
         help="write the Docker Compose stack: one vLLM service per GPU, the router, monitoring and load tests",
@@ -520,17 +269,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="M",
         help="router processes per router container behind its one port (--workers; default 1)",
     )
-    _add_lora_router_flags(
-        compose,
+    lora_dir_help = (
         "host folder of LoRA adapters (one subfolder each), mounted read-only at /adapters in the replicas and "
-        "routers (default: LORA_DIR in .env; relative to the compose file)",
+        "routers (default: LORA_DIR in .env; relative to the compose file)"
     )
-    _add_lora_engine_flags(compose)
+    _add_lora_flags(compose, ROUTER_LORA, {"lora_dir": lora_dir_help})
     compose.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     compose.add_argument(
         "--env-file", type=Path, default=Path(".env"), help="where GPUS, MODEL and LORA_DIR are read (.env)"
     )
 
+
+def _add_lora_flags(parser: argparse.ArgumentParser, router: Collection[str], help_for: Mapping[str, str]) -> None:
+    """The router's and the replicas' LoRA flags, for a command that writes them into files (not read from the
+    environment)."""
+    add_setting_flags(parser, RouterSettings, only=router, env_in_help=False, help_for=help_for)
+    add_setting_flags(parser, UpSettings, only=ENGINE_LORA_SETTINGS, env_in_help=False)
+
+
+def _add_kube_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     kube = commands.add_parser(
         "kube",
         help="write Kubernetes manifests: a vLLM StatefulSet (one GPU per pod), the routers, the GPU agents",
@@ -571,8 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="an existing PVC of LoRA adapters (one subfolder each), mounted read-only at /adapters in the "
         "replica and router pods (ReadOnlyMany or ReadWriteMany)",
     )
-    _add_lora_router_flags(kube, None)
-    _add_lora_engine_flags(kube)
+    _add_lora_flags(kube, [name for name in ROUTER_LORA if name != "lora_dir"], {})
     kube.add_argument(
         "--service-monitor",
         action="store_true",
@@ -581,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kube.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
 
+
+def _add_model_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     model = commands.add_parser("model", help="build models for demos and tests")
     model_kinds = model.add_subparsers(dest="kind", required=True)
     tiny = model_kinds.add_parser("tiny", help="build the deterministic tiny Llama that vLLM's CPU backend serves")
@@ -600,59 +358,56 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny_lora.add_argument("--cache-dir", type=Path, dest="cache_dir", help="where the tiny model is built")
 
-    # Its own flags are parsed by the command (`dpserve tune --help`).
-    commands.add_parser(
-        "tune", help="kv_aware's weights for a recorded workload (a receipts log), replayed in a model", add_help=False
-    )
 
+BENCH_HELP = {
+    "upstream-client": "aiohttp vs httpx as the relay's upstream client",
+    "sim": "what simulator replicas cost: start-up, memory, CPU, req/s",
+    "policies": "hit rate, TTFT and spread per routing policy, vs vllm-router",
+    "routers": "several routers, sharing or not: hit rate, spread, restart, --workers",
+    "scaling": "throughput vs replica count with Locust: CSV, table and plot",
+    "soak": "minutes of unique prompts through kv_aware and prefix: router memory over time",
+    "overhead": "router overhead vs direct, vllm-router and sglang-router: req/s and added p50",
+    "fairness": "flow control: a light tenant beside a heavy one, priority under a batch flood",
+    "lora": "LoRA placement vs adapter-blind routing and vllm-router: loads, TTFT, a hot adapter",
+}
+
+
+def _add_bench_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
-    # Its own flags are parsed by the benchmark (`dpserve bench upstream-client --help`).
-    bench_kinds.add_parser("upstream-client", help="aiohttp vs httpx as the relay's upstream client", add_help=False)
-    bench_kinds.add_parser("sim", help="what simulator replicas cost: start-up, memory, CPU, req/s", add_help=False)
-    bench_kinds.add_parser(
-        "policies", help="hit rate, TTFT and spread per routing policy, vs vllm-router", add_help=False
-    )
-    bench_kinds.add_parser(
-        "routers", help="several routers, sharing or not: hit rate, spread, restart, --workers", add_help=False
-    )
-    bench_kinds.add_parser(
-        "scaling", help="throughput vs replica count with Locust: CSV, table and plot", add_help=False
-    )
-    bench_kinds.add_parser(
-        "soak", help="minutes of unique prompts through kv_aware and prefix: router memory over time", add_help=False
-    )
-    bench_kinds.add_parser(
-        "overhead", help="router overhead vs direct, vllm-router and sglang-router: req/s and added p50", add_help=False
-    )
-    bench_kinds.add_parser(
-        "fairness", help="flow control: a light tenant beside a heavy one, priority under a batch flood", add_help=False
-    )
-    bench_kinds.add_parser(
-        "lora",
-        help="LoRA placement vs adapter-blind routing and vllm-router: loads, TTFT, a hot adapter",
-        add_help=False,
-    )
-    return parser
+    for name, text in BENCH_HELP.items():
+        # Its own flags are parsed by the benchmark (`dpserve bench upstream-client --help`).
+        bench_kinds.add_parser(name, help=text, add_help=False)
 
 
-ON_OFF_FLAGS = frozenset({"flow_control", "lora_affinity"})
 LORA_OPTIONS = ("lora", "lora_dir", "lora_pvc", "lora_affinity", "enable_lora", "max_loras", "max_lora_rank")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The flags given, by settings field name (the loader takes those of its group)."""
-    overrides = {key: tuple(value) if isinstance(value, list) else value for key, value in vars(args).items()}
-    for key in ON_OFF_FLAGS:
-        if overrides.get(key) is not None:
-            overrides[key] = overrides[key] == "on"
-    return overrides
+    return {key: tuple(value) if isinstance(value, list) else value for key, value in vars(args).items()}
 
 
 def _lora_options(args: argparse.Namespace) -> dict[str, Any]:
     """The LoRA flags given to `dpserve compose` or `dpserve kube`, by their options' field names."""
     overrides = _overrides(args)
     return {name: overrides[name] for name in LORA_OPTIONS if overrides.get(name) is not None}
+
+
+def _build_model(args: argparse.Namespace) -> int:
+    """`dpserve model tiny|tiny-lora DIR`."""
+    from dpserve.tiny_model import build_tiny_model, ensure_tiny_model
+
+    if args.kind == "tiny-lora":
+        from dpserve.tiny_lora import build_tiny_loras
+
+        # The same folder `dpserve up` serves by default, so the adapters' base_model_name_or_path matches.
+        base = args.base or ensure_tiny_model(args.cache_dir or default_cache_dir())
+        for path in build_tiny_loras(args.dir, base, args.count, seed=args.seed, rank=args.rank):
+            print(path)
+        return 0
+    print(build_tiny_model(args.dir, seed=args.seed))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -667,18 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     if args.command == "model":
-        from dpserve.tiny_model import build_tiny_model, ensure_tiny_model
-
-        if args.kind == "tiny-lora":
-            from dpserve.tiny_lora import build_tiny_loras
-
-            # The same folder `dpserve up` serves by default, so the adapters' base_model_name_or_path matches.
-            base = args.base or ensure_tiny_model(args.cache_dir or default_cache_dir())
-            for path in build_tiny_loras(args.dir, base, args.count, seed=args.seed, rank=args.rank):
-                print(path)
-            return 0
-        print(build_tiny_model(args.dir, seed=args.seed))
-        return 0
+        return _build_model(args)
     if args.command == "compose":
         from dpserve.deploy.command import run_compose
 
@@ -723,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_benchmark(args.bench, rest)
 
+    for line in unknown_variables(os.environ):
+        print(f"dpserve: warning: {line}", file=sys.stderr)
     overrides = _overrides(args)
     if args.command == "sim":
         from dpserve.sim.server import serve_sim
@@ -734,19 +480,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_agent(load_settings(AgentSettings, overrides))
     if args.command == "router":
-        if not args.replicas and not args.discover and not os.environ.get("DPSERVE_DISCOVER"):
-            parser.error("router: give replicas, with --replica URL or --discover dns:NAME:PORT")
-        overrides["replicas"] = tuple(args.replicas or ())
-        overrides["kv_events"] = tuple(args.kv_events or ())
         from dpserve.router.serve import serve_router
 
         try:
             router_settings = load_settings(RouterSettings, overrides)
         except ValueError as exc:
             parser.error(f"router: {exc}")
+        if not router_settings.replicas and not router_settings.discover:
+            parser.error("router: give replicas, with --replica URL or --discover dns:NAME:PORT")
         return serve_router(router_settings)
 
-    overrides["vllm_args"] = tuple(vllm_args)
+    overrides["vllm_args"] = tuple(vllm_args) or None  # none after `--`: DPSERVE_VLLM_ARGS, if set
     from dpserve.up.launcher import run_launcher
 
     try:

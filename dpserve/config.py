@@ -1,19 +1,141 @@
-"""Settings, one group per command (`dpserve router`, `dpserve up`, `dpserve sim`), and the one loader that
-fills any of them: defaults < environment (DPSERVE_<FIELD>) < flags."""
+"""Settings, one group per command (`dpserve router`, `dpserve up`, `dpserve sim`, `dpserve agent`), each setting
+declared once (`setting`: its default, help, flag, environment variable and help group), and the one loader that
+fills any group: defaults < environment (`DPSERVE_<FLAG>`) < flags. The flags are generated from the same
+declarations (`dpserve/cli.py`), as is `dpserve up`'s command line for its router (`settings_argv`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, get_type_hints
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
+log = logging.getLogger("dpserve.config")
+
 ENV_PREFIX = "DPSERVE_"
+
+
+class Form(Enum):
+    """How a setting is written on the command line."""
+
+    VALUE = "value"  # --flag VALUE
+    REPEAT = "repeat"  # --flag ITEM, once per item (a list; its variable is the setting's plural name)
+    LIST = "list"  # --flag A,B (a list replaced whole)
+    SWITCH = "switch"  # --flag turns it on
+    OFF_SWITCH = "off_switch"  # --no-... turns it off (its variable is the setting's name)
+    ON_OFF = "on_off"  # --flag on|off
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting's declaration, kept in its dataclass field's metadata (`setting` writes it)."""
+
+    help: str
+    group: str
+    """The help section it is listed in; for the router, one section per part the settings build
+    (`Deadlines`, `HealthRules`, `GpuHealthRules`, `PolicyTuning`, `Admission`, ...)."""
+    flag: str | None
+    """None: no flag (`internal`), or given another way (`dpserve up -- VLLM ARGS`)."""
+    env: str | None
+    """None: not read from the environment."""
+    aliases: tuple[str, ...]
+    """Older names of `env`, still read, with a warning."""
+    form: Form
+    metavar: str | None
+    choices: tuple[str, ...] | None
+    router_only: bool
+    """Only `dpserve router` takes the flag (`dpserve up` sets it itself: replicas, events, peers)."""
+    secret: bool
+    """Never on a command line (`ps` shows it to every user): `dpserve up` hands it on in the environment."""
+    hidden: bool
+    separator: str
+    """What separates a list's items in the environment, besides whitespace."""
+
+
+SETTING = "dpserve.setting"
+
+
+def setting(
+    default: Any,
+    help: str,
+    group: str,
+    *,
+    flag: str | None = "",
+    env: str | None = "",
+    form: Form | None = None,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    router_only: bool = False,
+    secret: bool = False,
+    hidden: bool = False,
+    separator: str = ",",
+) -> Any:
+    """A dataclass field declaring a setting. `flag` and `env` left out are derived from the field's name when the
+    class is declared (`declared`): `--read-timeout` for `read_timeout_s`, `DPSERVE_READ_TIMEOUT` for that flag."""
+    if form is None:
+        form = Form.SWITCH if default is False else Form.VALUE
+    declaration = {
+        "help": help,
+        "group": group,
+        "flag": flag,
+        "env": env,
+        "form": form,
+        "metavar": metavar,
+        "choices": choices,
+        "router_only": router_only,
+        "secret": secret,
+        "hidden": hidden,
+        "separator": separator,
+    }
+    if callable(default):
+        return field(default_factory=default, repr=not secret, metadata={SETTING: declaration})
+    return field(default=default, repr=not secret, metadata={SETTING: declaration})
+
+
+S = TypeVar("S", bound="DataclassInstance")
+
+
+@functools.cache
+def settings_of(group: type[DataclassInstance]) -> tuple[tuple[str, Setting], ...]:
+    """(field name, declaration) of every user setting of `group`, in declaration order. A flag or variable the
+    field left out is derived from its name: the flag `--NAME` (less a trailing `_s`, and less the group's
+    `FLAG_SCOPE`, which its command's flags do not repeat: `sim_block_size` is `dpserve sim --block-size`); the
+    variable `DPSERVE_` + the flag's name, with the scope (`DPSERVE_SIM_BLOCK_SIZE`), or, for a repeated flag or a
+    `--no-...` one, the setting's own name (`--replica` -> `DPSERVE_REPLICAS`). The name every setting was read by
+    before, `DPSERVE_<FIELD>`, stays an alias where it differs."""
+    scope: str = getattr(group, "FLAG_SCOPE", "")
+    found = []
+    for f in fields(group):
+        raw = f.metadata.get(SETTING)
+        if raw is not None:
+            found.append((f.name, _complete(f.name, scope, raw)))
+    return tuple(found)
+
+
+def _complete(name: str, scope: str, raw: dict[str, Any]) -> Setting:
+    scoped = bool(scope) and name.startswith(scope)
+    flag = raw["flag"]
+    if flag == "":
+        flag = "--" + name.removeprefix(scope).removesuffix("_s").replace("_", "-")
+    env = raw["env"]
+    if env == "":
+        if raw["form"] in (Form.REPEAT, Form.OFF_SWITCH) or flag is None:
+            env = ENV_PREFIX + name.upper()
+        else:
+            env = ENV_PREFIX + (scope.upper() if scoped else "") + flag.removeprefix("--").replace("-", "_").upper()
+    old = ENV_PREFIX + name.upper()
+    aliases = (old,) if env is not None and old != env else ()
+    rest = {key: value for key, value in raw.items() if key not in ("flag", "env")}
+    return Setting(flag=flag, env=env, aliases=aliases, **rest)
 
 
 def default_cache_dir() -> Path:
@@ -55,156 +177,344 @@ def check_lora_engine(max_loras: int, max_lora_rank: int) -> None:
             raise ValueError(f"{flag} {value}: must be at least 1")
 
 
+# The router's help groups. RouterSettings stays flat (its readers in dpserve/router/ read `settings.NAME`); each
+# group is what one constructor in dpserve/router/app.py builds its part from: ROUTING policy_tuning and
+# selector_for, UPSTREAM upstream_deadlines (and RetryRules), HEALTH health_rules (and ReplicaMonitor), FLOW
+# admission_for and flow_for, LORA registry_for, RECEIPTS ReceiptBook and shadow_scorer, GPUS gpu_fleet, GPU_HEALTH
+# gpu_health_rules, PEERS peer_links, SECURITY flow/access.py's load_keys.
+SERVING = "serving"
+REPLICAS = "replicas and discovery"
+ROUTING = "routing"
+KV = "KV and prefix indexes"
+UPSTREAM = "upstream timeouts and retries"
+HEALTH = "replica health"
+FLOW = "flow control"
+RECEIPTS = "receipts and shadow policies"
+LORA = "LoRA"
+SECURITY = "security"
+GPUS = "GPU telemetry"
+GPU_HEALTH = "GPU health"
+PEERS = "peers"
+LOGGING = "logging"
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DNS_SOURCE = "dns:NAME:PORT|srv:_service._proto.NAME"
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     """`dpserve router`."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    replicas: tuple[str, ...] = ()
-    policy: str | None = None
-    """None: kv_aware when replicas publish KV events (`kv_events`, or discovered ones), else least_loaded."""
-    kv_events: tuple[str, ...] = ()
-    """`REPLICA_URL=tcp://HOST:PORT` per replica that publishes KV-cache events."""
-    discover: tuple[str, ...] = ()
-    """Replicas found by DNS: `dns:NAME:PORT` (A/AAAA) or `srv:_service._proto.NAME` (SRV)."""
-    discover_interval_s: float = 5.0
-    discover_kv_port: int = 5557
-    """Where discovered replicas publish KV events (tcp://ADDRESS:PORT)."""
-    discover_nameserver: str | None = None
-    """`HOST[:PORT]` to ask instead of the system's resolver (resolv.conf)."""
-    tokenizer: str | None = None
-    """Where KV-aware routing gets token ids: a model directory with tokenizer.json (loaded in the
-    router), or "remote" (the replica's /tokenize). None: the model directory when the router is
-    given one, else remote."""
-    kv_index_max_entries: int = 2_000_000
-    prefix_index_max_chunks: int = 500_000
-    token_cache_entries: int = 4096
-    recent_route_ttl_s: float = 10.0
-    """kv_aware: how long blocks just sent to a replica count as cached there before its events say so."""
-    kv_load_weight: float = 0.05
-    kv_cache_weight: float = 0.2
-    kv_held_weight: float = 1.0
-    kv_temperature: float = 0.0
-    balance_abs: int = 8
-    balance_rel: float = 1.5
-    prefix_min_match: float = 0.5
-    session_load_factor: float = 1.25
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_header_bytes: int = 32 * 1024
-    """Request line excluded: all header names and values together."""
-    connect_timeout_s: float = 5.0
-    write_timeout_s: float = 60.0
-    """How long a replica may take to accept a request's bytes."""
-    read_timeout_s: float = 900.0
-    """The longest a replica may stay silent: before the answer's first byte (a non-streamed answer
-    comes only when its generation ends) and between its bytes."""
-    request_timeout_s: float = 3600.0
-    """One attempt at a replica, whole: from sending the request to the answer's last byte, streams included."""
-    max_response_bytes: int = 64 * 1024 * 1024
-    """The largest non-streamed answer relayed; past it the client gets a 502 (streams are not bounded)."""
-    probe_interval_s: float = 1.0
-    probe_timeout_s: float = 3.0
-    held_probe_interval_s: float = 0.1
-    """While requests are held, how often a replica full only because of load that is not the routers' (other
-    clients, routers without peers) has its /metrics read again: nothing else tells when that load ends."""
-    fail_threshold: int = 2
-    """Health probes failed in a row that eject a replica."""
-    rise_threshold: int = 2
-    """Health probes passed in a row that re-admit an ejected replica."""
-    passive_fail_threshold: int = 3
-    """Requests failed in a row (timeouts, dropped connections, 5xx) that eject a replica."""
-    backpressure_backoff_s: float = 1.0
-    """How long a replica that answered 429/503 is avoided while another has room."""
-    retries: int = 2
-    retry_backoff_s: float = 0.025
-    route_sample: int = 8
-    """Load-and-cache policies choose among this many replicas of a larger fleet, plus those likely to
-    hold the prompt's prefix, so a decision costs the same at 64 replicas as at 8 (0: all of them)."""
-    max_in_flight: int = 256
-    """Per replica, the requests of this router and its peers together; past it requests wait in the
-    router's queue (0: no limit). vLLM's default batch
-    is 256 sequences: beyond that a request only waits inside the engine, where it can no longer move."""
-    queue_size: int = 1024
-    queue_timeout_s: float = 30.0
-    receipts_sample: float = 0.1
-    """The share of requests that get a routing receipt (predicted vs realized cached tokens, a class for
-    each miss: `router/quality/receipts.py`); a request with `x-dpserve-receipt: 1` always gets one."""
-    receipts_keep: int = 1024
-    """Receipts kept for `GET /admin/receipts` (the newest)."""
-    receipts_log: str | None = None
-    """A file each receipt is appended to as a JSON line (`router/quality/receipt_log.py`)."""
-    shadow_policies: tuple[str, ...] = ()
-    """Policies asked, beside the live one, what they would choose (`router/quality/shadows.py`): round_robin,
-    least_loaded, kv_aware."""
-    flow_control: bool = True
-    """Hold requests past each replica's learned capacity (`replicas/capacity.py`) in the router, and release
-    them by priority, then fair share between tenants; off: first come, first served."""
-    batch_reserve: float = 0.1
-    """The share of each replica's slots that `batch` requests leave free for more urgent ones."""
-    engine_queue: int = 1
-    """Requests per replica past its capacity that flow control lets wait in the engine while one tenant
-    alone fills the router's queue, so a slot that frees is filled without the router's round trip."""
-    tenants: tuple[str, ...] = ()
-    """Tenants' rules: `NAME:weight=2,priority=batch,max-priority=standard,rpm=60,tpm=100000,concurrent=8`
-    (`*` for every tenant without its own; `router/flow/tenants.py`)."""
-    vllm_priority: bool = False
-    """Pass each request's class to vLLM as its `priority` field (replicas run `--scheduling-policy priority`)."""
-    lora: tuple[str, ...] = ()
-    """LoRA adapters, `NAME=PATH` each (the path as the replicas see it): loaded into replicas at run time."""
-    lora_dir: str | None = None
-    """A folder whose every subfolder is a LoRA adapter named after it (the path as the replicas see it)."""
-    lora_affinity: bool = True
-    """Route an adapter's requests to replicas that have it loaded; off: ignore where adapters are (a baseline)."""
-    lora_slots: int = 0
-    """Adapters each replica keeps loaded before the least recently used idle one is unloaded; 0: four per
-    vLLM `--max-loras` (`policies/adapters.py`)."""
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    api_key_file: Path | None = None
-    admin_keys: tuple[str, ...] = field(default=(), repr=False)
-    admin_key_file: Path | None = None
-    insecure: bool = False
-    """Serve without API keys on a non-loopback address."""
-    shutdown_grace_s: float = 30.0
-    """On SIGTERM: how long requests in flight (streams included) get to finish."""
-    gpu_interval_s: float = 1.0
-    """Seconds between NVML samples of every GPU (and polls of each GPU agent); 0 turns GPU telemetry off."""
-    gpu_agents: tuple[str, ...] = ()
-    """`dpserve agent` URLs (http://HOST:9400), one per GPU host, whose GPUs the router reads."""
-    discover_agents: tuple[str, ...] = ()
-    """GPU agents found by DNS: `dns:NAME:PORT` (every address of NAME) or `srv:...`."""
-    # GPU health (gpu/health.py): a replica on a degraded GPU takes no new requests while another has room.
-    # The defaults are GpuHealthRules' (a unit test holds them equal).
-    gpu_health: bool = True
-    """Soft-drain replicas on degraded GPUs; off: GPU health is shown, not acted on."""
-    gpu_throttle_reasons: tuple[str, ...] = ("hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
-    """NVML throttle reasons that degrade a GPU (sw_power_cap is normal at full load, so not by default)."""
-    gpu_ignored_xids: tuple[str, ...] = ("13", "31", "43", "45")
-    """Xid codes an application's own faults raise: they do not degrade the GPU."""
-    gpu_event_hold_s: float = 300.0
-    """A new Xid or uncorrected ECC error keeps its GPU degraded this long."""
-    gpu_degrade_after_s: float = 2.0
-    """A throttle or PCIe condition must last this long before it degrades the GPU."""
-    gpu_recover_after_s: float = 30.0
-    """Every condition must be gone this long before the GPU's replica takes new requests again."""
-    gpu_pcie_busy_utilization: float = 0.5
-    """A PCIe generation below the maximum counts only while the GPU is at least this busy."""
-    peers: tuple[str, ...] = ()
-    """Other routers (http://HOST:PORT) this one shares routing state with (router/peers/links.py)."""
-    discover_peers: tuple[str, ...] = ()
-    """Other routers found by DNS: `dns:NAME:PORT` (every address of NAME; this router's own is skipped)."""
-    peer_interval_s: float = 0.02
-    """How stale this router's in-flight counts may be at its peers (its routes and bindings go at once)."""
-    peer_timeout_s: float = 2.0
-    """A peer silent this long is forgotten: its in-flight counts and bindings stop counting."""
-    warm_start_timeout_s: float = 10.0
-    """How long a starting router waits for a peer's snapshot (KV index, recent routes) before serving."""
-    workers: int = 1
-    """Router processes on this host behind one port (SO_REUSEPORT), sharing state as peers do."""
+    host: str = setting("127.0.0.1", "address the router binds", SERVING)
+    port: int = setting(8000, "router port", SERVING)
+    workers: int = setting(
+        1, "router processes on this host behind the one port (SO_REUSEPORT), sharing state as peers do", SERVING
+    )
+    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted", SERVING)
+    max_header_bytes: int = setting(
+        32 * 1024, "largest total of request headers, names and values (the request line excluded)", SERVING
+    )
+    shutdown_grace_s: float = setting(
+        30.0, "on SIGTERM, seconds requests in flight (streams included) get to finish", SERVING
+    )
+    replicas: tuple[str, ...] = setting(
+        (),
+        "a replica's base URL, e.g. http://127.0.0.1:8100, optionally with the GPU it runs on "
+        "(http://10.0.0.2:8000@gpu=1, an NVML index or UUID); repeat for each replica",
+        REPLICAS,
+        flag="--replica",
+        form=Form.REPEAT,
+        metavar="URL[@gpu=N]",
+        router_only=True,
+    )
+    discover: tuple[str, ...] = setting(
+        (),
+        "find replicas by DNS: every A/AAAA address of NAME at PORT, or every SRV record's host and port; "
+        "repeatable, with or without --replica",
+        REPLICAS,
+        form=Form.REPEAT,
+        metavar=DNS_SOURCE,
+        router_only=True,
+    )
+    discover_interval_s: float = setting(5.0, "seconds between DNS lookups", REPLICAS, router_only=True)
+    discover_kv_port: int = setting(
+        5557, "where discovered replicas publish KV events (tcp://ADDRESS:PORT)", REPLICAS, router_only=True
+    )
+    discover_nameserver: str | None = setting(
+        None,
+        "DNS server to ask instead of the system's (/etc/resolv.conf)",
+        REPLICAS,
+        metavar="HOST[:PORT]",
+        router_only=True,
+    )
+    kv_events: tuple[str, ...] = setting(
+        (),
+        "subscribe to a replica's KV-cache events (ZMQ), e.g. http://127.0.0.1:8100=tcp://127.0.0.1:5557; repeatable",
+        REPLICAS,
+        form=Form.REPEAT,
+        metavar="REPLICA_URL=tcp://HOST:PORT",
+        router_only=True,
+    )
+    policy: str | None = setting(
+        None, "routing policy (none: kv_aware when replicas publish KV events, else least_loaded)", ROUTING
+    )
+    route_sample: int = setting(
+        8,
+        "load and cache policies weigh this many replicas of a larger fleet per request, plus those likely to "
+        "hold the prompt's prefix, so a decision costs the same at 64 replicas as at 8 (0: all of them)",
+        ROUTING,
+    )
+    kv_load_weight: float = setting(0.05, "kv_aware: cost per request in flight", ROUTING)
+    kv_cache_weight: float = setting(0.2, "kv_aware: cost of a full KV cache", ROUTING)
+    kv_held_weight: float = setting(1.0, "kv_aware: new prefixes avoid replicas owning more cache", ROUTING)
+    kv_temperature: float = setting(0.0, "kv_aware: softmax temperature (0: the best replica always)", ROUTING)
+    balance_abs: int = setting(8, "affinity guard: extra requests a preferred replica may have", ROUTING)
+    balance_rel: float = setting(1.5, "affinity guard: load ratio a preferred replica may have", ROUTING)
+    prefix_min_match: float = setting(0.5, "prefix: the share of a prompt that must match to follow it", ROUTING)
+    session_load_factor: float = setting(
+        1.25, "session: load ratio past which a session moves off its replica", ROUTING
+    )
+    tokenizer: str | None = setting(
+        None,
+        "token ids for kv_aware: a model directory with tokenizer.json (loaded in the router), or `remote` (the "
+        "replica's /tokenize); none: the model directory when the router is given one, else remote",
+        KV,
+        metavar="DIR|remote",
+    )
+    kv_index_max_entries: int = setting(2_000_000, "KV index bound, in blocks (about 470 bytes each)", KV)
+    prefix_index_max_chunks: int = setting(500_000, "prefix policy's index bound, in chunks", KV)
+    token_cache_entries: int = setting(4096, "prompts whose token ids are kept (kv_aware)", KV)
+    recent_route_ttl_s: float = setting(
+        10.0, "kv_aware: seconds blocks just sent to a replica count as cached there before its events say so", KV
+    )
+    connect_timeout_s: float = setting(5.0, "seconds to connect to a replica", UPSTREAM)
+    write_timeout_s: float = setting(60.0, "seconds a replica may take to accept a request's bytes", UPSTREAM)
+    read_timeout_s: float = setting(
+        900.0,
+        "longest silence of a replica, before the answer's first byte (a non-streamed answer comes only when "
+        "its generation ends) and between its bytes",
+        UPSTREAM,
+    )
+    request_timeout_s: float = setting(
+        3600.0, "one attempt at a replica, whole: request sent to the answer's last byte, streams included", UPSTREAM
+    )
+    max_response_bytes: int = setting(
+        64 * 1024 * 1024,
+        "largest non-streamed answer relayed; past it the client gets a 502 (streams are not bounded)",
+        UPSTREAM,
+    )
+    retries: int = setting(2, "other replicas tried before the answer's first byte", UPSTREAM)
+    retry_backoff_s: float = setting(0.025, "seconds before a retry", UPSTREAM)
+    probe_interval_s: float = setting(1.0, "seconds between health probes", HEALTH)
+    probe_timeout_s: float = setting(3.0, "seconds a health probe may take", HEALTH)
+    held_probe_interval_s: float = setting(
+        0.1,
+        "while requests are held, seconds between reads of /metrics of a replica full only because of load that "
+        "is not the routers' (other clients, routers without peers): nothing else tells when that load ends",
+        HEALTH,
+    )
+    fail_threshold: int = setting(2, "health probes failed in a row that eject a replica", HEALTH)
+    rise_threshold: int = setting(2, "health probes passed in a row that re-admit an ejected replica", HEALTH)
+    passive_fail_threshold: int = setting(
+        3, "requests failed in a row (timeouts, dropped connections, 5xx) that eject a replica", HEALTH
+    )
+    backpressure_backoff_s: float = setting(
+        1.0, "seconds a replica that answered 429/503 is avoided while another has room", HEALTH
+    )
+    max_in_flight: int = setting(
+        256,
+        "per replica, the requests of this router and its peers together; past it requests wait in the router's "
+        "queue (0: no limit). vLLM's default batch is 256 sequences: beyond that a request only waits inside the "
+        "engine, where it can no longer move",
+        FLOW,
+    )
+    queue_size: int = setting(1024, "requests the router queues", FLOW)
+    queue_timeout_s: float = setting(30.0, "seconds a request may queue before a 429", FLOW)
+    flow_control: bool = setting(
+        True,
+        "hold requests past each replica's learned capacity and release them by priority, then fair share "
+        "between tenants; off: first come, first served",
+        FLOW,
+        form=Form.ON_OFF,
+    )
+    batch_reserve: float = setting(
+        0.1, "the share of each replica's slots that `batch` requests leave free for more urgent ones", FLOW
+    )
+    engine_queue: int = setting(
+        1,
+        "requests per replica past its capacity that may wait in the engine while one tenant alone fills the "
+        "router's queue, so a slot that frees is filled without the router's round trip (0: none)",
+        FLOW,
+    )
+    tenants: tuple[str, ...] = setting(
+        (),
+        "a tenant's rules, e.g. acme:weight=2,priority=standard,max-priority=critical,rpm=600,tpm=200000,"
+        "concurrent=32,trusted=false; NAME * for every tenant without its own; repeatable (in the environment "
+        "separated by whitespace or ;)",
+        FLOW,
+        flag="--tenant",
+        form=Form.REPEAT,
+        metavar="NAME:RULES",
+        separator=";",
+    )
+    vllm_priority: bool = setting(
+        False,
+        "pass each request's class to vLLM as its `priority` field (replicas run --scheduling-policy priority)",
+        FLOW,
+    )
+    receipts_sample: float = setting(
+        0.1,
+        "share of requests given a routing receipt, 0 to 1 (predicted vs realized cached tokens; a request with "
+        "`x-dpserve-receipt: 1` always gets one; /admin/receipts, dpserve_receipts_total)",
+        RECEIPTS,
+    )
+    receipts_keep: int = setting(1024, "routing receipts kept for /admin/receipts (the newest)", RECEIPTS)
+    receipts_log: str | None = setting(
+        None, "append every routing receipt to PATH (JSON lines)", RECEIPTS, metavar="PATH"
+    )
+    shadow_policies: tuple[str, ...] = setting(
+        (),
+        "also ask this policy what it would choose, and estimate its cache hits (round_robin, least_loaded, "
+        "kv_aware; repeatable; /status shadows, dpserve_shadow_*)",
+        RECEIPTS,
+        flag="--shadow-policy",
+        form=Form.REPEAT,
+        metavar="NAME",
+    )
+    lora: tuple[str, ...] = setting(
+        (),
+        "a LoRA adapter the router loads into replicas at run time, PATH as the replicas see it; repeatable",
+        LORA,
+        form=Form.REPEAT,
+        metavar="NAME=PATH",
+    )
+    lora_dir: str | None = setting(
+        None,
+        "a folder whose every subfolder is a LoRA adapter named after it, as the replicas see it",
+        LORA,
+        metavar="DIR",
+    )
+    lora_affinity: bool = setting(
+        True,
+        "route an adapter's requests to replicas that have it loaded; off: ignore where adapters are (a baseline)",
+        LORA,
+        form=Form.ON_OFF,
+    )
+    lora_slots: int = setting(
+        0,
+        "adapters each replica keeps loaded before its least recently used idle one is unloaded (0: four per "
+        "replica's --max-loras)",
+        LORA,
+    )
+    api_keys: tuple[str, ...] = setting(
+        (),
+        "a key clients must send as `Authorization: Bearer KEY`; NAME is its tenant; repeatable",
+        SECURITY,
+        flag="--api-key",
+        form=Form.REPEAT,
+        metavar="[NAME:]KEY",
+        secret=True,
+    )
+    api_key_file: Path | None = setting(None, "file of API keys, one per line (# comments)", SECURITY)
+    admin_keys: tuple[str, ...] = setting(
+        (),
+        "a key for the admin API (/admin/replicas) and /status; repeatable",
+        SECURITY,
+        flag="--admin-key",
+        form=Form.REPEAT,
+        metavar="KEY",
+        secret=True,
+    )
+    admin_key_file: Path | None = setting(None, "file of admin keys, one per line", SECURITY)
+    insecure: bool = setting(False, "allow serving without API keys on an address other than loopback", SECURITY)
+    gpu_interval_s: float = setting(
+        1.0, "seconds between NVML samples of every GPU (and polls of each GPU agent); 0: GPU telemetry off", GPUS
+    )
+    gpu_agents: tuple[str, ...] = setting(
+        (),
+        "a `dpserve agent` (http://HOST:9400) whose GPUs the router reads; repeat per GPU host. Given agents, the "
+        "router reads no GPUs itself",
+        GPUS,
+        flag="--gpu-agent",
+        form=Form.REPEAT,
+        metavar="URL",
+        router_only=True,
+    )
+    discover_agents: tuple[str, ...] = setting(
+        (),
+        "find GPU agents by DNS, as --discover finds replicas; repeatable",
+        GPUS,
+        form=Form.REPEAT,
+        metavar=DNS_SOURCE,
+        router_only=True,
+    )
+    # A replica on a degraded GPU takes no new requests while another has room. The defaults are
+    # GpuHealthRules' (a unit test holds them equal).
+    gpu_health: bool = setting(
+        True,
+        "soft-drain replicas on degraded GPUs; --no-gpu-health: show GPU health in /status and /metrics, but do "
+        "not drain",
+        GPU_HEALTH,
+        flag="--no-gpu-health",
+        form=Form.OFF_SWITCH,
+    )
+    gpu_throttle_reasons: tuple[str, ...] = setting(
+        ("hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"),
+        "NVML throttle reasons that degrade a GPU (sw_power_cap is normal at full load, so not by default)",
+        GPU_HEALTH,
+        form=Form.LIST,
+        metavar="R1,R2",
+    )
+    gpu_ignored_xids: tuple[str, ...] = setting(
+        ("13", "31", "43", "45"),
+        "Xid codes an application's own faults raise: they do not degrade the GPU",
+        GPU_HEALTH,
+        form=Form.LIST,
+        metavar="X1,X2",
+    )
+    gpu_event_hold_s: float = setting(
+        300.0, "seconds a new Xid or uncorrected ECC error keeps its GPU degraded", GPU_HEALTH
+    )
+    gpu_degrade_after_s: float = setting(
+        2.0, "seconds a throttle or PCIe condition must last before it degrades the GPU", GPU_HEALTH
+    )
+    gpu_recover_after_s: float = setting(
+        30.0, "seconds every condition must be gone before the GPU's replica takes new requests again", GPU_HEALTH
+    )
+    gpu_pcie_busy_utilization: float = setting(
+        0.5,
+        "utilization from which a PCIe generation below the maximum counts",
+        GPU_HEALTH,
+        flag="--gpu-pcie-busy",
+    )
+    peers: tuple[str, ...] = setting(
+        (),
+        "another router (http://HOST:PORT) to share routing state with; repeat per router",
+        PEERS,
+        flag="--peer",
+        form=Form.REPEAT,
+        metavar="URL",
+        router_only=True,
+    )
+    discover_peers: tuple[str, ...] = setting(
+        (),
+        "find the other routers by DNS (this router's own address is skipped); repeatable",
+        PEERS,
+        form=Form.REPEAT,
+        metavar="dns:NAME:PORT",
+        router_only=True,
+    )
+    peer_interval_s: float = setting(0.02, "seconds peers' view of this router's in-flight counts may lag", PEERS)
+    peer_timeout_s: float = setting(
+        2.0, "seconds before a silent peer is forgotten (its in-flight counts and bindings stop counting)", PEERS
+    )
+    warm_start_timeout_s: float = setting(
+        10.0, "seconds a starting router waits for a peer's snapshot (KV index, recent routes) before serving", PEERS
+    )
     peer_siblings: tuple[str, ...] = ()
     """Set by `--workers` for each worker: its sibling workers' private URLs (not a user setting)."""
-    access_log: bool = False
-    log_level: str = "info"
+    access_log: bool = setting(False, "log every request", LOGGING)
+    log_level: str = setting("info", "log level", LOGGING, choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
         lora_adapters(self.lora)
@@ -229,32 +539,54 @@ class RouterSettings:
         return "kv_aware" if self.kv_events or self.discover else "least_loaded"
 
 
+UP = "replicas `dpserve up` starts"
+ENGINE_LORA = "LoRA in the replicas (vLLM's flags)"
+
+
 @dataclass(frozen=True)
 class UpSettings:
     """`dpserve up`: the replicas it starts, and the router it starts in front of them."""
 
     router: RouterSettings = field(default_factory=RouterSettings)
-    num_replicas: int | None = None
-    model: str | None = None
-    served_model_name: str | None = None
-    base_port: int = 8100
-    kv_events_base_port: int = 5557
-    cache_dir: Path = field(default_factory=default_cache_dir)
-    run_dir: Path | None = None
-    replica_start_timeout_s: float = 900.0
-    cpu_kv_cache_gib: int = 1
-    max_model_len: int = 4096
-    vllm_args: tuple[str, ...] = ()
-    sim_replicas: int = 0
-    """`dpserve up --sim N`: N simulator replicas instead of vLLM."""
-    routers: int = 1
-    """Routers on --port, --port+1, ..., each a --peer of the others."""
-    enable_lora: bool = False
-    """Start vLLM replicas with LoRA enabled (implied by `router.lora` or `router.lora_dir`)."""
-    max_loras: int = DEFAULT_MAX_LORAS
-    """LoRA adapters each replica holds in one batch (vLLM's `--max-loras`)."""
-    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
-    """The highest adapter rank replicas accept (vLLM's `--max-lora-rank`)."""
+    num_replicas: int | None = setting(
+        None,
+        "replica count (none: one per GPU, else 2)",
+        UP,
+        flag="--replicas",
+        env="DPSERVE_NUM_REPLICAS",  # DPSERVE_REPLICAS is the router's list of URLs
+    )
+    model: str | None = setting(None, "model path or name (none: the built-in tiny model, built on first use)", UP)
+    served_model_name: str | None = setting(None, "name clients use for the model", UP)
+    base_port: int = setting(8100, "first replica port", UP)
+    kv_events_base_port: int = setting(5557, "first KV-event port", UP)
+    cache_dir: Path = setting(default_cache_dir, "where the tiny model is built ($XDG_CACHE_HOME/dpserve)", UP)
+    run_dir: Path | None = setting(None, "where replica logs go (none: a new temporary folder)", UP)
+    replica_start_timeout_s: float = setting(
+        900.0, "seconds to wait for each replica to start", UP, flag="--start-timeout"
+    )
+    cpu_kv_cache_gib: int = setting(1, "KV-cache GiB of each CPU replica (VLLM_CPU_KVCACHE_SPACE)", UP)
+    max_model_len: int = setting(4096, "context length", UP)
+    vllm_args: tuple[str, ...] = setting(
+        (), "flags for every `vllm serve` replica, given after `--`", UP, flag=None, env="DPSERVE_VLLM_ARGS"
+    )
+    sim_replicas: int = setting(
+        0,
+        "start N simulator replicas (dpserve sim) instead of vLLM",
+        UP,
+        flag="--sim",
+        env="DPSERVE_SIM_REPLICAS",  # as it was: DPSERVE_SIM_ names the simulator's own settings
+        metavar="N",
+    )
+    routers: int = setting(
+        1, "routers on --port, --port+1, ..., each a --peer of the others, sharing routing state", UP, metavar="N"
+    )
+    enable_lora: bool = setting(
+        False,
+        "start replicas with LoRA (implied by --lora or --lora-dir); adapters are loaded at run time",
+        ENGINE_LORA,
+    )
+    max_loras: int = setting(DEFAULT_MAX_LORAS, "adapters per batch per replica", ENGINE_LORA)
+    max_lora_rank: int = setting(DEFAULT_MAX_LORA_RANK, "highest adapter rank replicas accept", ENGINE_LORA)
 
     def __post_init__(self) -> None:
         check_lora_engine(self.max_loras, self.max_lora_rank)
@@ -264,50 +596,63 @@ class UpSettings:
         return self.enable_lora or bool(self.router.lora or self.router.lora_dir)
 
 
+SIM = "simulated replica"
+SIM_MODEL = "simulated engine"
+
+
 @dataclass(frozen=True)
 class SimSettings:
-    """`dpserve sim`: one simulated vLLM replica."""
+    """`dpserve sim`: one simulated vLLM replica. Its engine's flags are named as vLLM's where vLLM has them
+    (--block-size, --max-num-seqs), and read from `DPSERVE_SIM_<FLAG>`."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str | None = None
-    served_model_name: str | None = None
-    max_model_len: int = 4096
-    access_log: bool = False
-    log_level: str = "info"
-    sim_block_size: int = 16
-    sim_num_blocks: int = 8192
-    sim_max_num_seqs: int = 256
-    sim_prefill_ms_per_token: float = 0.1
-    sim_decode_ms_per_token: float = 10.0
-    sim_batch_slowdown: float = 0.02
-    sim_jitter: float = 0.0
-    sim_seed: int = 0
-    sim_speed: float = 1.0
-    sim_tokenizer: str = "tiny"
-    sim_kv_events: str | None = None
-    """ZMQ endpoint the sim publishes KV events on, e.g. tcp://127.0.0.1:5557 (none: no events)."""
+    FLAG_SCOPE: ClassVar[str] = "sim_"
+
+    host: str = setting("127.0.0.1", "address to bind", SIM)
+    port: int = setting(8000, "port", SIM)
+    model: str | None = setting(None, "served model name (none: dpserve-tiny)", SIM)
+    served_model_name: str | None = setting(None, "name clients use for the model (none: --model)", SIM)
+    max_model_len: int = setting(4096, "context length", SIM)
+    access_log: bool = setting(False, "log every request", SIM)
+    log_level: str = setting("info", "log level", SIM, choices=LOG_LEVELS)
+    sim_block_size: int = setting(16, "tokens per KV block", SIM_MODEL)
+    sim_num_blocks: int = setting(8192, "KV-cache capacity in blocks", SIM_MODEL)
+    sim_max_num_seqs: int = setting(256, "batch limit", SIM_MODEL)
+    sim_prefill_ms_per_token: float = setting(0.1, "milliseconds per uncached prompt token", SIM_MODEL)
+    sim_decode_ms_per_token: float = setting(10.0, "milliseconds per output token", SIM_MODEL)
+    sim_batch_slowdown: float = setting(0.02, "extra time per other running request, as a fraction", SIM_MODEL)
+    sim_jitter: float = setting(0.0, "relative random spread of every wait (0.1 = ±10%)", SIM_MODEL)
+    sim_seed: int = setting(0, "seed for jitter and generated tokens", SIM_MODEL)
+    sim_speed: float = setting(1.0, "time scale: 2 = twice as fast, 0 = no waits at all", SIM_MODEL)
+    sim_tokenizer: str = setting("tiny", "the tiny model's BPE, or a fast hash", SIM_MODEL, choices=("tiny", "fast"))
+    sim_kv_events: str | None = setting(
+        None, "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 (none: no events)", SIM_MODEL, metavar="ENDPOINT"
+    )
+
+
+AGENT = "GPU agent"
 
 
 @dataclass(frozen=True)
 class AgentSettings:
     """`dpserve agent`: one per GPU host, serving that host's NVML readings to routers elsewhere."""
 
-    host: str = "0.0.0.0"
-    """All addresses by default, as DCGM's exporter: routers on other hosts read it. It serves
-    readings only (no prompts, no keys); keep port 9400 inside the cluster's network."""
-    port: int = 9400
-    interval_s: float = 1.0
-    """Seconds between NVML readings."""
-    hostname: str | None = None
-    """The name the agent reports (default: the machine's host name; a Kubernetes node name)."""
-    nvml: str | None = None
-    """`MODULE:CALLABLE` returning a pynvml-like module, in place of pynvml (a GPU-less rehearsal)."""
-    access_log: bool = False
-    log_level: str = "info"
-
-
-S = TypeVar("S", bound="DataclassInstance")
+    # All addresses by default, as DCGM's exporter: routers on other hosts read it. It serves readings only
+    # (no prompts, no keys); keep port 9400 inside the cluster's network.
+    host: str = setting("0.0.0.0", "address to bind (routers elsewhere read it)", AGENT)
+    port: int = setting(9400, "port (as DCGM's exporter)", AGENT)
+    interval_s: float = setting(1.0, "seconds between NVML readings", AGENT)
+    hostname: str | None = setting(
+        None, "the host name to report (none: this machine's; a Kubernetes node name)", AGENT
+    )
+    nvml: str | None = setting(
+        None,
+        "MODULE:CALLABLE returning a pynvml-like module, in place of pynvml (a GPU-less rehearsal)",
+        AGENT,
+        metavar="MODULE:CALLABLE",
+        hidden=True,
+    )
+    access_log: bool = setting(False, "log every request", AGENT)
+    log_level: str = setting("info", "log level", AGENT, choices=LOG_LEVELS)
 
 
 def load_settings(
@@ -319,18 +664,63 @@ def load_settings(
     env = os.environ if env is None else env
     overrides = overrides or {}
     hints = get_type_hints(group)
+    declared = dict(settings_of(group))
     values: dict[str, Any] = {}
     for f in fields(group):
         hint = hints[f.name]
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             values[f.name] = load_settings(hint, overrides, env)
             continue
-        raw = env.get(ENV_PREFIX + f.name.upper())
-        if raw is not None and raw != "":
-            values[f.name] = _coerce(f.name, hint, raw)
+        found = declared.get(f.name)
+        variable, raw = _from_environment(found, env) if found is not None else (None, None)
+        if variable is not None and raw is not None and found is not None:
+            values[f.name] = _coerce(variable, hint, found.separator, raw)
         if overrides.get(f.name) is not None:
             values[f.name] = overrides[f.name]
     return group(**values)
+
+
+def _from_environment(found: Setting, env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(the variable read, its text); an empty variable is unset. An old name warns, and loses to the new one."""
+    for variable in (found.env, *found.aliases):
+        raw = env.get(variable) if variable is not None else None
+        if variable is not None and raw:
+            if variable != found.env:
+                log.warning("%s is deprecated: use %s (or %s)", variable, found.env, found.flag)
+            return variable, raw
+    return None, None
+
+
+def environment_names() -> dict[str, str]:
+    """Every variable a setting is read from, old names included: {variable: the variable to use}."""
+    names: dict[str, str] = {}
+    for group in (RouterSettings, UpSettings, SimSettings, AgentSettings):
+        for _, found in settings_of(group):
+            if found.env is not None:
+                names[found.env] = found.env
+                names.update(dict.fromkeys(found.aliases, found.env))
+    return names
+
+
+NOT_SETTINGS = frozenset({"DPSERVE_FAKE_NVML_FILE", "DPSERVE_SAVE_MULTI_HOST_STATUS", "DPSERVE_GPU_STATUS_OUT"})
+"""`DPSERVE_` variables the project's tests read, which are no settings (tests/fake_nvml.py, tests/gpu/,
+tests/integration/test_multi_host.py)."""
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """A line for each `DPSERVE_` variable no setting reads (a misspelling would else be ignored without a
+    word), with the closest known name when one is close."""
+    known = environment_names()
+    lines = []
+    for variable in sorted(env):
+        if not variable.startswith(ENV_PREFIX) or variable in known or variable in NOT_SETTINGS:
+            continue
+        # Compared without the prefix every name shares, which would make any two look close.
+        bare = {name.removeprefix(ENV_PREFIX): name for name in known}
+        close = difflib.get_close_matches(variable.removeprefix(ENV_PREFIX), list(bare), n=1)
+        hint = f": did you mean {known[bare[close[0]]]}?" if close else ""
+        lines.append(f"{variable} is set, but no dpserve setting reads it{hint}")
+    return lines
 
 
 def split_list(text: str) -> tuple[str, ...]:
@@ -342,15 +732,12 @@ TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 """What a setting in the environment, or a yes-or-no request header, reads as true."""
 FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
-SPACE_SEPARATED = frozenset({"tenants"})
-"""List settings whose items hold commas themselves: separated by whitespace or `;` in the environment."""
 
-
-def _coerce(name: str, hint: Any, raw: str) -> Any:
+def _coerce(variable: str, hint: Any, separator: str, raw: str) -> Any:
     text = str(hint)
     try:
         if "tuple" in text:
-            return tuple(raw.replace(";", " ").split()) if name in SPACE_SEPARATED else split_list(raw)
+            return tuple(raw.replace(separator, " ").split())
         if "bool" in text:
             if raw.lower() in TRUE_WORDS:
                 return True
@@ -364,5 +751,31 @@ def _coerce(name: str, hint: Any, raw: str) -> Any:
         if "Path" in text:
             return Path(raw)
     except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid value") from None
+        raise ValueError(f"{variable}={raw!r} is not a valid value") from None
     return raw
+
+
+def settings_argv(settings: DataclassInstance, skip: frozenset[str] = frozenset()) -> list[str]:
+    """The flags that give `settings` where they differ from the defaults (secrets and `skip` left out): the
+    command line `dpserve up` starts its router with, and the router containers' (`dpserve compose`, `kube`)."""
+    defaults = type(settings)()
+    argv: list[str] = []
+    for name, found in settings_of(type(settings)):
+        value = getattr(settings, name)
+        if found.flag is None or found.secret or name in skip or value == getattr(defaults, name):
+            continue
+        argv += _flag_argv(found, value)
+    return argv
+
+
+def _flag_argv(found: Setting, value: Any) -> list[str]:
+    assert found.flag is not None
+    if found.form is Form.REPEAT:
+        return [part for item in value for part in (found.flag, str(item))]
+    if found.form is Form.LIST:
+        return [found.flag, ",".join(value)]
+    if found.form in (Form.SWITCH, Form.OFF_SWITCH):
+        return [found.flag]  # either way, the one value that differs from the default
+    if found.form is Form.ON_OFF:
+        return [found.flag, "on" if value else "off"]
+    return [found.flag, str(value)]

@@ -9,7 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpserve.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, RouterSettings, UpSettings, parse_lora
+from dpserve.config import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    RouterSettings,
+    UpSettings,
+    parse_lora,
+    settings_argv,
+)
 from dpserve.replicas.registry import replica_ids
 
 DEFAULT_CPU_REPLICAS = 2
@@ -211,8 +218,8 @@ def router_flags(
     settings: RouterSettings, targets: Sequence[RouterTarget], tokenizer: str | None = None, events: bool = True
 ) -> tuple[str, ...]:
     """The flags of `dpserve router` for these replicas: what the launcher runs and what the router's
-    container runs (`dpserve compose`). Settings left at their defaults are not written out."""
-    defaults = RouterSettings()
+    container runs (`dpserve compose`). Settings left at their defaults are not written out, keys never
+    (`router_env`)."""
     argv: list[str] = []
     for target in targets:
         argv += ["--replica", target.replica_spec]
@@ -224,39 +231,11 @@ def router_flags(
     if settings.tokenizer or tokenizer:
         argv += ["--tokenizer", str(settings.tokenizer or tokenizer)]
     argv += ["--host", settings.host, "--port", str(settings.port)]
-    for flag, name in _ROUTER_VALUE_FLAGS:
-        if getattr(settings, name) != getattr(defaults, name):
-            argv += [flag, str(getattr(settings, name))]
-    for flag, name in _ROUTER_LIST_FLAGS:
-        if getattr(settings, name) != getattr(defaults, name):
-            argv += [flag, ",".join(getattr(settings, name))]
-    for url in settings.gpu_agents:
-        argv += ["--gpu-agent", url]
-    for url in settings.peers:
-        argv += ["--peer", url]
-    for source in settings.discover_peers:
-        argv += ["--discover-peers", source]
-    if not settings.gpu_health:
-        argv.append("--no-gpu-health")
-    if settings.access_log:
-        argv.append("--access-log")
-    if settings.insecure:
-        argv.append("--insecure")
-    if not settings.flow_control:
-        argv += ["--flow-control", "off"]
-    for spec in settings.tenants:
-        argv += ["--tenant", spec]
-    for name in settings.shadow_policies:
-        argv += ["--shadow-policy", name]
-    if settings.vllm_priority:
-        argv.append("--vllm-priority")
-    for spec in settings.lora:
-        argv += ["--lora", spec]
-    if settings.lora_dir:
-        argv += ["--lora-dir", settings.lora_dir]
-    if not settings.lora_affinity:
-        argv += ["--lora-affinity", "off"]
+    argv += settings_argv(settings, skip=_WRITTEN_ABOVE)
     return tuple(argv)
+
+
+_WRITTEN_ABOVE = frozenset({"replicas", "kv_events", "policy", "tokenizer", "host", "port"})
 
 
 def router_env(settings: RouterSettings) -> dict[str, str]:
@@ -268,51 +247,6 @@ def router_env(settings: RouterSettings) -> dict[str, str]:
     if settings.admin_keys:
         env["DPSERVE_ADMIN_KEYS"] = ",".join(settings.admin_keys)
     return env
-
-
-_ROUTER_VALUE_FLAGS = (
-    ("--lora-slots", "lora_slots"),
-    ("--kv-index-max-entries", "kv_index_max_entries"),
-    ("--prefix-index-max-chunks", "prefix_index_max_chunks"),
-    ("--max-body-bytes", "max_body_bytes"),
-    ("--max-header-bytes", "max_header_bytes"),
-    ("--max-response-bytes", "max_response_bytes"),
-    ("--connect-timeout", "connect_timeout_s"),
-    ("--write-timeout", "write_timeout_s"),
-    ("--read-timeout", "read_timeout_s"),
-    ("--request-timeout", "request_timeout_s"),
-    ("--probe-interval", "probe_interval_s"),
-    ("--held-probe-interval", "held_probe_interval_s"),
-    ("--fail-threshold", "fail_threshold"),
-    ("--rise-threshold", "rise_threshold"),
-    ("--retries", "retries"),
-    ("--route-sample", "route_sample"),
-    ("--max-in-flight", "max_in_flight"),
-    ("--queue-size", "queue_size"),
-    ("--receipts-sample", "receipts_sample"),
-    ("--receipts-keep", "receipts_keep"),
-    ("--receipts-log", "receipts_log"),
-    ("--queue-timeout", "queue_timeout_s"),
-    ("--api-key-file", "api_key_file"),
-    ("--admin-key-file", "admin_key_file"),
-    ("--shutdown-grace", "shutdown_grace_s"),
-    ("--log-level", "log_level"),
-    ("--gpu-interval", "gpu_interval_s"),
-    ("--gpu-event-hold", "gpu_event_hold_s"),
-    ("--gpu-degrade-after", "gpu_degrade_after_s"),
-    ("--gpu-recover-after", "gpu_recover_after_s"),
-    ("--gpu-pcie-busy", "gpu_pcie_busy_utilization"),
-    ("--workers", "workers"),
-    ("--peer-interval", "peer_interval_s"),
-    ("--peer-timeout", "peer_timeout_s"),
-    ("--warm-start-timeout", "warm_start_timeout_s"),
-    ("--batch-reserve", "batch_reserve"),
-    ("--engine-queue", "engine_queue"),
-)
-_ROUTER_LIST_FLAGS = (
-    ("--gpu-throttle-reasons", "gpu_throttle_reasons"),
-    ("--gpu-ignored-xids", "gpu_ignored_xids"),
-)
 
 
 def local_lora_paths(settings: RouterSettings) -> RouterSettings:

@@ -525,7 +525,7 @@ def test_no_lora_unless_asked_for_and_enable_lora_without_a_claim() -> None:
     assert "/adapters" not in str(docs)
     deployment, _ = router_and_agent(docs)
     args = parse_pod_command(deployment["spec"]["template"]["spec"]["containers"][0]["command"])
-    assert (args.lora_dir, args.lora_affinity) == (None, "off")
+    assert (args.lora_dir, args.lora_affinity) == (None, False)  # on|off parses to a bool
 
 
 def test_the_cli_passes_lora_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

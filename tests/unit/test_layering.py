@@ -48,6 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("benchmarks",),  # the checkout's benchmarks (not installed): any layer of dpserve below, never the commands
     ("dpserve.checkout",),  # `dpserve bench`'s door to benchmarks/ (loads them by name)
     ("dpserve.cli",),  # the commands
+    ("dpserve.cli_docs",),  # docs/cli.md, from the commands' parser
     ("dpserve.__main__",),  # python -m dpserve
 )
 
