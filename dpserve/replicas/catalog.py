@@ -177,8 +177,8 @@ class ModelCatalog:
                 cards.setdefault(str(card["id"]), card)
         if lora_on or not healthy_only:
             bases = [name for name, card in cards.items() if not card.get("parent")]
-            for name in self._configured_adapters:
-                if name not in cards:
+            for name in self._adapter_paths:  # in the order given or found, not a set's
+                if name in self._configured_adapters and name not in cards:
                     parent = self._adapter_parents.get(name) or (bases[0] if len(bases) == 1 else None)
                     cards[name] = adapter_card(name, self._adapter_paths[name], parent, cards.get(parent or ""))
         return cards
