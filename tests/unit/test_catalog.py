@@ -4,6 +4,8 @@ is routable changed (`on_reshape`) or a replica's models change, and new replica
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.health import HealthRules, Outcome
 from dpserve.replicas.registry import ReplicaRegistry
@@ -30,7 +32,7 @@ def test_views_are_kept_until_the_registry_reshapes_and_rebuilt_after() -> None:
         "r0", running=1, waiting=0, kv_usage=0.1, prefix_cache_queries=0.0, prefix_cache_hits=0.0, block_size=16
     )
     assert catalog.routable("m") is view and catalog.routable_ids("m") is ids  # load is not routability
-    changes = [
+    changes: list[Callable[[], object]] = [
         lambda: registry.set_draining("r0", True),
         lambda: registry.set_draining("r0", False),
         lambda: registry.observe("r1", Outcome.REFUSED),
