@@ -441,6 +441,10 @@ def create_app(
         metrics.registry.register(PeerCollector(peers))
         shutdown.on_drain.append(peers.drain)
     hot_path = HotPath()
+    selector = selector_for(
+        settings, registry, catalog, policy, admission, metrics, kv_index, text_index, recent, rng, bindings, shadows
+    )
+    retry = RetryRules(settings.retries, settings.retry_backoff_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -460,21 +464,6 @@ def create_app(
         if Need.KV_PREFIX in needs:
             tokenizer: PromptTokenizer = local or RemoteTokenizer(control)
             tokens = TokenCache(tokenizer, settings.token_cache_entries)
-        selector = selector_for(
-            settings,
-            registry,
-            catalog,
-            policy,
-            admission,
-            metrics,
-            kv_index,
-            text_index,
-            recent,
-            rng,
-            bindings,
-            shadows,
-        )
-        retry = RetryRules(settings.retries, settings.retry_backoff_s)
         adapters = AdapterLoader(registry, catalog, metrics)
         adapters.attach(control)
         dispatcher = Dispatcher(
