@@ -256,7 +256,8 @@ class ReplicaRegistry:
 
     def hold_adapter(self, replica_id: str, adapter: str) -> None:
         """A request of `adapter` was sent to the replica (perhaps waiting for the load): the adapter is
-        not idle there until `release_adapter`."""
+        not idle there until `release_adapter`. Here with the other in-flight counts, which the request path
+        keeps; which adapters a replica may serve is the catalog's."""
         replica = self._replicas.get(replica_id)
         if replica is not None:
             replica.lora.started(adapter, self._clock())
