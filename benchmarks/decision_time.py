@@ -25,6 +25,7 @@ from dpserve.kvindex.index import KvIndex, block_keys
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, TextPrefixIndex, text_keys
 from dpserve.policies import POLICY_NAMES, PrefixMatch, PrefixSource, RequestFeatures, make_policy
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.app import admission_for, policy_tuning, selector_for
 from dpserve.router.observe.metrics import RouterMetrics
@@ -48,15 +49,16 @@ class DecisionReport:
     text: str
 
 
-def _fleet(count: int, rng: random.Random) -> ReplicaRegistry:
+def _fleet(count: int, rng: random.Random) -> tuple[ReplicaRegistry, ModelCatalog]:
     registry = ReplicaRegistry([f"http://127.0.0.1:{20000 + i}" for i in range(count)])
+    catalog = ModelCatalog(registry)
     for replica in registry:
         registry.probe_succeeded(replica.id)
-        registry.set_model_cards(replica.id, ({"id": MODEL},))
+        catalog.set_model_cards(replica.id, ({"id": MODEL},))
         replica.block_size = BLOCK_SIZE
         replica.in_flight = rng.randrange(0, 32)
         replica.kv_usage = rng.random()
-    return registry
+    return registry, catalog
 
 
 def _prompts(rng: random.Random) -> list[list[int]]:
@@ -91,7 +93,7 @@ def _text(prompt: list[int]) -> str:
 def _selector(policy_name: str, count: int, seed: int) -> tuple[Selector, list[RequestFeatures]]:
     rng = random.Random(seed)
     settings = RouterSettings()
-    registry = _fleet(count, rng)
+    registry, catalog = _fleet(count, rng)
     policy = make_policy(policy_name, random.Random(seed), policy_tuning(settings))
     metrics = RouterMetrics(registry, policy.name)
     kv_index = KvIndex() if policy_name == "kv_aware" else None
@@ -108,7 +110,7 @@ def _selector(policy_name: str, count: int, seed: int) -> tuple[Selector, list[R
                 text_index.record(text_keys(f"{MODEL}\0{_text(prompt)}"), holder)
     admission = admission_for(settings)
     indexes = (kv_index, text_index, recent)
-    selector = selector_for(settings, registry, policy, admission, metrics, *indexes, rng=random.Random(seed))
+    selector = selector_for(settings, registry, catalog, policy, admission, metrics, *indexes, rng=random.Random(seed))
     return selector, [_features(policy_name, prompts, i) for i in range(PROMPTS * 2)]
 
 
@@ -118,7 +120,7 @@ def time_policy(policy_name: str, counts: Sequence[int], decisions: int, repeats
     timeit does: the least disturbed run is the best estimate of the code's own cost."""
     fleets = {count: _selector(policy_name, count, seed=count) for count in counts}
     for selector, requests in fleets.values():
-        for request in requests:  # warm caches (the registry's views, the session rings)
+        for request in requests:  # warm caches (the catalog's views, the session rings)
             selector.decide(request)
     best = dict.fromkeys(counts, float("inf"))
     collecting = gc.isenabled()

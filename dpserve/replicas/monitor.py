@@ -12,6 +12,7 @@ import orjson
 
 from dpserve.background import cancel_and_wait
 from dpserve.replicas.adapters import LORA_INFO, lora_info
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 
@@ -27,11 +28,13 @@ SCRAPED_METRICS = frozenset({RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_
 
 
 class ReplicaMonitor:
-    """Probes every replica each `interval_s`: /health, then /metrics, and /v1/models when needed."""
+    """Probes every replica each `interval_s`: /health, then /metrics, and /v1/models when needed. Health and
+    load go to the registry, models and adapter slots to the catalog."""
 
     def __init__(
         self,
         registry: ReplicaRegistry,
+        catalog: ModelCatalog,
         session: aiohttp.ClientSession,
         interval_s: float,
         timeout_s: float,
@@ -42,6 +45,7 @@ class ReplicaMonitor:
         """`held`: whether the router holds requests now; while it does, replicas full only because of load
         that is not the routers' are read again every `held_interval_s` (`_watch_held`)."""
         self._registry = registry
+        self._catalog = catalog
         self._held = held
         self._held_interval_s = held_interval_s
         self._held_task: asyncio.Task[None] | None = None
@@ -102,7 +106,7 @@ class ReplicaMonitor:
                     raise ProbeFailed(f"/health answered {resp.status}")
             # A replica coming back may have been restarted with another model: re-read its models.
             if not replica.healthy or not replica.models or tick % self._models_every == 0:
-                self._registry.set_model_cards(replica.id, await self._model_cards(replica))
+                self._catalog.set_model_cards(replica.id, await self._model_cards(replica))
             await self._scrape(replica)
         except (aiohttp.ClientError, TimeoutError, ProbeFailed, ValueError) as exc:
             refused = isinstance(exc, aiohttp.ClientConnectorError)  # as the request path counts UpstreamConnectError
@@ -150,7 +154,7 @@ class ReplicaMonitor:
             max_loras, active = lora
             # vLLM logs the metric on engine steps only: an idle replica keeps showing its last batch.
             idle = not samples.total(RUNNING) and not samples.total(WAITING)
-            self._registry.set_lora_info(replica.id, max_loras, frozenset() if idle else active)
+            self._catalog.set_lora_info(replica.id, max_loras, frozenset() if idle else active)
 
 
 def _full_of_others(replica: Replica) -> bool:

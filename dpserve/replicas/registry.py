@@ -1,17 +1,16 @@
-"""The router's view of its replicas: identity, health, served models, load."""
+"""The router's replicas: which exist, their health, and their load (in-flight counts, this router's and
+its peers', and what their metrics say). What they serve is the catalog's (`replicas/catalog.py`)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dpserve.gpu.placement import parse_replica_spec
-from dpserve.policies.adapters import AdapterSlots
 from dpserve.policies.base import LoadFromCounts, ReplicaView
-from dpserve.replicas.adapter_folder import AdapterFolder
 from dpserve.replicas.adapters import ReplicaAdapters, adapter_cards
 from dpserve.replicas.capacity import Capacity, learn
 from dpserve.replicas.health import SOFT_FAILURES, HealthRules, HealthState, HealthTracker, Outcome
@@ -86,25 +85,10 @@ class Replica(LoadFromCounts):
         return "ejected" if self.health.ever_healthy else "starting"
 
     def set_model_cards(self, cards: tuple[dict[str, Any], ...]) -> None:
-        """Call through `ReplicaRegistry.set_model_cards`, which keeps routing's cached view current."""
+        """Call through `ModelCatalog.set_model_cards`, which keeps routing's cached views current."""
         self.model_cards = cards
         self.models = tuple(str(card["id"]) for card in cards)
         self.lora.listed(adapter_cards(cards))
-
-
-def adapter_card(name: str, path: str, parent: str | None, parent_card: dict[str, Any] | None) -> dict[str, Any]:
-    """An adapter's /v1/models card as vLLM writes one, for an adapter no replica has loaded yet."""
-    created = parent_card.get("created") if parent_card else None
-    return {
-        "id": name,
-        "object": "model",
-        "created": created if isinstance(created, int) else int(time.time()),
-        "owned_by": "vllm",
-        "root": path,
-        "parent": parent,
-        "max_model_len": None,
-        "permission": parent_card.get("permission", []) if parent_card else [],
-    }
 
 
 def replica_id(index: int) -> str:
@@ -119,48 +103,28 @@ def replica_ids(count: int) -> list[str]:
 
 
 class ReplicaRegistry:
-    """Replicas by id. Ids are `r0, r1, ...` in the order replicas were given, then added at run time;
-    a removed replica's id is never reused, so metrics and logs stay unambiguous."""
+    """Replicas by id, their health and their load. Ids are `r0, r1, ...` in the order replicas were given,
+    then added at run time; a removed replica's id is never reused, so metrics and logs stay unambiguous.
+
+    Listeners hear of three kinds of change: room (`on_change`: a waiting request may fit now), routability
+    (`on_reshape`: who is in routing changed; the catalog rebuilds its views) and new replicas (`on_added`)."""
 
     def __init__(
         self,
         specs: Sequence[str],
         rules: HealthRules | None = None,
         clock: Callable[[], float] = time.monotonic,
-        adapters: Mapping[str, str] | None = None,
-        adapter_folder: AdapterFolder | None = None,
-        assumed_max_loras: int = 0,
-        adapter_slots: int = 0,
     ) -> None:
         """`specs`: replica URLs, each optionally followed by `@gpu=N` (see `parse_replica_spec`); none
-        where replicas are all discovered or added later. `adapters`: LoRA adapters by name, with their
-        paths as the replicas see them (`--lora`, `--lora-dir`); replicas' own adapters are learned from
-        their /v1/models. `assumed_max_loras`: a replica's adapter slots until it reports its own."""
-        self._adapter_folder = adapter_folder
-        self.adapter_paths: dict[str, str] = adapter_folder.read() if adapter_folder is not None else {}
-        """Every adapter's path: configured, or learned from a replica's card (its `root`)."""
-        self.adapter_paths.update(adapters or {})
-        self._configured_adapters = set(self.adapter_paths)
-        """Served whether or not a replica has them now; a learned one only while a replica lists it (an
-        adapter someone unloads everywhere is gone, not loaded back by the router)."""
-        self._adapter_names: frozenset[str] | None = None
-        """The adapters served now: configured, or listed by a replica (`is_adapter`; cached until
-        `_reshaped`)."""
-        self._adapter_parents: dict[str, str] = {}
-        self._assumed_max_loras = assumed_max_loras
-        self.adapter_slots = adapter_slots
-        """Adapters each replica keeps loaded (`--lora-slots`); 0: the default per its `max_loras`."""
+        where replicas are all discovered or added later."""
         self._replicas: dict[str, Replica] = {}
         self._next_id = 0
         self._tracker = HealthTracker(rules or HealthRules())
         self._clock = clock
-        self._listeners: list[Callable[[], None]] = []
+        self._room_listeners: list[Callable[[], None]] = []
         self._refused_listeners: list[Callable[[str], None]] = []
-        # Routable replicas per model, rebuilt only when routability or models change (`_reshaped`),
-        # so the hot path never scans the whole fleet to find its candidates.
-        self._views: dict[str, tuple[Replica, ...]] = {}
-        self._view_ids: dict[str, tuple[str, ...]] = {}
-        self._served: list[str] | None = None
+        self._reshape_listeners: list[Callable[[], None]] = []
+        self._added_listeners: list[Callable[[Replica], None]] = []
         self.degraded_ids: frozenset[str] = frozenset()
         """Replicas whose GPU is unfit (`set_degraded`): read on every decision, so kept as a set."""
         for spec in specs:
@@ -190,11 +154,12 @@ class ReplicaRegistry:
         if self.by_url(url) is not None:
             raise ValueError(f"{url} is already a replica")
         replica = Replica(id=replica_id(self._next_id), url=url, gpu_hint=hint)
-        replica.lora.max_loras = self._assumed_max_loras  # until its metrics say
         self._next_id += 1
         self._replicas[replica.id] = replica
+        for listener in self._added_listeners:
+            listener(replica)
         self._reshaped()
-        self._changed()
+        self.notify_room()
         return replica
 
     def remove(self, replica_id: str) -> Replica:
@@ -207,7 +172,7 @@ class ReplicaRegistry:
     def set_draining(self, replica_id: str, draining: bool) -> None:
         self._replicas[replica_id].draining = draining
         self._reshaped()
-        self._changed()
+        self.notify_room()
 
     def set_degraded(self, replica_id: str, reasons: tuple[str, ...]) -> bool:
         """Mark (reasons) or clear (empty) a replica's GPU trouble; True when that changed whether it is
@@ -225,142 +190,44 @@ class ReplicaRegistry:
         else:
             self.degraded_ids = self.degraded_ids - {replica_id}
             log.info("replica %s no longer degraded: its GPU is fit again", replica_id)
-            self._changed()
+            self.notify_room()
         return True
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """`listener` runs whenever a replica may have gained room: a slot freed (this router's, a peer's),
         a replica added or admitted, a scrape (load from elsewhere may have ended)."""
-        self._listeners.append(listener)
+        self._room_listeners.append(listener)
 
     def on_refused(self, listener: Callable[[str], None]) -> None:
         """`listener(replica_id)` runs when nothing accepted a connection to a replica: it may be gone."""
         self._refused_listeners.append(listener)
 
+    def on_reshape(self, listener: Callable[[], None]) -> None:
+        """`listener` runs, before anything routes again, whenever which replicas are routable may have
+        changed: one added, removed, drained, resumed, admitted or ejected."""
+        self._reshape_listeners.append(listener)
+
+    def on_added(self, listener: Callable[[Replica], None]) -> None:
+        """`listener(replica)` runs for each replica added from now on, before it is routable."""
+        self._added_listeners.append(listener)
+
+    def notify_room(self) -> None:
+        """Tells the `on_change` listeners a replica may have gained room (also the catalog's to call: an
+        adapter gone idle frees a slot)."""
+        for listener in self._room_listeners:
+            listener()
+
     def _tell_refused(self, replica_id: str) -> None:
         for listener in self._refused_listeners:
             listener(replica_id)
 
+    def _reshaped(self) -> None:
+        for listener in self._reshape_listeners:
+            listener()
+
     def healthy(self) -> list[Replica]:
         """Replicas routing may use: healthy and not draining."""
         return [r for r in self._replicas.values() if r.routable]
-
-    def served_models(self) -> list[str]:
-        """Models of routable replicas, de-duplicated, in replica order."""
-        return list(self._served_models())
-
-    def serves(self, model: str) -> bool:
-        """Whether a routable replica serves `model` (cheap: read on every request)."""
-        return bool(self.routable(model))
-
-    def only_model(self) -> str | None:
-        """The one base model routable replicas serve, when there is exactly one (adapters aside)."""
-        served = [name for name in self._served_models() if not self.is_adapter(name)]
-        return served[0] if len(served) == 1 else None
-
-    def _served_models(self) -> list[str]:
-        # Cached until routability or models change (`_reshaped`): read on every request.
-        if self._served is None:
-            self._served = list(self.model_cards(healthy_only=True))
-        return self._served
-
-    def routable(self, model: str) -> tuple[Replica, ...]:
-        """Replicas routing may use for `model`, in id order (cached until routability changes)."""
-        view = self._views.get(model)
-        if view is None:
-            if self.is_adapter(model):
-                # Any replica with LoRA on can load it (`policies/adapters.py` chooses where).
-                parent = self._adapter_parents.get(model)
-                view = tuple(
-                    r
-                    for r in self._replicas.values()
-                    if r.routable and r.lora.enabled and (model in r.models or parent is None or parent in r.models)
-                )
-            else:
-                view = tuple(r for r in self._replicas.values() if r.routable and model in r.models)
-            self._views[model] = view
-        return view
-
-    def find_new_adapters(self) -> bool:
-        """Reads the adapter folder again (`--lora-dir`) for adapters added since; True if any was."""
-        folder = self._adapter_folder
-        found = folder.reread() if folder is not None else None
-        new = {name: path for name, path in (found or {}).items() if name not in self._configured_adapters}
-        if new and folder is not None:
-            self.adapter_paths.update(new)
-            self._configured_adapters.update(new)
-            self._reshaped()
-            log.info("new adapters in %s: %s", folder.path, ", ".join(new))
-        return bool(new)
-
-    def is_adapter(self, model: str) -> bool:
-        """Whether `model` names a LoRA adapter the router serves (cheap: read on every request)."""
-        names = self._adapter_names
-        if names is None:
-            listed = {name for r in self._replicas.values() for name in adapter_cards(r.model_cards)}
-            names = self._adapter_names = frozenset(self._configured_adapters | listed)
-        return model in names
-
-    def adapter_slots_of(self, replica: Replica) -> AdapterSlots:
-        return replica.lora.slots(self.adapter_slots)
-
-    def adapter_parent(self, adapter: str) -> str | None:
-        """The base model an adapter runs on: as a replica listed it, else the one base model served."""
-        parent = self._adapter_parents.get(adapter)
-        if parent is not None:
-            return parent
-        return self.only_model()
-
-    def routable_ids(self, model: str) -> tuple[str, ...]:
-        """The ids of `routable(model)`, sorted; the same tuple object until routability changes."""
-        ids = self._view_ids.get(model)
-        if ids is None:
-            ids = self._view_ids[model] = tuple(sorted(r.id for r in self.routable(model)))
-        return ids
-
-    def set_model_cards(self, replica_id: str, cards: tuple[dict[str, Any], ...]) -> None:
-        replica = self._replicas.get(replica_id)
-        if replica is not None and cards != replica.model_cards:
-            replica.set_model_cards(cards)
-            for name, card in adapter_cards(cards).items():
-                if isinstance(card.get("root"), str) and card["root"]:
-                    self.adapter_paths.setdefault(name, card["root"])
-                self._adapter_parents[name] = card["parent"]
-            self._reshaped()
-
-    def _reshaped(self) -> None:
-        """Which replicas are routable, or what they serve, may have changed."""
-        self._views.clear()
-        self._view_ids.clear()
-        self._served = None
-        self._adapter_names = None
-
-    def known_models(self) -> list[str]:
-        """Models any replica has ever reported, healthy now or not."""
-        return list(self.model_cards(healthy_only=False))
-
-    def model_cards(self, healthy_only: bool) -> dict[str, dict[str, Any]]:
-        """Every model, then every adapter the router can load (loaded somewhere or not), as vLLM's cards."""
-        cards: dict[str, dict[str, Any]] = {}
-        lora_on = False
-        for replica in self._replicas.values():
-            if healthy_only and not replica.routable:
-                continue
-            lora_on = lora_on or replica.lora.enabled
-            for card in replica.model_cards:
-                cards.setdefault(str(card["id"]), card)
-        if lora_on or not healthy_only:
-            bases = [name for name, card in cards.items() if not card.get("parent")]
-            for name in self._configured_adapters:
-                path = self.adapter_paths[name]
-                if name not in cards:
-                    parent = self._adapter_parents.get(name) or (bases[0] if len(bases) == 1 else None)
-                    cards[name] = adapter_card(name, path, parent, cards.get(parent or ""))
-        return cards
-
-    def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[ReplicaView]:
-        """Routable replicas serving `model`; those backing off (429/503) only when no other is left."""
-        return self.available(self.routable(model), exclude)
 
     def available(
         self, replicas: Iterable[Replica], exclude: Iterable[str] = (), fresh_only: bool = False
@@ -385,11 +252,12 @@ class ReplicaRegistry:
         replica = self._replicas.get(replica_id)
         if replica is not None:
             replica.in_flight = max(0, replica.in_flight - 1)
-        self._changed()
+        self.notify_room()
 
     def hold_adapter(self, replica_id: str, adapter: str) -> None:
         """A request of `adapter` was sent to the replica (perhaps waiting for the load): the adapter is
-        not idle there until `release_adapter`."""
+        not idle there until `release_adapter`. Here with the other in-flight counts, which the request path
+        keeps; which adapters a replica may serve is the catalog's."""
         replica = self._replicas.get(replica_id)
         if replica is not None:
             replica.lora.started(adapter, self._clock())
@@ -399,24 +267,7 @@ class ReplicaRegistry:
         if replica is not None:
             replica.lora.finished(adapter, self._clock())
             if adapter not in replica.lora.in_flight:
-                self._changed()  # idle now: a request waiting for an adapter slot may load there
-
-    def set_lora_info(self, replica_id: str, max_loras: int, active: frozenset[str]) -> None:
-        """What `vllm:lora_requests_info` said: its adapter slots, and the adapters running or waiting."""
-        replica = self._replicas.get(replica_id)
-        if replica is None:
-            return
-        lora = replica.lora
-        was_enabled = lora.enabled
-        if max_loras > 0:
-            lora.max_loras = max_loras
-        if lora.active != active:
-            idle_now = bool(lora.active - active)
-            lora.active = active
-            if idle_now:
-                self._changed()  # an adapter went idle: a request waiting for a slot may load now
-        if lora.enabled != was_enabled:
-            self._reshaped()
+                self.notify_room()  # idle now: a request waiting for an adapter slot may load there
 
     def set_peer_in_flight(self, counts: dict[str, int]) -> None:
         """What the router's peers have in flight, per replica id (absent: none); sums over every peer."""
@@ -426,7 +277,7 @@ class ReplicaRegistry:
             fell = fell or count < replica.peer_in_flight
             replica.peer_in_flight = count
         if fell:
-            self._changed()  # a peer's requests ended there
+            self.notify_room()  # a peer's requests ended there
 
     def probe_succeeded(self, replica_id: str) -> None:
         replica = self._replicas.get(replica_id)
@@ -436,7 +287,7 @@ class ReplicaRegistry:
             self._reshaped()
             replica.last_error = None
             log.info("replica %s is healthy (models: %s)", replica.id, ", ".join(replica.models))
-            self._changed()
+            self.notify_room()
 
     def probe_failed(self, replica_id: str, reason: str, refused: bool = False) -> None:
         """`refused`: nothing accepted the probe's connection. Listeners hear of it while the replica is
@@ -473,10 +324,6 @@ class ReplicaRegistry:
             self._reshaped()
             log.warning("replica %s ejected: requests failed (%s)", replica.id, reason or outcome.value)
 
-    def _changed(self) -> None:
-        for listener in self._listeners:
-            listener()
-
     def record_scrape(
         self,
         replica_id: str,
@@ -510,4 +357,4 @@ class ReplicaRegistry:
         replica.last_scrape = time.monotonic()
         # Every scrape, not only one that raised the capacity: load that was not this router's (other
         # routers, other clients) may have ended, and no answer of this router's would say so.
-        self._changed()
+        self.notify_room()

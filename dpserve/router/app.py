@@ -38,7 +38,8 @@ from dpserve.policies import Need, Policy, PolicyTuning, make_policy
 from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.bindings import SessionBindings
 from dpserve.policies.kv_aware import KvAwareWeights
-from dpserve.replicas.adapter_folder import AdapterFolder
+from dpserve.replicas.adapter_folder import AdapterFolder, AdapterFolderWatch
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
 from dpserve.replicas.health import HealthRules
 from dpserve.replicas.kv_events import KvEventSubscriber, parse_kv_event_source
@@ -84,6 +85,7 @@ class RouterState:
     """What the status page, metrics and admin API read, complete when `create_app` returns."""
 
     registry: ReplicaRegistry
+    catalog: ModelCatalog
     policy: Policy
     metrics: RouterMetrics
     kv_index: KvIndex | None
@@ -117,19 +119,21 @@ def policy_tuning(settings: RouterSettings) -> PolicyTuning:
     )
 
 
-def registry_for(settings: RouterSettings) -> ReplicaRegistry:
-    """The replicas given, and the LoRA adapters the router may load on them (`--lora`, `--lora-dir`)."""
+def catalog_for(settings: RouterSettings, registry: ReplicaRegistry) -> ModelCatalog:
+    """The LoRA adapters the router may load on the replicas (`--lora`; `--lora-dir`'s come from its watch)."""
     adapters = settings.lora_adapters
-    folder = AdapterFolder(settings.lora_dir) if settings.lora_dir else None
-    return ReplicaRegistry(
-        settings.replicas,
-        health_rules(settings),
+    return ModelCatalog(
+        registry,
         adapters=adapters,
-        adapter_folder=folder,
         # vLLM reports its adapter slots only once it has served a request; until then one is assumed.
-        assumed_max_loras=1 if adapters or folder is not None else 0,
+        assumed_max_loras=1 if adapters or settings.lora_dir else 0,
         adapter_slots=settings.lora_slots,
     )
+
+
+def adapter_folder_watch(settings: RouterSettings, catalog: ModelCatalog) -> AdapterFolderWatch | None:
+    """`--lora-dir`: read before serving, then every second, off the request path."""
+    return AdapterFolderWatch(AdapterFolder(settings.lora_dir), catalog) if settings.lora_dir else None
 
 
 def admission_for(settings: RouterSettings) -> Admission:
@@ -157,6 +161,7 @@ def flow_for(settings: RouterSettings, keys: Keys, admission: Admission) -> Flow
 def selector_for(
     settings: RouterSettings,
     registry: ReplicaRegistry,
+    catalog: ModelCatalog,
     policy: Policy,
     admission: Admission,
     metrics: RouterMetrics,
@@ -172,6 +177,7 @@ def selector_for(
     prefixes = PrefixLookup(metrics, kv_index, text_index, recent) if reads_prefix else None
     return Selector(
         registry,
+        catalog,
         policy,
         admission,
         metrics,
@@ -343,7 +349,6 @@ def _document_proxied(app: FastAPI) -> None:
 def create_app(
     settings: RouterSettings,
     *,
-    registry: ReplicaRegistry | None = None,
     policy: Policy | None = None,
     rng: random.Random | None = None,
     nvml: Callable[[], Nvml] = load_nvml,
@@ -355,9 +360,11 @@ def create_app(
     # A bad nameserver fails here.
     wants_dns = sources or settings.discover_agents or settings.discover_peers
     resolver = DnsResolver(settings.discover_nameserver) if wants_dns else None
-    if registry is None and not settings.replicas and not sources:
+    if not settings.replicas and not sources:
         raise ValueError("no replicas: give --replica URL or --discover dns:NAME:PORT")
-    registry = registry or registry_for(settings)
+    registry = ReplicaRegistry(settings.replicas, health_rules(settings))
+    catalog = catalog_for(settings, registry)
+    folder_watch = adapter_folder_watch(settings, catalog)
     policy = policy or make_policy(settings.routing_policy, rng, policy_tuning(settings))
     shadows = shadow_scorer(settings, registry)
     # What features are computed: the live policy's, and the shadows' (a kv_aware shadow beside a load
@@ -411,7 +418,20 @@ def create_app(
     open_streams = OpenStreams()
     shutdown = Shutdown(open_streams)
     state = RouterState(
-        registry, policy, metrics, kv_index, [], gpus, shutdown, time.time(), sources, peers, flow, receipts, shadows
+        registry,
+        catalog,
+        policy,
+        metrics,
+        kv_index,
+        [],
+        gpus,
+        shutdown,
+        time.time(),
+        sources,
+        peers,
+        flow,
+        receipts,
+        shadows,
     )
     if sources:
         metrics.registry.register(DiscoveryCollector(sources))
@@ -419,6 +439,10 @@ def create_app(
         metrics.registry.register(PeerCollector(peers))
         shutdown.on_drain.append(peers.drain)
     hot_path = HotPath()
+    selector = selector_for(
+        settings, registry, catalog, policy, admission, metrics, kv_index, text_index, recent, rng, bindings
+    )
+    retry = RetryRules(settings.retries, settings.retry_backoff_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -427,6 +451,7 @@ def create_app(
         control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
         monitor = ReplicaMonitor(
             registry,
+            catalog,
             control,
             settings.probe_interval_s,
             settings.probe_timeout_s,
@@ -437,18 +462,17 @@ def create_app(
         if Need.KV_PREFIX in needs:
             tokenizer: PromptTokenizer = local or RemoteTokenizer(control)
             tokens = TokenCache(tokenizer, settings.token_cache_entries)
-        selector = selector_for(
-            settings, registry, policy, admission, metrics, kv_index, text_index, recent, rng, bindings
-        )
-        retry = RetryRules(settings.retries, settings.retry_backoff_s)
-        adapters = AdapterLoader(registry, metrics)
+        adapters = AdapterLoader(registry, catalog, metrics)
         adapters.attach(control)
         dispatcher = Dispatcher(
-            registry, selector, hot, metrics, retry, admission, open_streams, rng=rng, adapters=adapters
+            registry, catalog, selector, hot, metrics, retry, admission, open_streams, rng=rng, adapters=adapters
         )
-        features = FeatureBuilder(needs, registry, metrics, kv_index, text_index, tokens, bindings, chunk_tokens)
+        features = FeatureBuilder(
+            needs, registry, catalog, metrics, kv_index, text_index, tokens, bindings, chunk_tokens
+        )
         relaying = Relaying(
             registry,
+            catalog,
             features,
             dispatcher,
             metrics,
@@ -483,6 +507,9 @@ def create_app(
             gpus.local.start()
         if gpus.agents is not None:  # polled from the start, not waited for: an agent may be slow or gone
             gpus.agents.start(control)
+        if folder_watch is not None:
+            await folder_watch.refresh()  # the folder's adapters listed and servable from the first request
+            folder_watch.start()
         await monitor.probe_all()
         monitor.start()
         if discovery is not None:
@@ -506,6 +533,8 @@ def create_app(
             if discovery is not None:
                 await discovery.stop()
             await monitor.stop()
+            if folder_watch is not None:
+                await folder_watch.stop()
             if gpus.local is not None:
                 await gpus.local.stop()
             if gpus.agents is not None:
@@ -527,7 +556,7 @@ def create_app(
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         # From what the probes last read: answers at once, also while a replica is down.
-        cards = state.registry.model_cards(healthy_only=True)
+        cards = state.catalog.model_cards(healthy_only=True)
         return JSONResponse({"object": "list", "data": list(cards.values())})
 
     @app.get("/health")

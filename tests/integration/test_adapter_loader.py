@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.observe.metrics import RouterMetrics
 from dpserve.router.routing.adapter_loader import AdapterLoader, AdapterLoadFailed
@@ -64,10 +65,9 @@ async def loader_for(
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     paths = {name: f"/adapters/{name}" for name in ("a", "b", "c", "bad")}
-    registry = ReplicaRegistry(
-        [f"http://127.0.0.1:{port}"], adapters=paths, assumed_max_loras=max_loras, adapter_slots=max_loras
-    )
-    loader = AdapterLoader(registry, RouterMetrics(registry, "least_loaded"))
+    registry = ReplicaRegistry([f"http://127.0.0.1:{port}"])
+    catalog = ModelCatalog(registry, adapters=paths, assumed_max_loras=max_loras, adapter_slots=max_loras)
+    loader = AdapterLoader(registry, catalog, RouterMetrics(registry, "least_loaded"))
     try:
         async with aiohttp.ClientSession() as session:
             loader.attach(session)

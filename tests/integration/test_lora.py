@@ -185,10 +185,13 @@ def test_an_adapter_loaded_through_the_admin_api_is_seen_at_once(fleet: Fleet, l
 def test_an_unknown_adapter_is_404_and_a_new_folder_is_picked_up(lora_router: RouterProcess, lora_dir: Path) -> None:
     missing = complete(lora_router.url, "late-adapter")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
-    # Copied into the folder while the router runs: served without a restart.
+    # Copied into the folder while the router runs: served without a restart, from the folder watch's next
+    # read (every second, off the request path), so within about a second of the copy.
     shutil.copytree(lora_dir / "tiny-lora-3", lora_dir / "late-adapter")
+    copied = time.monotonic()
     try:
-        time.sleep(1.1)  # the folder is read again at most once a second
+        wait_until(lambda: "late-adapter" in listed_adapters(lora_router.url), timeout_s=5, interval_s=0.05)
+        assert time.monotonic() - copied < 3  # the watch's 1 s, with room for a busy CI host
         late = complete(lora_router.url, "late-adapter")
         assert late.status_code == 200, late.text
         assert late.json()["model"] == "late-adapter"

@@ -6,6 +6,7 @@ import random
 
 from dpserve.kvindex.index import KvIndex
 from dpserve.policies import RequestFeatures, make_policy
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.health import HealthRules
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.admission import Admission
@@ -16,16 +17,18 @@ MODEL = "m"
 REQUEST = RequestFeatures("completions", MODEL, False)
 
 
-def fleet(count: int) -> ReplicaRegistry:
+def fleet(count: int) -> tuple[ReplicaRegistry, ModelCatalog]:
     registry = ReplicaRegistry([f"http://127.0.0.1:{30000 + i}" for i in range(count)], HealthRules())
+    catalog = ModelCatalog(registry)
     for replica in registry:
         registry.probe_succeeded(replica.id)
-        registry.set_model_cards(replica.id, ({"id": MODEL},))
-    return registry
+        catalog.set_model_cards(replica.id, ({"id": MODEL},))
+    return registry, catalog
 
 
 def selector(
     registry: ReplicaRegistry,
+    catalog: ModelCatalog,
     policy_name: str,
     sample: int = 8,
     limit: int = 256,
@@ -35,6 +38,7 @@ def selector(
     metrics = RouterMetrics(registry, policy.name)
     return Selector(
         registry,
+        catalog,
         policy,
         Admission(limit, 16, 1.0),
         metrics,

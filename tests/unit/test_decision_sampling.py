@@ -14,10 +14,10 @@ from tests.unit.selection_fixtures import MODEL, REQUEST, fleet, selector
 
 
 def test_least_loaded_picks_the_least_loaded_of_a_window_and_spreads_over_the_fleet() -> None:
-    registry = fleet(64)
+    registry, catalog = fleet(64)
     for index, replica in enumerate(registry):
         replica.in_flight = index % 5 + 1
-    router = selector(registry, "least_loaded")
+    router = selector(registry, catalog, "least_loaded")
     chosen = Counter()
     for _ in range(2000):
         decision = router.decide(REQUEST)
@@ -30,30 +30,30 @@ def test_least_loaded_picks_the_least_loaded_of_a_window_and_spreads_over_the_fl
 
 
 def test_with_the_sample_off_the_whole_fleet_is_weighed() -> None:
-    registry = fleet(64)
+    registry, catalog = fleet(64)
     for replica in registry:
         replica.in_flight = 3
     registry.get("r40").in_flight = 0
-    assert {selector(registry, "least_loaded", sample=0).decide(REQUEST).id for _ in range(50)} == {"r40"}
+    assert {selector(registry, catalog, "least_loaded", sample=0).decide(REQUEST).id for _ in range(50)} == {"r40"}
     # With a window of 8, the idle replica is chosen only when the window holds it.
-    sampled = selector(registry, "least_loaded")
+    sampled = selector(registry, catalog, "least_loaded")
     assert len({sampled.decide(REQUEST).id for _ in range(50)}) > 1
 
 
 def test_a_full_sample_falls_back_to_the_whole_fleet() -> None:
-    registry = fleet(32)
+    registry, catalog = fleet(32)
     for replica in registry:
         replica.in_flight = 4  # the admission limit: no room
     registry.get("r17").in_flight = 0
-    router = selector(registry, "least_loaded", limit=4)
+    router = selector(registry, catalog, "least_loaded", limit=4)
     assert all(router.decide(REQUEST).id == "r17" for _ in range(20))
     registry.get("r17").in_flight = 4
     assert router.decide(REQUEST) is None
 
 
 def test_round_robin_takes_every_replica_in_turn() -> None:
-    registry = fleet(40)
-    router = selector(registry, "round_robin")
+    registry, catalog = fleet(40)
+    router = selector(registry, catalog, "round_robin")
     chosen = [router.decide(REQUEST).id for _ in range(80)]
     assert Counter(chosen) == Counter({replica.id: 2 for replica in registry})
     assert chosen[:40] == chosen[40:]
@@ -62,7 +62,7 @@ def test_round_robin_takes_every_replica_in_turn() -> None:
 
 
 def test_the_replicas_holding_the_prefix_join_the_window() -> None:
-    registry = fleet(64)
+    registry, catalog = fleet(64)
     for replica in registry:
         replica.block_size = 4
     index = KvIndex()
@@ -70,40 +70,40 @@ def test_the_replicas_holding_the_prefix_join_the_window() -> None:
     index.store("r33", BlockStored(tuple(range(16)), None, tuple(prompt), 4))
     keys = tuple(block_keys(prompt, 4))
     request = RequestFeatures("completions", MODEL, False, PrefixMatch(PrefixSource.KV_EVENTS, len(keys), 4, keys=keys))
-    router = selector(registry, "kv_aware", kv_index=index)
+    router = selector(registry, catalog, "kv_aware", kv_index=index)
     assert all(router.decide(request).id == "r33" for _ in range(30))
 
 
 def test_the_routable_view_follows_health_draining_and_models() -> None:
-    registry = fleet(3)
-    ids = lambda: [replica.id for replica in registry.routable(MODEL)]  # noqa: E731
+    registry, catalog = fleet(3)
+    ids = lambda: [replica.id for replica in catalog.routable(MODEL)]  # noqa: E731
     assert ids() == ["r0", "r1", "r2"]
     registry.set_draining("r1", True)
     assert ids() == ["r0", "r2"]
     registry.observe("r0", Outcome.REFUSED)
     assert ids() == ["r2"]
-    registry.set_model_cards("r2", ({"id": "other"},))
-    assert ids() == [] and registry.served_models() == ["other"] and registry.only_model() == "other"
+    catalog.set_model_cards("r2", ({"id": "other"},))
+    assert ids() == [] and catalog.served_models() == ["other"] and catalog.only_model() == "other"
     registry.set_draining("r1", False)
-    assert ids() == ["r1"] and registry.serves(MODEL)
+    assert ids() == ["r1"] and catalog.serves(MODEL)
     registry.add("http://127.0.0.1:39999")
     registry.remove("r1")
-    assert ids() == [] and not registry.serves(MODEL)
+    assert ids() == [] and not catalog.serves(MODEL)
 
 
 def test_a_sample_of_replicas_backing_off_gives_way_to_the_rest_of_the_fleet() -> None:
-    registry = fleet(12)
+    registry, catalog = fleet(12)
     for replica in registry:
         if replica.id != "r5":
             registry.observe(replica.id, Outcome.BACKPRESSURE)  # answered 429: avoided while another has room
     for policy_name in ("round_robin", "least_loaded"):
-        router = selector(registry, policy_name)
+        router = selector(registry, catalog, policy_name)
         assert {router.decide(REQUEST).id for _ in range(24)} == {"r5"}
 
 
 def test_a_session_keeps_its_replica_on_the_whole_fleets_ring_while_deciding_among_a_sample() -> None:
-    registry = fleet(40)
-    router = selector(registry, "session")
+    registry, catalog = fleet(40)
+    router = selector(registry, catalog, "session")
     policy = router.policy
     assert isinstance(policy, SessionAffinity)
     ring_order = list(policy.ring(tuple(sorted(r.id for r in registry))).walk("user-7"))

@@ -9,6 +9,7 @@ from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import TextPrefixIndex
 from dpserve.policies import make_policy
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.http.endpoints import CHAT, COMPLETIONS, EMBEDDINGS
 from dpserve.router.observe.metrics import RouterMetrics
@@ -27,29 +28,30 @@ class WordIds:
         return tuple(len(word) for word in payload["prompt"].split())
 
 
-def fleet() -> ReplicaRegistry:
+def fleet() -> tuple[ReplicaRegistry, ModelCatalog]:
     registry = ReplicaRegistry(["http://a", "http://b"])
+    catalog = ModelCatalog(registry)
     for replica in registry:
         registry.probe_succeeded(replica.id)
         replica.block_size = 2
-        registry.set_model_cards(replica.id, ({"id": "m"},))
-    return registry
+        catalog.set_model_cards(replica.id, ({"id": "m"},))
+    return registry, catalog
 
 
 async def test_kv_matches_are_read_at_decision_time() -> None:
-    registry = fleet()
+    registry, catalog = fleet()
     now = [0.0]
     policy = make_policy("kv_aware")
     metrics = RouterMetrics(registry, policy.name)
     kv_index = KvIndex()
-    builder = FeatureBuilder(policy.needs, registry, metrics, kv_index=kv_index, tokens=TokenCache(WordIds()))
+    builder = FeatureBuilder(policy.needs, registry, catalog, metrics, kv_index=kv_index, tokens=TokenCache(WordIds()))
     lookup = PrefixLookup(metrics, kv_index, recent=RecentRoutes(lambda: now[0]))
     body = {"prompt": "a bb ccc dddd eeeee ffffff"}
     first = await builder.build(COMPLETIONS, "m", False, body, {})
     second = await builder.build(COMPLETIONS, "m", False, body, {})
     assert first.prefix is not None and first.prefix.total_blocks == 3 and not first.prefix.matched
     # The first is routed to r1 before the second decides: the second sees it as pending there.
-    candidates = registry.candidates("m")
+    candidates = catalog.candidates("m")
     decided = lookup.match(first, candidates)
     assert decided.prefix is not None and decided.prefix.best == 0
     lookup.record(decided, "r1")
@@ -61,19 +63,19 @@ async def test_kv_matches_are_read_at_decision_time() -> None:
 
 
 async def test_text_prefix_and_session_features() -> None:
-    registry = fleet()
+    registry, catalog = fleet()
     policy = make_policy("prefix")
     metrics = RouterMetrics(registry, policy.name)
     text_index = TextPrefixIndex()
-    builder = FeatureBuilder(policy.needs, registry, metrics, text_index=text_index)
+    builder = FeatureBuilder(policy.needs, registry, catalog, metrics, text_index=text_index)
     lookup = PrefixLookup(metrics, text_index=text_index)
     body = {"prompt": "x" * 300}
     features = await builder.build(COMPLETIONS, "m", False, body, {})
-    lookup.record(lookup.match(features, registry.candidates("m")), "r0")
-    again = lookup.match(await builder.build(COMPLETIONS, "m", False, body, {}), registry.candidates("m"))
+    lookup.record(lookup.match(features, catalog.candidates("m")), "r0")
+    again = lookup.match(await builder.build(COMPLETIONS, "m", False, body, {}), catalog.candidates("m"))
     assert again.prefix is not None and again.prefix.blocks("r0") == again.prefix.total_blocks > 0
     session = make_policy("session")
-    keyed = FeatureBuilder(session.needs, registry, RouterMetrics(registry, session.name))
+    keyed = FeatureBuilder(session.needs, registry, catalog, RouterMetrics(registry, session.name))
     assert (await keyed.build(CHAT, "m", False, {"user": "u1"}, {})).session_key == "u1"
     assert (await keyed.build(CHAT, "m", False, {"user": "u1"}, {"x-session-id": "s9"})).session_key == "s9"
     assert (await keyed.build(EMBEDDINGS, "m", False, {"user": "u1"}, {})).session_key is None

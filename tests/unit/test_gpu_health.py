@@ -232,11 +232,11 @@ def test_bad_health_settings_are_refused() -> None:
 
 @pytest.mark.parametrize("sample", [0, 2])
 def test_a_degraded_replica_gets_no_new_requests_while_another_has_room(sample: int) -> None:
-    registry = fleet(3)
+    registry, catalog = fleet(3)
     registry.get("r0").in_flight = 0
     registry.get("r1").in_flight = 2
     registry.get("r2").in_flight = 3
-    router = selector(registry, "least_loaded", sample=sample, limit=4)
+    router = selector(registry, catalog, "least_loaded", sample=sample, limit=4)
     assert router.decide(REQUEST).id == "r0"
     assert registry.set_degraded("r0", ("GPU 0: throttled: hw_thermal",)) is True
     assert registry.get("r0").state == "degraded"
@@ -250,17 +250,17 @@ def test_a_degraded_replica_gets_no_new_requests_while_another_has_room(sample: 
 
 
 def test_the_last_replica_is_never_drained_for_its_gpu() -> None:
-    registry = fleet(2)
+    registry, catalog = fleet(2)
     registry.set_degraded("r0", ("GPU 0: Xid 79",))
     registry.set_degraded("r1", ("GPU 1: Xid 79",))
-    router = selector(registry, "least_loaded", limit=4)
+    router = selector(registry, catalog, "least_loaded", limit=4)
     assert {router.decide(REQUEST).id for _ in range(20)} == {"r0", "r1"}
     registry.remove("r1")
     assert router.decide(REQUEST).id == "r0"
 
 
 def test_clearing_a_degraded_replica_wakes_waiting_requests() -> None:
-    registry = fleet(1)
+    registry, _ = fleet(1)
     woken: list[int] = []
     registry.on_change(lambda: woken.append(1))
     registry.set_degraded("r0", ("x",))

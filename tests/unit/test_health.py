@@ -114,18 +114,19 @@ def test_statuses_are_classified(status: int, outcome: Outcome) -> None:
     assert classify_status(status) is outcome
 
 
-def test_registry_candidates_prefer_replicas_not_backing_off() -> None:
+def test_registry_available_prefers_replicas_not_backing_off() -> None:
     now = [100.0]
     registry = ReplicaRegistry(["http://a:1", "http://b:2"], RULES, clock=lambda: now[0])
     for replica in registry:
         registry.probe_succeeded(replica.id)
-        registry.set_model_cards(replica.id, ({"id": "m"},))
+    available = lambda **kwargs: [c.id for c in registry.available(registry.healthy(), **kwargs)]  # noqa: E731
     registry.observe("r0", Outcome.BACKPRESSURE)
-    assert [c.id for c in registry.candidates("m")] == ["r1"]
+    assert available() == ["r1"]
     registry.observe("r1", Outcome.BACKPRESSURE)
-    assert [c.id for c in registry.candidates("m")] == ["r0", "r1"]  # all backing off: all still candidates
+    assert available() == ["r0", "r1"]  # all backing off: all still candidates
+    assert available(fresh_only=True) == [] and available(exclude=["r0"]) == ["r1"]
     now[0] += RULES.backoff_s
-    assert [c.id for c in registry.candidates("m")] == ["r0", "r1"]
+    assert available() == ["r0", "r1"]
 
 
 def test_registry_draining_and_removal() -> None:
@@ -134,9 +135,8 @@ def test_registry_draining_and_removal() -> None:
     registry.on_change(lambda: changes.append(1))
     for replica in registry:
         registry.probe_succeeded(replica.id)
-        registry.set_model_cards(replica.id, ({"id": "m"},))
     registry.set_draining("r0", True)
-    assert [c.id for c in registry.candidates("m")] == ["r1"] and registry.get("r0").state == "draining"
+    assert [r.id for r in registry.healthy()] == ["r1"] and registry.get("r0").state == "draining"
     registry.acquire("r1")
     removed = registry.remove("r1")
     registry.release("r1")  # a request finishing on a removed replica is no error

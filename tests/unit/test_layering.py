@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("dpserve.kvindex", "dpserve.gpu"),  # pure data: the KV-block index, NVML samples
     ("dpserve.policies",),  # pure routing decisions
-    ("dpserve.replicas",),  # the router's view of replicas: registry, health, probes, KV-event subscribers
+    ("dpserve.replicas",),  # the router's view of replicas: registry, catalog, health, probes, KV-event subscribers
     ("dpserve.sim", "dpserve.agent"),  # the vLLM-compatible simulator; the per-host GPU agent
     ("dpserve.router",),  # the gateway
     ("dpserve.tune",),  # `dpserve tune`: kv_aware's weights replayed in a model of the fleet

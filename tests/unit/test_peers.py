@@ -11,6 +11,7 @@ from dpserve.kvindex.events import BlockStored
 from dpserve.kvindex.index import KvIndex, block_keys
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.policies.bindings import SessionBindings
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.quotas import Quota, QuotaBook
 from dpserve.router.peers.board import PeerBoard
@@ -41,8 +42,9 @@ class Clock:
 
 def healthy_registry(urls: list[str]) -> ReplicaRegistry:
     registry = ReplicaRegistry(urls)
+    catalog = ModelCatalog(registry)
     for replica in registry:
-        registry.set_model_cards(replica.id, ({"id": "m"},))
+        catalog.set_model_cards(replica.id, ({"id": "m"},))
         registry.probe_succeeded(replica.id)
     return registry
 

@@ -1,10 +1,10 @@
 """What the router knows of each replica's LoRA adapters: vLLM's `vllm:lora_requests_info`, /v1/models
-cards with `parent`, in-flight counts for idleness, and which replicas may serve an adapter."""
+cards with `parent`, in-flight counts for idleness, and which replicas may serve an adapter (the catalog)."""
 
 from __future__ import annotations
 
-from dpserve.replicas.adapter_folder import AdapterFolder
 from dpserve.replicas.adapters import adapter_cards, lora_info
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.replicas.registry import ReplicaRegistry
 
@@ -13,6 +13,14 @@ BASE = {"id": "dpserve-tiny", "object": "model", "root": "/models/tiny", "parent
 
 def card(name: str, parent: str = "dpserve-tiny") -> dict[str, object]:
     return {"id": name, "object": "model", "root": f"/adapters/{name}", "parent": parent}
+
+
+def ready(urls: list[str]) -> ReplicaRegistry:
+    """Replicas admitted by their probes."""
+    registry = ReplicaRegistry(urls)
+    for replica in registry:
+        registry.probe_succeeded(replica.id)
+    return registry
 
 
 def test_lora_info_reads_the_newest_sample_vllm_kept() -> None:
@@ -33,40 +41,41 @@ def test_adapter_cards_are_those_with_a_parent() -> None:
 
 
 def test_an_adapter_is_served_by_every_replica_with_lora_on_and_listed_with_its_parent() -> None:
-    registry = ReplicaRegistry(["http://a:1", "http://b:1", "http://c:1"], adapters={"x": "/adapters/x"})
-    for replica in registry:
-        registry.probe_succeeded(replica.id)
-        registry.probe_succeeded(replica.id)
-    registry.set_model_cards("r0", (BASE, card("y")))
-    registry.set_model_cards("r1", (BASE,))
-    registry.set_model_cards("r2", (BASE,))
-    registry.set_lora_info("r1", 2, frozenset())
+    registry = ready(["http://a:1", "http://b:1", "http://c:1"])
+    catalog = ModelCatalog(registry, adapters={"x": "/adapters/x"})
+    catalog.set_model_cards("r0", (BASE, card("y")))
+    catalog.set_model_cards("r1", (BASE,))
+    catalog.set_model_cards("r2", (BASE,))
+    catalog.set_lora_info("r1", 2, frozenset())
     # r0 lists an adapter (LoRA on), r1 reported its slots, r2 neither: not a place for adapters.
-    assert [r.id for r in registry.routable("x")] == ["r0", "r1"]
-    assert [r.id for r in registry.routable("y")] == ["r0", "r1"]  # learned from r0's card, with its path
-    assert registry.adapter_paths["y"] == "/adapters/y"
-    assert registry.only_model() == "dpserve-tiny"  # adapters aside
-    cards = registry.model_cards(healthy_only=True)
+    assert [r.id for r in catalog.routable("x")] == ["r0", "r1"]
+    assert [r.id for r in catalog.routable("y")] == ["r0", "r1"]  # learned from r0's card, with its path
+    assert catalog.adapter_path("y") == "/adapters/y" and catalog.adapter_path("z") is None
+    assert catalog.only_model() == "dpserve-tiny"  # adapters aside
+    cards = catalog.model_cards(healthy_only=True)
     assert list(cards) == ["dpserve-tiny", "y", "x"]
     assert cards["x"]["parent"] == "dpserve-tiny" and cards["x"]["root"] == "/adapters/x"
-    assert registry.adapter_parent("x") == "dpserve-tiny"
+    assert catalog.adapter_parent("x") == "dpserve-tiny"
     assert registry.get("r0").lora.loaded == {"y"}
 
 
 def test_an_assumed_slot_until_the_replica_reports_its_own() -> None:
-    registry = ReplicaRegistry(["http://a:1"], adapters={"x": "/adapters/x"}, assumed_max_loras=1)
-    replica = registry.get("r0")
-    assert replica.lora.max_loras == 1 and replica.lora.enabled
-    registry.set_lora_info("r0", 4, frozenset())
+    registry = ReplicaRegistry(["http://a:1"])
+    catalog = ModelCatalog(registry, adapters={"x": "/adapters/x"}, assumed_max_loras=1)
+    replica, added = registry.get("r0"), registry.add("http://b:1")  # given at start, and added later
+    assert replica.lora.max_loras == added.lora.max_loras == 1 and replica.lora.enabled
+    catalog.set_lora_info("r0", 4, frozenset())
     assert replica.lora.max_loras == 4
+    assert ModelCatalog(ReplicaRegistry(["http://a:1"])).routable("x") == ()  # no LoRA, no adapter
 
 
 def test_an_adapter_in_use_is_busy_until_its_last_request_ends() -> None:
     now = [10.0]
-    registry = ReplicaRegistry(["http://a:1"], clock=lambda: now[0], assumed_max_loras=2)
+    registry = ReplicaRegistry(["http://a:1"], clock=lambda: now[0])
+    catalog = ModelCatalog(registry, assumed_max_loras=2)
     changes: list[None] = []
     registry.on_change(lambda: changes.append(None))
-    registry.set_model_cards("r0", (BASE, card("a"), card("b")))
+    catalog.set_model_cards("r0", (BASE, card("a"), card("b")))
     lora = registry.get("r0").lora
     registry.hold_adapter("r0", "a")
     registry.hold_adapter("r0", "a")
@@ -78,52 +87,32 @@ def test_an_adapter_in_use_is_busy_until_its_last_request_ends() -> None:
     assert lora.slots().busy == frozenset() and len(changes) == 1  # idle now: waiters look again
     assert lora.last_used["a"] == 20.0 and lora.slots().idle_victim() == "b"  # b was never used
     # Running or waiting on the replica (another client's request) is busy too.
-    registry.set_lora_info("r0", 2, frozenset({"b"}))
+    catalog.set_lora_info("r0", 2, frozenset({"b"}))
     assert lora.slots().idle_victim() == "a"
-    registry.set_lora_info("r0", 2, frozenset())
-    assert len(changes) == 2
+    catalog.set_lora_info("r0", 2, frozenset())
+    assert len(changes) == 2  # the catalog tells the registry's listeners: a slot is free
 
 
 def test_a_restarted_replica_lists_no_adapter_and_its_loads_in_progress_stay() -> None:
-    registry = ReplicaRegistry(["http://a:1"], assumed_max_loras=2)
-    registry.set_model_cards("r0", (BASE, card("a")))
+    registry = ReplicaRegistry(["http://a:1"])
+    catalog = ModelCatalog(registry, assumed_max_loras=2)
+    catalog.set_model_cards("r0", (BASE, card("a")))
     lora = registry.get("r0").lora
     lora.loaded.add("b")
     lora.loading.add("b")
-    registry.set_model_cards("r0", (BASE,))
+    catalog.set_model_cards("r0", (BASE,))
     assert lora.loaded == {"b"}
 
 
-def test_the_adapter_folder_is_every_subfolder_read_again_for_an_unknown_model(tmp_path: object) -> None:
-    from pathlib import Path
-
-    folder = Path(str(tmp_path))
-    (folder / "a").mkdir()
-    (folder / ".hidden").mkdir()
-    (folder / "notes.txt").write_text("x")
-    now = [0.0]
-    registry = ReplicaRegistry([], adapter_folder=AdapterFolder(str(folder), clock=lambda: now[0]))
-    assert registry.adapter_paths == {"a": str(folder / "a")}
-    (folder / "b").mkdir()
-    assert not registry.find_new_adapters()  # read less than a second ago
-    now[0] = 1.5
-    assert registry.find_new_adapters() and registry.adapter_paths["b"] == str(folder / "b")
-    now[0] = 3.0
-    assert not registry.find_new_adapters()
-    assert AdapterFolder(str(folder / "missing")).read() == {}
-
-
 def test_a_learned_adapter_is_served_while_a_replica_lists_it_and_a_configured_one_always() -> None:
-    registry = ReplicaRegistry(["http://a:1", "http://b:1"], adapters={"x": "/adapters/x"}, assumed_max_loras=2)
-    for replica in registry:
-        registry.probe_succeeded(replica.id)
-        registry.probe_succeeded(replica.id)
-    registry.set_model_cards("r0", (BASE, card("y")))
-    registry.set_model_cards("r1", (BASE,))
-    assert registry.is_adapter("y") and registry.is_adapter("x") and not registry.is_adapter("dpserve-tiny")
-    assert [r.id for r in registry.routable("y")] == ["r0", "r1"]  # r1 may load it: its path is known
+    registry = ready(["http://a:1", "http://b:1"])
+    catalog = ModelCatalog(registry, adapters={"x": "/adapters/x"}, assumed_max_loras=2)
+    catalog.set_model_cards("r0", (BASE, card("y")))
+    catalog.set_model_cards("r1", (BASE,))
+    assert catalog.is_adapter("y") and catalog.is_adapter("x") and not catalog.is_adapter("dpserve-tiny")
+    assert [r.id for r in catalog.routable("y")] == ["r0", "r1"]  # r1 may load it: its path is known
     # Unloaded everywhere (an admin retiring it): no longer served or listed, not loaded back.
-    registry.set_model_cards("r0", (BASE,))
-    assert not registry.is_adapter("y") and registry.routable("y") == ()
-    assert list(registry.model_cards(healthy_only=True)) == ["dpserve-tiny", "x"]
-    assert registry.is_adapter("x")
+    catalog.set_model_cards("r0", (BASE,))
+    assert not catalog.is_adapter("y") and catalog.routable("y") == ()
+    assert list(catalog.model_cards(healthy_only=True)) == ["dpserve-tiny", "x"]
+    assert catalog.is_adapter("x")

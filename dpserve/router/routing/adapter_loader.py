@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 
 from dpserve.policies.adapters import plan_load
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.observe.metrics import RouterMetrics
 
@@ -42,11 +43,13 @@ class AdapterLoader:
     def __init__(
         self,
         registry: ReplicaRegistry,
+        catalog: ModelCatalog,
         metrics: RouterMetrics,
         timeout_s: float = 120.0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._registry = registry
+        self._catalog = catalog
         self._metrics = metrics
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
@@ -68,7 +71,7 @@ class AdapterLoader:
         if replica is None or adapter in replica.lora.loaded:
             return None
         lora = replica.lora
-        plan = plan_load(adapter, self._registry.adapter_slots_of(replica))
+        plan = plan_load(adapter, self._catalog.adapter_slots_of(replica))
         lora.loaded.add(adapter)
         lora.loading.add(adapter)
         if plan.evict is not None:
@@ -107,7 +110,7 @@ class AdapterLoader:
             async with lock:
                 if evict is not None:
                     await self._unload(replica, evict)
-                path = self._registry.adapter_paths.get(adapter)
+                path = self._catalog.adapter_path(adapter)
                 if path is None:
                     raise AdapterLoadFailed(replica.id, adapter, None, "the router knows no path for it")
                 started = self._clock()

@@ -14,6 +14,7 @@ import orjson
 from starlette.types import Send
 
 from dpserve.policies.base import ReplicaView, RequestFeatures, pick_least_loaded
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.health import Outcome, classify_status
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.admission import Admission, Ticket
@@ -213,6 +214,7 @@ class Dispatcher:
     def __init__(
         self,
         registry: ReplicaRegistry,
+        catalog: ModelCatalog,
         selector: Selector,
         upstream: UpstreamPool,
         metrics: RouterMetrics,
@@ -224,6 +226,7 @@ class Dispatcher:
     ) -> None:
         self._adapters = adapters
         self._registry = registry
+        self._catalog = catalog
         self._selector = selector
         self._upstream = upstream
         self._addresses: dict[str, Address] = {}
@@ -380,7 +383,7 @@ class Dispatcher:
                 nonlocal found
                 found = candidates(features, tried)
                 # No candidate at all is not a reason to wait: the caller answers at once.
-                return bool(found) or all(r.id in tried for r in self._registry.routable(features.model))
+                return bool(found) or all(r.id in tried for r in self._catalog.routable(features.model))
 
             try:
                 waited = await admission.wait_for_room(has_room, priority, tenant, weight, cost)

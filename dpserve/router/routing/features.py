@@ -15,6 +15,7 @@ from dpserve.kvindex.index import KvIndex, block_keys
 from dpserve.kvindex.text_prefix import ChunkTokens, TextPrefixIndex, text_keys
 from dpserve.policies.base import Need, PrefixMatch, PrefixSource, ReplicaView, RequestFeatures
 from dpserve.policies.bindings import SessionBindings
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.http.endpoints import Endpoint, Prompt
 from dpserve.router.observe.metrics import RouterMetrics
@@ -28,6 +29,7 @@ class FeatureBuilder:
         self,
         needs: frozenset[Need],
         registry: ReplicaRegistry,
+        catalog: ModelCatalog,
         metrics: RouterMetrics,
         kv_index: KvIndex | None = None,
         text_index: TextPrefixIndex | None = None,
@@ -42,6 +44,7 @@ class FeatureBuilder:
         self._chunk_tokens = chunk_tokens or ChunkTokens()
         self._needs = needs
         self._registry = registry
+        self._catalog = catalog
         self._metrics = metrics
         self._kv_index = kv_index
         self._text_index = text_index
@@ -58,7 +61,7 @@ class FeatureBuilder:
         """Load-only endpoints (embeddings, tokenize, ...) get no prompt features."""
         prompt = endpoint.prompt
         if not self._needs or prompt is None:
-            adapter = model if self._registry.is_adapter(model) else None
+            adapter = model if self._catalog.is_adapter(model) else None
             return RequestFeatures(endpoint.name, model, stream, adapter=adapter)
         if prompt is Prompt.RESPONSE:
             payload = response_as_chat(payload)
@@ -71,7 +74,7 @@ class FeatureBuilder:
             session_key = headers.get(SESSION_HEADER) or _user(payload)
             if session_key and self._bindings is not None:
                 bound = self._bindings.get(session_key)
-        adapter = model if self._registry.is_adapter(model) else None
+        adapter = model if self._catalog.is_adapter(model) else None
         if Need.KV_PREFIX in self._needs:
             prefix = await self._kv_prefix(shape, model, payload, adapter)
         elif Need.TEXT_PREFIX in self._needs:
@@ -83,7 +86,7 @@ class FeatureBuilder:
     ) -> PrefixMatch | None:
         if self._kv_index is None or self._tokens is None:
             return None
-        candidates = self._registry.candidates(model)
+        candidates = self._catalog.candidates(model)
         if not candidates:
             return None
         block_size = self._block_size(candidates)
@@ -93,7 +96,7 @@ class FeatureBuilder:
         # Tokenize on the least busy replica when the tokens come from a replica.
         url = self._registry.get(min(candidates, key=lambda c: c.in_flight).id).url
         # An adapter tokenizes as its base model does, and that replica may not hold the adapter.
-        base = (self._registry.adapter_parent(adapter) or model) if adapter is not None else model
+        base = (self._catalog.adapter_parent(adapter) or model) if adapter is not None else model
         tokens = await self._tokens.tokens(endpoint, payload, base, url)
         metrics = self._metrics
         metrics.labeled(metrics.tokenize_seconds, self._tokens.tokenizer.name).observe(time.perf_counter() - started)

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from dpserve.config import TRUE_WORDS
 from dpserve.disconnect import ClientGone
 from dpserve.policies.base import RequestFeatures
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.gate import Flow, Pass, with_fields
 from dpserve.router.flow.tenants import CALLER_SCOPE_KEY, PRIORITY_HEADER, TENANT_HEADER, Priority, Tenant
@@ -98,6 +99,7 @@ class Relaying:
     """What an exchange needs, all of it there from the start."""
 
     registry: ReplicaRegistry
+    catalog: ModelCatalog
     features: FeatureBuilder
     dispatcher: Dispatcher
     metrics: RouterMetrics
@@ -273,7 +275,7 @@ class _Exchange:
                 raise bad_request(f"Invalid Content-Type header: {exc}.") from None
         else:
             parsed = parse_body(raw, endpoint)
-        model = resolve_model(state.registry, parsed.model)
+        model = resolve_model(state.catalog, parsed.model)
         features = await state.features.build(endpoint, model, parsed.stream, parsed.payload, headers)
         if tenant.priority is not Priority.STANDARD:
             features = replace(features, priority=int(tenant.priority))
@@ -462,20 +464,18 @@ async def _send_error(send: Send, error: OpenAIError, request_id: str) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def resolve_model(registry: ReplicaRegistry, requested: str | None) -> str:
+def resolve_model(catalog: ModelCatalog, requested: str | None) -> str:
     if requested is None:
-        only = registry.only_model()
+        only = catalog.only_model()
         if only is not None:
             return only
-        served = registry.served_models()
+        served = catalog.served_models()
         if not served:
             raise no_replica("No healthy replica is serving a model right now.")
         raise bad_request(f"Missing `model`; this router serves: {', '.join(served)}.", param="model")
-    if registry.serves(requested):
+    if catalog.serves(requested):
         return requested
-    if registry.find_new_adapters() and registry.serves(requested):
-        return requested
-    if requested in registry.known_models():
+    if requested in catalog.known_models():
         raise no_replica(f"No healthy replica serves the model `{requested}` right now.")
     raise model_not_found(requested)
 

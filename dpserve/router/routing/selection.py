@@ -15,6 +15,7 @@ from dpserve.policies.adapters import AdapterSlots, Placement, place
 from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.base import Decision, Policy, PrefixSource, ReplicaView, RequestFeatures, Sampling
 from dpserve.policies.bindings import SessionBindings
+from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.flow.admission import Admission
 from dpserve.router.observe.life import Choice
@@ -25,6 +26,7 @@ class Selector:
     def __init__(
         self,
         registry: ReplicaRegistry,
+        catalog: ModelCatalog,
         policy: Policy,
         admission: Admission,
         metrics: RouterMetrics,
@@ -43,6 +45,7 @@ class Selector:
         """How much busier than the least loaded a replica holding an adapter may be (`--balance-*`)."""
         self.policy = policy
         self._registry = registry
+        self._catalog = catalog
         self._admission = admission
         self._metrics = metrics
         self._prefixes = prefixes
@@ -62,13 +65,13 @@ class Selector:
         if features.adapter is None or not found:  # none with room: not an adapter question
             return found
         # Where it is loaded counts also while full: the request may wait for that replica.
-        fleet = self._registry.available(self._registry.routable(features.model), tried)
+        fleet = self._registry.available(self._catalog.routable(features.model), tried)
         return list(self._place(features.adapter, found, fleet).candidates)
 
     def _candidates(self, features: RequestFeatures, tried: Sequence[str]) -> list[ReplicaView]:
         registry, admission = self._registry, self._admission
         degraded = registry.degraded_ids
-        view = registry.routable(features.model)
+        view = self._catalog.routable(features.model)
         pool = self._sample(view, features)
         if len(pool) < len(view):
             candidates = admission.open(registry.available(pool, tried, fresh_only=True), features.priority)
@@ -88,7 +91,7 @@ class Selector:
         for member in fleet:
             replica = registry.find(member.id)
             if replica is not None:
-                slots[member.id] = registry.adapter_slots_of(replica)
+                slots[member.id] = self._catalog.adapter_slots_of(replica)
         placement = place(adapter, candidates, slots, self._admission.holds, self._adapter_affinity, self._guard, fleet)
         self._metrics.labeled(self._metrics.adapter_placements, placement.reason).inc()
         return placement
@@ -99,7 +102,7 @@ class Selector:
         policy, prefixes = self.policy, self._prefixes
         if prefixes is not None:
             features = prefixes.match(features, candidates)
-        fleet = self._registry.routable_ids(features.model)
+        fleet = self._catalog.routable_ids(features.model)
         if len(candidates) < len(fleet):  # a sample, or some tried or full: the policy's own view of the fleet
             preferred = policy.preferred(features, fleet)
             if preferred:
@@ -129,7 +132,7 @@ class Selector:
         # replicas likely to hold the prompt's prefix (together at most half the sample), then a window at
         # a random offset: every replica is as likely to be in it, at O(size) cost.
         wanted = count if sampling is Sampling.TURN else size // 2
-        preferred = self.policy.preferred(features, self._registry.routable_ids(features.model))[:wanted]
+        preferred = self.policy.preferred(features, self._catalog.routable_ids(features.model))[:wanted]
         if sampling is Sampling.WINDOW and self._prefixes is not None:
             preferred += tuple(self._prefixes.likely_best(features, wanted - len(preferred)))
         pool: list[Replica] = []
