@@ -27,8 +27,8 @@ from dpserve.kvindex.text_prefix import CHARS_PER_TOKEN, CHUNK_CHARS, TextPrefix
 from dpserve.policies import POLICY_NAMES, PrefixMatch, PrefixSource, RequestFeatures, make_policy
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.app import admission_for, policy_tuning, selector_for
 from dpserve.router.observe.metrics import RouterMetrics
+from dpserve.router.parts import admission_for, policy_tuning, selector_for
 from dpserve.router.routing.selection import Selector
 
 MODEL = "dpserve-tiny"

@@ -75,7 +75,9 @@ class _Entry:
 
 
 class KvIndex:
-    def __init__(self, max_entries: int = 2_000_000) -> None:
+    def __init__(self, max_entries: int = 2_000_000, on_removed: Callable[[str, int], None] | None = None) -> None:
+        """`on_removed`: called with (replica, key) when the replica's own events say it evicted a block:
+        what the router remembers having just sent there (`RecentRoutes`) no longer holds for it."""
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
         self.max_entries = max_entries
@@ -85,9 +87,7 @@ class KvIndex:
         self._by_engine: dict[str, OrderedDict[EngineHash, _Entry]] = {}
         self._block_sizes: dict[str, int] = {}
         self._entries = 0
-        self.on_removed: Callable[[str, int], None] | None = None
-        """Called with (replica, key) when the replica's own events say it evicted a block: what the router
-        remembers having just sent there (`RecentRoutes`) no longer holds for it."""
+        self.on_removed = on_removed
 
     # -- events --------------------------------------------------------------------------------------
 

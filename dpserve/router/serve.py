@@ -21,9 +21,9 @@ import uvicorn
 
 from dpserve.config import RouterSettings
 from dpserve.router.app import create_app
+from dpserve.router.control.shutdown import Shutdown
 from dpserve.router.flow.access import check_bind, load_keys
 from dpserve.router.http.protocol import bounded_protocol
-from dpserve.router.shutdown import Shutdown
 
 log = logging.getLogger("dpserve.router")
 

@@ -16,9 +16,9 @@ from dpserve.gpu.nvml import MAX_EVENTS_PER_READ, NvmlReader
 from dpserve.gpu.sample import GpuProcess, GpuSample
 from dpserve.replicas.health import HealthRules
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.router.app import gpu_health_rules
 from dpserve.router.fleet.agents import AgentReadingError, parse_reading
 from dpserve.router.fleet.gpus import GpuFleet
+from dpserve.router.parts import gpu_health_rules
 from tests.fake_nvml import FakeGpu, FakeNvml
 from tests.unit.selection_fixtures import REQUEST, fleet, selector
 

@@ -56,7 +56,7 @@ ROUTER_ROOMS: tuple[str, ...] = (
     # The router's rooms, top first: a module imports only its own room and the rooms after it. A request
     # enters at `routing` (the proxied endpoints), which asks `quality` and `flow` and sends with `http`;
     # `app`, `serve` and `shutdown` (the room's own top level) assemble and run it.
-    "",  # dpserve/router/*.py: serve, app, shutdown
+    "",  # dpserve/router/*.py: serve, app, parts
     "control",  # the admin API, replica discovery, the status page, engine operations
     "peers",  # routers sharing what they know
     "fleet",  # GPU agents and the fleet's GPU view
@@ -282,3 +282,18 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 )
 def test_the_cycle_finder_finds_cycles(edges: dict[str, set[str]], expected: list[str] | None) -> None:
     assert find_cycle(edges) == expected
+
+
+LONGEST_FUNCTION = 100
+"""Lines, decorators and docstring included: a function longer than this is more than one job."""
+
+
+def test_no_function_is_longer_than_a_page() -> None:
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if node.end_lineno - first + 1 > LONGEST_FUNCTION:
+                    long.append(f"{module_name(path)}.{node.name}: {node.end_lineno - first + 1} lines")
+    assert not long, "functions over a page:\n" + "\n".join(long)

@@ -135,8 +135,7 @@ def test_the_ring_is_bounded_and_the_counts_add_up_to_the_receipts() -> None:
 def test_the_log_gets_every_closed_receipt_as_a_json_line(tmp_path: Path) -> None:
     now = [0.0]
     log = ReceiptLog(tmp_path / "receipts.jsonl", clock=lambda: now[0])
-    book = ReceiptBook(sample=0.5)
-    book.on_closed = log.write
+    book = ReceiptBook(sample=0.5, on_closed=log.write)
     for index in range(4):
         receipt = book.open(f"req-{index}", "completions", "m", "t")
         if receipt is not None:

@@ -63,7 +63,9 @@ class PeerBoard:
         max_origins: int = 256,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        quotas: QuotaBook | None = None,
     ) -> None:
+        """`quotas`: where peers' usage counts (quotas hold across routers) and this router's own is taken from."""
         self.origin = origin
         self.timeout_s = timeout_s
         self.stale_s = stale_s
@@ -77,8 +79,7 @@ class PeerBoard:
         self._wall = wall
         self._origins: dict[str, PeerOrigin] = {}
         self._seq = 0
-        self.quotas: QuotaBook | None = None
-        """Where peers' usage counts (quotas hold across routers) and this router's own is taken from."""
+        self.quotas = quotas
 
     # -- what peers say ------------------------------------------------------------------------------
 

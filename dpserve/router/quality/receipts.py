@@ -209,6 +209,7 @@ class ReceiptBook:
         clock: Callable[[], float] = time.time,
         chunk_tokens: ChunkTokens | None = None,
         timer: Callable[[], float] = time.perf_counter,
+        on_closed: Callable[[Receipt], None] | None = None,
     ) -> None:
         """`clock`: a receipt's wall-clock time; `timer`: the dispatcher's, for its time on the replica.
         `chunk_tokens`: taught what a text chunk is in tokens by each routed-text receipt's answer."""
@@ -227,7 +228,7 @@ class ReceiptBook:
         self.by_replica: dict[tuple[str, str], int] = {}
         """(replica, class) -> receipts."""
         self._scored = _Tally()
-        self.on_closed: Callable[[Receipt], None] | None = None
+        self._on_closed = on_closed
         """Called with each receipt once its answer is done (`--receipts-log`)."""
 
     def open(self, request_id: str, endpoint: str, model: str, tenant: str, asked: bool = False) -> Receipt | None:
@@ -278,8 +279,8 @@ class ReceiptBook:
                 error = abs((receipt.realized or 0) - (receipt.predicted or 0))
                 tally.hit_error_blocks += error / max(receipt.block_tokens, 1)
         self._ring.append(receipt)
-        if self.on_closed is not None:
-            self.on_closed(receipt)
+        if self._on_closed is not None:
+            self._on_closed(receipt)
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
         """The last `limit` receipts, newest first."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dpserve.router.routing.dispatch import OpenStreams
 
@@ -13,12 +13,12 @@ log = logging.getLogger("dpserve.router")
 
 
 class Shutdown:
-    def __init__(self, open_streams: OpenStreams) -> None:
+    def __init__(self, open_streams: OpenStreams, on_drain: Sequence[Callable[[], None]] = ()) -> None:
+        """`on_drain`: run on the loop as the drain begins (the peers are told)."""
         self.draining = False
         self._open_streams = open_streams
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.on_drain: list[Callable[[], None]] = []
-        """Run on the loop as the drain begins."""
+        self._on_drain = tuple(on_drain)
 
     def serving(self, loop: asyncio.AbstractEventLoop) -> None:
         """The loop the streams run on, once the app serves."""
@@ -30,7 +30,7 @@ class Shutdown:
         loop = self._loop
         if loop is None:
             return
-        for listener in self.on_drain:
+        for listener in self._on_drain:
             loop.call_soon_threadsafe(listener)
         cut_after = max(0.0, grace_s - min(1.0, grace_s / 2))
         loop.call_soon_threadsafe(loop.call_later, cut_after, self._cut_streams)
