@@ -515,6 +515,14 @@ class RouterSettings:
     """Set by `--workers` for each worker: its sibling workers' private URLs (not a user setting)."""
     access_log: bool = setting(False, "log every request", LOGGING)
     log_level: str = setting("info", "log level", LOGGING, choices=LOG_LEVELS)
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        "export each request's trace (OpenTelemetry, OTLP) to URL, as vLLM's flag of the same name; the "
+        "replicas get its context in `traceparent`; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_TRACES_SAMPLER "
+        "and the other OTEL_ variables apply",
+        LOGGING,
+        metavar="URL",
+    )
 
     def __post_init__(self) -> None:
         lora_adapters(self.lora)

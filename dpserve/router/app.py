@@ -42,6 +42,7 @@ from dpserve.router.http.stored_responses import ResponseOwners
 from dpserve.router.http.upstream_client import UpstreamPool
 from dpserve.router.observe.metrics import RouterMetrics, RoutingStateCollector
 from dpserve.router.observe.prompt_tokens import PromptTokenizer, RemoteTokenizer, TokenCache
+from dpserve.router.observe.tracing import Tracing
 from dpserve.router.parts import (
     adapter_folder_watch,
     admission_for,
@@ -138,6 +139,8 @@ class Router:
         )
         self._collectors()
         self.hot_path = HotPath()
+        endpoint = settings.otlp_traces_endpoint
+        self.tracing = Tracing(endpoint) if endpoint else None
         self.selector = selector_for(
             settings, registry, self.catalog, self.policy, self.admission, self.metrics,
             self.kv_index, self.text_index, self.recent, rng, self.bindings,
@@ -208,6 +211,8 @@ class Router:
         async with contextlib.AsyncExitStack() as stack:
             if self.receipt_log is not None:
                 stack.callback(self.receipt_log.close)
+            if self.tracing is not None:
+                stack.callback(self.tracing.stop)  # after the last request's spans ended
             control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
             stack.push_async_callback(control.close)
             # Hot path: a lean HTTP/1.1 client (http/upstream_client.py; measured in docs/benchmarks/overhead.md).
@@ -252,7 +257,7 @@ class Router:
         return Relaying(
             registry, catalog, features, dispatcher, metrics, ResponseOwners(),
             max_body_bytes=self.settings.max_body_bytes, flow=self.flow, receipts=self.receipts,
-            shadows=self.shadows,
+            shadows=self.shadows, tracing=self.tracing,
         )  # fmt: skip
 
     async def _kv_events(

@@ -14,11 +14,14 @@ keeps what it needs for its request, and reads the life at the end.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dpserve.policies.base import Decision, ReplicaView, RequestFeatures
 from dpserve.router.http.errors import CLIENT_CLOSED
+
+NO_HEADERS: Mapping[str, str] = {}
+"""Shared and never written: an untraced request allocates nothing for its trace context."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,8 @@ class RequestLife:
         "started",
         "status",
         "stream",
+        "tenant",
+        "trace_headers",
         "usage",
     )
 
@@ -102,6 +107,10 @@ class RequestLife:
         """The router answered with its own error (a bad request, no room, no replica), not a replica's answer."""
         self.is_finished = False
         self.ended_at = 0.0
+        self.tenant = ""
+        """Whose request, once flow control knows (for traces and logs)."""
+        self.trace_headers: Mapping[str, str] = NO_HEADERS
+        """The trace context of the current attempt, for the replica (`traceparent`); empty when not traced."""
 
     def watch(self, watch: Watch | None) -> None:
         if watch is not None:

@@ -409,7 +409,10 @@ class Dispatcher:
         handed_over = False
         resp: UpstreamResponse | None = None
         try:
-            resp = await self._upstream.request(address, request.method, request.path, request.body, request.headers)
+            headers = request.headers
+            if life is not None and life.trace_headers:  # this attempt's span, for the replica's to nest under
+                headers = {**headers, **life.trace_headers}
+            resp = await self._upstream.request(address, request.method, request.path, request.body, headers)
             content_type = resp.content_type
             stream = features.stream and resp.status == 200
             if not stream:

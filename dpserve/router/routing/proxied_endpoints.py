@@ -59,6 +59,7 @@ from dpserve.router.http.stored_responses import ResponseOwners, id_of_answer, i
 from dpserve.router.http.upstream_client import InvalidHeader, check_header
 from dpserve.router.observe.life import RequestLife, Usage
 from dpserve.router.observe.metrics import RouterMetrics
+from dpserve.router.observe.tracing import TRACE_HEADERS, Tracing
 from dpserve.router.quality.receipts import Receipt, ReceiptBook
 from dpserve.router.quality.shadows import ShadowScorer
 from dpserve.router.routing.dispatch import Buffered, Dispatcher, Outbound, Streaming
@@ -86,10 +87,12 @@ _READ_HEADERS = frozenset(
         TENANT_HEADER.encode(),
         PRIORITY_HEADER.encode(),
         RECEIPT_HEADER.encode(),
+        *(name.encode() for name in TRACE_HEADERS),
     }
 )
 # Streams whose usage the router can ask for (`stream_options.include_usage`) and take out again.
 _USAGE_ON_REQUEST = frozenset({CHAT.name, COMPLETIONS.name})
+_TRACEPARENT = TRACE_HEADERS[0]
 MAX_REQUEST_ID_CHARS = 128
 NO_BODY_STATUSES = frozenset({204, 304})
 
@@ -110,6 +113,8 @@ class Relaying:
     receipts: ReceiptBook
     shadows: ShadowScorer | None
     """`--shadow-policy`: shown each decision, to say what they would have chosen (no traffic follows)."""
+    tracing: Tracing | None = None
+    """`--otlp-traces-endpoint`: each request's spans."""
 
 
 class ProxiedEndpoints:
@@ -170,6 +175,10 @@ class _Exchange:
         life.watch(state.metrics.watch(life))
         if state.shadows is not None:
             life.watch(state.shadows.watch(life))
+        if state.tracing is not None:
+            life.watch(state.tracing.watch(life, self.headers, scope["method"], scope["path"]))
+        elif _TRACEPARENT in self.headers:  # not traced here: the client's context goes on as it came
+            life.trace_headers = {name: self.headers[name] for name in TRACE_HEADERS if name in self.headers}
         self.response_started = False
         self.answered = False
         """The last message is on its way: from then on uvicorn reports the end of the exchange as a
@@ -253,6 +262,7 @@ class _Exchange:
         if self.refused_id is not None:
             raise self.refused_id
         tenant = self.tenant = state.flow.identify(self.scope.get(CALLER_SCOPE_KEY), headers)
+        self.life.tenant = tenant.name
         upstream_headers = {"content-type": "application/json", REQUEST_ID_HEADER: self.request_id}
         path = upstream_path(self.scope)
         if endpoint.body is BodyKind.NONE:
