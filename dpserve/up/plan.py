@@ -87,13 +87,16 @@ def vllm_engine_flags(
     enable_lora: bool = False,
     max_loras: int | str = DEFAULT_MAX_LORAS,
     max_lora_rank: int | str = DEFAULT_MAX_LORA_RANK,
+    otlp_traces_endpoint: str | None = None,
 ) -> list[str]:
     """What every replica dpserve starts needs from vLLM (`dpserve up` and `dpserve compose` alike):
     prefix caching, KV events published on `kv_port` and per-request cached-token counts; with
     `priority_scheduling`, vLLM's priority scheduler (the router passes each request's class); with
     `enable_lora`, LoRA (adapters are loaded at run time, see LORA_RUNTIME_ENV). Flags in `extra` win over
-    these and come last."""
+    these and come last. `otlp_traces_endpoint`: the router's, so vLLM's spans join the router's traces."""
     flags: list[str] = []
+    if otlp_traces_endpoint and not _has_flag(extra, "--otlp-traces-endpoint"):
+        flags += ["--otlp-traces-endpoint", otlp_traces_endpoint]
     if priority_scheduling and not _has_flag(extra, "--scheduling-policy"):
         flags += ["--scheduling-policy", "priority"]
     if enable_lora:
@@ -138,6 +141,7 @@ def vllm_argv(settings: UpSettings, model: str, served_name: str | None, port: i
         enable_lora=settings.lora_enabled,
         max_loras=settings.max_loras,
         max_lora_rank=settings.max_lora_rank,
+        otlp_traces_endpoint=settings.router.otlp_traces_endpoint,
     )
     return (*argv, *flags)
 

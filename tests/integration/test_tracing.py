@@ -6,13 +6,15 @@ scripted stand-ins here, to see the headers they receive and to make one fail on
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 
-from tests.integration.conftest import start_router, stop_router
+from tests.integration.conftest import FLEET_START_TIMEOUT_S, running_fleet, start_router, stop_router
 from tests.integration.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.integration.raw_replica import RawReplica, Seen, json_answer
 
@@ -53,17 +55,20 @@ def traced(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[OtlpReceiver, RawR
                 stop_router(router)
 
 
-def chat(url: str, stream: bool, traceparent: str | None = None) -> None:
+def chat(url: str, stream: bool, traceparent: str | None = None, model: str = "m") -> None:
     headers = {"traceparent": traceparent} if traceparent else {}
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=10)
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream, "max_tokens": 4}
+    answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
     assert answer.status_code == 200, answer.text
 
 
-def one_trace(receiver: OtlpReceiver, trace_id: str, attempts: int) -> tuple[ReceivedSpan, list[ReceivedSpan]]:
-    """The router's server span of the trace, and its attempts, once all of them arrived."""
-    (server,) = receiver.wait_for(1, EXPORT_WAIT_S, trace_id=trace_id, kind=SERVER)  # type: ignore[arg-type]
-    found = receiver.wait_for(attempts, EXPORT_WAIT_S, trace_id=trace_id, kind=CLIENT)  # type: ignore[arg-type]
+def one_trace(
+    receiver: OtlpReceiver, trace_id: str, attempts: int, service: str = "dpserve-router"
+) -> tuple[ReceivedSpan, list[ReceivedSpan]]:
+    """The router's server span of the trace, and its attempts, once all of them arrived (vLLM's own
+    span is a server span too: the service tells them apart)."""
+    (server,) = receiver.wait_for(1, EXPORT_WAIT_S, trace_id=trace_id, kind=SERVER, service=service)  # type: ignore[arg-type]
+    found = receiver.wait_for(attempts, EXPORT_WAIT_S, trace_id=trace_id, kind=CLIENT, service=service)  # type: ignore[arg-type]
     return server, found
 
 
@@ -102,7 +107,7 @@ def test_a_request_without_a_trace_starts_one_the_replica_shares(
     chat(url, stream=False)
     (received,) = [s for r in (good, bad) for s in r.requests("/v1/chat/completions")][-1:]
     _, trace_id, parent, _ = received.headers["traceparent"].split("-")
-    server, attempts = one_trace(receiver, trace_id, 1)
+    server, attempts = one_trace(receiver, trace_id, 1, "router-under-test")
     assert server.parent_id == "" and parent in {a.span_id for a in attempts}
 
 
@@ -118,3 +123,45 @@ def test_a_router_that_does_not_trace_passes_the_clients_context_on() -> None:
             stop_router(router)
     passed, plain = replica.requests("/v1/chat/completions")
     assert passed.headers["traceparent"] == traceparent and "traceparent" not in plain.headers
+
+
+def test_vllm_puts_its_span_under_the_routers_attempt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real vLLM CPU replica started with its own `--otlp-traces-endpoint`, the same receiver as the
+    router's: with the client's `traceparent`, the router's spans and vLLM's are in the client's trace,
+    vLLM's under the router's attempt; without one, they share one new trace. Streamed and not."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    with OtlpReceiver() as receiver:
+        up_args = ["--replicas", "1", "--", "--otlp-traces-endpoint", receiver.endpoint]
+        with running_fleet(tmp_path, 1, up_args, FLEET_START_TIMEOUT_S) as fleet:
+            router = start_router(fleet.replica_urls, "least_loaded", "--otlp-traces-endpoint", receiver.endpoint)
+            try:
+                model = httpx.get(f"{router.url}/v1/models", timeout=10).json()["data"][0]["id"]
+                traces = []
+                for stream in (False, True):
+                    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+                    chat(router.url, stream, f"00-{trace_id}-{client_span}-01", model=model)
+                    traces.append((trace_id, client_span))
+                chat(router.url, False, model=model)
+            finally:
+                stop_router(router)
+        for trace_id, client_span in traces:
+            server, attempts = one_trace(receiver, trace_id, 1)
+            assert server.parent_id == client_span
+            vllm = engine_spans(receiver, trace_id)
+            assert vllm and vllm[0].parent_id in {a.span_id for a in attempts}, (vllm, attempts)
+        # The request without a trace: vLLM's span in the router's new trace, under its attempt.
+        servers = receiver.wait_for(3, EXPORT_WAIT_S, kind=SERVER, service="dpserve-router")  # type: ignore[arg-type]
+        roots = [s for s in servers if s.parent_id == ""]
+        assert len(roots) == 1
+        attempts = receiver.wait_for(1, EXPORT_WAIT_S, trace_id=roots[0].trace_id, kind=CLIENT)  # type: ignore[arg-type]
+        vllm = engine_spans(receiver, roots[0].trace_id)
+        assert vllm and vllm[0].parent_id == attempts[0].span_id
+
+
+def engine_spans(receiver: OtlpReceiver, trace_id: str) -> list[ReceivedSpan]:
+    """vLLM's spans of the trace: those not from the router (vLLM names no service of its own)."""
+    deadline = time.monotonic() + EXPORT_WAIT_S
+    while True:
+        found = [s for s in receiver.wait_for(1, 0.1, trace_id=trace_id) if s.service != "dpserve-router"]
+        if found or time.monotonic() > deadline:
+            return found

@@ -279,6 +279,22 @@ def test_flow_control_settings_reach_the_router_and_priority_scheduling_the_repl
     assert from_env.tenants == ("a:rpm=1,tpm=2", "b:weight=3")
 
 
+def test_the_routers_trace_endpoint_reaches_the_replicas_unless_they_name_their_own() -> None:
+    endpoint = "http://127.0.0.1:4317"
+    for vllm_args, expected in (((), endpoint), (("--otlp-traces-endpoint", "http://other:4317"), None)):
+        args = build_parser().parse_args(["up", "--otlp-traces-endpoint", endpoint])
+        overrides = {**_overrides(args), "vllm_args": vllm_args}  # what follows `--`
+        settings = load_settings(UpSettings, overrides, env={})
+        plans = plan_replicas(settings, "/m", "tiny", 0, [0, 1])
+        router = router_argv(settings, plans)
+        assert router[router.index("--otlp-traces-endpoint") + 1] == endpoint
+        replica = plans[0].argv
+        assert replica.count("--otlp-traces-endpoint") == 1
+        assert expected is None or replica[replica.index("--otlp-traces-endpoint") + 1] == expected
+    untraced = load_settings(UpSettings, _overrides(build_parser().parse_args(["up"])), env={})
+    assert "--otlp-traces-endpoint" not in plan_replicas(untraced, "/m", "tiny", 0, [0])[0].argv
+
+
 def _lora_flags(argv: tuple[str, ...]) -> tuple[str, ...]:
     """vLLM's LoRA flags in a replica's argv, with their values, as dpserve writes them."""
     if "--enable-lora" not in argv:
