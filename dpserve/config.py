@@ -513,8 +513,19 @@ class RouterSettings:
     )
     peer_siblings: tuple[str, ...] = ()
     """Set by `--workers` for each worker: its sibling workers' private URLs (not a user setting)."""
-    access_log: bool = setting(False, "log every request", LOGGING)
+    access_log: bool = setting(
+        False,
+        "log every request: one line at its end, with its id, tenant, replica, policy, status and duration",
+        LOGGING,
+    )
     log_level: str = setting("info", "log level", LOGGING, choices=LOG_LEVELS)
+    log_format: str = setting(
+        "text",
+        "text for a terminal, or json: one object per line (time, level, logger, message, and a request's "
+        "fields), uvicorn's lines included",
+        LOGGING,
+        choices=("text", "json"),
+    )
     otlp_traces_endpoint: str | None = setting(
         None,
         "export each request's trace (OpenTelemetry, OTLP) to URL, as vLLM's flag of the same name; the "

@@ -257,7 +257,7 @@ class Router:
         return Relaying(
             registry, catalog, features, dispatcher, metrics, ResponseOwners(),
             max_body_bytes=self.settings.max_body_bytes, flow=self.flow, receipts=self.receipts,
-            shadows=self.shadows, tracing=self.tracing,
+            shadows=self.shadows, tracing=self.tracing, access_log=self.settings.access_log,
         )  # fmt: skip
 
     async def _kv_events(

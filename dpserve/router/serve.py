@@ -24,6 +24,8 @@ from dpserve.router.app import create_app
 from dpserve.router.control.shutdown import Shutdown
 from dpserve.router.flow.access import check_bind, load_keys
 from dpserve.router.http.protocol import bounded_protocol
+from dpserve.router.http.proxied_paths import is_proxied
+from dpserve.router.observe import logs
 
 log = logging.getLogger("dpserve.router")
 
@@ -33,7 +35,8 @@ WORKER_RESTART_DELAY_S = 1.0
 def serve_router(settings: RouterSettings, sockets: list[socket.socket] | None = None) -> int:
     """Serves until stopped; 2 with one line on stderr when the settings are wrong. `sockets`: a worker's
     (see `serve_workers`), already bound; otherwise it binds `settings.host` and `settings.port`."""
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_config = logs.configure(settings.log_format, settings.log_level)
+    logging.getLogger("uvicorn.access").addFilter(_not_proxied)
     if settings.workers > 1 and sockets is None:
         return serve_workers(settings)
     # Process-wide switch (hence here, not in the app factory): no `*_created` series per counter.
@@ -53,6 +56,7 @@ def serve_router(settings: RouterSettings, sockets: list[socket.socket] | None =
         http=bounded_protocol(settings.max_header_bytes),
         access_log=settings.access_log,
         log_level=settings.log_level,
+        log_config=log_config,
         # On SIGTERM uvicorn stops listening at once, then requests in flight (streams too) get this
         # long to finish before they are cut.
         # (uvicorn hints int; it hands the value to asyncio.wait_for, which takes seconds as a float.)
@@ -61,6 +65,15 @@ def serve_router(settings: RouterSettings, sockets: list[socket.socket] | None =
     shutdown: Shutdown = app.state.shutdown
     DrainingServer(config, lambda: shutdown.begin_drain(settings.shutdown_grace_s)).run(sockets=sockets)
     return 0
+
+
+def _not_proxied(record: logging.LogRecord) -> bool:
+    """uvicorn's access line, for the router's own paths only: a relayed request's line is the router's
+    (`dpserve.access`), with its id. uvicorn's args: client, method, path and query, HTTP version, status."""
+    args = record.args
+    if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+        return not is_proxied(args[2].partition("?")[0])
+    return True
 
 
 def serve_workers(settings: RouterSettings) -> int:

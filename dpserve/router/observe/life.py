@@ -86,6 +86,7 @@ class RequestLife:
         "stream",
         "tenant",
         "trace_headers",
+        "trace_ids",
         "usage",
     )
 
@@ -110,6 +111,8 @@ class RequestLife:
         self.tenant = ""
         """Whose request, once flow control knows (for traces and logs)."""
         self.trace_headers: Mapping[str, str] = NO_HEADERS
+        self.trace_ids: tuple[str, str] | None = None
+        """(trace id, span id) of the request's own span when traced, for its log lines."""
         """The trace context of the current attempt, for the replica (`traceparent`); empty when not traced."""
 
     def watch(self, watch: Watch | None) -> None:

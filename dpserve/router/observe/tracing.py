@@ -96,6 +96,8 @@ class RequestTrace(Watch):
         )
         self._context = trace.set_span_in_context(self._span)
         self._attempt: Span | None = None
+        ids = self._span.get_span_context()
+        life.trace_ids = (format(ids.trace_id, "032x"), format(ids.span_id, "016x"))
 
     def admitted(self, waited_s: float) -> None:
         now = time.time_ns()

@@ -29,6 +29,7 @@ from dpserve.router.http.upstream_client import (
     UpstreamResponse,
 )
 from dpserve.router.observe.life import RequestLife
+from dpserve.router.observe.logs import request_fields
 from dpserve.router.observe.metrics import RouterMetrics
 from dpserve.router.routing.adapter_loader import AdapterLoader, AdapterLoadFailed
 from dpserve.router.routing.selection import Selector
@@ -114,8 +115,10 @@ class Streaming:
         metrics: RouterMetrics,
         open_streams: OpenStreams,
         adapter: str | None = None,
+        request_id: str | None = None,
     ) -> None:
         self.replica_id = replica_id
+        self._request_id = request_id
         self._adapter = adapter
         self.status = status
         self.content_type = content_type
@@ -203,7 +206,12 @@ class Streaming:
                 yield stream_error_event(self._cut_reason, "router_shutdown")
                 yield SSE_DONE
                 return
-            log.warning("stream from replica %s broke mid-response (%s)", self.replica_id, type(exc).__name__)
+            log.warning(
+                "stream from replica %s broke mid-response (%s)",
+                self.replica_id,
+                type(exc).__name__,
+                extra={"request_id": self._request_id, "replica": self.replica_id},
+            )
             self._registry.observe(self.replica_id, Outcome.FAILED, f"stream broke: {type(exc).__name__}")
             self._metrics.broken_streams.labels(self.replica_id).inc()
             yield stream_error_event("The replica serving this stream failed mid-response.")
@@ -273,7 +281,9 @@ class Dispatcher:
                 # Nothing listening there ejects at once; a dropped or slow connection counts towards it.
                 refused = isinstance(exc, UpstreamConnectError)
                 self._registry.observe(replica_id, Outcome.REFUSED if refused else Outcome.FAILED, reason)
-                log.warning("replica %s failed before the first byte (%s)", replica_id, reason)
+                log.warning(
+                    "replica %s failed before the first byte (%s)", replica_id, reason, extra=request_fields(life)
+                )
                 if not is_last:
                     self._metrics.retries.labels(reason).inc()
                 continue
@@ -448,6 +458,7 @@ class Dispatcher:
                 self._metrics,
                 self._open_streams,
                 adapter,
+                life.request_id if life is not None else None,
             )
         except BaseException:
             if resp is not None:

@@ -58,6 +58,7 @@ from dpserve.router.http.request_body import (
 from dpserve.router.http.stored_responses import ResponseOwners, id_of_answer, id_of_stream
 from dpserve.router.http.upstream_client import InvalidHeader, check_header
 from dpserve.router.observe.life import RequestLife, Usage
+from dpserve.router.observe.logs import RequestLog, request_fields
 from dpserve.router.observe.metrics import RouterMetrics
 from dpserve.router.observe.tracing import TRACE_HEADERS, Tracing
 from dpserve.router.quality.receipts import Receipt, ReceiptBook
@@ -115,6 +116,8 @@ class Relaying:
     """`--shadow-policy`: shown each decision, to say what they would have chosen (no traffic follows)."""
     tracing: Tracing | None = None
     """`--otlp-traces-endpoint`: each request's spans."""
+    access_log: bool = False
+    """`--access-log`: a line per request."""
 
 
 class ProxiedEndpoints:
@@ -175,6 +178,8 @@ class _Exchange:
         life.watch(state.metrics.watch(life))
         if state.shadows is not None:
             life.watch(state.shadows.watch(life))
+        if state.access_log:
+            life.watch(RequestLog(life, scope["method"], scope["path"], state.metrics.policy_name))
         if state.tracing is not None:
             life.watch(state.tracing.watch(life, self.headers, scope["method"], scope["path"]))
         elif _TRACEPARENT in self.headers:  # not traced here: the client's context goes on as it came
@@ -203,7 +208,7 @@ class _Exchange:
             await self._exchange()
         except Exception:
             # Logged here with its trace; the client gets no internals.
-            log.exception("unhandled error on %s", self.endpoint.path)
+            log.exception("unhandled error on %s", self.endpoint.path, extra=request_fields(self.life))
             self.status, self.refused = 500, True
             if not self.response_started:
                 await _send_error(
