@@ -22,7 +22,12 @@ class ReceivedSpan:
     parent_id: str
     kind: int
     attributes: dict[str, Any]
-    events: tuple[str, ...]
+    events: tuple[tuple[str, dict[str, Any]], ...]
+    """(name, attributes) of each event, in order."""
+
+    @property
+    def event_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.events)
 
 
 def _value(any_value: Any) -> Any:
@@ -51,7 +56,10 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
                             span.parent_span_id.hex(),
                             span.kind,
                             {a.key: _value(a.value) for a in span.attributes},
-                            tuple(event.name for event in span.events),
+                            tuple(
+                                (event.name, {a.key: _value(a.value) for a in event.attributes})
+                                for event in span.events
+                            ),
                         )
                     )
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -1,10 +1,11 @@
 """OpenTelemetry traces of the requests the router relays (`--otlp-traces-endpoint`, vLLM's name for it).
 
-Each request is a server span, the child of the client's `traceparent` when it sent one; under it, the wait
-for admission, the routing decision (policy, candidates, the chosen replica and its predicted cached
-tokens), and each attempt at a replica as a client span (a retry is a sibling), with the first byte as an
-event. The attempt's context goes to the replica in `traceparent`/`tracestate`, so a vLLM that traces
-(`vllm serve --otlp-traces-endpoint`) puts its own span under the router's attempt.
+Each request is a server span, the child of the client's `traceparent` when it sent one, with each routing
+decision as an event (policy, candidates, the chosen replica and its predicted cached tokens); under it,
+the wait for admission when there was one, and each attempt at a replica as a client span (a retry is a
+sibling), with the first byte as an event. The attempt's context goes to the replica in `traceparent` and
+`tracestate`, so a vLLM that traces (`vllm serve --otlp-traces-endpoint`) puts its own span under the
+router's attempt.
 
 The exporter and sampler follow the OpenTelemetry SDK's own variables, as vLLM's do:
 `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` (`grpc`, the default, or `http/protobuf`), `OTEL_SERVICE_NAME`,
@@ -78,7 +79,7 @@ class Tracing:
 class RequestTrace(Watch):
     """One request's spans."""
 
-    __slots__ = ("_attempt", "_context", "_life", "_span", "_tracing")
+    __slots__ = ("_attempt", "_context", "_life", "_recording", "_span", "_tracing")
 
     def __init__(self, tracing: Tracing, life: RequestLife, headers: Mapping[str, str], method: str, path: str) -> None:
         from opentelemetry import trace
@@ -86,8 +87,8 @@ class RequestTrace(Watch):
 
         self._tracing = tracing
         self._life = life
-        carrier = {name: headers[name] for name in TRACE_HEADERS if name in headers}
-        parent = tracing.propagator.extract(carrier) if carrier else None
+        received = {name: headers[name] for name in TRACE_HEADERS if name in headers}
+        parent = tracing.propagator.extract(received) if received else None
         self._span: Span = tracing.tracer.start_span(
             f"{method} {path}",
             context=parent,
@@ -98,8 +99,16 @@ class RequestTrace(Watch):
         self._attempt: Span | None = None
         ids = self._span.get_span_context()
         life.trace_ids = (format(ids.trace_id, "032x"), format(ids.span_id, "016x"))
+        self._recording = self._span.is_recording()
+        if not self._recording:
+            # Not sampled: no attempt spans, and the replica is told so (the flag in the request's context).
+            carrier: dict[str, str] = {}
+            tracing.propagator.inject(carrier, context=self._context)
+            life.trace_headers = carrier
 
     def admitted(self, waited_s: float) -> None:
+        if waited_s <= 0 or not self._recording:  # admitted at once: nothing to see, a span less to export
+            return
         now = time.time_ns()
         span = self._tracing.tracer.start_span(
             "admission", context=self._context, start_time=now - int(waited_s * 1e9), attributes=self._who()
@@ -108,6 +117,10 @@ class RequestTrace(Watch):
         span.end(end_time=now)
 
     def decided(self, choice: Choice) -> None:
+        """An event on the request's span, not a span of its own: it takes no time, and every span costs
+        the router's CPU to build and export (measured: docs/router.md, "Tracing")."""
+        if not self._recording:
+            return
         decision, prefix = choice.decision, choice.features.prefix
         attributes: dict[str, Any] = {
             "dpserve.policy": choice.policy,
@@ -117,12 +130,14 @@ class RequestTrace(Watch):
         }
         if prefix is not None:
             attributes["dpserve.predicted_cached_tokens"] = prefix.blocks(decision.id) * prefix.tokens_per_block
-        self._tracing.tracer.start_span("route", context=self._context, attributes=attributes).end()
+        self._span.add_event("route", attributes)
 
     def dispatched(self, replica_id: str, at: float) -> None:
         from opentelemetry import trace
         from opentelemetry.trace import SpanKind
 
+        if not self._recording:
+            return
         if self._attempt is not None:  # the one before failed: this is a retry, its sibling
             self._attempt.set_attribute("dpserve.retried", True)
             self._attempt.end()
@@ -141,6 +156,9 @@ class RequestTrace(Watch):
         from opentelemetry.trace import Status, StatusCode
 
         span = self._span
+        if not self._recording:
+            span.end()
+            return
         attributes: dict[str, Any] = {"http.response.status_code": life.status, **self._who()}
         if life.replica_id is not None:
             attributes["dpserve.replica"] = life.replica_id
