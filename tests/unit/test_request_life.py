@@ -93,6 +93,7 @@ def metric(metrics: RouterMetrics, line_start: str) -> float:
 def test_the_metrics_watch_counts_an_answer_a_refusal_and_a_client_gone_by_their_one_outcome() -> None:
     metrics = RouterMetrics(ReplicaRegistry([]), "least_loaded")
     answered = RequestLife("a", "chat_completions")
+    answered.model = "m"
     answered.watch(metrics.watch(answered))
     answered.admitted(0.0)
     answered.first_byte("r0", True)
@@ -104,10 +105,13 @@ def test_the_metrics_watch_counts_an_answer_a_refusal_and_a_client_gone_by_their
     gone.watch(metrics.watch(gone))
     gone.finish(CLIENT_CLOSED)  # the client left before any answer began
     requests = 'dpserve_requests_total{endpoint="chat_completions",'
-    assert metric(metrics, requests + 'replica="r0",status="200"}') == 1
-    assert metric(metrics, requests + 'replica="none",status="429"}') == 1
+    assert metric(metrics, requests + 'model="m",replica="r0",status="200"}') == 1
+    assert metric(metrics, requests + 'model="none",replica="none",status="429"}') == 1
     assert metric(metrics, 'dpserve_rejected_requests_total{status="429"}') == 1
-    assert metric(metrics, 'dpserve_requests_total{endpoint="completions",replica="none",status="499"}') == 1
+    assert (
+        metric(metrics, 'dpserve_requests_total{endpoint="completions",model="none",replica="none",status="499"}') == 1
+    )
+    assert metric(metrics, "process_cpu_seconds_total") > 0  # the process's own metrics, beside the router's
     assert metric(metrics, 'dpserve_client_disconnects_total{endpoint="completions"}') == 1
     assert metric(metrics, 'dpserve_time_to_first_byte_seconds_count{endpoint="chat_completions",stream="true"}') == 1
     assert metric(metrics, 'dpserve_request_duration_seconds_count{endpoint="chat_completions",stream="true"}') == 1

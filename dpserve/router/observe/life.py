@@ -78,6 +78,7 @@ class RequestLife:
         "endpoint",
         "first_byte_at",
         "is_finished",
+        "model",
         "refused",
         "replica_id",
         "request_id",
@@ -110,6 +111,8 @@ class RequestLife:
         self.ended_at = 0.0
         self.tenant = ""
         """Whose request, once flow control knows (for traces and logs)."""
+        self.model = ""
+        """The model (or adapter) it asked for, once read from its body (a metrics label)."""
         self.trace_headers: Mapping[str, str] = NO_HEADERS
         self.trace_ids: tuple[str, str] | None = None
         """(trace id, span id) of the request's own span when traced, for its log lines."""

@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
@@ -32,14 +40,18 @@ class RouterMetrics:
         self._routing()
         self.policy_name = policy_name
         self.registry.register(_ReplicaStateCollector(replicas))
+        # The process's own: CPU, memory, open files, the interpreter and its garbage collector.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
 
     def _answers(self) -> None:
         """What clients got: answers by status, their timing, who left, which streams broke."""
         self.requests = Counter(
             "dpserve_requests",
-            "Requests answered by the router, by endpoint, replica and HTTP status.",
-            ["endpoint", "replica", "status"],
+            "Requests answered by the router, by endpoint, model (or adapter), replica and HTTP status.",
+            ["endpoint", "model", "replica", "status"],
             registry=self.registry,
         )
         self.duration = Histogram(
@@ -203,16 +215,17 @@ class RequestMetrics(Watch):
 
     def finished(self, life: RequestLife) -> None:
         metrics, endpoint, status = self._metrics, life.endpoint, str(life.status)
+        model = life.model or "none"
         if life.refused:
             metrics.rejected.labels(status).inc()
-            metrics.labeled(metrics.requests, endpoint, "none", status).inc()
+            metrics.labeled(metrics.requests, endpoint, model, "none", status).inc()
             return
         if life.status == CLIENT_CLOSED:
             metrics.client_disconnects.labels(endpoint).inc()
         if life.replica_id is None:  # gone before any answer began
-            metrics.labeled(metrics.requests, endpoint, "none", status).inc()
+            metrics.labeled(metrics.requests, endpoint, model, "none", status).inc()
             return
-        metrics.labeled(metrics.requests, endpoint, life.replica_id, status).inc()
+        metrics.labeled(metrics.requests, endpoint, model, life.replica_id, status).inc()
         stream = "true" if life.stream else "false"
         metrics.labeled(metrics.duration, endpoint, stream).observe(life.ended_at - life.started)
 

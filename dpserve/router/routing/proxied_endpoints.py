@@ -291,6 +291,7 @@ class _Exchange:
         else:
             parsed = parse_body(raw, endpoint)
         model = resolve_model(state.catalog, parsed.model)
+        self.life.model = model  # one the router serves: a bounded label, whatever clients send
         features = await state.features.build(endpoint, model, parsed.stream, parsed.payload, headers)
         if tenant.priority is not Priority.STANDARD:
             features = replace(features, priority=int(tenant.priority))
