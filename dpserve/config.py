@@ -219,12 +219,13 @@ class RouterSettings:
     )
     replicas: tuple[str, ...] = setting(
         (),
-        "a replica's base URL, e.g. http://127.0.0.1:8100, optionally with the GPU it runs on "
-        "(http://10.0.0.2:8000@gpu=1, an NVML index or UUID); repeat for each replica",
+        "a replica's base URL, e.g. http://127.0.0.1:8100, optionally with a name and the GPU it runs on "
+        "(gpu-a=http://10.0.0.2:8000@gpu=1, an NVML index or UUID); its name in metrics, /status, logs and "
+        "traces is NAME, else its address (10.0.0.2:8000), alike in every router; repeat for each replica",
         REPLICAS,
         flag="--replica",
         form=Form.REPEAT,
-        metavar="URL[@gpu=N]",
+        metavar="[NAME=]URL[@gpu=N]",
         router_only=True,
     )
     discover: tuple[str, ...] = setting(

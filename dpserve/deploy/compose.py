@@ -239,9 +239,12 @@ def router_targets(options: ComposeOptions) -> list[RouterTarget]:
         return []
     return [
         RouterTarget(
-            f"http://{replica_service(gpu)}:{REPLICA_PORT}", str(gpu), f"tcp://{replica_service(gpu)}:{KV_EVENTS_PORT}"
+            f"http://{replica_service(gpu)}:{REPLICA_PORT}",
+            str(gpu),
+            f"tcp://{replica_service(gpu)}:{KV_EVENTS_PORT}",
+            rid,  # as its Prometheus target is labelled (`_static_replica_targets`)
         )
-        for gpu in range(options.gpus)
+        for gpu, rid in enumerate(replica_ids(options.gpus))
     ]
 
 

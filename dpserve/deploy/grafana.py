@@ -1,7 +1,9 @@
 """The Grafana dashboard the `monitoring` profile provisions: monitoring/grafana/dashboards/dpserve.json.
 
 Panels read the router's `dpserve_*` series and the replicas' own `vllm:*` series (labelled `replica`
-by Prometheus, as the router labels them). Regenerate with `python -m dpserve.deploy.grafana`.
+by Prometheus, as the router labels them), from the Prometheus the `datasource` variable picks (the one the
+compose stack provisions by default), for the models and replicas the `model` and `replica` variables pick
+(all by default). Regenerate with `python -m dpserve.deploy.grafana`.
 
 Several routers (peers) may be scraped: each reports every replica's health and every GPU, so those are
 taken once per replica or GPU (`max by`), and in-flight counts, each router's own, are added up.
@@ -17,7 +19,11 @@ from pathlib import Path
 from typing import Any
 
 DASHBOARD_FILE = Path("monitoring/grafana/dashboards/dpserve.json")
-DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
+PROVISIONED_UID = "prometheus"
+"""The uid of the datasource the compose stack provisions: the `datasource` variable's default."""
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+REPLICA = 'replica=~"$replica"'
+MODEL = 'model=~"$model"'
 RATE = "[$__rate_interval]"
 GPU_SERIES = "gpu, uuid, replica, host"
 """The router's labels of one GPU's series (router/fleet/gpu_metrics.py): the same GPU, whichever router read it."""
@@ -55,11 +61,13 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         "Router",
         (
             Panel(
-                "Healthy replicas", (Query("sum(max by (replica) (dpserve_replica_healthy))", "healthy"),), kind="stat"
+                "Healthy replicas",
+                (Query(f"sum(max by (replica) (dpserve_replica_healthy{{{REPLICA}}}))", "healthy"),),
+                kind="stat",
             ),
             Panel(
                 "Requests/s by status",
-                (Query(f"sum by (status) (rate(dpserve_requests_total{RATE}))", "{{status}}"),),
+                (Query(f"sum by (status) (rate(dpserve_requests_total{{{MODEL},{REPLICA}}}{RATE}))", "{{status}}"),),
                 unit="reqps",
             ),
             Panel(
@@ -72,6 +80,35 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 _quantiles("dpserve_request_duration_seconds", ""),
                 unit="s",
             ),
+            Panel(
+                "Queue wait (admission)",
+                _quantiles("dpserve_queue_wait_seconds", ""),
+                unit="s",
+                description="How long requests waited in the router's queue for a replica with room (0: none).",
+            ),
+            Panel(
+                "Refused by the router/s, by status",
+                (
+                    Query(
+                        f'sum by (status) (rate(dpserve_requests_total{{{MODEL},replica="none"}}{RATE}))',
+                        "{{status}}",
+                    ),
+                ),
+                unit="reqps",
+                description="Answered by the router itself: 429 (queue full or timed out, quota), 503 (no replica), "
+                "4xx for bad requests.",
+            ),
+            Panel(
+                "Tokens/s per tenant",
+                (Query(f"sum by (tenant) (rate(dpserve_tenant_tokens_total{RATE}))", "{{tenant}}"),),
+                description="Prompt and completion tokens of each tenant's answered requests (all routers).",
+            ),
+            Panel(
+                "Routing decisions/s by reason",
+                (Query(f"sum by (reason) (rate(dpserve_routing_decision_reasons_total{RATE}))", "{{reason}}"),),
+                unit="reqps",
+                description="Why the policy chose as it did: cache_hit, no_match, balance, ...",
+            ),
         ),
     ),
     (
@@ -79,38 +116,38 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         (
             Panel(
                 "In flight per replica (router)",
-                (Query("sum by (replica) (dpserve_replica_in_flight_requests)", "{{replica}}"),),
+                (Query(f"sum by (replica) (dpserve_replica_in_flight_requests{{{REPLICA}}})", "{{replica}}"),),
                 description="Requests the routers have sent to each replica and not yet finished (all routers).",
             ),
             Panel(
                 "Running and waiting per replica (vLLM)",
                 (
-                    Query("sum by (replica) (vllm:num_requests_running)", "running {{replica}}"),
-                    Query("sum by (replica) (vllm:num_requests_waiting)", "waiting {{replica}}"),
+                    Query(f"sum by (replica) (vllm:num_requests_running{{{REPLICA}}})", "running {{replica}}"),
+                    Query(f"sum by (replica) (vllm:num_requests_waiting{{{REPLICA}}})", "waiting {{replica}}"),
                 ),
             ),
             Panel(
                 "Routing decisions/s per replica",
-                (Query(f"sum by (replica) (rate(dpserve_routing_decisions_total{RATE}))", "{{replica}}"),),
+                (Query(f"sum by (replica) (rate(dpserve_routing_decisions_total{{{REPLICA}}}{RATE}))", "{{replica}}"),),
                 unit="reqps",
             ),
             Panel(
                 "KV-cache usage per replica",
-                (Query("sum by (replica) (vllm:kv_cache_usage_perc)", "{{replica}}"),),
+                (Query(f"sum by (replica) (vllm:kv_cache_usage_perc{{{REPLICA}}})", "{{replica}}"),),
                 unit="percentunit",
             ),
             Panel(
                 "Prefix-cache hit rate",
                 (
                     Query(
-                        f"sum by (replica) (rate(vllm:prefix_cache_hits_total{RATE}))"
-                        f" / sum by (replica) (rate(vllm:prefix_cache_queries_total{RATE}))",
+                        f"sum by (replica) (rate(vllm:prefix_cache_hits_total{{{REPLICA}}}{RATE}))"
+                        f" / sum by (replica) (rate(vllm:prefix_cache_queries_total{{{REPLICA}}}{RATE}))",
                         "{{replica}}",
                     ),
                     Query(
-                        f"sum(rate(vllm:prefix_cache_hits_total{RATE}))"
-                        f" / sum(rate(vllm:prefix_cache_queries_total{RATE}))",
-                        "all replicas",
+                        f"sum(rate(vllm:prefix_cache_hits_total{{{REPLICA}}}{RATE}))"
+                        f" / sum(rate(vllm:prefix_cache_queries_total{{{REPLICA}}}{RATE}))",
+                        "the replicas shown",
                     ),
                 ),
                 unit="percentunit",
@@ -118,41 +155,65 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
             Panel(
                 "Time to first token per replica (vLLM)",
-                _quantiles("vllm:time_to_first_token_seconds", "", by="replica")[:2],
+                _quantiles("vllm:time_to_first_token_seconds", f"{{{REPLICA}}}", by="replica")[:2],
                 unit="s",
             ),
             Panel(
                 "Generated tokens/s per replica",
-                (Query(f"sum by (replica) (rate(vllm:generation_tokens_total{RATE}))", "{{replica}}"),),
+                (Query(f"sum by (replica) (rate(vllm:generation_tokens_total{{{REPLICA}}}{RATE}))", "{{replica}}"),),
             ),
         ),
     ),
     (
         "GPUs (NVML, sampled by the router)",
-        (
+        tuple(
             Panel(
-                "GPU utilization",
-                (Query(f"max by ({GPU_SERIES}) (dpserve_gpu_utilization_ratio)", "GPU {{gpu}} {{replica}}"),),
-                unit="percentunit",
-            ),
-            Panel(
-                "GPU memory used",
-                (Query(f"max by ({GPU_SERIES}) (dpserve_gpu_memory_used_bytes)", "GPU {{gpu}} {{replica}}"),),
-                unit="bytes",
-            ),
-            Panel(
-                "GPU power",
-                (Query(f"max by ({GPU_SERIES}) (dpserve_gpu_power_watts)", "GPU {{gpu}} {{replica}}"),),
-                unit="watt",
-            ),
-            Panel(
-                "GPU temperature",
-                (Query(f"max by ({GPU_SERIES}) (dpserve_gpu_temperature_celsius)", "GPU {{gpu}} {{replica}}"),),
-                unit="celsius",
-            ),
+                title, (Query(f"max by ({GPU_SERIES}) ({metric}{{{REPLICA}}})", "GPU {{gpu}} {{replica}}"),), unit=unit
+            )
+            for title, metric, unit in (
+                ("GPU utilization", "dpserve_gpu_utilization_ratio", "percentunit"),
+                ("GPU memory used", "dpserve_gpu_memory_used_bytes", "bytes"),
+                ("GPU power", "dpserve_gpu_power_watts", "watt"),
+                ("GPU temperature", "dpserve_gpu_temperature_celsius", "celsius"),
+            )
         ),
     ),
 )
+
+
+def _variable(name: str, label: str, query: str) -> dict[str, Any]:
+    """A multi-value variable of a label's values, `All` by default (which matches every value, empty too)."""
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "query": {"query": query, "refId": name},
+        "definition": query,
+        "refresh": 2,
+        "multi": True,
+        "includeAll": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+    }
+
+
+def templating() -> dict[str, Any]:
+    """The dashboard's variables: which Prometheus, which models, which replicas."""
+    return {
+        "list": [
+            {
+                "name": "datasource",
+                "label": "Prometheus",
+                "type": "datasource",
+                "query": "prometheus",
+                "current": {"selected": True, "text": PROVISIONED_UID, "value": PROVISIONED_UID},
+            },
+            _variable("model", "Model", "label_values(dpserve_requests_total, model)"),
+            _variable("replica", "Replica", "label_values(dpserve_replica_healthy, replica)"),
+        ]
+    }
 
 
 def _panel_json(panel: Panel, panel_id: int, x: int, y: int, width: int) -> dict[str, Any]:
@@ -201,6 +262,7 @@ def dashboard() -> dict[str, Any]:
         "refresh": "5s",
         "time": {"from": "now-15m", "to": "now"},
         "schemaVersion": 39,
+        "templating": templating(),
         "panels": panels,
     }
 

@@ -4,10 +4,12 @@ its peers', and what their metrics say). What they serve is the catalog's (`repl
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from dpserve.gpu.placement import parse_replica_spec
 from dpserve.policies.base import LoadFromCounts, ReplicaView
@@ -92,19 +94,46 @@ class Replica(LoadFromCounts):
 
 
 def replica_id(index: int) -> str:
-    """The id of the `index`-th replica the router was given or had added: the launcher, compose and
-    the router all name replicas through this."""
+    """The name `dpserve up` and `dpserve compose` give their `index`-th replica (`--replica r0=URL`), so
+    their tables, their Prometheus labels and the router's agree."""
     return f"r{index}"
 
 
 def replica_ids(count: int) -> list[str]:
-    """Ids in the order replicas were given: the launcher and the router agree on them."""
+    """The names of `dpserve up`'s and `dpserve compose`'s replicas, in the order they start them."""
     return [replica_id(index) for index in range(count)]
 
 
+REPLICA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+
+def split_replica_name(spec: str) -> tuple[str | None, str]:
+    """`NAME=URL[@gpu=N]` -> (NAME, the rest); a spec without a name -> (None, spec). A ValueError for a
+    name that cannot be a metrics label value or a path segment."""
+    name, sep, rest = spec.partition("=")
+    if not sep or "://" in name or "://" not in rest:
+        return None, spec
+    if not REPLICA_NAME.fullmatch(name):
+        raise ValueError(
+            f"--replica {spec}: a NAME is 1 to 64 letters, digits, `.`, `_`, `:` or `-`, "
+            "starting with a letter or digit"
+        )
+    return name, rest
+
+
+def address_id(url: str) -> str:
+    """A replica's default name: its address, `host:port`. The same replica has the same name in every
+    router, whatever order they list it in, and across restarts."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or url
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class ReplicaRegistry:
-    """Replicas by id, their health and their load. Ids are `r0, r1, ...` in the order replicas were given,
-    then added at run time; a removed replica's id is never reused, so metrics and logs stay unambiguous.
+    """Replicas by id, their health and their load. A replica's id is the name it was given
+    (`--replica NAME=URL`) or its address (`host:port`): the same in every router of a tier, in metrics,
+    logs, receipts and traces, whatever order each lists it in.
 
     Listeners hear of three kinds of change: room (`on_change`: a waiting request may fit now), routability
     (`on_reshape`: who is in routing changed; the catalog rebuilds its views) and new replicas (`on_added`)."""
@@ -118,7 +147,6 @@ class ReplicaRegistry:
         """`specs`: replica URLs, each optionally followed by `@gpu=N` (see `parse_replica_spec`); none
         where replicas are all discovered or added later."""
         self._replicas: dict[str, Replica] = {}
-        self._next_id = 0
         self._tracker = HealthTracker(rules or HealthRules())
         self._clock = clock
         self._room_listeners: list[Callable[[], None]] = []
@@ -150,11 +178,15 @@ class ReplicaRegistry:
         return next((r for r in self._replicas.values() if r.url == url), None)
 
     def add(self, spec: str) -> Replica:
-        url, hint = parse_replica_spec(spec)
+        """`spec`: `[NAME=]URL[@gpu=N]`. Its id is NAME, else its address (`address_id`)."""
+        name, rest = split_replica_name(spec)
+        url, hint = parse_replica_spec(rest)
         if self.by_url(url) is not None:
             raise ValueError(f"{url} is already a replica")
-        replica = Replica(id=replica_id(self._next_id), url=url, gpu_hint=hint)
-        self._next_id += 1
+        rid = name or address_id(url)
+        if rid in self._replicas:
+            raise ValueError(f"--replica {spec}: another replica is already named {rid}")
+        replica = Replica(id=rid, url=url, gpu_hint=hint)
         self._replicas[replica.id] = replica
         for listener in self._added_listeners:
             listener(replica)

@@ -49,7 +49,7 @@ class ReplicaPlan:
     def router_target(self) -> RouterTarget:
         """How the router is told of this replica: its URL, its GPU when it has one, its KV events."""
         gpu = self.device.removeprefix("cuda:") if self.device.startswith("cuda:") else None
-        return RouterTarget(self.url, gpu, self.kv_events_endpoint)
+        return RouterTarget(self.url, gpu, self.kv_events_endpoint, self.id)
 
 
 class PlanError(ValueError):
@@ -207,15 +207,19 @@ def events_known(settings: UpSettings) -> bool:
 
 @dataclass(frozen=True)
 class RouterTarget:
-    """A replica as the router is told of it: `--replica URL[@gpu=N]`, and where its KV events are."""
+    """A replica as the router is told of it: `--replica NAME=URL[@gpu=N]`, and where its KV events are."""
 
     url: str
     gpu: str | None
     kv_events: str
+    name: str | None = None
+    """Its name in the router (`r0`, as the launcher's table and the Prometheus labels call it); None: its
+    address."""
 
     @property
     def replica_spec(self) -> str:
-        return f"{self.url}@gpu={self.gpu}" if self.gpu is not None else self.url
+        spec = f"{self.name}={self.url}" if self.name else self.url
+        return f"{spec}@gpu={self.gpu}" if self.gpu is not None else spec
 
 
 def router_flags(

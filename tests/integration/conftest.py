@@ -194,8 +194,10 @@ def start_router(
     beforehand (routers that name each other as peers), else a free one."""
     port = port or free_port()
     command = [sys.executable, "-m", "dpserve", "router", "--policy", policy, "--host", host, "--port", str(port)]
-    for url in replica_urls:
-        command += ["--replica", url]
+    for index, spec in enumerate(replica_urls):
+        # Named r0, r1, ... in the order given, as `dpserve up` names its own; a spec with a name keeps it.
+        named = "://" in spec.partition("=")[2]
+        command += ["--replica", spec if named else f"r{index}={spec}"]
     command += ["--probe-interval", "0.2", "--log-level", "warning", *extra]
     with tempfile.NamedTemporaryFile(prefix="dpserve-router-", suffix=".log", delete=False) as log:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)

@@ -65,7 +65,7 @@ async def loader_for(
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     paths = {name: f"/adapters/{name}" for name in ("a", "b", "c", "bad")}
-    registry = ReplicaRegistry([f"http://127.0.0.1:{port}"])
+    registry = ReplicaRegistry([f"r0=http://127.0.0.1:{port}"])
     catalog = ModelCatalog(registry, adapters=paths, assumed_max_loras=max_loras, adapter_slots=max_loras)
     loader = AdapterLoader(registry, catalog, RouterMetrics(registry, "least_loaded"))
     try:

@@ -71,7 +71,7 @@ async def test_a_throttling_gpu_is_drained_of_new_requests_and_refilled_after_it
     with contextlib.ExitStack() as stack:
         sims = [stack.enter_context(running_sim("--decode-ms-per-token", "4")) for _ in range(3)]
         settings = RouterSettings(
-            replicas=tuple(f"{sim.url}@gpu={i}" for i, sim in enumerate(sims)),
+            replicas=tuple(f"r{i}={sim.url}@gpu={i}" for i, sim in enumerate(sims)),
             policy="least_loaded",
             probe_interval_s=INTERVAL_S,
             gpu_interval_s=INTERVAL_S,

@@ -37,7 +37,12 @@ pytestmark = pytest.mark.integration
 
 @contextlib.asynccontextmanager
 async def in_process_router(specs: list[str], nvml: FakeNvml) -> AsyncIterator[str]:
-    settings = RouterSettings(replicas=tuple(specs), policy="round_robin", probe_interval_s=0.2, gpu_interval_s=0.05)
+    settings = RouterSettings(
+        replicas=tuple(f"r{i}={spec}" for i, spec in enumerate(specs)),
+        policy="round_robin",
+        probe_interval_s=0.2,
+        gpu_interval_s=0.05,
+    )
     async with serving(create_app(settings, nvml=lambda: nvml)) as url:
         yield url
 

@@ -90,7 +90,10 @@ async def running(
         replica.url = f"http://127.0.0.1:{port}"
         runners.append(runner)
     settings = RouterSettings(
-        replicas=(*[r.url for r in replicas], *extra_urls), policy=policy, probe_interval_s=0.2, **overrides
+        replicas=tuple(f"r{i}={url}" for i, url in enumerate([*[r.url for r in replicas], *extra_urls])),
+        policy=policy,
+        probe_interval_s=0.2,
+        **overrides,
     )
     app = create_app(settings)
     if apps is not None:

@@ -18,7 +18,7 @@ REQUEST = RequestFeatures("completions", MODEL, False)
 
 
 def fleet(count: int) -> tuple[ReplicaRegistry, ModelCatalog]:
-    registry = ReplicaRegistry([f"http://127.0.0.1:{30000 + i}" for i in range(count)], HealthRules())
+    registry = ReplicaRegistry([f"r{i}=http://127.0.0.1:{30000 + i}" for i in range(count)], HealthRules())
     catalog = ModelCatalog(registry)
     for replica in registry:
         registry.probe_succeeded(replica.id)

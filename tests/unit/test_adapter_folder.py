@@ -20,7 +20,7 @@ BASE = {"id": "dpserve-tiny", "object": "model", "root": "/models/tiny", "parent
 
 def lora_catalog() -> ModelCatalog:
     """One admitted replica serving the base model with a LoRA slot."""
-    registry = ReplicaRegistry(["http://a:1"])
+    registry = ReplicaRegistry(["r0=http://a:1"])
     catalog = ModelCatalog(registry, assumed_max_loras=1)
     registry.probe_succeeded("r0")
     catalog.set_model_cards("r0", (BASE,))

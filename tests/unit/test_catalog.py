@@ -15,7 +15,7 @@ ADAPTER = {"id": "sql", "object": "model", "root": "/adapters/sql", "parent": "m
 
 
 def serving(count: int) -> tuple[ReplicaRegistry, ModelCatalog]:
-    registry = ReplicaRegistry([f"http://h{index}:1" for index in range(count)], HealthRules(rise_threshold=1))
+    registry = ReplicaRegistry([f"r{index}=http://h{index}:1" for index in range(count)], HealthRules(rise_threshold=1))
     catalog = ModelCatalog(registry)
     for replica in registry:
         registry.probe_succeeded(replica.id)
@@ -38,7 +38,7 @@ def test_views_are_kept_until_the_registry_reshapes_and_rebuilt_after() -> None:
         lambda: registry.observe("r1", Outcome.REFUSED),
         lambda: registry.probe_succeeded("r1"),
         lambda: registry.add("http://h9:1"),
-        lambda: registry.remove("r2"),
+        lambda: registry.remove("h9:1"),  # named by its address
     ]
     expected = [["r1"], ["r0", "r1"], ["r0"], ["r0", "r1"], ["r0", "r1"], ["r0", "r1"]]
     for change, routable in zip(changes, expected, strict=True):

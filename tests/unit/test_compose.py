@@ -226,7 +226,8 @@ def test_router_finds_every_replica_by_service_name_and_waits_for_them(gpus: int
         "args": {"BASE_IMAGE": "${BASE_IMAGE:-python:3.11-slim}"},
     }
     args = build_parser().parse_args(["router", *interpolate(router["command"], ENV)])
-    assert args.replicas == [f"http://{name}:8000@gpu={index}" for index, name in enumerate(services)]
+    # Named as Prometheus labels the replicas' own targets (`r0`, ...), so both say the same.
+    assert args.replicas == [f"r{index}=http://{name}:8000@gpu={index}" for index, name in enumerate(services)]
     assert args.kv_events == [f"http://{name}:8000=tcp://{name}:5557" for name in services]
     assert (args.policy, args.host, args.port) == (ENV["POLICY"], "0.0.0.0", 8000)
     # 0.0.0.0 inside the stack's network needs --insecure; keys come from the shell, as HF_TOKEN does.
@@ -281,7 +282,7 @@ def test_grafana_is_provisioned_with_the_dashboard_and_datasource() -> None:
     by_target = {target: source for source, target in mounts.items()}
     provisioning_dir = ROOT / by_target["/etc/grafana/provisioning"]
     (datasource,) = load((provisioning_dir / "datasources" / "prometheus.yaml").read_text())["datasources"]
-    assert datasource["url"] == "http://prometheus:9090" and datasource["uid"] == grafana.DATASOURCE["uid"]
+    assert datasource["url"] == "http://prometheus:9090" and datasource["uid"] == grafana.PROVISIONED_UID
     (provider,) = load((provisioning_dir / "dashboards" / "dpserve.yaml").read_text())["providers"]
     dashboards_in_container = provider["options"]["path"]
     dashboards_dir = ROOT / by_target[dashboards_in_container]
@@ -299,7 +300,16 @@ def test_grafana_is_provisioned_with_the_dashboard_and_datasource() -> None:
     assert any("Time to first token" in title for title in titles)
     for panel in dashboard["panels"]:
         for target in panel.get("targets", ()):
-            assert target["datasource"] == grafana.DATASOURCE
+            assert target["datasource"] == grafana.DATASOURCE  # the variable's Prometheus
+    # Variables: the Prometheus (the provisioned one by default), the models, the replicas; panels follow them.
+    variables = {variable["name"]: variable for variable in dashboard["templating"]["list"]}
+    assert variables["datasource"]["current"]["value"] == datasource["uid"]
+    assert set(variables) == {"datasource", "model", "replica"}
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", ())]
+    assert sum('replica=~"$replica"' in expr for expr in expressions) >= 10
+    assert any('model=~"$model"' in expr for expr in expressions)
+    for wanted in ("Queue wait (admission)", "Refused by the router/s, by status", "Tokens/s per tenant"):
+        assert wanted in titles
 
 
 def test_loadtest_profile_runs_the_repository_locustfile_against_the_router() -> None:

@@ -29,7 +29,7 @@ class WordIds:
 
 
 def fleet() -> tuple[ReplicaRegistry, ModelCatalog]:
-    registry = ReplicaRegistry(["http://a", "http://b"])
+    registry = ReplicaRegistry(["r0=http://a", "r1=http://b"])
     catalog = ModelCatalog(registry)
     for replica in registry:
         registry.probe_succeeded(replica.id)

@@ -233,7 +233,7 @@ def test_replica_spec_with_gpu_hint() -> None:
     assert parse_replica_spec("http://h:1@gpu=GPU-ab12,3") == ("http://h:1", ("GPU-ab12", "3"))
     with pytest.raises(ValueError, match="needs a GPU index or UUID"):
         parse_replica_spec("http://h:1@gpu=")
-    registry = ReplicaRegistry(["http://a:1@gpu=0", "http://b:2"])
+    registry = ReplicaRegistry(["r0=http://a:1@gpu=0", "r1=http://b:2"])
     assert [(r.url, r.gpu_hint) for r in registry] == [("http://a:1", ("0",)), ("http://b:2", ())]
     assert registry.by_url("http://a:1") is registry.get("r0")
 

@@ -284,7 +284,7 @@ class StaticAgents:
 
 
 def test_agent_gpus_are_tied_to_replicas_by_listening_address_and_degrade_them() -> None:
-    registry = ReplicaRegistry(["http://127.0.0.2:8000", "http://127.0.0.3:8000"], HealthRules())
+    registry = ReplicaRegistry(["r0=http://127.0.0.2:8000", "r1=http://127.0.0.3:8000"], HealthRules())
     hot = pynvml.nvmlClocksEventReasonHwSlowdown
     payload = {
         "host": "node-a",
@@ -333,7 +333,7 @@ def test_a_malformed_agent_reading_is_refused_with_a_reason() -> None:
 
 
 def test_an_index_hint_names_a_remote_gpu_only_where_one_host_is_read() -> None:
-    registry = ReplicaRegistry(["http://vllm-0:8000@gpu=1", "http://vllm-1:8000@gpu=GPU-b0"], HealthRules())
+    registry = ReplicaRegistry(["r0=http://vllm-0:8000@gpu=1", "r1=http://vllm-1:8000@gpu=GPU-b0"], HealthRules())
     one_host = parse_reading({"host": "a", "gpus": [GpuSample(i, f"GPU-a{i}", "H100").to_dict() for i in range(2)]})
     other = parse_reading({"host": "b", "gpus": [GpuSample(0, "GPU-b0", "H100").to_dict()]})
 

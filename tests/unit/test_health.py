@@ -69,7 +69,7 @@ def test_soft_failures_never_eject_the_last_replica_standing_but_a_refusal_does(
 
 
 def test_the_registry_keeps_its_last_routable_replica_on_5xx() -> None:
-    registry = ReplicaRegistry(["http://a:1", "http://b:2"], RULES)
+    registry = ReplicaRegistry(["r0=http://a:1", "r1=http://b:2"], RULES)
     for replica in registry:
         registry.probe_succeeded(replica.id)
     for _ in range(RULES.passive_fail_threshold):
@@ -116,7 +116,7 @@ def test_statuses_are_classified(status: int, outcome: Outcome) -> None:
 
 def test_registry_available_prefers_replicas_not_backing_off() -> None:
     now = [100.0]
-    registry = ReplicaRegistry(["http://a:1", "http://b:2"], RULES, clock=lambda: now[0])
+    registry = ReplicaRegistry(["r0=http://a:1", "r1=http://b:2"], RULES, clock=lambda: now[0])
     for replica in registry:
         registry.probe_succeeded(replica.id)
     available = lambda **kwargs: [c.id for c in registry.available(registry.healthy(), **kwargs)]  # noqa: E731
@@ -130,7 +130,7 @@ def test_registry_available_prefers_replicas_not_backing_off() -> None:
 
 
 def test_registry_draining_and_removal() -> None:
-    registry = ReplicaRegistry(["http://a:1", "http://b:2"], RULES)
+    registry = ReplicaRegistry(["r0=http://a:1", "r1=http://b:2"], RULES)
     changes: list[int] = []
     registry.on_change(lambda: changes.append(1))
     for replica in registry:
@@ -142,15 +142,46 @@ def test_registry_draining_and_removal() -> None:
     registry.release("r1")  # a request finishing on a removed replica is no error
     assert removed.in_flight == 1 and "r1" not in registry
     added = registry.add("http://c:3@gpu=2")
-    assert added.id == "r2" and added.gpu_hint == ("2",)  # ids are never reused
+    assert added.id == "c:3" and added.gpu_hint == ("2",)  # a replica added unnamed is its address
     with pytest.raises(ValueError, match="already a replica"):
         registry.add("http://a:1/")
+    with pytest.raises(ValueError, match="already named r0"):
+        registry.add("r0=http://d:4")
     assert changes  # listeners heard of the drain and the releases
+
+
+@pytest.mark.parametrize(
+    ("spec", "name", "url", "hint"),
+    [
+        ("http://10.0.0.5:8000", "10.0.0.5:8000", "http://10.0.0.5:8000", ()),
+        ("http://vllm-0", "vllm-0:80", "http://vllm-0", ()),
+        ("https://vllm-0.example/", "vllm-0.example:443", "https://vllm-0.example", ()),
+        ("http://[fd00::5]:8000@gpu=1", "[fd00::5]:8000", "http://[fd00::5]:8000", ("1",)),
+        ("gpu-a=http://10.0.0.5:8000@gpu=0", "gpu-a", "http://10.0.0.5:8000", ("0",)),
+        ("r0=http://127.0.0.1:8100", "r0", "http://127.0.0.1:8100", ()),
+    ],
+)
+def test_a_replica_is_named_by_its_name_or_its_address(spec: str, name: str, url: str, hint: tuple[str, ...]) -> None:
+    replica = ReplicaRegistry([spec]).get(name)
+    assert (replica.url, replica.gpu_hint) == (url, hint)
+
+
+def test_two_routers_listing_the_same_replicas_in_either_order_name_them_alike() -> None:
+    urls = ["http://10.0.0.5:8000", "http://10.0.0.6:8000@gpu=1", "named=http://10.0.0.7:8000"]
+    one, other = ReplicaRegistry(urls), ReplicaRegistry(list(reversed(urls)))
+    assert {r.id: r.url for r in one} == {r.id: r.url for r in other}
+    assert sorted(r.id for r in one) == ["10.0.0.5:8000", "10.0.0.6:8000", "named"]
+
+
+@pytest.mark.parametrize("spec", ["-x=http://a:1", "a b=http://a:1", f"{'n' * 65}=http://a:1", "é=http://a:1"])
+def test_a_replica_name_that_cannot_be_a_label_is_refused(spec: str) -> None:
+    with pytest.raises(ValueError, match="a NAME is"):
+        ReplicaRegistry([spec])
 
 
 def test_held_requests_hear_of_every_scrape_a_peers_ended_requests_and_a_new_replica() -> None:
     # Load that was not this router's ends without any answer of its own: only these can say so.
-    registry = ReplicaRegistry(["http://a:1"], RULES)
+    registry = ReplicaRegistry(["r0=http://a:1"], RULES)
     heard: list[int] = []
     registry.on_change(lambda: heard.append(1))
     scrape = {"kv_usage": 0.0, "prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0, "block_size": None}
@@ -167,7 +198,7 @@ def test_held_requests_hear_of_every_scrape_a_peers_ended_requests_and_a_new_rep
 
 def test_a_read_between_probes_refreshes_the_load_but_teaches_no_capacity() -> None:
     # The capacity's rules count scheduled scrapes: reads for held requests, 10 a second, must not speed them.
-    registry = ReplicaRegistry(["http://a:1"], RULES)
+    registry = ReplicaRegistry(["r0=http://a:1"], RULES)
     scrape = {"kv_usage": 0.0, "prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0, "block_size": None}
     for _ in range(3):
         registry.record_scrape("r0", running=4, waiting=4, scheduled=False, **scrape)

@@ -41,7 +41,7 @@ class Clock:
 
 
 def healthy_registry(urls: list[str]) -> ReplicaRegistry:
-    registry = ReplicaRegistry(urls)
+    registry = ReplicaRegistry([f"r{index}={url}" for index, url in enumerate(urls)])
     catalog = ModelCatalog(registry)
     for replica in registry:
         catalog.set_model_cards(replica.id, ({"id": "m"},))

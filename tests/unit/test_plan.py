@@ -53,7 +53,8 @@ def test_gpu_plan_is_one_replica_per_gpu() -> None:
     # CUDA's order made NVML's, so the router's `@gpu=N` names the GPU the replica's CUDA sees.
     assert all(p.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for p in plans)
     args = build_parser().parse_args(list(router_argv(UpSettings(RouterSettings(gpu_interval_s=0.5)), plans)[3:]))
-    assert args.replicas == [f"http://127.0.0.1:{8100 + i}@gpu={i}" for i in range(4)]
+    # Named as the launcher's table names them, so the router's labels are the same.
+    assert args.replicas == [f"r{i}=http://127.0.0.1:{8100 + i}@gpu={i}" for i in range(4)]
     assert args.gpu_interval_s == 0.5
     with pytest.raises(PlanError, match="more replicas than the 4 GPUs"):
         plan_replicas(UpSettings(num_replicas=5), "org/model", None, 4, [0])
@@ -86,7 +87,7 @@ def test_router_argv_is_the_public_router_command() -> None:
     argv = router_argv(settings, plan_sims(settings, "tiny"), tokenizer="/models/tiny")
     assert argv[:4] == (sys.executable, "-m", "dpserve", "router")
     args = build_parser().parse_args(list(argv[3:]))
-    assert args.replicas == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
+    assert args.replicas == ["r0=http://127.0.0.1:9100", "r1=http://127.0.0.1:9101"]
     assert (args.policy, args.port, args.access_log, args.tokenizer) == ("round_robin", 8123, True, "/models/tiny")
     assert args.kv_events == [
         "http://127.0.0.1:9100=tcp://127.0.0.1:5557",
@@ -192,7 +193,7 @@ def test_several_routers_listen_on_the_next_ports_and_are_each_others_peers(host
         # The user's own peers, then every other router here.
         assert args.peers == ["http://10.0.0.9:8000", *(other for other in urls if other != url)]
         # Otherwise the one router's command: same replicas, policy and workers.
-        assert args.replicas == [p.url for p in plans] and (args.policy, args.workers) == ("prefix", 2)
+        assert args.replicas == [f"{p.id}={p.url}" for p in plans] and (args.policy, args.workers) == ("prefix", 2)
 
 
 def test_router_plans_refuse_no_router_and_ports_a_replica_takes() -> None:

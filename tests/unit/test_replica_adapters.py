@@ -17,7 +17,7 @@ def card(name: str, parent: str = "dpserve-tiny") -> dict[str, object]:
 
 def ready(urls: list[str]) -> ReplicaRegistry:
     """Replicas admitted by their probes."""
-    registry = ReplicaRegistry(urls)
+    registry = ReplicaRegistry([f"r{index}={url}" for index, url in enumerate(urls)])
     for replica in registry:
         registry.probe_succeeded(replica.id)
     return registry
@@ -60,18 +60,18 @@ def test_an_adapter_is_served_by_every_replica_with_lora_on_and_listed_with_its_
 
 
 def test_an_assumed_slot_until_the_replica_reports_its_own() -> None:
-    registry = ReplicaRegistry(["http://a:1"])
+    registry = ReplicaRegistry(["r0=http://a:1"])
     catalog = ModelCatalog(registry, adapters={"x": "/adapters/x"}, assumed_max_loras=1)
     replica, added = registry.get("r0"), registry.add("http://b:1")  # given at start, and added later
     assert replica.lora.max_loras == added.lora.max_loras == 1 and replica.lora.enabled
     catalog.set_lora_info("r0", 4, frozenset())
     assert replica.lora.max_loras == 4
-    assert ModelCatalog(ReplicaRegistry(["http://a:1"])).routable("x") == ()  # no LoRA, no adapter
+    assert ModelCatalog(ReplicaRegistry(["r0=http://a:1"])).routable("x") == ()  # no LoRA, no adapter
 
 
 def test_an_adapter_in_use_is_busy_until_its_last_request_ends() -> None:
     now = [10.0]
-    registry = ReplicaRegistry(["http://a:1"], clock=lambda: now[0])
+    registry = ReplicaRegistry(["r0=http://a:1"], clock=lambda: now[0])
     catalog = ModelCatalog(registry, assumed_max_loras=2)
     changes: list[None] = []
     registry.on_change(lambda: changes.append(None))
@@ -94,7 +94,7 @@ def test_an_adapter_in_use_is_busy_until_its_last_request_ends() -> None:
 
 
 def test_a_restarted_replica_lists_no_adapter_and_its_loads_in_progress_stay() -> None:
-    registry = ReplicaRegistry(["http://a:1"])
+    registry = ReplicaRegistry(["r0=http://a:1"])
     catalog = ModelCatalog(registry, assumed_max_loras=2)
     catalog.set_model_cards("r0", (BASE, card("a")))
     lora = registry.get("r0").lora
