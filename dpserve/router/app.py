@@ -136,6 +136,7 @@ class Router:
             flow=self.flow,
             receipts=self.receipts,
             shadows=self.shadows,
+            siblings=settings.peer_siblings,
         )
         self._collectors()
         self.hot_path = HotPath()

@@ -375,6 +375,34 @@ def test_workers_share_one_port_and_a_killed_worker_is_replaced(sims: list[SimPr
     assert process.returncode == 0
 
 
+def test_one_scrape_counts_every_workers_requests(sims: list[SimProcess]) -> None:
+    """`--workers 2`: after 100 requests, each of 12 scrapes in a row (new connections, so either worker
+    answers) counts 100, and /metrics?scope=worker is one worker's share."""
+    port = free_port()
+    command = [sys.executable, "-m", "dpserve", "router", "--policy", "least_loaded", "--port", str(port)]
+    for sim in sims:
+        command += ["--replica", sim.url]
+    command += ["--workers", "2", "--probe-interval", "0.2", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def counted(path: str = "/metrics") -> float:
+        samples = parse_samples(httpx.get(f"{url}{path}", timeout=10).text, ("dpserve_requests_total",))
+        return sum(value for _, value in samples.by_name.get("dpserve_requests_total", []))
+
+    try:
+        wait_until(lambda: healthy_count(url) == 2, 60, what="workers")
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+        for _ in range(100):
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        scrapes = [counted() for _ in range(12)]
+        assert scrapes == [100] * 12, scrapes
+        shares = {counted("/metrics?scope=worker") for _ in range(20)}
+        assert all(0 <= share < 100 for share in shares) and len(shares) == 2, shares  # each worker's own
+    finally:
+        stop_process(process, 30)
+
+
 # -- peers found by DNS ------------------------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from dpserve.kvindex.index import KvIndex
@@ -23,6 +23,7 @@ from dpserve.router.fleet.gpus import GpuFleet
 from dpserve.router.flow.gate import Flow
 from dpserve.router.http.errors import OpenAIError
 from dpserve.router.observe.metrics import RouterMetrics
+from dpserve.router.observe.worker_metrics import WorkerMetrics
 from dpserve.router.peers.links import PeerLinks
 from dpserve.router.quality.receipts import ReceiptBook
 from dpserve.router.quality.shadows import ShadowScorer
@@ -51,9 +52,13 @@ class RouterState:
     flow: Flow
     receipts: ReceiptBook
     shadows: ShadowScorer | None
+    siblings: tuple[str, ...] = ()
+    """With `--workers`: the other workers' private URLs (one scrape answers for all of them)."""
 
 
 def add_status_routes(app: FastAPI, state: RouterState) -> None:
+    workers = WorkerMetrics(state.metrics.registry, state.siblings)
+
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         # From what the probes last read: answers at once, also while a replica is down.
@@ -94,8 +99,8 @@ def add_status_routes(app: FastAPI, state: RouterState) -> None:
         return JSONResponse(state.flow.usage.to_dict())
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus_metrics(scope: str = "router") -> Response:
+        return Response(await workers.scrape(scope), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/status")
     async def status() -> JSONResponse:
