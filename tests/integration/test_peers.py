@@ -397,8 +397,9 @@ def test_one_scrape_counts_every_workers_requests(sims: list[SimProcess]) -> Non
             assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
         scrapes = [counted() for _ in range(12)]
         assert scrapes == [100] * 12, scrapes
+        # One worker's own series: a share of the 100 (the kernel spread the 100 connections over both).
         shares = {counted("/metrics?scope=worker") for _ in range(20)}
-        assert all(0 <= share < 100 for share in shares) and len(shares) == 2, shares  # each worker's own
+        assert shares and all(0 < share < 100 for share in shares), shares
     finally:
         stop_process(process, 30)
 
