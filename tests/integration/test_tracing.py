@@ -183,3 +183,20 @@ def test_a_request_the_sampler_drops_tells_the_replica_so(monkeypatch: pytest.Mo
     sent = [seen.headers["traceparent"] for seen in replica.requests("/v1/chat/completions")]
     # The flags' lowest bit is `sampled` (the SDK also sets 0x02: its trace ids are random).
     assert len(sent) == 2 and all(int(value.rsplit("-", 1)[1], 16) & 1 == 0 for value in sent), sent
+
+
+def test_every_worker_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--workers 2`: each worker exports its own requests' spans (new connections: the kernel spreads
+    them over both), one trace per request, none lost."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    with OtlpReceiver() as receiver, RawReplica({"/v1/chat/completions": chat_answer}) as replica:
+        flags = ("--workers", "2", "--otlp-traces-endpoint", receiver.endpoint)
+        router = start_router([replica.url], "least_loaded", *flags)
+        try:
+            traces = [secrets.token_hex(16) for _ in range(20)]
+            for trace_id in traces:
+                chat(router.url, stream=False, traceparent=f"00-{trace_id}-{secrets.token_hex(8)}-01")
+            servers = receiver.wait_for(20, EXPORT_WAIT_S, kind=SERVER)  # type: ignore[arg-type]
+        finally:
+            stop_router(router)
+    assert sorted(s.trace_id for s in servers) == sorted(traces)
