@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from dpserve.router.control.engine_ops import ENGINE_OPS, engine_op, fill_path
-from dpserve.router.http.endpoints import PROXIED_ENDPOINTS, RESPONSES, BodyKind, Prompt, by_id_endpoint
+from dpserve.router.http.endpoints import PROXIED_ENDPOINTS, RESPONSES, BodyKind, Prompt, by_id_endpoint, route
 from dpserve.router.http.errors import OpenAIError
 from dpserve.router.http.proxied_paths import is_proxied
 from dpserve.router.http.request_body import parse_body, parse_form
@@ -142,3 +142,10 @@ def test_an_engine_path_with_a_name_takes_it_from_the_query() -> None:
     with pytest.raises(OpenAIError) as missing:
         fill_path(op, "")
     assert missing.value.status == 400
+
+
+def test_a_route_names_a_stored_response_by_template_not_by_id() -> None:
+    assert route(RESPONSES) == "/v1/responses"
+    get, cancel = by_id_endpoint("/v1/responses/resp_1", "GET"), by_id_endpoint("/v1/responses/resp_1/cancel", "POST")
+    assert get is not None and cancel is not None
+    assert (route(get), route(cancel)) == ("/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel")

@@ -99,6 +99,13 @@ def by_id_endpoint(path: str, method: str) -> Endpoint | None:
     return Endpoint("responses_get", path, method="GET", body=BodyKind.NONE)
 
 
+def route(endpoint: Endpoint) -> str:
+    """The endpoint's path as a template, a stored response's id as `{response_id}`: what names a span, so
+    the names stay few however many responses there are."""
+    response_id = path_response_id(endpoint)
+    return endpoint.path if response_id is None else endpoint.path.replace(response_id, "{response_id}", 1)
+
+
 def path_response_id(endpoint: Endpoint) -> str | None:
     if not endpoint.path.startswith(RESPONSE_BY_ID):
         return None

@@ -80,10 +80,9 @@ def configure(log_format: str, level: str) -> dict[str, Any]:
 class RequestLog(Watch):
     """`--access-log`: one line for the request, at its end."""
 
-    __slots__ = ("_life", "_method", "_path", "_policy")
+    __slots__ = ("_method", "_path", "_policy")
 
-    def __init__(self, life: RequestLife, method: str, path: str, policy: str) -> None:
-        self._life = life
+    def __init__(self, method: str, path: str, policy: str) -> None:
         self._method = method
         self._path = path
         self._policy = policy

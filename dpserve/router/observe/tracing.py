@@ -33,6 +33,11 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 SERVICE_NAME = "dpserve-router"
 
 
+def trace_context(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's W3C trace context among its headers (none: empty)."""
+    return {name: headers[name] for name in TRACE_HEADERS if name in headers}
+
+
 def span_exporter(endpoint: str) -> SpanExporter:
     """The OTLP exporter `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` names, as vLLM picks its own."""
     protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -67,9 +72,9 @@ class Tracing:
         self.tracer: Tracer = self._provider.get_tracer("dpserve.router")
         self.propagator: TraceContextTextMapPropagator = TraceContextTextMapPropagator()
 
-    def watch(self, life: RequestLife, headers: Mapping[str, str], method: str, path: str) -> RequestTrace:
-        """`headers`: the client's, for its trace context."""
-        return RequestTrace(self, life, headers, method, path)
+    def watch(self, life: RequestLife, headers: Mapping[str, str], method: str, route: str, path: str) -> RequestTrace:
+        """`headers`: the client's, for its trace context; `route`: the path as a template (the span's name)."""
+        return RequestTrace(self, life, headers, method, route, path)
 
     def stop(self) -> None:
         """Exports what is still buffered, then stops."""
@@ -81,19 +86,27 @@ class RequestTrace(Watch):
 
     __slots__ = ("_attempt", "_context", "_life", "_recording", "_span", "_tracing")
 
-    def __init__(self, tracing: Tracing, life: RequestLife, headers: Mapping[str, str], method: str, path: str) -> None:
+    def __init__(
+        self, tracing: Tracing, life: RequestLife, headers: Mapping[str, str], method: str, route: str, path: str
+    ) -> None:
         from opentelemetry import trace
         from opentelemetry.trace import SpanKind
 
         self._tracing = tracing
         self._life = life
-        received = {name: headers[name] for name in TRACE_HEADERS if name in headers}
+        received = trace_context(headers)
         parent = tracing.propagator.extract(received) if received else None
         self._span: Span = tracing.tracer.start_span(
-            f"{method} {path}",
+            f"{method} {route}",
             context=parent,
             kind=SpanKind.SERVER,
-            attributes={"url.path": path, "dpserve.endpoint": life.endpoint, "dpserve.request_id": life.request_id},
+            attributes={
+                "http.request.method": method,
+                "http.route": route,
+                "url.path": path,
+                "dpserve.endpoint": life.endpoint,
+                "dpserve.request_id": life.request_id,
+            },
         )
         self._context = trace.set_span_in_context(self._span)
         self._attempt: Span | None = None

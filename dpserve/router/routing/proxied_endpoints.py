@@ -39,6 +39,7 @@ from dpserve.router.http.endpoints import (
     Endpoint,
     by_id_endpoint,
     path_response_id,
+    route,
 )
 from dpserve.router.http.errors import (
     CLIENT_CLOSED,
@@ -60,7 +61,7 @@ from dpserve.router.http.upstream_client import InvalidHeader, check_header
 from dpserve.router.observe.life import RequestLife, Usage
 from dpserve.router.observe.logs import RequestLog, request_fields
 from dpserve.router.observe.metrics import RouterMetrics
-from dpserve.router.observe.tracing import TRACE_HEADERS, Tracing
+from dpserve.router.observe.tracing import TRACE_HEADERS, Tracing, trace_context
 from dpserve.router.quality.receipts import Receipt, ReceiptBook
 from dpserve.router.quality.shadows import ShadowScorer
 from dpserve.router.routing.dispatch import Buffered, Dispatcher, Outbound, Streaming
@@ -179,11 +180,11 @@ class _Exchange:
         if state.shadows is not None:
             life.watch(state.shadows.watch(life))
         if state.access_log:
-            life.watch(RequestLog(life, scope["method"], scope["path"], state.metrics.policy_name))
+            life.watch(RequestLog(scope["method"], scope["path"], state.metrics.policy_name))
         if state.tracing is not None:
-            life.watch(state.tracing.watch(life, self.headers, scope["method"], scope["path"]))
+            life.watch(state.tracing.watch(life, self.headers, scope["method"], route(endpoint), scope["path"]))
         elif _TRACEPARENT in self.headers:  # not traced here: the client's context goes on as it came
-            life.trace_headers = {name: self.headers[name] for name in TRACE_HEADERS if name in self.headers}
+            life.trace_headers = trace_context(self.headers)
         self.response_started = False
         self.answered = False
         """The last message is on its way: from then on uvicorn reports the end of the exchange as a
