@@ -228,8 +228,9 @@ class Router:
                 held=lambda: self.admission.depth > 0,
                 held_interval_s=self.settings.held_probe_interval_s,
             )
-            relaying = self._relaying(hot, control)
-            fleet = await self._kv_events(stack, monitor, control)
+            tokens = self._token_cache(control)
+            relaying = self._relaying(hot, control, tokens)
+            fleet = await self._kv_events(stack, monitor, control, tokens)
             add_admin_routes(app, fleet, lambda replica: replica_status(replica, self.state))
             self.shutdown.serving(asyncio.get_running_loop())
             await self._watch(stack, monitor, control, fleet)
@@ -237,13 +238,15 @@ class Router:
             stack.callback(self.hot_path.stop)
             yield
 
-    def _relaying(self, hot: UpstreamPool, control: aiohttp.ClientSession) -> Relaying:
+    def _token_cache(self, control: aiohttp.ClientSession) -> TokenCache | None:
+        """Prompts' tokens, for a policy that reads KV blocks: the local tokenizer, else the replicas'."""
+        if Need.KV_PREFIX not in self.needs:
+            return None
+        tokenizer: PromptTokenizer = self.local_tokenizer or RemoteTokenizer(control)
+        return TokenCache(tokenizer, self.settings.token_cache_entries)
+
+    def _relaying(self, hot: UpstreamPool, control: aiohttp.ClientSession, tokens: TokenCache | None) -> Relaying:
         """The hot path's parts: the dispatcher and what the exchanges need."""
-        tokens: TokenCache | None = None
-        if Need.KV_PREFIX in self.needs:
-            tokenizer: PromptTokenizer = self.local_tokenizer or RemoteTokenizer(control)
-            tokens = TokenCache(tokenizer, self.settings.token_cache_entries)
-        self.tokens = tokens
         registry, catalog, metrics = self.registry, self.catalog, self.metrics
         adapters = AdapterLoader(registry, catalog, metrics)
         adapters.attach(control)
@@ -262,7 +265,11 @@ class Router:
         )  # fmt: skip
 
     async def _kv_events(
-        self, stack: contextlib.AsyncExitStack, monitor: ReplicaMonitor, control: aiohttp.ClientSession
+        self,
+        stack: contextlib.AsyncExitStack,
+        monitor: ReplicaMonitor,
+        control: aiohttp.ClientSession,
+        tokens: TokenCache | None,
     ) -> FleetControl:
         """The replicas' KV-event subscribers, started; the fleet control that adds and removes them."""
         zmq_context = zmq.asyncio.Context()
@@ -273,7 +280,7 @@ class Router:
                 KvEventSubscriber(self.kv_index, rid, endpoint, zmq_context, time.monotonic)
                 for rid, endpoint in self.kv_endpoints.items()
             )
-        self.metrics.registry.register(RoutingStateCollector(self.kv_index, subscribers, self.text_index, self.tokens))
+        self.metrics.registry.register(RoutingStateCollector(self.kv_index, subscribers, self.text_index, tokens))
 
         async def stop_subscribers() -> None:  # those added at run time too
             for subscriber in list(subscribers):

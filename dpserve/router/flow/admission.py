@@ -104,8 +104,6 @@ class Admission:
         """False: every request goes straight on, nothing ever waits."""
         self._clock = clock
         self._queue: FairQueue[_Waiter] = FairQueue()
-        self._waiters: set[_Waiter] = set()
-        """Everyone in the queue, for the longest wait (`oldest_wait_s`)."""
         self._urgent_until = -math.inf
         self.timeouts = 0
         """Requests refused after waiting `timeout_s` (429 `queue_timeout`)."""
@@ -116,9 +114,9 @@ class Admission:
 
     def oldest_wait_s(self) -> float:
         """How long the request held longest has waited so far (0 with none held)."""
-        if not self._waiters:
+        if not self._queue:
             return 0.0
-        return self._clock() - min(waiter.since for waiter in self._waiters)
+        return self._clock() - min(waiter.since for waiter in self._queue)
 
     def depth_by_priority(self) -> dict[str, int]:
         return dict(zip(("critical", "standard", "batch"), self._queue.depths(), strict=True))
@@ -200,7 +198,6 @@ class Admission:
         started = self._clock()
         deadline = started + self.timeout_s
         waiter = _Waiter(asyncio.get_running_loop(), started)
-        self._waiters.add(waiter)
         queue.push(waiter, priority, tenant)
         try:
             while True:
@@ -229,7 +226,6 @@ class Admission:
                     continue
                 waiter.wake = asyncio.get_running_loop().create_future()
         finally:
-            self._waiters.discard(waiter)
             queue.remove(waiter)
             # The next in line may find room too (several slots freed at once, or this one gave up).
             self.notify()

@@ -12,7 +12,7 @@ tenant cannot bank credit and then crowd out the others. No I/O, no asyncio: the
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -42,6 +42,10 @@ class FairQueue(Generic[T]):
 
     def __contains__(self, item: T) -> bool:
         return item in self._where
+
+    def __iter__(self) -> Iterator[T]:
+        """Everyone waiting, in no particular order."""
+        return iter(self._where)
 
     def depths(self) -> list[int]:
         """Waiters per class, most urgent first."""

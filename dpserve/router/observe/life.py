@@ -76,7 +76,6 @@ class RequestLife:
         "_watches",
         "ended_at",
         "endpoint",
-        "first_byte_at",
         "is_finished",
         "model",
         "refused",
@@ -101,7 +100,6 @@ class RequestLife:
         self._watches: list[Watch] = []
         self.replica_id: str | None = None
         """The replica whose answer the client got (or is getting); None before one began."""
-        self.first_byte_at: float | None = None
         self.status = CLIENT_CLOSED
         """The answer's status as the client got it (client gone until one is set)."""
         self.usage: Usage | None = None
@@ -114,9 +112,9 @@ class RequestLife:
         self.model = ""
         """The model (or adapter) it asked for, once read from its body (a metrics label)."""
         self.trace_headers: Mapping[str, str] = NO_HEADERS
+        """The trace context of the current attempt, for the replica (`traceparent`); empty when not traced."""
         self.trace_ids: tuple[str, str] | None = None
         """(trace id, span id) of the request's own span when traced, for its log lines."""
-        """The trace context of the current attempt, for the replica (`traceparent`); empty when not traced."""
 
     def watch(self, watch: Watch | None) -> None:
         if watch is not None:
@@ -137,7 +135,7 @@ class RequestLife:
 
     def first_byte(self, replica_id: str, stream: bool) -> None:
         """`stream`: the answer streams (a stream asked for can come back as one JSON error)."""
-        at = self.first_byte_at = self._clock()
+        at = self._clock()
         self.replica_id, self.stream = replica_id, stream
         for watch in self._watches:
             watch.first_byte(replica_id, at)
