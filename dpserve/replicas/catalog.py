@@ -114,7 +114,7 @@ class ModelCatalog:
         return list(new)
 
     def routable(self, model: str) -> tuple[Replica, ...]:
-        """Replicas routing may use for `model`, in id order (cached until routability changes)."""
+        """Replicas routing may use for `model`, in the order they were added (cached until routability changes)."""
         view = self._views.get(model)
         if view is None:
             replicas = self._registry
