@@ -281,9 +281,19 @@ def _add_compose_command(commands: argparse._SubParsersAction[argparse.ArgumentP
 
 
 def _add_lora_flags(parser: argparse.ArgumentParser, router: Collection[str], help_for: Mapping[str, str]) -> None:
-    """The router's and the replicas' LoRA flags, for a command that writes them into files (not read from the
-    environment)."""
-    add_setting_flags(parser, RouterSettings, only=router, env_in_help=False, help_for=help_for)
+    """The router's and the replicas' LoRA flags, and tracing, for a command that writes them into files (not
+    read from the environment)."""
+    tracing = {
+        "otlp_traces_endpoint": "export traces (OTLP) to URL: the routers' and the replicas' (vLLM's flag of the "
+        "same name), so vLLM's spans nest under the router's"
+    }
+    add_setting_flags(
+        parser,
+        RouterSettings,
+        only=(*router, "otlp_traces_endpoint"),
+        env_in_help=False,
+        help_for={**help_for, **tracing},
+    )
     add_setting_flags(parser, UpSettings, only=ENGINE_LORA_SETTINGS, env_in_help=False)
 
 
@@ -380,7 +390,17 @@ def _add_bench_command(commands: argparse._SubParsersAction[argparse.ArgumentPar
         bench_kinds.add_parser(name, help=text, add_help=False)
 
 
-LORA_OPTIONS = ("lora", "lora_dir", "lora_pvc", "lora_affinity", "enable_lora", "max_loras", "max_lora_rank")
+DEPLOY_OPTIONS = (
+    "lora",
+    "lora_dir",
+    "lora_pvc",
+    "lora_affinity",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "otlp_traces_endpoint",
+)
+"""Router and replica settings `dpserve compose` and `dpserve kube` write into their files."""
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -388,10 +408,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {key: tuple(value) if isinstance(value, list) else value for key, value in vars(args).items()}
 
 
-def _lora_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The LoRA flags given to `dpserve compose` or `dpserve kube`, by their options' field names."""
+def _deploy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The LoRA and tracing flags given to `dpserve compose` or `dpserve kube`, by their options' field names."""
     overrides = _overrides(args)
-    return {name: overrides[name] for name in LORA_OPTIONS if overrides.get(name) is not None}
+    return {name: overrides[name] for name in DEPLOY_OPTIONS if overrides.get(name) is not None}
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -435,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             args.scaled,
             args.routers,
             args.router_workers,
-            **_lora_options(args),
+            **_deploy_options(args),
         )
     if args.command == "kube":
         from dpserve.deploy.kube_command import run_kube
@@ -452,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_resource=args.gpu_resource,
             model_cache_pvc=args.model_cache_pvc,
             service_monitor=args.service_monitor,
-            **_lora_options(args),
+            **_deploy_options(args),
         )
     if args.command == "gpus":
         from dpserve.gpu.table import print_gpus

@@ -18,19 +18,21 @@ def compose_options(
     scaled: bool = False,
     routers: int = 1,
     router_workers: int = 1,
-    **lora: Any,
+    **given: Any,
 ) -> ComposeOptions:
     """Flags win; then GPUS, MODEL and LORA_DIR from the env file (the `.env` docker compose reads too); then
-    defaults. `lora`: ComposeOptions' LoRA fields given as flags."""
+    defaults. `given`: ComposeOptions' LoRA and tracing fields given as flags."""
     if gpus is None:
         raw = env.get("GPUS", str(DEFAULT_GPUS))
         if not raw.isdigit():
             raise ValueError(f"GPUS={raw!r} in the env file is not a whole number")
         gpus = int(raw)
     model = model or env.get("MODEL") or DEFAULT_MODEL
-    if lora.get("lora_dir") is None and env.get("LORA_DIR"):
-        lora["lora_dir"] = env["LORA_DIR"]
-    return ComposeOptions(gpus=gpus, model=model, scaled=scaled, routers=routers, router_workers=router_workers, **lora)
+    if given.get("lora_dir") is None and env.get("LORA_DIR"):
+        given["lora_dir"] = env["LORA_DIR"]
+    return ComposeOptions(
+        gpus=gpus, model=model, scaled=scaled, routers=routers, router_workers=router_workers, **given
+    )
 
 
 def run_compose(
@@ -42,11 +44,11 @@ def run_compose(
     scaled: bool = False,
     routers: int = 1,
     router_workers: int = 1,
-    **lora: Any,
+    **given: Any,
 ) -> int:
     try:
         env = read_env_file(env_file) if env_file and env_file.is_file() else {}
-        options = compose_options(gpus, model, env, scaled, routers, router_workers, **lora)
+        options = compose_options(gpus, model, env, scaled, routers, router_workers, **given)
     except ValueError as exc:
         print(f"dpserve compose: {exc}", file=sys.stderr)
         return 2

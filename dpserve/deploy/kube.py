@@ -90,6 +90,8 @@ class KubeOptions:
     """LoRA in the replicas without adapters given here (implied by `lora` and `lora_pvc`)."""
     max_loras: int = DEFAULT_MAX_LORAS
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    otlp_traces_endpoint: str | None = None
+    """Where the routers and the vLLM pods export traces (OTLP): vLLM's spans nest under the router's."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -175,6 +177,7 @@ def vllm_command(options: KubeOptions) -> list[str]:
         enable_lora=options.lora_enabled,
         max_loras=options.max_loras,
         max_lora_rank=options.max_lora_rank,
+        otlp_traces_endpoint=options.otlp_traces_endpoint,
     )
 
 
@@ -278,6 +281,7 @@ def router_command(options: KubeOptions) -> list[str]:
         # The router lists the adapters' folder (one adapter per subfolder) as the replicas see it.
         lora_dir=ADAPTERS_DIR if options.lora_pvc else None,
         lora_affinity=options.lora_affinity,
+        otlp_traces_endpoint=options.otlp_traces_endpoint,
     )
     command = [*ROUTER_ENTRYPOINT, *router_flags(settings, [])]
     command += ["--discover", f"dns:{options.dns_name(VLLM_NAME)}:{REPLICA_PORT}"]

@@ -703,3 +703,25 @@ def test_compose_command_lora_flags_env_file_and_errors(tmp_path: Path, capsys: 
     with pytest.raises(SystemExit) as exit_:
         main(["compose", "--lora", "sql"])
     assert exit_.value.code == 2 and "expected NAME=PATH" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_tracing_endpoint_goes_to_the_routers_and_every_replica(
+    scaled: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    endpoint = "http://jaeger:4317"
+    flags = ["--gpus", "2", "--routers", "2", "--otlp-traces-endpoint", endpoint] + (["--scaled"] if scaled else [])
+    document = load(_generated(*flags, capsys=capsys))
+    services = document["services"]
+    replicas = ["vllm"] if scaled else ["vllm-0", "vllm-1"]
+    for name in (*replicas, "router", "router-2"):
+        assert _flag_values(services[name]["command"], "--otlp-traces-endpoint") == [endpoint], name
+    assert f"--otlp-traces-endpoint {endpoint}" in document_header(_generated(*flags, capsys=capsys))
+    cpu = load(_generated(*flags, "--cpu", capsys=capsys))
+    for name in replicas:
+        assert _flag_values(cpu["services"][name]["command"], "--otlp-traces-endpoint") == [endpoint], name
+    assert "otlp" not in _generated("--gpus", "2", capsys=capsys)
+
+
+def document_header(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if line.startswith("#"))

@@ -547,3 +547,21 @@ def test_the_cli_passes_lora_flags(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit) as exit_:
         main(["kube", "--replicas", "2", "--lora", "sql="])
     assert exit_.value.code == 2 and "PATH is empty" in capsys.readouterr().err
+
+
+def test_a_tracing_endpoint_goes_to_the_routers_and_every_vllm_pod(capsys: pytest.CaptureFixture[str]) -> None:
+    endpoint = "http://otel-collector.observability:4317"
+    assert main(["kube", "--replicas", "2", "--otlp-traces-endpoint", endpoint]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    traced = {}
+    for workload, container in containers(docs):
+        command = container.get("command", []) + container.get("args", [])
+        traced[workload["kind"]] = _flag_values(command, "--otlp-traces-endpoint")
+    # The vLLM pods and the routers; the GPU agents serve readings only.
+    assert traced == {"StatefulSet": [endpoint], "Deployment": [endpoint], "DaemonSet": []}
+    plain = "\n".join(str(c.get("command")) for _, c in containers(documents(KubeOptions(replicas=2))))
+    assert "otlp" not in plain
+
+
+def _flag_values(argv: list[str], flag: str) -> list[str]:
+    return [argv[index + 1] for index, arg in enumerate(argv) if arg == flag]
