@@ -377,7 +377,7 @@ def test_workers_share_one_port_and_a_killed_worker_is_replaced(sims: list[SimPr
 
 def test_one_scrape_counts_every_workers_requests(sims: list[SimProcess]) -> None:
     """`--workers 2`: after 100 requests, each of 12 scrapes in a row (new connections, so either worker
-    answers) counts 100, and /metrics?scope=worker is one worker's share."""
+    answers) counts 100, and /metrics?scope=worker is one worker's share; /status likewise."""
     port = free_port()
     command = [sys.executable, "-m", "dpserve", "router", "--policy", "least_loaded", "--port", str(port)]
     for sim in sims:
@@ -400,6 +400,14 @@ def test_one_scrape_counts_every_workers_requests(sims: list[SimProcess]) -> Non
         # One worker's own series: a share of the 100 (the kernel spread the 100 connections over both).
         shares = {counted("/metrics?scope=worker") for _ in range(20)}
         assert shares and all(0 < share < 100 for share in shares), shares
+        # /status (and its page) answer for the whole router too: served counts add up, each worker listed.
+        for _ in range(12):
+            status = httpx.get(f"{url}/status", timeout=10).json()
+            assert sum(replica["served_total"] for replica in status["replicas"]) == 100, status["replicas"]
+            assert [worker["answered"] for worker in status["workers"]] == [True, True], status["workers"]
+            assert len({worker["pid"] for worker in status["workers"]}) == 2, status["workers"]
+        own = httpx.get(f"{url}/status?scope=worker", timeout=10).json()
+        assert "workers" not in own and 0 < sum(replica["served_total"] for replica in own["replicas"]) < 100
     finally:
         stop_process(process, 30)
 

@@ -3,6 +3,7 @@ receipts and usage it keeps; all read from `RouterState`, complete when the app 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.control.dashboard import dashboard_html
 from dpserve.router.control.discovery import SourceState
 from dpserve.router.control.shutdown import Shutdown
+from dpserve.router.control.worker_status import WorkerStatus
 from dpserve.router.fleet.gpus import GpuFleet
 from dpserve.router.flow.gate import Flow
 from dpserve.router.http.errors import OpenAIError
@@ -53,11 +55,12 @@ class RouterState:
     receipts: ReceiptBook
     shadows: ShadowScorer | None
     siblings: tuple[str, ...] = ()
-    """With `--workers`: the other workers' private URLs (one scrape answers for all of them)."""
+    """With `--workers`: the other workers' private URLs (one scrape, one /status answers for all of them)."""
 
 
 def add_status_routes(app: FastAPI, state: RouterState) -> None:
     workers = WorkerMetrics(state.metrics.registry, state.siblings)
+    statuses = WorkerStatus(state.siblings)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -103,12 +106,13 @@ def add_status_routes(app: FastAPI, state: RouterState) -> None:
         return Response(await workers.scrape(scope), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/status")
-    async def status() -> JSONResponse:
-        return JSONResponse(_status(state))
+    async def status(scope: str = "router") -> JSONResponse:
+        return JSONResponse(await statuses.whole(_status(state), scope))
 
     @app.get("/dashboard")
     async def dashboard() -> HTMLResponse:
-        return HTMLResponse(dashboard_html(_status(state)), headers={"cache-control": "no-store"})
+        whole = await statuses.whole(_status(state), "router")
+        return HTMLResponse(dashboard_html(whole), headers={"cache-control": "no-store"})
 
 
 def _status(state: RouterState) -> dict[str, Any]:
@@ -120,6 +124,7 @@ def _status(state: RouterState) -> dict[str, Any]:
         replicas.append(entry)
     return {
         "policy": state.policy.name,
+        "pid": os.getpid(),
         "uptime_s": round(time.time() - state.started_at, 1),
         "replicas": replicas,
         "gpus": gpus,

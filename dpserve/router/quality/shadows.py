@@ -75,6 +75,7 @@ class ShadowTally:
             "mean_load": self.load / decisions if decisions else None,
             "max_share": max(self.by_replica.values()) * replicas / decisions if decisions else None,
             "by_replica": dict(sorted(self.by_replica.items())),
+            "replicas": replicas,
         }
 
 
