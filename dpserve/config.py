@@ -210,7 +210,9 @@ class RouterSettings:
     workers: int = setting(
         1, "router processes on this host behind the one port (SO_REUSEPORT), sharing state as peers do", SERVING
     )
-    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted", SERVING)
+    # vLLM takes audio uploads of up to VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (25 MiB by default, its largest upload
+    # limit): the router's bound leaves room for one of those and the form's other fields.
+    max_body_bytes: int = setting(32 * 1024 * 1024, "largest request body accepted", SERVING)
     max_header_bytes: int = setting(
         32 * 1024, "largest total of request headers, names and values (the request line excluded)", SERVING
     )
