@@ -10,6 +10,7 @@ import difflib
 import functools
 import logging
 import os
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -181,7 +182,7 @@ def check_lora_engine(max_loras: int, max_lora_rank: int) -> None:
 # group is what one constructor in dpserve/router/app.py builds its part from: ROUTING policy_tuning and
 # selector_for, UPSTREAM upstream_deadlines (and RetryRules), HEALTH health_rules (and ReplicaMonitor), FLOW
 # admission_for and flow_for, LORA registry_for, RECEIPTS ReceiptBook and shadow_scorer, GPUS gpu_fleet, GPU_HEALTH
-# gpu_health_rules, PEERS peer_links, SECURITY flow/access.py's load_keys.
+# gpu_health_rules, PEERS peer_links, SECURITY flow/access.py's load_keys, TLS serve.py's uvicorn config.
 SERVING = "serving"
 REPLICAS = "replicas and discovery"
 ROUTING = "routing"
@@ -192,6 +193,7 @@ FLOW = "flow control"
 RECEIPTS = "receipts and shadow policies"
 LORA = "LoRA"
 SECURITY = "security"
+TLS = "TLS on the router's port"
 GPUS = "GPU telemetry"
 GPU_HEALTH = "GPU health"
 PEERS = "peers"
@@ -210,7 +212,9 @@ class RouterSettings:
     workers: int = setting(
         1, "router processes on this host behind the one port (SO_REUSEPORT), sharing state as peers do", SERVING
     )
-    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted", SERVING)
+    # vLLM takes audio uploads of up to VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (25 MiB by default, its largest upload
+    # limit): the router's bound leaves room for one of those and the form's other fields.
+    max_body_bytes: int = setting(32 * 1024 * 1024, "largest request body accepted", SERVING)
     max_header_bytes: int = setting(
         32 * 1024, "largest total of request headers, names and values (the request line excluded)", SERVING
     )
@@ -428,6 +432,30 @@ class RouterSettings:
     )
     admin_key_file: Path | None = setting(None, "file of admin keys, one per line", SECURITY)
     insecure: bool = setting(False, "allow serving without API keys on an address other than loopback", SECURITY)
+    # TLS on the router's own port, with vLLM's flags (and uvicorn's: the router hands them to it). Only
+    # `dpserve router` takes them: `dpserve up` would have to reach its routers over HTTPS itself (their
+    # readiness, each other as peers), with a client certificate of its own where they require one.
+    ssl_keyfile: Path | None = setting(
+        None, "the router's TLS private key (PEM), for --ssl-certfile", TLS, metavar="FILE", router_only=True
+    )
+    ssl_certfile: Path | None = setting(
+        None,
+        "serve HTTPS only, with this certificate chain (PEM; its key too unless --ssl-keyfile)",
+        TLS,
+        metavar="FILE",
+        router_only=True,
+    )
+    ssl_ca_certs: Path | None = setting(
+        None, "CA certificates (PEM) a client's certificate is checked against", TLS, metavar="FILE", router_only=True
+    )
+    ssl_cert_reqs: int = setting(
+        int(ssl.CERT_NONE),
+        "client certificates, as Python's ssl.CERT_* values (vLLM's flag): 0 not asked, 1 checked when sent, "
+        "2 required",
+        TLS,
+        metavar="0|1|2",
+        router_only=True,
+    )
     gpu_interval_s: float = setting(
         1.0, "seconds between NVML samples of every GPU (and polls of each GPU agent); 0: GPU telemetry off", GPUS
     )
@@ -542,6 +570,7 @@ class RouterSettings:
             raise ValueError(f"--lora-slots {self.lora_slots}: must be 0 (four per --max-loras) or more")
         if self.lora_dir is not None and not self.lora_dir.strip():
             raise ValueError("--lora-dir must name a folder")
+        check_tls(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs, self.ssl_cert_reqs)
 
     @property
     def lora_adapters(self) -> dict[str, str]:
@@ -557,6 +586,17 @@ class RouterSettings:
         if self.policy:
             return self.policy
         return "kv_aware" if self.kv_events or self.discover else "least_loaded"
+
+
+def check_tls(keyfile: Path | None, certfile: Path | None, ca_certs: Path | None, cert_reqs: int) -> None:
+    """A ValueError naming the flag when the TLS flags do not make sense together (the files themselves are
+    read when the router starts)."""
+    if cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+        raise ValueError(f"--ssl-cert-reqs {cert_reqs}: must be 0 (none), 1 (optional) or 2 (required)")
+    if certfile is None and (keyfile is not None or ca_certs is not None or cert_reqs != ssl.CERT_NONE):
+        raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (TLS on)")
+    if cert_reqs != ssl.CERT_NONE and ca_certs is None:
+        raise ValueError("--ssl-cert-reqs needs --ssl-ca-certs: the CA client certificates are checked against")
 
 
 UP = "replicas `dpserve up` starts"

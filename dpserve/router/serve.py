@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import gc
@@ -10,6 +11,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
 from collections.abc import Callable
@@ -32,9 +34,12 @@ log = logging.getLogger("dpserve.router")
 WORKER_RESTART_DELAY_S = 1.0
 
 
-def serve_router(settings: RouterSettings, sockets: list[socket.socket] | None = None) -> int:
-    """Serves until stopped; 2 with one line on stderr when the settings are wrong. `sockets`: a worker's
-    (see `serve_workers`), already bound; otherwise it binds `settings.host` and `settings.port`."""
+def serve_router(
+    settings: RouterSettings, sockets: list[socket.socket] | None = None, sibling_socket: socket.socket | None = None
+) -> int:
+    """Serves until stopped; 2 with one line on stderr when the settings are wrong. `sockets`: a worker's shared
+    port and `sibling_socket` its private one (see `serve_workers`), already bound; otherwise it binds
+    `settings.host` and `settings.port`."""
     log_config = logs.configure(settings.log_format, settings.log_level)
     logging.getLogger("uvicorn.access").addFilter(_not_proxied)
     if settings.workers > 1 and sockets is None:
@@ -44,8 +49,9 @@ def serve_router(settings: RouterSettings, sockets: list[socket.socket] | None =
     try:
         keys = load_keys(settings)
         check_bind(settings.host, keys, settings.insecure)
+        check_tls_files(settings)
         app = create_app(settings, keys=keys)
-    except ValueError as exc:  # a bad --replica, --kv-events, --tokenizer or key, or an unsafe bind
+    except ValueError as exc:  # a bad --replica, --kv-events, --tokenizer, key or TLS file, or an unsafe bind
         print(f"dpserve router: {exc}", file=sys.stderr)
         return 2
     config = uvicorn.Config(
@@ -54,6 +60,11 @@ def serve_router(settings: RouterSettings, sockets: list[socket.socket] | None =
         port=settings.port,
         loop="uvloop",
         http=bounded_protocol(settings.max_header_bytes),
+        # HTTPS only on the port clients use, when given a certificate (`check_tls_files` read them already).
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
+        ssl_ca_certs=settings.ssl_ca_certs,
+        ssl_cert_reqs=settings.ssl_cert_reqs,
         access_log=settings.access_log,
         log_level=settings.log_level,
         log_config=log_config,
@@ -63,8 +74,29 @@ def serve_router(settings: RouterSettings, sockets: list[socket.socket] | None =
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
     )
     shutdown: Shutdown = app.state.shutdown
-    DrainingServer(config, lambda: shutdown.begin_drain(settings.shutdown_grace_s)).run(sockets=sockets)
+    server = DrainingServer(config, lambda: shutdown.begin_drain(settings.shutdown_grace_s), sibling_socket)
+    server.run(sockets=sockets)
     return 0
+
+
+def check_tls_files(settings: RouterSettings) -> None:
+    """Reads the TLS files once before serving, so a missing or unreadable one is one line at start rather
+    than a traceback (from every worker)."""
+    if settings.ssl_certfile is None:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
+    except OSError as exc:  # ssl.SSLError too
+        raise ValueError(f"--ssl-certfile {settings.ssl_certfile}: cannot load it (and its key): {exc}") from None
+    if settings.ssl_ca_certs is None:
+        return
+    try:
+        context.load_verify_locations(settings.ssl_ca_certs)
+    except OSError as exc:
+        raise ValueError(f"--ssl-ca-certs {settings.ssl_ca_certs}: cannot load it: {exc}") from None
+    if settings.ssl_cert_reqs == ssl.CERT_NONE:
+        log.warning("--ssl-ca-certs without --ssl-cert-reqs 1 or 2: clients are not asked for certificates")
 
 
 def _not_proxied(record: logging.LogRecord) -> bool:
@@ -87,6 +119,7 @@ def serve_workers(settings: RouterSettings) -> int:
     try:
         keys = load_keys(settings)
         check_bind(settings.host, keys, settings.insecure)
+        check_tls_files(settings)
         create_app(settings, keys=keys)  # every setting checked once, here, rather than in N workers
         reuse_port_socket(settings.host, settings.port).close()
     except (ValueError, OSError) as exc:
@@ -136,8 +169,8 @@ def serve_workers(settings: RouterSettings) -> int:
 
 def run_worker(settings: RouterSettings, private_port: int) -> None:
     """One worker process: the shared port, and its private port for its siblings."""
-    sockets = [reuse_port_socket(settings.host, settings.port), reuse_port_socket("127.0.0.1", private_port)]
-    sys.exit(serve_router(settings, sockets))
+    shared = reuse_port_socket(settings.host, settings.port)
+    sys.exit(serve_router(settings, [shared], reuse_port_socket("127.0.0.1", private_port)))
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -160,16 +193,40 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, telling the app when a shutdown begins (uvicorn itself tells it only once
     every connection has closed, too late to end streams properly)."""
 
-    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_drain: Callable[[], None], sibling_socket: socket.socket | None = None
+    ) -> None:
         super().__init__(config)
         self._on_drain = on_drain
+        self._sibling_socket = sibling_socket
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        if self._sibling_socket is not None:
+            await self._listen_for_siblings(self._sibling_socket)
         # Everything built so far (libraries, the app, its indexes' containers) lives as long as the
         # process: out of the collector's sight, its full collections cost microseconds, not the 60-80 ms
         # measured here that would stall every request in flight.
         gc.freeze()
+
+    async def _listen_for_siblings(self, sock: socket.socket) -> None:
+        """A worker's private port, where its sibling workers read it (peer updates, `/metrics?scope=worker`):
+        plain HTTP, whatever the shared port speaks. It is bound to loopback, so only this host's own processes
+        reach it and nothing on it crosses a network; TLS there would need a certificate valid for 127.0.0.1
+        and, with client certificates required, one for the workers themselves, for no protection loopback
+        lacks. It is the same app, so the keys hold on it (siblings send the admin key); a router whose only
+        credential is the client certificate leaves it open to this host's users, as every loopback port."""
+        config = self.config
+
+        def protocol() -> asyncio.Protocol:
+            # As uvicorn's own startup makes one per connection, sharing the server's state (connections
+            # drained on shutdown) and the app's.
+            return config.http_protocol_class(  # type: ignore[call-arg]  # uvicorn types the class as a bare Protocol
+                config=config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+
+        server = await asyncio.get_running_loop().create_server(protocol, sock=sock, backlog=config.backlog)
+        self.servers.append(server)  # closed with the others on shutdown
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:

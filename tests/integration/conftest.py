@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -79,13 +80,14 @@ def bearer(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def router_status(url: str, admin_key: str | None = None) -> dict[str, Any]:
-    return httpx.get(f"{url}/status", timeout=5, headers=bearer(admin_key)).json()
+def router_status(url: str, admin_key: str | None = None, tls: ssl.SSLContext | None = None) -> dict[str, Any]:
+    """`tls`: the client's context for a router serving HTTPS (`url` is then https://)."""
+    return httpx.get(f"{url}/status", timeout=5, headers=bearer(admin_key), verify=tls or True).json()
 
 
-def healthy_count(url: str, admin_key: str | None = None) -> int:
+def healthy_count(url: str, admin_key: str | None = None, tls: ssl.SSLContext | None = None) -> int:
     try:
-        return sum(1 for replica in router_status(url, admin_key)["replicas"] if replica["healthy"])
+        return sum(1 for replica in router_status(url, admin_key, tls)["replicas"] if replica["healthy"])
     except httpx.HTTPError:
         return 0
 
@@ -189,9 +191,11 @@ def start_router(
     admin_key: str | None = None,
     port: int | None = None,
     host: str = "127.0.0.1",
+    tls: ssl.SSLContext | None = None,
 ) -> RouterProcess:
     """`admin_key`: the router's, when it has keys (its /status then needs it). `port`: one chosen
-    beforehand (routers that name each other as peers), else a free one."""
+    beforehand (routers that name each other as peers), else a free one. `tls`: the client's context
+    for a router serving HTTPS (its url is https://)."""
     port = port or free_port()
     command = [sys.executable, "-m", "dpserve", "router", "--policy", policy, "--host", host, "--port", str(port)]
     for index, spec in enumerate(replica_urls):
@@ -201,10 +205,10 @@ def start_router(
     command += ["--probe-interval", "0.2", "--log-level", "warning", *extra]
     with tempfile.NamedTemporaryFile(prefix="dpserve-router-", suffix=".log", delete=False) as log:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
-    router = RouterProcess(f"http://{host}:{port}", process, Path(log.name))
+    router = RouterProcess(f"{'https' if tls else 'http'}://{host}:{port}", process, Path(log.name))
     try:
         expected = len(replica_urls) if expect_healthy is None else expect_healthy
-        wait_until(lambda: healthy_count(router.url, admin_key) == expected, ROUTER_START_TIMEOUT_S, what="router")
+        wait_until(lambda: healthy_count(router.url, admin_key, tls) == expected, ROUTER_START_TIMEOUT_S, what="router")
     except AssertionError:
         stop_router(router)
         raise

@@ -12,6 +12,7 @@ import openai
 import psutil
 import pytest
 
+from dpserve.config import RouterSettings
 from tests.integration.conftest import start_router, stop_router
 from tests.integration.raw_replica import RawReplica, Seen, json_answer
 
@@ -172,6 +173,49 @@ def test_audio_is_relayed_as_multipart_bytes_with_the_official_sdk() -> None:
             assert client.audio.transcriptions.create(model="m", file=("clip.wav", audio)).text == transcript["text"]
         finally:
             stop_router(router)
+
+
+VLLM_AUDIO_LIMIT_BYTES = 25 * 1024 * 1024
+"""vLLM's largest upload: VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (25, in MiB) for an audio clip."""
+
+
+def test_the_default_body_limit_lets_vllms_largest_upload_through_and_refuses_past_it() -> None:
+    transcript = {"text": "a long clip"}
+    with RawReplica({"/v1/audio/transcriptions": lambda seen: json_answer(transcript)}) as replica:
+        router = start_router([replica.url], "least_loaded")  # the default --max-body-bytes
+        try:
+            client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
+            audio = bytes(range(256)) * (VLLM_AUDIO_LIMIT_BYTES // 256)
+            result = client.audio.transcriptions.create(model="m", file=("clip.wav", audio, "audio/wav"))
+            assert result.text == transcript["text"]
+            (seen,) = replica.requests("/v1/audio/transcriptions")
+            assert len(seen.body) > VLLM_AUDIO_LIMIT_BYTES and audio in seen.body  # the whole clip, relayed
+            # Past the limit: refused as soon as the head announces it (the body is never read).
+            limit = RouterSettings().max_body_bytes
+            port = int(router.url.rsplit(":", 1)[1])
+            head = (
+                f"POST /v1/audio/transcriptions HTTP/1.1\r\nhost: x\r\ncontent-length: {limit + 1}\r\n"
+                "content-type: multipart/form-data; boundary=XX\r\n\r\n"
+            )
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(head.encode() + b"--XX\r\n")
+                reply = receive_all(sock)
+            status, _, body = reply.partition(b"\r\n\r\n")
+            assert status.startswith(b"HTTP/1.1 413"), reply[:200]
+            error = json.loads(body)["error"]
+            assert error["code"] == "body_too_large" and error["type"] == "invalid_request_error"
+            assert str(limit) in error["message"]
+            assert len(replica.requests("/v1/audio/transcriptions")) == 1
+        finally:
+            stop_router(router)
+
+
+def receive_all(sock: socket.socket) -> bytes:
+    """What the peer sends until it closes the connection."""
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def test_an_unknown_response_id_is_a_404_after_asking_every_replica() -> None:

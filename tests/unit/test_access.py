@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,45 @@ def test_other_binds_need_keys_or_insecure(host: str) -> None:
         check_bind(host, Keys(), insecure=False)
     check_bind(host, Keys(), insecure=True)
     check_bind(host, KEYS, insecure=False)
+
+
+def test_keys_are_found_by_a_keyed_hash_and_never_byte_by_byte() -> None:
+    """The table a token is looked up in holds MACs under a secret drawn at start, never a key (or a plain
+    hash of one): a guess's lookup cannot tell how close it is to a key, or a key's length."""
+    keys = Keys(users=(b"user-key-1", b"user-key-2"), admins=(b"admin-key-1",))
+    table = keys._by_mac
+    assert len(table) == 3 and all(len(mac) == 32 for mac in table)
+    assert not any(key in mac or mac in key for mac in table for key in (*keys.users, *keys.admins))
+    assert not set(table) & {hashlib.blake2b(key, digest_size=32).digest() for key in keys.users}
+    # Another router (or a restart) draws another secret: nothing learned of one table carries over.
+    assert not set(table) & set(Keys(users=keys.users, admins=keys.admins)._by_mac)
+    assert "user-key" not in repr(keys) and "admin-key" not in repr(keys)
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        b"user-key-",
+        b"user-key-10",
+        b"user-key-1\x00",
+        b"USER-KEY-1",
+        b"ser-key-1",
+        b"admin-key-1user-key-1",
+        b"\x00" * 10,
+    ],
+)
+def test_only_a_whole_key_matches(token: bytes) -> None:
+    assert status_of(b"Bearer " + token, Access.USER) == 401
+
+
+def test_a_key_given_as_both_user_and_admin_key_is_an_admin_key() -> None:
+    keys = Keys(users=(b"shared-key-1", b"user-key-2"), admins=(b"shared-key-1",), user_names=("acme", "bob"))
+    assert authorize(keys, Access.ADMIN, b"Bearer shared-key-1") == Caller("admin", True)
+    assert authorize(keys, Access.USER, b"Bearer user-key-2") == Caller("bob", False)
+
+
+def test_a_thousand_keys_each_find_their_tenant() -> None:
+    users = tuple(f"key-{index:06d}-{index * 7919:08d}".encode() for index in range(1000))
+    keys = Keys(users=users, user_names=tuple(f"tenant-{index}" for index in range(1000)))
+    for index in (0, 1, 499, 999):
+        assert authorize(keys, Access.USER, b"Bearer " + users[index]) == Caller(f"tenant-{index}", False)
