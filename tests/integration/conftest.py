@@ -99,6 +99,9 @@ def running_fleet(work: Path, count: int, up_args: list[str], timeout_s: float) 
     log_path = work / "dpserve-up.log"
     command = [sys.executable, "-m", "dpserve", "up", "--port", str(router_port), "--base-port", str(base_port)]
     command += ["--kv-events-base-port", str(kv_base_port), "--run-dir", str(work / "run"), "--probe-interval", "0.5"]
+    # The shared fleet's replicas are open: tests start their own routers over them and read them directly.
+    # A keyed `dpserve up` is tested in test_replica_access.py.
+    command.append("--no-replica-key")
     command += up_args
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **REPLICA_ENV})
