@@ -99,22 +99,27 @@ def load_replica_access(
 
 def tls_refusal(exc: BaseException) -> str | None:
     """Why TLS with a replica failed, when it did (the exception or one it came from is an SSL error): its
-    certificate did not verify, or it refused the router's (or the lack of one). None for any other failure."""
+    certificate did not verify, or TLS with it failed otherwise (often: it wants a client certificate). None for
+    any other failure."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        inner = _wrapped(current)
+        if inner is not None and id(inner) not in seen:
+            current = inner  # aiohttp's own error types wrap the ssl module's, which say more
+            continue
         if isinstance(current, ssl.SSLCertVerificationError):
-            detail = current.verify_message or current.reason or str(current)
+            detail = getattr(current, "verify_message", None) or getattr(current, "reason", None) or str(current)
             return f"its TLS certificate failed verification ({detail}): check --replica-ssl-ca-certs"
         if isinstance(current, ssl.SSLError):
-            detail = current.reason or str(current)
+            detail = getattr(current, "reason", None) or str(current)
             return f"TLS with it failed ({detail}): check --replica-ssl-certfile and --replica-ssl-keyfile"
-        current = current.__cause__ or current.__context__ or _wrapped(current)
+        current = current.__cause__ or current.__context__
     return None
 
 
 def _wrapped(exc: BaseException) -> BaseException | None:
-    """aiohttp keeps the OS error it failed on as an attribute, not always as the cause."""
-    inner = getattr(exc, "os_error", None) or getattr(exc, "certificate_error", None)
-    return inner if isinstance(inner, BaseException) else None
+    """aiohttp keeps the error it failed on as an attribute, not always as the cause."""
+    inner = getattr(exc, "certificate_error", None) or getattr(exc, "os_error", None)
+    return inner if isinstance(inner, BaseException) and inner is not exc else None

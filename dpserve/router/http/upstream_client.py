@@ -164,8 +164,6 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         response = self._response
         if response is not None:
-            if isinstance(exc, ssl.SSLError):  # TLS 1.3: a refused client certificate shows only on reading
-                response._fail(ReplicaMisconfigured(tls_refusal(exc) or f"TLS with it failed ({exc})"))
             response._connection_lost()
 
     def pause_writing(self) -> None:
