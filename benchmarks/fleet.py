@@ -126,6 +126,8 @@ class UpPorts:
         """`dpserve up` on these ports; the caller adds the replicas (`--sim N` or `--replicas N`)."""
         command = [sys.executable, "-m", "dpserve", "up", "--port", str(self.base + 2 * self.count)]
         command += ["--base-port", str(self.base), "--kv-events-base-port", str(self.base + self.count)]
+        # Other gateways and the benchmarks' own clients call the replicas directly, without a key.
+        command.append("--no-replica-key")
         return [*command, "--run-dir", str(run_dir), "--policy", policy, "--log-level", "warning"]
 
 

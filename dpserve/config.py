@@ -198,6 +198,7 @@ GPUS = "GPU telemetry"
 GPU_HEALTH = "GPU health"
 PEERS = "peers"
 LOGGING = "logging"
+REPLICA_ACCESS = "keys and TLS to replicas"
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DNS_SOURCE = "dns:NAME:PORT|srv:_service._proto.NAME"
@@ -310,6 +311,38 @@ class RouterSettings:
     )
     retries: int = setting(2, "other replicas tried before the answer's first byte", UPSTREAM)
     retry_backoff_s: float = setting(0.025, "seconds before a retry", UPSTREAM)
+    # What the router shows its replicas (replicas/access.py, built by parts.replica_access): a key and TLS.
+    replica_api_key: str | None = setting(
+        None,
+        "the key the replicas' vLLM was started with (`--api-key`), sent to them as `Authorization: Bearer KEY`",
+        REPLICA_ACCESS,
+        metavar="KEY",
+        secret=True,
+    )
+    replica_api_key_file: Path | None = setting(
+        None,
+        "file holding the replicas' key (its first line; the safer way to give it)",
+        REPLICA_ACCESS,
+        metavar="FILE",
+    )
+    replica_ssl_ca_certs: Path | None = setting(
+        None,
+        "CA bundle (PEM) that https:// replicas' certificates are verified against (none: the system's)",
+        REPLICA_ACCESS,
+        metavar="PEM",
+    )
+    replica_ssl_certfile: Path | None = setting(
+        None,
+        "client certificate (PEM) shown to https:// replicas that ask for one (mTLS)",
+        REPLICA_ACCESS,
+        metavar="PEM",
+    )
+    replica_ssl_keyfile: Path | None = setting(
+        None,
+        "the client certificate's private key (PEM; none: in --replica-ssl-certfile)",
+        REPLICA_ACCESS,
+        metavar="PEM",
+    )
     probe_interval_s: float = setting(1.0, "seconds between health probes", HEALTH)
     probe_timeout_s: float = setting(3.0, "seconds a health probe may take", HEALTH)
     held_probe_interval_s: float = setting(
@@ -639,6 +672,15 @@ class UpSettings:
     )
     routers: int = setting(
         1, "routers on --port, --port+1, ..., each a --peer of the others, sharing routing state", UP, metavar="N"
+    )
+    replica_key: bool = setting(
+        True,
+        "vLLM replicas answer only their routers: each run starts them with a new key (or --replica-api-key's) "
+        "that only its routers are given; --no-replica-key: replicas open to any local process (benchmarks and "
+        "tests that call them directly)",
+        UP,
+        flag="--no-replica-key",
+        form=Form.OFF_SWITCH,
     )
     enable_lora: bool = setting(
         False,

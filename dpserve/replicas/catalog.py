@@ -161,6 +161,15 @@ class ModelCatalog:
             self._served = list(self.model_cards(healthy_only=True))
         return self._served
 
+    def refusing(self, model: str | None) -> list[tuple[str, str]]:
+        """(id, cause) of the replicas that refuse the router itself (`Replica.misconfigured`) and may serve
+        `model` (they list it, or their models could not be read; None: any model)."""
+        return [
+            (r.id, r.misconfigured)
+            for r in self._registry.misconfigured()
+            if r.misconfigured is not None and (model is None or not r.models or model in r.models)
+        ]
+
     def known_models(self) -> list[str]:
         """Models any replica has ever reported, healthy now or not."""
         return list(self.model_cards(healthy_only=False))

@@ -11,6 +11,7 @@ import aiohttp
 import orjson
 
 from dpserve.background import cancel_and_wait
+from dpserve.replicas.access import KEY_REFUSED, tls_refusal
 from dpserve.replicas.adapters import LORA_INFO, lora_info
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.prometheus_text import parse_samples
@@ -29,7 +30,9 @@ SCRAPED_METRICS = frozenset({RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_
 
 class ReplicaMonitor:
     """Probes every replica each `interval_s`: /health, then /metrics, and /v1/models when needed. Health and
-    load go to the registry, models and adapter slots to the catalog."""
+    load go to the registry, models and adapter slots to the catalog. `session` is the replicas' own
+    (`ReplicaAccess.client_session`: their key and TLS); a replica that refuses it is marked misconfigured,
+    and read again each probe (/v1/models, which vLLM's key guards, included) until it accepts it."""
 
     def __init__(
         self,
@@ -102,13 +105,20 @@ class ReplicaMonitor:
     async def _probe(self, replica: Replica, tick: int) -> None:
         try:
             async with self._session.get(f"{replica.url}/health", timeout=self._timeout) as resp:
-                if resp.status != 200:
-                    raise ProbeFailed(f"/health answered {resp.status}")
+                _check(resp, "/health")
             # A replica coming back may have been restarted with another model: re-read its models.
-            if not replica.healthy or not replica.models or tick % self._models_every == 0:
+            stale = not replica.healthy or not replica.models or replica.misconfigured is not None
+            if stale or tick % self._models_every == 0:
                 self._catalog.set_model_cards(replica.id, await self._model_cards(replica))
             await self._scrape(replica)
+        except Misconfigured as exc:
+            self._registry.set_misconfigured(replica.id, exc.cause)
+            return
         except (aiohttp.ClientError, TimeoutError, ProbeFailed, ValueError) as exc:
+            cause = tls_refusal(exc)
+            if cause is not None:
+                self._registry.set_misconfigured(replica.id, cause)
+                return
             refused = isinstance(exc, aiohttp.ClientConnectorError)  # as the request path counts UpstreamConnectError
             self._registry.probe_failed(replica.id, _describe(exc), refused)
             return
@@ -117,12 +127,12 @@ class ReplicaMonitor:
             log.exception("probing replica %s failed unexpectedly", replica.id)
             self._registry.probe_failed(replica.id, _describe(exc))
             return
+        self._registry.set_misconfigured(replica.id, None)
         self._registry.probe_succeeded(replica.id)
 
     async def _model_cards(self, replica: Replica) -> tuple[dict[str, Any], ...]:
         async with self._session.get(f"{replica.url}/v1/models", timeout=self._timeout) as resp:
-            if resp.status != 200:
-                raise ProbeFailed(f"/v1/models answered {resp.status}")
+            _check(resp, "/v1/models")
             payload = orjson.loads(await resp.read())
         data = payload.get("data") if isinstance(payload, dict) else None
         cards = tuple(card for card in data or () if isinstance(card, dict) and card.get("id"))
@@ -132,8 +142,7 @@ class ReplicaMonitor:
 
     async def _scrape(self, replica: Replica, scheduled: bool = True) -> None:
         async with self._session.get(f"{replica.url}/metrics", timeout=self._timeout) as resp:
-            if resp.status != 200:
-                raise ProbeFailed(f"/metrics answered {resp.status}")
+            _check(resp, "/metrics")
             text = await resp.text()
         samples = parse_samples(text, SCRAPED_METRICS)
         cache_config = samples.first_labels(CACHE_CONFIG) or {}
@@ -168,6 +177,21 @@ def _full_of_others(replica: Replica) -> bool:
 
 class ProbeFailed(Exception):
     pass
+
+
+class Misconfigured(Exception):
+    """The replica refused the router's key: not a health failure, the router's (or the replica's) setup."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+def _check(resp: aiohttp.ClientResponse, path: str) -> None:
+    if resp.status == 401:
+        raise Misconfigured(KEY_REFUSED)
+    if resp.status != 200:
+        raise ProbeFailed(f"{path} answered {resp.status}")
 
 
 def _describe(exc: BaseException) -> str:

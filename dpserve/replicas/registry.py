@@ -54,6 +54,8 @@ class Replica(LoadFromCounts):
     replica has room. Empty: fit, or not known."""
     lora: ReplicaAdapters = field(default_factory=ReplicaAdapters)
     """Its LoRA adapters: slots, loaded, in use (`replicas/adapters.py`)."""
+    misconfigured: str | None = None
+    """Why it refuses the router itself (its key, TLS): out of routing until a probe finds it usable."""
 
     @property
     def healthy(self) -> bool:
@@ -76,12 +78,14 @@ class Replica(LoadFromCounts):
 
     @property
     def routable(self) -> bool:
-        return self.health.healthy and not self.draining
+        return self.health.healthy and not self.draining and self.misconfigured is None
 
     @property
     def state(self) -> str:
         if self.draining:
             return "draining"
+        if self.misconfigured is not None:
+            return "misconfigured"
         if self.health.healthy:
             return "degraded" if self.degraded else "healthy"
         return "ejected" if self.health.ever_healthy else "starting"
@@ -224,6 +228,26 @@ class ReplicaRegistry:
             log.info("replica %s no longer degraded: its GPU is fit again", replica_id)
             self.notify_room()
         return True
+
+    def set_misconfigured(self, replica_id: str, cause: str | None) -> None:
+        """Mark (the cause: it refused the router's key, its TLS failed) or clear (None) a replica that refuses
+        the router itself. Marked, it is out of routing; the probes keep reading it and clear it."""
+        replica = self._replicas.get(replica_id)
+        if replica is None or replica.misconfigured == cause:
+            return
+        was = replica.misconfigured
+        replica.misconfigured = cause
+        if cause is not None:
+            replica.last_error = cause
+            log.error("replica %s is misconfigured, out of routing: %s", replica_id, cause)
+        else:
+            log.info("replica %s accepts the router again (was: %s)", replica_id, was)
+        self._reshaped()
+        if cause is None:
+            self.notify_room()
+
+    def misconfigured(self) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.misconfigured is not None and not r.draining]
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """`listener` runs whenever a replica may have gained room: a slot freed (this router's, a peer's),

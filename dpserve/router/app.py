@@ -55,6 +55,7 @@ from dpserve.router.parts import (
     origin_id,
     peer_links,
     policy_tuning,
+    replica_access,
     selector_for,
     shadow_scorer,
     upstream_deadlines,
@@ -89,6 +90,7 @@ class Router:
         self.settings = settings
         self.rng = rng
         self.keys = keys
+        self.access = replica_access(settings)  # a missing key or certificate file fails here
         self.sources = [SourceState(parse_discovery_source(text)) for text in settings.discover]
         # A bad nameserver fails here.
         wants_dns = self.sources or settings.discover_agents or settings.discover_peers
@@ -214,23 +216,29 @@ class Router:
                 stack.callback(self.receipt_log.close)
             if self.tracing is not None:
                 stack.callback(self.tracing.stop)  # after the last request's spans ended
+            # Peers and GPU agents; the replicas have their own session, with their key and TLS context.
             control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
             stack.push_async_callback(control.close)
+            replicas = self.access.client_session()
+            stack.push_async_callback(replicas.close)
             # Hot path: a lean HTTP/1.1 client (http/upstream_client.py; measured in docs/benchmarks/overhead.md).
-            hot = UpstreamPool(upstream_deadlines(self.settings), max_response_bytes=self.settings.max_response_bytes)
+            settings = self.settings
+            hot = UpstreamPool(
+                upstream_deadlines(settings), max_response_bytes=settings.max_response_bytes, access=self.access
+            )
             stack.callback(hot.close)
             monitor = ReplicaMonitor(
                 self.registry,
                 self.catalog,
-                control,
+                replicas,
                 self.settings.probe_interval_s,
                 self.settings.probe_timeout_s,
                 held=lambda: self.admission.depth > 0,
                 held_interval_s=self.settings.held_probe_interval_s,
             )
-            tokens = self._token_cache(control)
-            relaying = self._relaying(hot, control, tokens)
-            fleet = await self._kv_events(stack, monitor, control, tokens)
+            tokens = self._token_cache(replicas)
+            relaying = self._relaying(hot, replicas, tokens)
+            fleet = await self._kv_events(stack, monitor, replicas, tokens)
             add_admin_routes(app, fleet, lambda replica: replica_status(replica, self.state))
             self.shutdown.serving(asyncio.get_running_loop())
             await self._watch(stack, monitor, control, fleet)
@@ -238,18 +246,18 @@ class Router:
             stack.callback(self.hot_path.stop)
             yield
 
-    def _token_cache(self, control: aiohttp.ClientSession) -> TokenCache | None:
+    def _token_cache(self, replicas: aiohttp.ClientSession) -> TokenCache | None:
         """Prompts' tokens, for a policy that reads KV blocks: the local tokenizer, else the replicas'."""
         if Need.KV_PREFIX not in self.needs:
             return None
-        tokenizer: PromptTokenizer = self.local_tokenizer or RemoteTokenizer(control)
+        tokenizer: PromptTokenizer = self.local_tokenizer or RemoteTokenizer(replicas)
         return TokenCache(tokenizer, self.settings.token_cache_entries)
 
-    def _relaying(self, hot: UpstreamPool, control: aiohttp.ClientSession, tokens: TokenCache | None) -> Relaying:
+    def _relaying(self, hot: UpstreamPool, replicas: aiohttp.ClientSession, tokens: TokenCache | None) -> Relaying:
         """The hot path's parts: the dispatcher and what the exchanges need."""
         registry, catalog, metrics = self.registry, self.catalog, self.metrics
         adapters = AdapterLoader(registry, catalog, metrics)
-        adapters.attach(control)
+        adapters.attach(replicas)
         dispatcher = Dispatcher(
             registry, catalog, self.selector, hot, metrics, self.retry, self.admission, self.open_streams,
             rng=self.rng, adapters=adapters,
@@ -268,7 +276,7 @@ class Router:
         self,
         stack: contextlib.AsyncExitStack,
         monitor: ReplicaMonitor,
-        control: aiohttp.ClientSession,
+        replicas: aiohttp.ClientSession,
         tokens: TokenCache | None,
     ) -> FleetControl:
         """The replicas' KV-event subscribers, started; the fleet control that adds and removes them."""
@@ -289,7 +297,7 @@ class Router:
         stack.push_async_callback(stop_subscribers)
         for subscriber in subscribers:
             subscriber.start()
-        return FleetControl(self.registry, monitor, subscribers, self.kv_index, zmq_context, control)
+        return FleetControl(self.registry, monitor, subscribers, self.kv_index, zmq_context, replicas)
 
     async def _watch(
         self,

@@ -24,6 +24,7 @@ from dpserve.policies import Need, Policy, PolicyTuning, make_policy
 from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.bindings import SessionBindings
 from dpserve.policies.kv_aware import KvAwareWeights
+from dpserve.replicas.access import ReplicaAccess, load_replica_access
 from dpserve.replicas.adapter_folder import AdapterFolder, AdapterFolderWatch
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
@@ -256,6 +257,17 @@ def peer_links(
         discover_interval_s=settings.discover_interval_s,
         admin_key=keys.admins[0] if keys.admins else None,
         max_snapshot_blocks=settings.kv_index_max_entries,
+    )
+
+
+def replica_access(settings: RouterSettings) -> ReplicaAccess:
+    """The key and TLS context every client to the replicas uses; a bad file fails here, before serving."""
+    return load_replica_access(
+        settings.replica_api_key,
+        settings.replica_api_key_file,
+        settings.replica_ssl_ca_certs,
+        settings.replica_ssl_certfile,
+        settings.replica_ssl_keyfile,
     )
 
 

@@ -19,6 +19,7 @@ import aiohttp
 
 from dpserve.config import UpSettings
 from dpserve.gpu.nvml import count_nvidia_gpus
+from dpserve.replicas.access import ReplicaAccess
 from dpserve.router.flow.access import check_bind, load_keys
 from dpserve.text_table import format_table
 from dpserve.up.plan import (
@@ -30,6 +31,7 @@ from dpserve.up.plan import (
     plan_routers,
     plan_sims,
     router_env,
+    with_replica_key,
 )
 from dpserve.up.process import ManagedProcess, log_tail
 
@@ -56,6 +58,8 @@ class Launcher:
             ManagedProcess(plan.id, plan.argv, plan.env, run_dir / f"{plan.id}.log", plan.cpus) for plan in plans
         ]
         self.routers = [ManagedProcess(plan.name, plan.argv, router_env(settings.router), None) for plan in routers]
+        # The replicas' /v1/models, which readiness reads, is behind their key when they have one.
+        self._replica_headers = ReplicaAccess(settings.router.replica_api_key).headers
         self.stopping = asyncio.Event()
         self._started = False
 
@@ -164,8 +168,9 @@ class Launcher:
                 tail = log_tail(proc.log_path)
                 detail = f":\n{tail}" if tail else ""
                 raise StartupFailed(f"{proc.name} exited during start-up (code {code}){detail}")
+            headers = self._replica_headers if proc in self.replicas else None
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with session.get(url + path, timeout=timeout) as resp:
+                async with session.get(url + path, timeout=timeout, headers=headers) as resp:
                     if resp.status == 200:
                         proc.state = "ready"
                         return
@@ -244,6 +249,10 @@ def run_launcher(settings: UpSettings, routers: int = 1) -> int:
         lora_dir = settings.router.lora_dir
         if lora_dir and not Path(lora_dir).expanduser().is_dir():
             raise PlanError(f"--lora-dir {lora_dir}: no such folder here (the replicas read it from this host)")
+        try:
+            settings = with_replica_key(settings)
+        except ValueError as exc:  # its key file
+            raise PlanError(str(exc)) from None
         plans, tokenizer = _plan(settings)
         router_plans = plan_routers(settings, routers, plans, tokenizer)
     except PlanError as exc:

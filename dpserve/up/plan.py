@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from dpserve.config import (
     parse_lora,
     settings_argv,
 )
+from dpserve.replicas.access import replica_key
 from dpserve.replicas.registry import replica_ids
 
 DEFAULT_CPU_REPLICAS = 2
@@ -24,6 +26,8 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LORA_RUNTIME_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 """What a LoRA-enabled replica needs in its environment: the router loads adapters at run time
 (POST /v1/load_lora_adapter), so no `--lora-modules`."""
+VLLM_KEY_ENV = "VLLM_API_KEY"
+"""Where vLLM reads its `--api-key` when the flag is not given: in the environment, the key stays out of `ps`."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,32 @@ def vllm_argv(settings: UpSettings, model: str, served_name: str | None, port: i
     return (*argv, *flags)
 
 
+def new_replica_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def with_replica_key(settings: UpSettings, generate: Callable[[], str] = new_replica_key) -> UpSettings:
+    """The settings with the key vLLM replicas are started with, which their routers send: --replica-api-key's
+    (or its file's) when given, else a new one for this run. Unchanged for sims, with --no-replica-key, or when
+    `-- --api-key` gives vLLM a key of its own (then the router's --replica-api-key must be that key).
+    A ValueError for a bad key file."""
+    router = settings.router
+    if settings.sim_replicas or not settings.replica_key or _has_flag(settings.vllm_args, "--api-key"):
+        return settings
+    key = replica_key(router.replica_api_key, router.replica_api_key_file) or generate()
+    # The key itself from here on, in the routers' environment (`router_env`), not their argv.
+    router = dataclasses.replace(router, replica_api_key=key, replica_api_key_file=None)
+    return dataclasses.replace(settings, router=router)
+
+
+def replica_key_env(settings: UpSettings) -> dict[str, str]:
+    """The replicas' key in vLLM's environment, once `with_replica_key` chose it."""
+    key = settings.router.replica_api_key
+    if not key or not settings.replica_key or _has_flag(settings.vllm_args, "--api-key"):
+        return {}
+    return {VLLM_KEY_ENV: key}
+
+
 def sim_argv(settings: UpSettings, served_name: str, port: int, kv_port: int) -> tuple[str, ...]:
     """One `dpserve sim`; everything after `--` on `dpserve up` goes to every sim, as it would to vLLM."""
     argv = [sys.executable, "-m", "dpserve", "sim", "--port", str(port), "--model", served_name]
@@ -178,6 +208,7 @@ def plan_replicas(
         raise PlanError("--replicas must be at least 1")
     core_sets = [] if gpu_count else split_cores(cores, count)
     lora_env = LORA_RUNTIME_ENV if settings.lora_enabled else {}
+    key_env = replica_key_env(settings)
     plans = []
     for index, rid in enumerate(replica_ids(count)):
         port = settings.base_port + index
@@ -185,7 +216,7 @@ def plan_replicas(
         argv = vllm_argv(settings, model, served_name, port, kv_port)
         if gpu_count:
             # PCI bus order is NVML's order, so CUDA's device N is the GPU the router's NVML calls N.
-            env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(index), **lora_env}
+            env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(index), **lora_env, **key_env}
             plans.append(ReplicaPlan(rid, port, kv_port, f"cuda:{index}", env, None, argv))
             continue
         cpus = core_sets[index]
@@ -194,6 +225,7 @@ def plan_replicas(
             "VLLM_CPU_KVCACHE_SPACE": str(settings.cpu_kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": _core_list(cpus),
             **lora_env,
+            **key_env,
         }
         plans.append(ReplicaPlan(rid, port, kv_port, f"cpu:{_core_list(cpus)}", env, cpus, argv))
     return plans
@@ -254,6 +286,8 @@ def router_env(settings: RouterSettings) -> dict[str, str]:
         env["DPSERVE_API_KEYS"] = ",".join(settings.api_keys)
     if settings.admin_keys:
         env["DPSERVE_ADMIN_KEYS"] = ",".join(settings.admin_keys)
+    if settings.replica_api_key:
+        env["DPSERVE_REPLICA_API_KEY"] = settings.replica_api_key
     return env
 
 

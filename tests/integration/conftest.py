@@ -93,14 +93,20 @@ def healthy_count(url: str, admin_key: str | None = None, tls: ssl.SSLContext | 
 
 
 @contextlib.contextmanager
-def running_fleet(work: Path, count: int, up_args: list[str], timeout_s: float) -> Iterator[Fleet]:
-    """`dpserve up` with `count` replicas on free loopback ports, stopped (SIGTERM) when the block ends."""
+def running_fleet(
+    work: Path, count: int, up_args: list[str], timeout_s: float, open_replicas: bool = True
+) -> Iterator[Fleet]:
+    """`dpserve up` with `count` replicas on free loopback ports, stopped (SIGTERM) when the block ends.
+    `open_replicas`: without a key (`--no-replica-key`), as tests that start their own routers over them and read
+    them directly need; else keyed, for the fleet's own routers only."""
     router_port = free_port()
     base_port = free_port_range(count)
     kv_base_port = free_port_range(count, start=base_port + count + 100)
     log_path = work / "dpserve-up.log"
     command = [sys.executable, "-m", "dpserve", "up", "--port", str(router_port), "--base-port", str(base_port)]
     command += ["--kv-events-base-port", str(kv_base_port), "--run-dir", str(work / "run"), "--probe-interval", "0.5"]
+    if open_replicas:  # a keyed `dpserve up` is tested in test_replica_access.py
+        command.append("--no-replica-key")
     command += up_args
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **REPLICA_ENV})

@@ -107,6 +107,10 @@ function gpuLabel(g) {
 }
 
 function replicaState(r) {
+  // Misconfigured: it refuses the router itself (its key, TLS): out of routing until that is fixed.
+  if (r.misconfigured) {
+    return el("td", {title: r.misconfigured, class: "warning"}, el("span", {class: "dot down"}), "misconfigured");
+  }
   // Degraded: healthy, but on a GPU in a bad state (Xid, ECC, throttling...): no new requests while others have room.
   const degraded = r.healthy && r.degraded && r.degraded.length;
   const kind = degraded ? "degraded" : (r.healthy ? "up" : "down");

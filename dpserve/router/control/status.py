@@ -161,6 +161,7 @@ def replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
         "state": replica.state,
         "draining": replica.draining,
         "degraded": list(replica.degraded),
+        "misconfigured": replica.misconfigured,  # why it refuses the router itself (its key, TLS); never the key
         "ejections": replica.health.ejections,
         "in_flight": replica.in_flight,
         "peer_in_flight": replica.peer_in_flight,

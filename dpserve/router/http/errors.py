@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import orjson
 from starlette.responses import Response
 
@@ -50,6 +52,18 @@ def model_not_found(model: str) -> OpenAIError:
 
 def no_replica(message: str) -> OpenAIError:
     return OpenAIError(503, message, type="service_unavailable", code="no_healthy_replica")
+
+
+def replica_misconfigured(refusals: Sequence[tuple[str, str]]) -> OpenAIError:
+    """Replicas that refuse the router itself (its key, its TLS), as (replica id, cause): the gateway's fault,
+    never the client's, so a 502 that names each replica and its cause, not the replica's 401."""
+    named = "; ".join(f"replica {replica_id}: {cause}" for replica_id, cause in refusals)
+    return OpenAIError(
+        502,
+        f"The router cannot use its replica(s), which refuse the router itself: {named}.",
+        type="server_error",
+        code="replica_misconfigured",
+    )
 
 
 def status_type(status: int) -> str:

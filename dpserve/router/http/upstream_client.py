@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from dpserve.replicas.access import ReplicaAccess, tls_refusal
+
 READ_BUFFER_HIGH = 256 * 1024  # a stream read piecemeal: stop reading from the replica past this much unread
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 STALE_WINDOW_S = 1.0
@@ -50,6 +52,16 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamProtocolError(UpstreamError):
     """The replica broke HTTP/1.1 (bad framing, a second answer, bytes past the answer's end)."""
+
+
+class ReplicaMisconfigured(Exception):
+    """The replica refused the router itself: its TLS certificate failed verification, TLS with it failed, or
+    it refused the router's key (401). Not the client's fault and not a passing failure: the replica is taken out
+    of routing until a probe finds it usable (`ReplicaRegistry.set_misconfigured`)."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
 
 
 class StaleConnection(UpstreamError):
@@ -464,14 +476,18 @@ class UpstreamPool:
         keepalive_s: float = 4.0,
         clock: Callable[[], float] = time.monotonic,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        access: ReplicaAccess | None = None,
     ) -> None:
+        """`access`: the replicas' key, sent on every request, and the TLS context for https:// replicas."""
         self.deadlines = deadlines or Deadlines()
         self._keepalive_s = keepalive_s
         self._clock = clock
         self._max_response_bytes = max_response_bytes
         self._idle: dict[Address, list[_Connection]] = {}
         self._closed = False
-        self._ssl: ssl.SSLContext | None = None
+        access = access or ReplicaAccess()
+        self._access_lines = access.header_lines
+        self._ssl: ssl.SSLContext | None = access.tls
         self.stale_retries = 0
         """Requests sent again on a fresh connection after a reused one turned out closed."""
 
@@ -483,7 +499,7 @@ class UpstreamPool:
     ) -> UpstreamResponse:
         """Sends the request; returns once the final answer's headers are in. InvalidHeader for a header
         that cannot be sent."""
-        request = request_bytes(address, method, path, body, headers)
+        request = request_bytes(address, method, path, body, headers, self._access_lines)
         conn = self._take_idle(address)
         while True:
             if conn is None:
@@ -533,6 +549,8 @@ class UpstreamPool:
                 )
         except TimeoutError:
             raise UpstreamConnectError(f"connecting to {address.host_header} timed out") from None
+        except ssl.SSLError as exc:  # an OSError too, but no passing failure: the replica refused the router
+            raise ReplicaMisconfigured(tls_refusal(exc) or f"TLS with it failed ({exc})") from None
         except OSError as exc:
             raise UpstreamConnectError(f"cannot connect to {address.host_header}: {exc.strerror or exc}") from None
         return conn
@@ -566,11 +584,14 @@ def check_header(name: str, value: str) -> None:
         raise InvalidHeader(f"header {name} has a control character in its value")
 
 
-def request_bytes(address: Address, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
+def request_bytes(
+    address: Address, method: str, path: str, body: bytes, headers: Mapping[str, str], access_lines: bytes = b""
+) -> bytes:
+    """`access_lines`: the router's own header lines to the replica (its key), already checked and encoded."""
     lines = [f"{method} {address.base_path}{path} HTTP/1.1", f"host: {address.host_header}"]
     if body or method not in ("GET", "HEAD", "DELETE"):
         lines.append(f"content-length: {len(body)}")
     for name, value in headers.items():
         check_header(name, value)
         lines.append(f"{name}: {value}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+    return ("\r\n".join(lines) + "\r\n").encode("latin-1") + access_lines + b"\r\n" + body

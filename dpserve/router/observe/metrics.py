@@ -284,7 +284,8 @@ class _ReplicaStateCollector(Collector):
         )
         hits = queries = 0.0
         for replica in self._replicas:
-            gauges["healthy"].add_metric([replica.id], 1.0 if replica.healthy else 0.0)
+            in_routing = replica.healthy and replica.misconfigured is None
+            gauges["healthy"].add_metric([replica.id], 1.0 if in_routing else 0.0)
             gauges["draining"].add_metric([replica.id], 1.0 if replica.draining else 0.0)
             gauges["degraded"].add_metric([replica.id], 1.0 if replica.degraded else 0.0)
             ejections.add_metric([replica.id], replica.health.ejections)

@@ -18,8 +18,10 @@ import aiohttp
 import orjson
 
 from dpserve.policies.adapters import plan_load
+from dpserve.replicas.access import KEY_REFUSED, tls_refusal
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import Replica, ReplicaRegistry
+from dpserve.router.http.upstream_client import ReplicaMisconfigured
 from dpserve.router.observe.metrics import RouterMetrics
 
 log = logging.getLogger("dpserve.adapters")
@@ -58,7 +60,8 @@ class AdapterLoader:
         self._pending: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     def attach(self, session: aiohttp.ClientSession) -> None:
-        """The session the router's own calls to replicas use (made when the app starts)."""
+        """The session the router's own calls to replicas use (made when the app starts, with their key and TLS:
+        `ReplicaAccess.client_session`)."""
         self._session = session
 
     def reserve(self, replica_id: str, adapter: str) -> asyncio.Task[None] | None:
@@ -140,6 +143,7 @@ class AdapterLoader:
             log.warning("unloading adapter %s on replica %s failed: %s %s", adapter, replica.id, status, message)
 
     async def _post(self, replica: Replica, path: str, body: dict[str, str]) -> tuple[int | None, str]:
+        """The replica's status and message; ReplicaMisconfigured when it refuses the router's key or TLS."""
         session = self._session
         if session is None:
             raise AdapterLoadFailed(replica.id, body["lora_name"], None, "the router is not started")
@@ -150,8 +154,13 @@ class AdapterLoader:
                 headers={"content-type": "application/json"},
                 timeout=self._timeout,
             ) as resp:
+                if resp.status == 401:
+                    raise ReplicaMisconfigured(KEY_REFUSED)
                 return resp.status, _message(await resp.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
+            cause = tls_refusal(exc)
+            if cause is not None:
+                raise ReplicaMisconfigured(cause) from None
             return None, f"{type(exc).__name__}: {exc}"
 
 

@@ -14,14 +14,16 @@ import orjson
 from starlette.types import Send
 
 from dpserve.policies.base import ReplicaView, RequestFeatures, pick_least_loaded
+from dpserve.replicas.access import KEY_REFUSED
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.health import Outcome, classify_status
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.admission import Admission, Ticket
 from dpserve.router.flow.usage_stream import UsageTap
-from dpserve.router.http.errors import CLIENT_CLOSED, OpenAIError, no_replica
+from dpserve.router.http.errors import CLIENT_CLOSED, OpenAIError, no_replica, replica_misconfigured
 from dpserve.router.http.upstream_client import (
     Address,
+    ReplicaMisconfigured,
     ResponseTooLarge,
     UpstreamConnectError,
     UpstreamError,
@@ -252,6 +254,7 @@ class Dispatcher:
         tried: list[str] = []
         last_failure: Buffered | None = None
         last_load_failure: AdapterLoadFailed | None = None
+        refusals: list[tuple[str, str]] = []  # replicas that refused the router itself, and why
         retries = self._retry.retries
         for attempt in range(retries + 1):
             if attempt:
@@ -276,6 +279,13 @@ class Dispatcher:
                 if not is_last:
                     self._metrics.retries.labels("adapter_load").inc()
                 continue
+            except ReplicaMisconfigured as exc:
+                # Out of routing until a probe finds it usable; another replica may take the request.
+                self._registry.set_misconfigured(replica_id, exc.cause)
+                refusals.append((replica_id, exc.cause))
+                if not is_last:
+                    self._metrics.retries.labels("misconfigured").inc()
+                continue
             except RETRYABLE as exc:
                 reason = type(exc).__name__
                 # Nothing listening there ejects at once; a dropped or slow connection counts towards it.
@@ -296,6 +306,9 @@ class Dispatcher:
             return outcome
         if last_failure is not None:
             return last_failure
+        refusals = refusals or self._catalog.refusing(features.model)
+        if refusals:
+            raise replica_misconfigured(refusals)
         if last_load_failure is not None:
             raise OpenAIError(
                 502,
@@ -348,7 +361,8 @@ class Dispatcher:
         """To any healthy replica, the least loaded, for what every replica answers alike (no model named)."""
         healthy = [replica for replica in self._registry.healthy() if not replica.draining]
         if not healthy:
-            raise no_replica("No healthy replica to ask right now.")
+            refusing = self._catalog.refusing(None)
+            raise replica_misconfigured(refusing) if refusing else no_replica("No healthy replica to ask right now.")
         return await self.send_to(pick_least_loaded(healthy, self._rng).id, features, request, life)
 
     async def send_to(
@@ -364,6 +378,9 @@ class Dispatcher:
             if life is not None:
                 life.dispatched(replica_id)
             outcome = await self._attempt(replica_id, features, request, life)
+        except ReplicaMisconfigured as exc:
+            self._registry.set_misconfigured(replica_id, exc.cause)
+            raise replica_misconfigured([(replica_id, exc.cause)]) from None
         except RETRYABLE as exc:
             refused = isinstance(exc, UpstreamConnectError)
             self._registry.observe(replica_id, Outcome.REFUSED if refused else Outcome.FAILED, type(exc).__name__)
@@ -423,6 +440,8 @@ class Dispatcher:
             if life is not None and life.trace_headers:  # this attempt's span, for the replica's to nest under
                 headers = {**headers, **life.trace_headers}
             resp = await self._upstream.request(address, request.method, request.path, request.body, headers)
+            if resp.status == 401:  # vLLM's key check, the only 401 it gives: the router's key, not the client's
+                raise ReplicaMisconfigured(KEY_REFUSED)
             content_type = resp.content_type
             stream = features.stream and resp.status == 200
             if not stream:

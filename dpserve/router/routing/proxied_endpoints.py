@@ -47,6 +47,7 @@ from dpserve.router.http.errors import (
     bad_request,
     model_not_found,
     no_replica,
+    replica_misconfigured,
     upstream_error_body,
 )
 from dpserve.router.http.request_body import (
@@ -482,16 +483,24 @@ async def _send_error(send: Send, error: OpenAIError, request_id: str) -> None:
 
 
 def resolve_model(catalog: ModelCatalog, requested: str | None) -> str:
+    """The model a request is for; else why none can serve it (a replica refusing the router is named first:
+    the model may well be its, unread)."""
     if requested is None:
         only = catalog.only_model()
         if only is not None:
             return only
         served = catalog.served_models()
         if not served:
+            refusing = catalog.refusing(None)
+            if refusing:
+                raise replica_misconfigured(refusing)
             raise no_replica("No healthy replica is serving a model right now.")
         raise bad_request(f"Missing `model`; this router serves: {', '.join(served)}.", param="model")
     if catalog.serves(requested):
         return requested
+    refusing = catalog.refusing(requested)
+    if refusing:
+        raise replica_misconfigured(refusing)
     if requested in catalog.known_models():
         raise no_replica(f"No healthy replica serves the model `{requested}` right now.")
     raise model_not_found(requested)
