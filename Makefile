@@ -71,14 +71,17 @@ COMPOSE_UP_FLAGS ?= --wait
 docker-engine:
 	tools/docker-engine.sh
 
+# REPLICA_API_KEY and GRAFANA_ADMIN_PASSWORD: the shell's, else made once into .env.secrets (git-ignored).
+COMPOSE_SECRETS := set -a; eval "$$(tools/compose-secrets.sh)"; set +a
+
 compose-up: docker-engine
 	$(if $(filter cpu gpu sim,$(VARIANT)),,$(error VARIANT=$(VARIANT): one of cpu, gpu, sim))
-	set -a; eval "$$(tools/compose-build-args.sh $(VARIANT))"; set +a; \
+	$(COMPOSE_SECRETS); set -a; eval "$$(tools/compose-build-args.sh $(VARIANT))"; set +a; \
 	docker compose $(COMPOSE_FILES) up --build -d $(COMPOSE_UP_FLAGS)
-	docker compose $(COMPOSE_FILES) ps
+	$(COMPOSE_SECRETS); docker compose $(COMPOSE_FILES) ps
 
 compose-down:
-	docker compose $(COMPOSE_FILES) down --volumes --remove-orphans
+	$(COMPOSE_SECRETS); docker compose $(COMPOSE_FILES) down --volumes --remove-orphans
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

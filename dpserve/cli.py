@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Collection, Mapping
@@ -27,6 +26,7 @@ from dpserve.config import (
     unknown_variables,
 )
 from dpserve.policies import POLICY_NAMES
+from dpserve.version import package_version
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -156,13 +156,6 @@ def add_setting_flags(
 
 ROUTER_LORA = ("lora", "lora_dir", "lora_affinity", "lora_slots")
 ENGINE_LORA_SETTINGS = tuple(name for name, found in settings_of(UpSettings) if found.group == ENGINE_LORA)
-
-
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("dpserve")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
 
 
 ENVIRONMENT_NOTE = (

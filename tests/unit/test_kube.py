@@ -6,6 +6,7 @@ the pods' commands accepted by dpserve's own parser."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,12 +127,19 @@ def test_the_schema_check_rejects_a_broken_manifest() -> None:
         kubernetes_validate.validate(mistyped, KUBERNETES_VERSIONS[0], strict=True)
 
 
-def test_every_object_but_the_namespace_is_in_the_namespace() -> None:
+def test_every_object_but_the_namespaces_is_in_the_namespace_and_the_agents_in_their_own() -> None:
     docs = documents(KubeOptions(replicas=2, namespace="llm", service_monitor=True))
-    (ns,) = only(docs, "Namespace")
-    assert ns["metadata"]["name"] == "llm"
-    assert docs[0] is ns, "the Namespace first, so that `kubectl apply` creates it before what goes in it"
-    assert all(doc["metadata"]["namespace"] == "llm" for doc in docs if doc is not ns)
+    ns, agent_ns = only(docs, "Namespace")
+    assert (ns["metadata"]["name"], agent_ns["metadata"]["name"]) == ("llm", "llm-gpu-agent")
+    assert docs[:2] == [ns, agent_ns], "the Namespaces first, so that `kubectl apply` creates them before the rest"
+    placed = {(doc["kind"], doc["metadata"]["name"]): doc["metadata"]["namespace"] for doc in docs[2:]}
+    agents = {key: namespace for key, namespace in placed.items() if key[1] == "dpserve-agent"}
+    assert set(agents) == {("DaemonSet", "dpserve-agent"), ("Service", "dpserve-agent")} | {
+        ("NetworkPolicy", "dpserve-agent"),
+        ("ServiceMonitor", "dpserve-agent"),
+    }
+    assert set(agents.values()) == {"llm-gpu-agent"}
+    assert {namespace for key, namespace in placed.items() if key not in agents} == {"llm"}
 
 
 def test_every_mount_names_a_volume_of_its_pod_and_every_selector_its_pods() -> None:
@@ -305,7 +313,8 @@ def test_the_router_discovers_the_agents_headless_service() -> None:
     agent = parse_pod_command(daemonset["spec"]["template"]["spec"]["containers"][0]["command"])
     router = parse_pod_command(deployment["spec"]["template"]["spec"]["containers"][0]["command"])
     (source,) = [parse_discovery_source(text) for text in router.discover_agents]
-    assert source.name == f"{service['metadata']['name']}.llm.svc.cluster.local"
+    assert source.name == f"{service['metadata']['name']}.llm-gpu-agent.svc.cluster.local"
+    assert service["metadata"]["namespace"] == "llm-gpu-agent"
     assert source.port == agent.port
     assert source.port in {p["port"] for p in service["spec"]["ports"]}
 
@@ -340,6 +349,7 @@ def test_the_router_reads_its_keys_from_the_secret_the_header_says_to_create() -
     deployment, _ = router_and_agent(documents(options))
     env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "secretKeyRef" in e.get("valueFrom", {})}
+    refs = {name: ref for name, ref in refs.items() if name != "DPSERVE_REPLICA_API_KEY"}  # the next test's
     assert {ref["name"] for ref in refs.values()} == {options.keys_secret}
     assert {ref["key"] for ref in refs.values()} == literals
     # What the Secret holds, as the kubelet would set it, is what the router loads as its keys.
@@ -349,6 +359,30 @@ def test_the_router_reads_its_keys_from_the_secret_the_header_says_to_create() -
     assert settings.admin_keys == ("a1",)
     api = next(ref for name, ref in refs.items() if ref["key"] == "api-keys")
     assert api["optional"] is False, "a router on 0.0.0.0 without keys would not start: wait for the Secret"
+
+
+def test_vllm_requires_the_replica_key_the_header_says_to_create_and_every_router_sends_it() -> None:
+    options = KubeOptions(replicas=2, namespace="llm")
+    text = render(options)
+    create = next(line for line in text.splitlines() if "create secret generic dpserve-replica-key" in line)
+    assert create.startswith("#") and "-n llm " in create
+    (literal,) = re.findall(r"--from-literal=([a-z-]+)=\$\(openssl rand -hex 32\)", create)
+    docs = documents(options)
+    deployment, _ = router_and_agent(docs)
+    (statefulset,) = only(docs, "StatefulSet")
+    wanted = {"name": "dpserve-replica-key", "key": literal, "optional": False}
+    for workload, variable in ((statefulset, "VLLM_API_KEY"), (deployment, "DPSERVE_REPLICA_API_KEY")):
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        (env,) = [e for e in container["env"] if e["name"] == variable]
+        assert env["valueFrom"]["secretKeyRef"] == wanted
+    # VLLM_API_KEY is what vLLM reads when no --api-key is given (its source says so; importing vLLM takes
+    # seconds): the key stays off its command line.
+    (vllm,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert "--api-key" not in vllm["command"]
+    spec = importlib.util.find_spec("vllm")
+    assert spec and spec.origin
+    register = Path(spec.origin).parent / "entrypoints" / "serve" / "middleware" / "register.py"
+    assert "args.api_key or [envs.VLLM_API_KEY]" in register.read_text()
 
 
 # (e) The pods' commands through dpserve's parser
@@ -363,7 +397,7 @@ def test_the_router_command_parses_and_listens_where_it_is_probed() -> None:
     args = parse_pod_command(container["command"])
     assert args.command == "router"
     assert args.discover == ["dns:vllm.llm.svc.cluster.local:8000"]
-    assert args.discover_agents == ["dns:dpserve-agent.llm.svc.cluster.local:9400"]
+    assert args.discover_agents == ["dns:dpserve-agent.llm-gpu-agent.svc.cluster.local:9400"]
     assert args.host == "0.0.0.0"
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": args.port}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": args.port}
@@ -379,7 +413,7 @@ def test_the_router_command_parses_and_listens_where_it_is_probed() -> None:
     (port,) = service["spec"]["ports"]
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert port["port"] == 80 and named[port["targetPort"]] == args.port
-    (budget,) = only(docs, "PodDisruptionBudget")
+    (budget,) = [b for b in only(docs, "PodDisruptionBudget") if b["metadata"]["name"] == "dpserve-router"]
     assert budget["spec"]["minAvailable"] == 1
     assert selects(budget["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
     affinity = pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
@@ -404,7 +438,7 @@ def test_the_agent_command_parses_and_names_the_node() -> None:
     assert pod["spec"]["hostPID"] is True
     # As compose's agent, which test_compose_docker shows reading a root and a non-root replica's sockets.
     assert container["securityContext"]["runAsUser"] == 0
-    assert container["securityContext"]["capabilities"] == {"add": ["SYS_PTRACE"]}
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE", "DAC_READ_SEARCH"]}
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": settings.port}
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(settings.port)
