@@ -19,13 +19,17 @@ DNSMASQ := /usr/sbin/dnsmasq
 # An L4/L7 balancer in front of several routers (the router tier's restart benchmark and test): Debian's haproxy.
 HAPROXY := /usr/sbin/haproxy
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# checkov, the deployment files' scanner (tests/unit/test_scan.py), in a virtual environment of its own:
+# its pins (aiodns<4, networkx, packaging) clash with the bench extra's and vLLM's.
+CHECKOV_VERSION := 3.3.30
+CHECKOV := $(VENV)/checkov/bin/checkov
 
 .PHONY: run test install lint format clean docker-engine compose-up compose-down
 
 run: $(STAMP)
 	$(VENV)/bin/dpserve up $(ARGS)
 
-test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY)
+test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(CHECKOV)
 	@tools/docker-engine.sh || echo "No Docker engine runs here: the container tests will skip (tools/docker-engine.sh says why above)."
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
@@ -43,6 +47,10 @@ $(STAMP): pyproject.toml
 	$(PIP) uninstall -y torchvision torchaudio torchcodec $(PIP_QUIET)
 	$(PY) -c "import dpserve, fastapi, aiohttp, transformers, vllm"
 	touch $@
+
+$(CHECKOV):
+	$(PYTHON) -m venv $(VENV)/checkov
+	$(VENV)/checkov/bin/pip install checkov==$(CHECKOV_VERSION) $(PIP_QUIET)
 
 $(BROWSER):
 	$(SUDO) apt-get update -qq

@@ -529,6 +529,7 @@ def agent_daemonset(options: KubeOptions) -> dict[str, Any]:
                     # No way around it short of the kubelet's pod-resources socket, a hostPath (as privileged).
                     "hostPID": True,
                     "automountServiceAccountToken": False,
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                     "nodeSelector": {GPU_NODE_LABEL: "true"},
                     "tolerations": _gpu_tolerations(),
                     "containers": [container],
@@ -664,7 +665,7 @@ def render(options: KubeOptions) -> str:
         "Create the Secrets first (they are never written here):\n"
         f"  kubectl create namespace {ns}\n"
         f"  kubectl -n {ns} create secret generic {options.keys_secret} "
-        f"--from-literal={API_KEYS_ENTRY}=KEY1,KEY2 --from-literal={ADMIN_KEYS_ENTRY}=ADMINKEY\n"
+        f'--from-literal={API_KEYS_ENTRY}="$API_KEYS" --from-literal={ADMIN_KEYS_ENTRY}="$ADMIN_KEYS"  # key1,key2\n'
         f"  kubectl -n {ns} create secret generic {REPLICA_KEY_SECRET} "
         f"--from-literal={REPLICA_KEY_ENTRY}=$(openssl rand -hex 32)  # vLLM's key, which only the routers send\n"
         f"  kubectl -n {ns} create secret generic {HF_TOKEN_SECRET} --from-literal=token=hf_...  "

@@ -18,13 +18,17 @@ import httpx
 import openai
 import pytest
 
-from dpserve.deploy.compose import SECRETS_FILE
-from dpserve.deploy.env_file import read_env_file
 from dpserve.version import package_version
-from tests.compose_files import ROOT
 from tests.conftest import free_port
 from tests.fake_nvml import FAKE_NVML_FILE, FakeGpu, write_gpus
-from tests.integration.docker_stack import Stack, compose_stack, docker, engine_problem, needs_engine
+from tests.integration.docker_stack import (
+    Stack,
+    compose_secrets,
+    compose_stack,
+    docker,
+    engine_problem,
+    needs_engine,
+)
 from tests.integration.traffic import MODEL, Load, chat, long_prompt, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker]
@@ -109,7 +113,7 @@ print(status("/health", {}), status("/v1/models", {}), status("/v1/models", {"Au
 
 def _probe_from(network: str, host: str) -> subprocess.CompletedProcess[str]:
     """A throwaway container of the stack's own image on `network`, connecting to a replica at `host`."""
-    key = os.environ.get("REPLICA_API_KEY") or read_env_file(ROOT / SECRETS_FILE)["REPLICA_API_KEY"]
+    key = compose_secrets().get("REPLICA_API_KEY") or os.environ["REPLICA_API_KEY"]
     command = ["docker", "run", "--rm", "--network", network, "--entrypoint", "python3", IMAGE, "-c", PROBE, host, key]
     return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
