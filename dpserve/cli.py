@@ -333,6 +333,13 @@ def _add_kube_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     )
     _add_lora_flags(kube, [name for name in ROUTER_LORA if name != "lora_dir"], {})
     kube.add_argument(
+        "--prometheus-namespace",
+        dest="prometheus_namespace",
+        metavar="NS",
+        help="where Prometheus runs: its pods may scrape the replicas and agents past their NetworkPolicies "
+        "(default monitoring)",
+    )
+    kube.add_argument(
         "--service-monitor",
         action="store_true",
         dest="service_monitor",
@@ -465,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_resource=args.gpu_resource,
             model_cache_pvc=args.model_cache_pvc,
             service_monitor=args.service_monitor,
+            prometheus_namespace=args.prometheus_namespace,
             **_deploy_options(args),
         )
     if args.command == "gpus":

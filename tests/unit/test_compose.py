@@ -866,3 +866,65 @@ def test_the_router_image_is_tagged_with_the_package_version() -> None:
             s["image"] for s in stack["services"].values() if s.get("build", {}).get("dockerfile") == ROUTER_DOCKERFILE
         }
         assert built == {f"dpserve-router:{version}"}, name
+
+
+COMPOSE_DOCS = {ROOT / "docs" / "deploy.md": "## Run on a multi-GPU host"}
+"""Where the docs tell Compose users what to set: README.md links here and names no variable itself."""
+CONTAINER_VARIABLES = {"VLLM_API_KEY", "DPSERVE_REPLICA_API_KEY", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+"""Names the docs mention as what a container is given (not for a user to set): each one a file sets."""
+COMPOSE_OWN = {"COMPOSE_PROJECT_NAME"}
+NOT_VARIABLES = {"SYS_PTRACE", "DAC_READ_SEARCH", "NAME", "PATH", "OTHER", "HOSTDIR", "FILE"}
+"""Capitalized words in the docs' code that are no variable: capabilities, placeholders (`--lora NAME=PATH`)."""
+_CODE = re.compile(r"`([^`]+)`")
+_UPPER = re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*(?:_(?:[A-Z0-9]+|i))*(?![\w-])")
+
+
+def _doc_variable_names(text: str) -> set[str]:
+    """The variable names in the text's code, fenced or inline (ROUTER_i_PORT stands for ROUTER_2_PORT ...)."""
+    parts = text.split("```")
+    code = parts[1::2] + [span for prose in parts[::2] for span in _CODE.findall(prose)]  # fenced, then inline
+    names = {name.replace("_i_", "_2_") for span in code for name in _UPPER.findall(span)}
+    return {name for name in names if "_" in name or (name.isalpha() and len(name) > 3)} - NOT_VARIABLES
+
+
+def _compose_docs_text() -> str:
+    text = ""
+    for path, heading in COMPOSE_DOCS.items():
+        whole = path.read_text()
+        start = whole.index(heading + "\n")
+        end = whole.find("\n## ", start + 1)
+        text += whole[start : end if end > 0 else None]
+    return text
+
+
+def _every_kind_of_file() -> list[dict[str, Any]]:
+    documents = [load(render(ComposeOptions(scaled=scaled, routers=3, lora_dir="./a"))) for scaled in (False, True)]
+    return documents + [load((ROOT / name).read_text()) for name in COMMITTED]
+
+
+def _stack_reads() -> set[str]:
+    """Every variable a user can set for the stack: Compose's `${VAR}`s in every file `dpserve compose` writes
+    (several routers too), what `dpserve compose` reads from .env, make's variables, Compose's own."""
+    compose_reads = set().union(*(variables(document) for document in _every_kind_of_file()))
+    make_reads = set(re.findall(r"^([A-Z_]+) \?=", (ROOT / "Makefile").read_text(), re.MULTILINE))
+    return compose_reads | {"GPUS", "MODEL", "LORA_DIR"} | make_reads | COMPOSE_OWN
+
+
+def test_every_variable_the_docs_name_for_compose_is_one_the_stack_reads() -> None:
+    named = _doc_variable_names(_compose_docs_text())
+    reads = _stack_reads()
+    environment = {key for document in _every_kind_of_file() for s in document["services"].values()
+                   for key in s.get("environment", {})}  # fmt: skip
+    assert CONTAINER_VARIABLES <= environment
+    assert named - reads - CONTAINER_VARIABLES == set(), "the docs name variables nothing reads"
+    # And the other way: each one a user sets is in .env (with a comment) or the docs (the secrets).
+    committed = set().union(*(variables(load((ROOT / name).read_text())) for name in COMMITTED))
+    assert committed - set(ENV_FILE) - named == set()
+    assert set(SECRET_VARIABLES) <= named
+    assert {"GPUS", "VARIANT", "SCALED", "ROUTER_PORT", "ROUTER_2_PORT", "GRAFANA_ANONYMOUS"} <= named
+
+
+def test_the_docs_check_catches_a_name_no_part_of_the_stack_reads() -> None:
+    old = "With API keys in `.env`, set `DPSERVE_ADMIN_KEYS` too: the routers authenticate to each other with it."
+    assert _doc_variable_names(old) - _stack_reads() - CONTAINER_VARIABLES == {"DPSERVE_ADMIN_KEYS"}
+    assert _doc_variable_names("export `API_KEYS=key1,key2 ADMIN_KEYS=adminkey`") == {"API_KEYS", "ADMIN_KEYS"}

@@ -760,3 +760,17 @@ def test_images_are_tagged_with_the_package_version_never_latest() -> None:
     version = package_version()
     assert images == {"vllm/vllm-openai:v0.32.0": None, f"dpserve-router:{version}": "IfNotPresent"}
     assert f"Router and agent run dpserve-router:{version}" in render(KubeOptions(replicas=2))
+
+
+def test_the_cli_passes_the_prometheus_namespace(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["kube", "--replicas", "1", "--prometheus-namespace", "obs"]) == 0
+    docs = [doc for doc in yaml.safe_load_all(capsys.readouterr().out) if doc]
+    peers = [
+        peer for p in only(docs, "NetworkPolicy") for rule in p["spec"]["ingress"] for peer in rule.get("from", [])
+    ]
+    scrapers = [
+        peer for peer in peers if peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    ]
+    assert len(scrapers) == 2 and all(
+        peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "obs"} for peer in scrapers
+    )
