@@ -21,13 +21,17 @@ HAPROXY := /usr/sbin/haproxy
 # A real Prometheus that runs the Grafana dashboard's queries (Grafana's image cannot be pulled here): Debian's.
 PROMETHEUS := /usr/bin/prometheus
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# checkov, the deployment files' scanner (tests/unit/test_scan.py), in a virtual environment of its own:
+# its pins (aiodns<4, networkx, packaging) clash with the bench extra's and vLLM's.
+CHECKOV_VERSION := 3.3.30
+CHECKOV := $(VENV)/checkov/bin/checkov
 
 .PHONY: run test install lint format clean docker-engine compose-up compose-down
 
 run: $(STAMP)
 	$(VENV)/bin/dpserve up $(ARGS)
 
-test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(PROMETHEUS)
+test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(PROMETHEUS) $(CHECKOV)
 	@tools/docker-engine.sh || echo "No Docker engine runs here: the container tests will skip (tools/docker-engine.sh says why above)."
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
@@ -45,6 +49,10 @@ $(STAMP): pyproject.toml
 	$(PIP) uninstall -y torchvision torchaudio torchcodec $(PIP_QUIET)
 	$(PY) -c "import dpserve, fastapi, aiohttp, transformers, vllm"
 	touch $@
+
+$(CHECKOV):
+	$(PYTHON) -m venv $(VENV)/checkov
+	$(VENV)/checkov/bin/pip install checkov==$(CHECKOV_VERSION) $(PIP_QUIET)
 
 $(BROWSER):
 	$(SUDO) apt-get update -qq
@@ -79,14 +87,17 @@ COMPOSE_UP_FLAGS ?= --wait
 docker-engine:
 	tools/docker-engine.sh
 
+# REPLICA_API_KEY and GRAFANA_ADMIN_PASSWORD: the shell's, else made once into .env.secrets (git-ignored).
+COMPOSE_SECRETS := set -a; eval "$$(tools/compose-secrets.sh)"; set +a
+
 compose-up: docker-engine
 	$(if $(filter cpu gpu sim,$(VARIANT)),,$(error VARIANT=$(VARIANT): one of cpu, gpu, sim))
-	set -a; eval "$$(tools/compose-build-args.sh $(VARIANT))"; set +a; \
+	$(COMPOSE_SECRETS); set -a; eval "$$(tools/compose-build-args.sh $(VARIANT))"; set +a; \
 	docker compose $(COMPOSE_FILES) up --build -d $(COMPOSE_UP_FLAGS)
-	docker compose $(COMPOSE_FILES) ps
+	$(COMPOSE_SECRETS); docker compose $(COMPOSE_FILES) ps
 
 compose-down:
-	docker compose $(COMPOSE_FILES) down --volumes --remove-orphans
+	$(COMPOSE_SECRETS); docker compose $(COMPOSE_FILES) down --volumes --remove-orphans
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Collection, Mapping
@@ -27,6 +26,7 @@ from dpserve.config import (
     unknown_variables,
 )
 from dpserve.policies import POLICY_NAMES
+from dpserve.version import package_version
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -156,13 +156,6 @@ def add_setting_flags(
 
 ROUTER_LORA = ("lora", "lora_dir", "lora_affinity", "lora_slots")
 ENGINE_LORA_SETTINGS = tuple(name for name, found in settings_of(UpSettings) if found.group == ENGINE_LORA)
-
-
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("dpserve")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
 
 
 ENVIRONMENT_NOTE = (
@@ -340,6 +333,13 @@ def _add_kube_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     )
     _add_lora_flags(kube, [name for name in ROUTER_LORA if name != "lora_dir"], {})
     kube.add_argument(
+        "--prometheus-namespace",
+        dest="prometheus_namespace",
+        metavar="NS",
+        help="where Prometheus runs: its pods may scrape the replicas and agents past their NetworkPolicies "
+        "(default monitoring)",
+    )
+    kube.add_argument(
         "--service-monitor",
         action="store_true",
         dest="service_monitor",
@@ -472,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_resource=args.gpu_resource,
             model_cache_pvc=args.model_cache_pvc,
             service_monitor=args.service_monitor,
+            prometheus_namespace=args.prometheus_namespace,
             **_deploy_options(args),
         )
     if args.command == "gpus":

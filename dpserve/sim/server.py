@@ -69,7 +69,7 @@ def build_simulator(settings: SimSettings) -> Simulator:
     )
     metrics.watch(engine)
     model = SimModel(name=name, max_model_len=settings.max_model_len, root=f"dpserve-sim/{name}")
-    api = SimApi(model, make_tokenizer(settings.sim_tokenizer), engine, metrics)
+    api = SimApi(model, make_tokenizer(settings.sim_tokenizer), engine, metrics, settings.sim_api_key)
     return Simulator(api, publisher)
 
 
@@ -77,7 +77,7 @@ def serve_sim(settings: SimSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     simulator = build_simulator(settings)
     log.info(
-        "sim %s on %s:%d (%d blocks of %d tokens, max %d seqs, speed %g, KV events: %s)",
+        "sim %s on %s:%d (%d blocks of %d tokens, max %d seqs, speed %g, KV events: %s, API key: %s)",
         simulator.api.model.name,
         settings.host,
         settings.port,
@@ -86,6 +86,7 @@ def serve_sim(settings: SimSettings) -> None:
         settings.sim_max_num_seqs,
         settings.sim_speed,
         settings.sim_kv_events or "off",
+        "required on /v1" if settings.sim_api_key else "none",
     )
     uvicorn.run(
         simulator.app(),

@@ -55,7 +55,9 @@ class Stack:
 
     @property
     def env(self) -> dict[str, str]:
-        return {**os.environ, "COMPOSE_PROJECT_NAME": self.project, "ROUTER_PORT": str(self.port)}
+        """The shell `make compose-up` runs Compose in: its generated secrets (as `docker compose` run by hand
+        needs them exported), the test's project and port."""
+        return {**os.environ, **compose_secrets(), "COMPOSE_PROJECT_NAME": self.project, "ROUTER_PORT": str(self.port)}
 
     def make(self, target: str, timeout_s: float = UP_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
         args = ["make", "--no-print-directory", target, f"VARIANT={self.variant}"]
@@ -100,6 +102,12 @@ class Stack:
 
     def status(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/status", timeout=5).json()
+
+
+def compose_secrets() -> dict[str, str]:
+    """REPLICA_API_KEY and GRAFANA_ADMIN_PASSWORD as `make compose-up` exports them (the shell's, else .env.secrets)."""
+    script = subprocess.run([str(ROOT / "tools" / "compose-secrets.sh")], capture_output=True, text=True, check=True)
+    return dict(line.split("=", 1) for line in script.stdout.splitlines())
 
 
 def docker(*args: str, timeout_s: float = 120) -> str:

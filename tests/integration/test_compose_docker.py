@@ -18,14 +18,23 @@ import httpx
 import openai
 import pytest
 
+from dpserve.version import package_version
 from tests.conftest import free_port
 from tests.fake_nvml import FAKE_NVML_FILE, FakeGpu, write_gpus
-from tests.integration.docker_stack import Stack, compose_stack, docker, engine_problem, needs_engine
+from tests.integration.docker_stack import (
+    Stack,
+    compose_secrets,
+    compose_stack,
+    docker,
+    engine_problem,
+    needs_engine,
+)
 from tests.integration.traffic import MODEL, Load, chat, long_prompt, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker]
 
 FOLLOW_S = 10  # the scaled stack's router must follow `--scale` within this
+IMAGE = f"dpserve-router:{package_version()}"
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
 
@@ -82,6 +91,50 @@ def test_sdk_chat_and_stream_through_the_published_port_and_kv_events_from_every
 
 def _served(stack: Stack, url: str) -> int:
     return int(_replicas(stack)[url]["served_total"])
+
+
+PROBE = """
+import socket, sys, urllib.request
+host, key = sys.argv[1], sys.argv[2]
+try:
+    socket.create_connection((host, 8000), timeout=3).close()
+except OSError as exc:
+    print(f"unreachable: {exc!r}")
+    sys.exit(3)
+def status(path, headers):
+    request = urllib.request.Request(f"http://{host}:8000{path}", headers=headers)
+    try:
+        return urllib.request.urlopen(request, timeout=5).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+print(status("/health", {}), status("/v1/models", {}), status("/v1/models", {"Authorization": f"Bearer {key}"}))
+"""
+
+
+def _probe_from(network: str, host: str) -> subprocess.CompletedProcess[str]:
+    """A throwaway container of the stack's own image on `network`, connecting to a replica at `host`."""
+    key = compose_secrets().get("REPLICA_API_KEY") or os.environ["REPLICA_API_KEY"]
+    command = ["docker", "run", "--rm", "--network", network, "--entrypoint", "python3", IMAGE, "-c", PROBE, host, key]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_only_the_stacks_replica_network_reaches_a_replica_and_it_wants_the_key(sim_stack: Stack) -> None:
+    (replica,) = sim_stack.containers("vllm-0")
+    networks = json.loads(docker("inspect", replica["ID"]))[0]["NetworkSettings"]["Networks"]
+    (name,) = networks  # the replicas' network alone: no way out, no other network to be reached on
+    assert name == f"{sim_stack.project}_replicas"
+    assert json.loads(docker("network", "inspect", name))[0]["Internal"] is True
+    address = networks[name]["IPAddress"]
+    # Outside the stack (Docker's default bridge), and on the stack's own default network (Grafana's,
+    # Locust's, the agent's): no route to it, and its name resolves to nothing.
+    for network in ("bridge", f"{sim_stack.project}_default"):
+        outside = _probe_from(network, address)
+        assert outside.returncode == 3 and "unreachable" in outside.stdout, (network, outside.stdout, outside.stderr)
+    named = _probe_from(f"{sim_stack.project}_default", "vllm-0")
+    assert named.returncode == 3 and "unreachable" in named.stdout, named.stdout + named.stderr
+    # On the replicas' network (as the router is): reached, and /v1 wants the generated key, as vLLM's does.
+    inside = _probe_from(name, address)
+    assert (inside.returncode, inside.stdout.split()) == (0, ["200", "401", "200"]), inside.stdout + inside.stderr
 
 
 def test_killed_replica_is_ejected_restarted_and_readmitted_with_no_failed_request(sim_stack: Stack) -> None:
@@ -232,7 +285,7 @@ def test_compose_agent_sees_where_replica_containers_gpu_processes_listen(sim_st
     (replica,) = sim_stack.containers("vllm-1")
     (network,) = json.loads(docker("inspect", replica["ID"]))[0]["NetworkSettings"]["Networks"]
     root_replica = docker(
-        "run", "-d", "--user", "0:0", "--network", network, "--entrypoint", "dpserve", "dpserve-router",
+        "run", "-d", "--user", "0:0", "--network", network, "--entrypoint", "dpserve", IMAGE,
         "sim", "--host", "0.0.0.0", "--port", "8000", "--model", "dpserve-tiny",
     ).strip()  # fmt: skip
     port, name = free_port(), f"{sim_stack.project}-agent-probe"

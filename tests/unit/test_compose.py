@@ -3,7 +3,9 @@ engine runs here), and router/Dockerfile against the command the tests run."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -23,6 +25,8 @@ from dpserve.deploy.compose import (
     CPU_SERVED_NAME,
     DEFAULT_MODEL,
     OVERLAYS,
+    REPLICA_KEY,
+    ROUTER_DOCKERFILE,
     ROUTER_ENTRYPOINT,
     SECRET_VARIABLES,
     ComposeOptions,
@@ -33,10 +37,13 @@ from dpserve.deploy.compose import (
 )
 from dpserve.deploy.env_file import read_env_file
 from dpserve.deploy.yaml_text import load
+from dpserve.version import package_version
 from tests.compose_files import (
     ROOT,
     SCHEMA,
+    TEST_SECRETS,
     compose_config,
+    docker_compose_binary,
     dockerfile_instructions,
     exec_form,
     interpolate,
@@ -47,7 +54,9 @@ from tests.compose_files import (
 )
 
 GPU_COUNTS = (1, 2, 8)
-ENV = read_env_file(ROOT / ".env")
+ENV_FILE = read_env_file(ROOT / ".env")
+ENV = {**ENV_FILE, **TEST_SECRETS}
+"""What Compose interpolates with: .env, and the secrets `make compose-up` exports."""
 COMMITTED = [
     ComposeOptions(scaled=scaled).file_name(overlay) for scaled in (False, True) for overlay in (None, *OVERLAYS)
 ]
@@ -232,7 +241,11 @@ def test_router_finds_every_replica_by_service_name_and_waits_for_them(gpus: int
     assert (args.policy, args.host, args.port) == (ENV["POLICY"], "0.0.0.0", 8000)
     # 0.0.0.0 inside the stack's network needs --insecure; keys come from the shell, as HF_TOKEN does.
     assert args.insecure is True
-    assert router["environment"] == {"DPSERVE_API_KEYS": "${API_KEYS:-}", "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}"}
+    assert router["environment"] == {
+        "DPSERVE_API_KEYS": "${API_KEYS:-}",
+        "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}",
+        "DPSERVE_REPLICA_API_KEY": REPLICA_KEY,
+    }
     replicas_ready = {name: {"condition": "service_healthy"} for name in services}
     assert router["depends_on"] == {**replicas_ready, "gpu-agent": {"condition": "service_started"}}
     assert router["ports"] == ["${PUBLISH_ADDRESS:-127.0.0.1}:${ROUTER_PORT:-8000}:8000"]
@@ -244,7 +257,7 @@ def test_router_finds_every_replica_by_service_name_and_waits_for_them(gpus: int
 def test_one_gpu_agent_reads_every_gpu_of_the_host_without_computing(scaled: bool) -> None:
     options = ComposeOptions(gpus=3, scaled=scaled)
     agent = interpolate(compose_document(options), ENV)["services"]["gpu-agent"]
-    assert agent["entrypoint"] == ["dpserve", "agent"] and agent["image"] == "dpserve-router"
+    assert agent["entrypoint"] == ["dpserve", "agent"] and agent["image"] == f"dpserve-router:{package_version()}"
     args = build_parser().parse_args(["agent", *agent["command"]])
     assert (args.host, args.port) == ("0.0.0.0", 9400)
     # NVML only: every GPU is read, none is used for compute; the host's pids, as NVML names them.
@@ -327,8 +340,9 @@ def test_loadtest_profile_runs_the_repository_locustfile_against_the_router() ->
 def test_every_variable_comes_from_env_file_and_no_dollar_is_stray() -> None:
     documents = [load((ROOT / name).read_text()) for name in COMMITTED]
     used = set().union(*(variables(document) for document in documents))
-    assert used - set(SECRET_VARIABLES) == set(ENV) - {"GPUS"}, "each .env setting is used, each used one is in .env"
-    assert not any(secret in ENV for secret in SECRET_VARIABLES)
+    assert used - set(SECRET_VARIABLES) == set(ENV_FILE) - {"GPUS"}, "each .env setting is used, each used one is in it"
+    assert not any(secret in ENV_FILE for secret in SECRET_VARIABLES)
+    assert set(TEST_SECRETS) <= set(SECRET_VARIABLES)
     assert [text for document in documents for text in stray_dollars(document)] == []
 
 
@@ -379,6 +393,21 @@ def test_compose_command_flags_env_file_and_errors(tmp_path: Path, capsys: pytes
     env.write_text("not a setting\n")
     assert main(["compose", "--env-file", str(env)]) == 2
     assert "not KEY=VALUE" in capsys.readouterr().err
+
+
+def test_env_file_comments_after_values_are_comments_as_compose_reads_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = tmp_path / ".env"
+    env.write_text("GPUS=4 # four H100s\nMODEL=org/model   # the served one\nexport LORA_DIR='./a # b'\n")
+    assert read_env_file(env) == {"GPUS": "4", "MODEL": "org/model", "LORA_DIR": "./a # b"}
+    assert main(["compose", "--env-file", str(env)]) == 0
+    document = load(capsys.readouterr().out)
+    assert list(_vllm_services(document)) == ["vllm-0", "vllm-1", "vllm-2", "vllm-3"]
+    assert "${MODEL:-org/model}" in document["services"]["vllm-0"]["command"]
+    # Docker Compose itself reads the same file the same way.
+    stack = compose_config(ROOT / "compose.yaml", env_file=env)
+    assert _flag_values(stack["services"]["vllm-0"]["command"], "--model") == ["org/model"]
 
 
 def test_router_dockerfile_installs_the_package_and_runs_dpserve_router() -> None:
@@ -472,7 +501,8 @@ def test_sim_override_runs_dpserve_sim_from_the_routers_image_with_kv_events() -
     merged = interpolate(merge(compose_document(options), sim_override_document(options)), ENV)
     router_command = merged["services"]["router"]["command"]
     for service in _vllm_services(merged).values():
-        assert service["image"] == "dpserve-router" and service["build"] == merged["services"]["router"]["build"]
+        assert service["image"] == merged["services"]["router"]["image"] == f"dpserve-router:{package_version()}"
+        assert service["build"] == merged["services"]["router"]["build"]
         assert service["entrypoint"] == ["dpserve", "sim"] and "deploy" not in service
         args = build_parser().parse_args(["sim", *service["command"]])
         assert (args.host, args.port, args.model) == ("0.0.0.0", 8000, CPU_SERVED_NAME)
@@ -725,3 +755,176 @@ def test_a_tracing_endpoint_goes_to_the_routers_and_every_replica(
 
 def document_header(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if line.startswith("#"))
+
+
+@functools.cache
+def _stacks() -> dict[str, dict[str, Any]]:
+    """Every committed stack `make compose-up` can run, as Docker Compose resolves it (with every profile)."""
+    stacks = {}
+    for scaled in ("", ".scaled"):
+        base = ROOT / f"compose{scaled}.yaml"
+        stacks[base.name] = compose_config(base, profiles=("monitoring", "loadtest"))
+        for overlay in OVERLAYS:
+            override = ROOT / f"compose{scaled}.{overlay}.yaml"
+            stacks[override.name] = compose_config(base, override, profiles=("monitoring", "loadtest"))
+    return stacks
+
+
+def test_replicas_are_on_an_internal_network_only_the_routers_and_prometheus_join() -> None:
+    for name, stack in _stacks().items():
+        services = stack["services"]
+        replicas = {s for s in services if s.startswith("vllm")}
+        on = {network: {s for s, service in services.items() if network in service["networks"]} for network in
+              stack["networks"]}  # fmt: skip
+        assert stack["networks"]["replicas"]["internal"] is True, name
+        assert on["replicas"] == replicas | {"router", "prometheus"}, name
+        # The GPU replicas download weights through a network of their own; the overrides' need none.
+        if name in ("compose.yaml", "compose.scaled.yaml"):
+            assert on["replica-egress"] == replicas and not stack["networks"]["replica-egress"].get("internal"), name
+        else:
+            assert "replica-egress" not in stack["networks"], name
+        assert all(set(services[s]["networks"]) <= {"replicas", "replica-egress"} for s in replicas), name
+        # Published ports need a network with a way out: the router's and Prometheus' are on `default` too.
+        assert {s for s, service in services.items() if service.get("ports")} <= on["default"], name
+        assert "gpu-agent" in on["default"] and "gpu-agent" not in on["replicas"], name
+
+
+def test_replicas_require_the_generated_key_and_every_router_sends_it() -> None:
+    key = TEST_SECRETS["REPLICA_API_KEY"]
+    for name, stack in _stacks().items():
+        services = stack["services"]
+        replicas = [s for s in services if s.startswith("vllm")]
+        # vLLM reads VLLM_API_KEY as --api-key; so does `dpserve sim` (the sim overlays).
+        assert replicas and all(services[s]["environment"]["VLLM_API_KEY"] == key for s in replicas), name
+        assert services["router"]["environment"]["DPSERVE_REPLICA_API_KEY"] == key, name
+        assert not any(key in " ".join(service.get("command") or []) for service in services.values()), name
+    for scaled in (False, True):
+        document = compose_document(ComposeOptions(scaled=scaled, routers=3))
+        routers = [s for s in document["services"] if s.startswith("router")]
+        assert len(routers) == 3
+        assert all(document["services"][r]["environment"]["DPSERVE_REPLICA_API_KEY"] == REPLICA_KEY for r in routers)
+
+
+def _config_without(name: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": "/tmp", **TEST_SECRETS}
+    del env[name]
+    command = [str(docker_compose_binary()), "--project-directory", str(ROOT), "--env-file", str(ROOT / ".env")]
+    command += ["-f", str(ROOT / "compose.yaml"), "config", "--quiet"]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+
+
+@pytest.mark.parametrize("secret", ["REPLICA_API_KEY", "GRAFANA_ADMIN_PASSWORD"])
+def test_compose_refuses_to_start_without_a_generated_secret(secret: str) -> None:
+    result = _config_without(secret)
+    assert result.returncode != 0 and f"{secret} is not set: make compose-up generates it" in result.stderr
+
+
+def test_make_generates_the_secrets_once_into_an_ignored_file_and_the_shell_wins(tmp_path: Path) -> None:
+    script = tmp_path / "tools" / "compose-secrets.sh"
+    script.parent.mkdir()
+    shutil.copy(ROOT / "tools" / "compose-secrets.sh", script)
+    env = {"PATH": os.environ.get("PATH", "")}
+    first = subprocess.run([str(script)], capture_output=True, text=True, env=env, check=True).stdout
+    again = subprocess.run([str(script)], capture_output=True, text=True, env=env, check=True).stdout
+    values = dict(line.split("=", 1) for line in first.split())
+    assert set(values) == {"REPLICA_API_KEY", "GRAFANA_ADMIN_PASSWORD"} and first == again
+    assert all(len(value) == 64 and value != "admin" for value in values.values())
+    assert (tmp_path / ".env.secrets").stat().st_mode & 0o077 == 0, "readable by its owner only"
+    shell = subprocess.run([str(script)], capture_output=True, text=True, env={**env, "REPLICA_API_KEY": "mine"})
+    assert shell.stdout == f"GRAFANA_ADMIN_PASSWORD={values['GRAFANA_ADMIN_PASSWORD']}\n"
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".env.secrets"], cwd=ROOT)
+    assert ignored.returncode == 0, ".env.secrets is git-ignored"
+    assert ".env.secrets" in (ROOT / ".dockerignore").read_text().split(), "and never in a build context"
+
+
+def test_grafana_needs_a_password_and_lets_no_one_in_anonymously_unless_asked() -> None:
+    stack = compose_config(ROOT / "compose.yaml", profiles=("monitoring",))
+    grafana_env = stack["services"]["grafana"]["environment"]
+    assert grafana_env["GF_SECURITY_ADMIN_PASSWORD"] == TEST_SECRETS["GRAFANA_ADMIN_PASSWORD"]
+    assert grafana_env["GF_AUTH_ANONYMOUS_ENABLED"] == ENV_FILE["GRAFANA_ANONYMOUS"] == "false"
+    assert "admin" not in {value for key, value in ENV_FILE.items() if "PASSWORD" in key}
+
+
+def test_no_container_keeps_a_capability_it_does_not_need() -> None:
+    for name, stack in _stacks().items():
+        for service_name, service in stack["services"].items():
+            if service_name.startswith(("locust", "prometheus", "grafana")):
+                continue  # upstream images, run as their own non-root users
+            assert service["cap_drop"] == ["ALL"], (name, service_name)
+            assert "no-new-privileges:true" in service["security_opt"], (name, service_name)
+            wanted = ["SYS_PTRACE", "DAC_READ_SEARCH"] if service_name == "gpu-agent" else []
+            assert sorted(service.get("cap_add", [])) == sorted(wanted), (name, service_name)
+        for service_name in ("router", "gpu-agent"):
+            assert stack["services"][service_name]["read_only"] is True, (name, service_name)
+
+
+def test_the_router_image_is_tagged_with_the_package_version() -> None:
+    version = package_version()
+    assert version != "unknown" and re.fullmatch(r"\d+\.\d+\.\d+.*", version)
+    for name, stack in _stacks().items():
+        built = {
+            s["image"] for s in stack["services"].values() if s.get("build", {}).get("dockerfile") == ROUTER_DOCKERFILE
+        }
+        assert built == {f"dpserve-router:{version}"}, name
+
+
+COMPOSE_DOCS = {ROOT / "docs" / "deploy.md": "## Run on a multi-GPU host"}
+"""Where the docs tell Compose users what to set: README.md links here and names no variable itself."""
+CONTAINER_VARIABLES = {"VLLM_API_KEY", "DPSERVE_REPLICA_API_KEY", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+"""Names the docs mention as what a container is given (not for a user to set): each one a file sets."""
+COMPOSE_OWN = {"COMPOSE_PROJECT_NAME"}
+NOT_VARIABLES = {"SYS_PTRACE", "DAC_READ_SEARCH", "NAME", "PATH", "OTHER", "HOSTDIR", "FILE"}
+"""Capitalized words in the docs' code that are no variable: capabilities, placeholders (`--lora NAME=PATH`)."""
+_CODE = re.compile(r"`([^`]+)`")
+_UPPER = re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*(?:_(?:[A-Z0-9]+|i))*(?![\w-])")
+
+
+def _doc_variable_names(text: str) -> set[str]:
+    """The variable names in the text's code, fenced or inline (ROUTER_i_PORT stands for ROUTER_2_PORT ...)."""
+    parts = text.split("```")
+    code = parts[1::2] + [span for prose in parts[::2] for span in _CODE.findall(prose)]  # fenced, then inline
+    names = {name.replace("_i_", "_2_") for span in code for name in _UPPER.findall(span)}
+    return {name for name in names if "_" in name or (name.isalpha() and len(name) > 3)} - NOT_VARIABLES
+
+
+def _compose_docs_text() -> str:
+    text = ""
+    for path, heading in COMPOSE_DOCS.items():
+        whole = path.read_text()
+        start = whole.index(heading + "\n")
+        end = whole.find("\n## ", start + 1)
+        text += whole[start : end if end > 0 else None]
+    return text
+
+
+def _every_kind_of_file() -> list[dict[str, Any]]:
+    documents = [load(render(ComposeOptions(scaled=scaled, routers=3, lora_dir="./a"))) for scaled in (False, True)]
+    return documents + [load((ROOT / name).read_text()) for name in COMMITTED]
+
+
+def _stack_reads() -> set[str]:
+    """Every variable a user can set for the stack: Compose's `${VAR}`s in every file `dpserve compose` writes
+    (several routers too), what `dpserve compose` reads from .env, make's variables, Compose's own."""
+    compose_reads = set().union(*(variables(document) for document in _every_kind_of_file()))
+    make_reads = set(re.findall(r"^([A-Z_]+) \?=", (ROOT / "Makefile").read_text(), re.MULTILINE))
+    return compose_reads | {"GPUS", "MODEL", "LORA_DIR"} | make_reads | COMPOSE_OWN
+
+
+def test_every_variable_the_docs_name_for_compose_is_one_the_stack_reads() -> None:
+    named = _doc_variable_names(_compose_docs_text())
+    reads = _stack_reads()
+    environment = {key for document in _every_kind_of_file() for s in document["services"].values()
+                   for key in s.get("environment", {})}  # fmt: skip
+    assert CONTAINER_VARIABLES <= environment
+    assert named - reads - CONTAINER_VARIABLES == set(), "the docs name variables nothing reads"
+    # And the other way: each one a user sets is in .env (with a comment) or the docs (the secrets).
+    committed = set().union(*(variables(load((ROOT / name).read_text())) for name in COMMITTED))
+    assert committed - set(ENV_FILE) - named == set()
+    assert set(SECRET_VARIABLES) <= named
+    assert {"GPUS", "VARIANT", "SCALED", "ROUTER_PORT", "ROUTER_2_PORT", "GRAFANA_ANONYMOUS"} <= named
+
+
+def test_the_docs_check_catches_a_name_no_part_of_the_stack_reads() -> None:
+    old = "With API keys in `.env`, set `DPSERVE_ADMIN_KEYS` too: the routers authenticate to each other with it."
+    assert _doc_variable_names(old) - _stack_reads() - CONTAINER_VARIABLES == {"DPSERVE_ADMIN_KEYS"}
+    assert _doc_variable_names("export `API_KEYS=key1,key2 ADMIN_KEYS=adminkey`") == {"API_KEYS", "ADMIN_KEYS"}

@@ -6,6 +6,7 @@ the pods' commands accepted by dpserve's own parser."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,8 @@ from dpserve.cli import _overrides, build_parser, main
 from dpserve.config import AgentSettings, RouterSettings, load_settings
 from dpserve.deploy.kube import KubeOptions, render
 from dpserve.replicas.discovery import parse_discovery_source
+from dpserve.version import package_version
+from tests.pod_security import violations
 
 REPLICA_COUNTS = (1, 2, 8)
 KUBERNETES_VERSIONS = ("1.33", "1.34")
@@ -126,12 +129,19 @@ def test_the_schema_check_rejects_a_broken_manifest() -> None:
         kubernetes_validate.validate(mistyped, KUBERNETES_VERSIONS[0], strict=True)
 
 
-def test_every_object_but_the_namespace_is_in_the_namespace() -> None:
+def test_every_object_but_the_namespaces_is_in_the_namespace_and_the_agents_in_their_own() -> None:
     docs = documents(KubeOptions(replicas=2, namespace="llm", service_monitor=True))
-    (ns,) = only(docs, "Namespace")
-    assert ns["metadata"]["name"] == "llm"
-    assert docs[0] is ns, "the Namespace first, so that `kubectl apply` creates it before what goes in it"
-    assert all(doc["metadata"]["namespace"] == "llm" for doc in docs if doc is not ns)
+    ns, agent_ns = only(docs, "Namespace")
+    assert (ns["metadata"]["name"], agent_ns["metadata"]["name"]) == ("llm", "llm-gpu-agent")
+    assert docs[:2] == [ns, agent_ns], "the Namespaces first, so that `kubectl apply` creates them before the rest"
+    placed = {(doc["kind"], doc["metadata"]["name"]): doc["metadata"]["namespace"] for doc in docs[2:]}
+    agents = {key: namespace for key, namespace in placed.items() if key[1] == "dpserve-agent"}
+    assert set(agents) == {("DaemonSet", "dpserve-agent"), ("Service", "dpserve-agent")} | {
+        ("NetworkPolicy", "dpserve-agent"),
+        ("ServiceMonitor", "dpserve-agent"),
+    }
+    assert set(agents.values()) == {"llm-gpu-agent"}
+    assert {namespace for key, namespace in placed.items() if key not in agents} == {"llm"}
 
 
 def test_every_mount_names_a_volume_of_its_pod_and_every_selector_its_pods() -> None:
@@ -305,7 +315,8 @@ def test_the_router_discovers_the_agents_headless_service() -> None:
     agent = parse_pod_command(daemonset["spec"]["template"]["spec"]["containers"][0]["command"])
     router = parse_pod_command(deployment["spec"]["template"]["spec"]["containers"][0]["command"])
     (source,) = [parse_discovery_source(text) for text in router.discover_agents]
-    assert source.name == f"{service['metadata']['name']}.llm.svc.cluster.local"
+    assert source.name == f"{service['metadata']['name']}.llm-gpu-agent.svc.cluster.local"
+    assert service["metadata"]["namespace"] == "llm-gpu-agent"
     assert source.port == agent.port
     assert source.port in {p["port"] for p in service["spec"]["ports"]}
 
@@ -340,6 +351,7 @@ def test_the_router_reads_its_keys_from_the_secret_the_header_says_to_create() -
     deployment, _ = router_and_agent(documents(options))
     env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "secretKeyRef" in e.get("valueFrom", {})}
+    refs = {name: ref for name, ref in refs.items() if name != "DPSERVE_REPLICA_API_KEY"}  # the next test's
     assert {ref["name"] for ref in refs.values()} == {options.keys_secret}
     assert {ref["key"] for ref in refs.values()} == literals
     # What the Secret holds, as the kubelet would set it, is what the router loads as its keys.
@@ -349,6 +361,30 @@ def test_the_router_reads_its_keys_from_the_secret_the_header_says_to_create() -
     assert settings.admin_keys == ("a1",)
     api = next(ref for name, ref in refs.items() if ref["key"] == "api-keys")
     assert api["optional"] is False, "a router on 0.0.0.0 without keys would not start: wait for the Secret"
+
+
+def test_vllm_requires_the_replica_key_the_header_says_to_create_and_every_router_sends_it() -> None:
+    options = KubeOptions(replicas=2, namespace="llm")
+    text = render(options)
+    create = next(line for line in text.splitlines() if "create secret generic dpserve-replica-key" in line)
+    assert create.startswith("#") and "-n llm " in create
+    (literal,) = re.findall(r"--from-literal=([a-z-]+)=\$\(openssl rand -hex 32\)", create)
+    docs = documents(options)
+    deployment, _ = router_and_agent(docs)
+    (statefulset,) = only(docs, "StatefulSet")
+    wanted = {"name": "dpserve-replica-key", "key": literal, "optional": False}
+    for workload, variable in ((statefulset, "VLLM_API_KEY"), (deployment, "DPSERVE_REPLICA_API_KEY")):
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        (env,) = [e for e in container["env"] if e["name"] == variable]
+        assert env["valueFrom"]["secretKeyRef"] == wanted
+    # VLLM_API_KEY is what vLLM reads when no --api-key is given (its source says so; importing vLLM takes
+    # seconds): the key stays off its command line.
+    (vllm,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert "--api-key" not in vllm["command"]
+    spec = importlib.util.find_spec("vllm")
+    assert spec and spec.origin
+    register = Path(spec.origin).parent / "entrypoints" / "serve" / "middleware" / "register.py"
+    assert "args.api_key or [envs.VLLM_API_KEY]" in register.read_text()
 
 
 # (e) The pods' commands through dpserve's parser
@@ -363,7 +399,7 @@ def test_the_router_command_parses_and_listens_where_it_is_probed() -> None:
     args = parse_pod_command(container["command"])
     assert args.command == "router"
     assert args.discover == ["dns:vllm.llm.svc.cluster.local:8000"]
-    assert args.discover_agents == ["dns:dpserve-agent.llm.svc.cluster.local:9400"]
+    assert args.discover_agents == ["dns:dpserve-agent.llm-gpu-agent.svc.cluster.local:9400"]
     assert args.host == "0.0.0.0"
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": args.port}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": args.port}
@@ -379,7 +415,7 @@ def test_the_router_command_parses_and_listens_where_it_is_probed() -> None:
     (port,) = service["spec"]["ports"]
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert port["port"] == 80 and named[port["targetPort"]] == args.port
-    (budget,) = only(docs, "PodDisruptionBudget")
+    (budget,) = [b for b in only(docs, "PodDisruptionBudget") if b["metadata"]["name"] == "dpserve-router"]
     assert budget["spec"]["minAvailable"] == 1
     assert selects(budget["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
     affinity = pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
@@ -404,7 +440,7 @@ def test_the_agent_command_parses_and_names_the_node() -> None:
     assert pod["spec"]["hostPID"] is True
     # As compose's agent, which test_compose_docker shows reading a root and a non-root replica's sockets.
     assert container["securityContext"]["runAsUser"] == 0
-    assert container["securityContext"]["capabilities"] == {"add": ["SYS_PTRACE"]}
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE", "DAC_READ_SEARCH"]}
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": settings.port}
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(settings.port)
@@ -565,3 +601,176 @@ def test_a_tracing_endpoint_goes_to_the_routers_and_every_vllm_pod(capsys: pytes
 
 def _flag_values(argv: list[str], flag: str) -> list[str]:
     return [argv[index + 1] for index, arg in enumerate(argv) if arg == flag]
+
+
+# (f) Locked down: Pod Security levels, network policies, disruptions
+
+
+def _namespaces(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {ns["metadata"]["name"]: ns for ns in only(docs, "Namespace")}
+
+
+def _enforced(namespace: dict[str, Any]) -> str:
+    level: str = namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+    return level
+
+
+@pytest.mark.parametrize("lora_pvc", [None, "adapters"])
+def test_every_pod_meets_the_level_its_namespace_enforces_and_the_routers_restricted(lora_pvc: str | None) -> None:
+    docs = documents(KubeOptions(replicas=2, namespace="llm", lora_pvc=lora_pvc, model_cache_pvc="models"))
+    namespaces = _namespaces(docs)
+    assert _enforced(namespaces["llm"]) == "baseline"
+    levels = {}
+    for workload, spec in pod_specs(docs):
+        level = _enforced(namespaces[workload["metadata"]["namespace"]])
+        assert violations(spec, level) == [], (workload["metadata"]["name"], level)
+        levels[workload["metadata"]["name"]] = level
+    assert levels == {"vllm": "baseline", "dpserve-router": "baseline", "dpserve-agent": "privileged"}
+    deployment, daemonset = router_and_agent(docs)
+    assert violations(deployment["spec"]["template"]["spec"], "restricted") == []
+    # vLLM's image runs as root: baseline, with no capability and no escalation, but not restricted.
+    (statefulset,) = only(docs, "StatefulSet")
+    vllm_spec = statefulset["spec"]["template"]["spec"]
+    assert violations(vllm_spec, "restricted") == ["vllm: runAsNonRoot not true"]
+    (vllm,) = vllm_spec["containers"]
+    assert vllm["securityContext"]["allowPrivilegeEscalation"] is False
+    assert vllm["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # The agent is what baseline refuses, and its namespace says why, in its own words for each privilege.
+    assert violations(daemonset["spec"]["template"]["spec"], "baseline") == [
+        "hostPID: true (host namespaces)",
+        "agent: capabilities added beyond baseline's: ['DAC_READ_SEARCH', 'SYS_PTRACE']",
+    ]
+    why = namespaces["llm-gpu-agent"]["metadata"]["annotations"]["dpserve/pod-security"]
+    assert all(word in why for word in ("hostPID", "SYS_PTRACE", "DAC_READ_SEARCH", "baseline"))
+    assert [doc["metadata"]["name"] for doc in docs if doc["metadata"].get("namespace") == "llm-gpu-agent"] == [
+        "dpserve-agent"
+    ] * 3, "nothing but the agent in the privileged namespace"
+
+
+def test_the_pod_security_checks_refuse_what_each_level_forbids() -> None:
+    container = {"name": "c", "securityContext": {}}
+    assert violations({"containers": [container]}, "privileged") == []
+    assert violations({"containers": [container]}, "baseline") == []
+    for bad in (
+        {"hostNetwork": True},
+        {"hostIPC": True},
+        {"volumes": [{"name": "v", "hostPath": {"path": "/"}}]},
+        {"securityContext": {"seccompProfile": {"type": "Unconfined"}}},
+        {"securityContext": {"sysctls": [{"name": "kernel.msgmax", "value": "1"}]}},
+    ):
+        assert violations({"containers": [container], **bad}, "baseline"), bad
+    for bad_context in (
+        {"privileged": True},
+        {"capabilities": {"add": ["SYS_ADMIN"]}},
+        {"procMount": "Unmasked"},
+        {"seLinuxOptions": {"type": "spc_t"}},
+    ):
+        assert violations({"containers": [{"name": "c", "securityContext": bad_context}]}, "baseline"), bad_context
+    assert violations({"containers": [{"name": "c", "ports": [{"containerPort": 80, "hostPort": 80}]}]}, "baseline")
+    restricted = {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert violations({"containers": [{"name": "c", "securityContext": restricted}]}, "restricted") == []
+    for field in restricted:
+        lacking = {key: value for key, value in restricted.items() if key != field}
+        assert violations({"containers": [{"name": "c", "securityContext": lacking}]}, "restricted"), field
+    volume = {"name": "v", "nfs": {"server": "x", "path": "/"}}
+    spec = {"containers": [{"name": "c", "securityContext": restricted}], "volumes": [volume]}
+    assert violations(spec, "baseline") == [] and violations(spec, "restricted") == ["volume v: ['nfs']"]
+    with pytest.raises(ValueError, match="no Pod Security level"):
+        violations(spec, "strict")
+
+
+def _admits(policy: dict[str, Any], namespace_labels: dict[str, str], pod_labels: dict[str, str], port: int) -> bool:
+    """A NetworkPolicy's ingress rules, for a connection from a pod (its namespace's labels, its labels)."""
+    for rule in policy["spec"]["ingress"]:
+        if not any(p["port"] == port and p["protocol"] == "TCP" for p in rule.get("ports", [{"port": port}])):
+            continue
+        if "from" not in rule:
+            return True
+        for peer in rule["from"]:
+            ns_ok = selects(peer["namespaceSelector"]["matchLabels"], namespace_labels)
+            if ns_ok and selects(peer["podSelector"]["matchLabels"], pod_labels):
+                return True
+    return False
+
+
+def test_network_policies_let_only_the_routers_reach_the_replicas_and_prometheus_scrape() -> None:
+    options = KubeOptions(replicas=2, namespace="llm", prometheus_namespace="obs")
+    docs = documents(options)
+    policies = only(docs, "NetworkPolicy")
+    deployment, daemonset = router_and_agent(docs)
+    (statefulset,) = only(docs, "StatefulSet")
+    guarding = {
+        workload["metadata"]["name"]: [p for p in policies if selects(p["spec"]["podSelector"]["matchLabels"],
+                                                                    template_labels(workload))]
+        for workload in (statefulset, deployment, daemonset)
+    }  # fmt: skip
+    assert all(len(found) == 1 for found in guarding.values()), "every pod is behind exactly one policy"
+    (vllm,), (router,), (agent,) = guarding["vllm"], guarding["dpserve-router"], guarding["dpserve-agent"]
+    assert vllm["spec"]["policyTypes"] == ["Ingress"] and vllm["metadata"]["namespace"] == "llm"
+    llm, obs = {"kubernetes.io/metadata.name": "llm"}, {"kubernetes.io/metadata.name": "obs"}
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    router_pod, agent_pod, vllm_pod = (template_labels(w) for w in (deployment, daemonset, statefulset))
+    for port in (8000, 5557):
+        assert _admits(vllm, llm, router_pod, port)
+        assert not _admits(vllm, llm, agent_pod, port) and not _admits(vllm, llm, vllm_pod, port)
+        assert not _admits(vllm, llm, {"app": "anything"}, port) and not _admits(vllm, llm, {}, port)
+        assert not _admits(vllm, {"kubernetes.io/metadata.name": "other"}, router_pod, port), "routers elsewhere"
+    assert _admits(vllm, obs, prometheus, 8000) and not _admits(vllm, obs, prometheus, 5557)
+    assert not _admits(vllm, llm, prometheus, 8000), "Prometheus in its own namespace only"
+    assert not _admits(vllm, llm, router_pod, 8080), "only the replicas' two ports"
+    # The routers take any client on their one port; the agents answer routers and Prometheus only.
+    assert _admits(router, {}, {}, 8080) and not _admits(router, {}, {}, 9000)
+    assert agent["metadata"]["namespace"] == "llm-gpu-agent"
+    assert _admits(agent, llm, router_pod, 9400) and _admits(agent, obs, prometheus, 9400)
+    assert not _admits(agent, llm, vllm_pod, 9400)
+    ports = {p["containerPort"] for p in statefulset["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert ports == {8000, 5557}
+
+
+def test_routers_roll_and_stop_without_dropping_a_request_and_drains_take_one_replica_at_a_time() -> None:
+    docs = documents(KubeOptions(replicas=3))
+    deployment, _ = router_and_agent(docs)
+    (statefulset,) = only(docs, "StatefulSet")
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    settings = RouterSettings()
+    for workload in (deployment, statefulset):
+        spec = workload["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        sleep = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert sleep[0] == "sleep" and int(sleep[1]) >= 5
+        # The preStop sleep, then the router's drain of what it holds (vLLM's shutdown), within the grace.
+        assert spec["terminationGracePeriodSeconds"] > int(sleep[1]) + settings.shutdown_grace_s
+        assert spec["automountServiceAccountToken"] is False
+    # The replicas' sleep outlasts a router's DNS re-read, so no router picks a replica that is stopping.
+    (vllm,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert int(vllm["lifecycle"]["preStop"]["exec"]["command"][1]) > settings.discover_interval_s
+    budgets = {b["metadata"]["name"]: b["spec"] for b in only(docs, "PodDisruptionBudget")}
+    assert budgets["vllm"] == {"maxUnavailable": 1, "selector": {"matchLabels": template_labels(statefulset)}}
+    assert budgets["dpserve-router"]["minAvailable"] == 1
+
+
+def test_images_are_tagged_with_the_package_version_never_latest() -> None:
+    docs = documents(KubeOptions(replicas=2))
+    images = {c["image"]: c.get("imagePullPolicy") for _, c in containers(docs)}
+    version = package_version()
+    assert images == {"vllm/vllm-openai:v0.32.0": None, f"dpserve-router:{version}": "IfNotPresent"}
+    assert f"Router and agent run dpserve-router:{version}" in render(KubeOptions(replicas=2))
+
+
+def test_the_cli_passes_the_prometheus_namespace(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["kube", "--replicas", "1", "--prometheus-namespace", "obs"]) == 0
+    docs = [doc for doc in yaml.safe_load_all(capsys.readouterr().out) if doc]
+    peers = [
+        peer for p in only(docs, "NetworkPolicy") for rule in p["spec"]["ingress"] for peer in rule.get("from", [])
+    ]
+    scrapers = [
+        peer for peer in peers if peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    ]
+    assert len(scrapers) == 2 and all(
+        peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "obs"} for peer in scrapers
+    )

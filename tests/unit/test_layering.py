@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dpserve.tiny_model",
         "dpserve.tiny_lora",
         "dpserve.text_table",
+        "dpserve.version",
     ),
     ("dpserve.kvindex", "dpserve.gpu"),  # pure data: the KV-block index, NVML samples
     ("dpserve.policies",),  # pure routing decisions

@@ -120,3 +120,78 @@ def test_render_endpoints_give_the_ids_tokenize_gives(client: TestClient) -> Non
     chat = client.post("/v1/chat/completions/render", json={"messages": messages}).json()
     assert chat["token_ids"] == client.post("/tokenize", json={"messages": messages}).json()["tokens"]
     assert chat["request_id"].startswith("chatcmpl-") and chat["model"] == "dpserve-tiny"
+
+
+KEY = "replica-key-123"
+AUTH_CASES: list[tuple[str, str, dict[str, str]]] = [
+    (method, path, headers)
+    for method, path in (
+        ("GET", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions/render"),
+        ("GET", "/v2/anything"),
+        ("POST", "/inference/v1/generate"),
+        ("POST", "/cohere/v2/chat"),
+        ("OPTIONS", "/v1/models"),
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+        ("POST", "/tokenize"),
+        ("POST", "/reset_prefix_cache"),
+        ("GET", "/v1x"),
+    )
+    for headers in (
+        {},
+        {"authorization": f"Bearer {KEY}"},
+        {"authorization": f"bearer {KEY}"},
+        {"authorization": "Bearer wrong"},
+        {"authorization": KEY},
+        {"authorization": f"Basic {KEY}"},
+        {"authorization": f"Bearer {KEY} "},
+    )
+]
+
+
+def test_the_sims_api_key_guards_exactly_the_paths_vllms_does() -> None:
+    """The same requests through vLLM's own middleware and the sim's, around the same app: the same answers."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    from dpserve.sim.auth import RequireKey
+
+    async def anything(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("through")
+
+    inner = Starlette(routes=[Route("/{path:path}", anything, methods=["GET", "POST", "OPTIONS"])])
+    guard = AuthenticationMiddleware(inner, [KEY])
+
+    async def vllms(scope: Any, receive: Any, send: Any) -> None:  # its __call__ returns the awaitable
+        await guard(scope, receive, send)
+
+    seen = set()
+    with TestClient(vllms) as vllm, TestClient(RequireKey(inner, KEY)) as sim:
+        for method, path, headers in AUTH_CASES:
+            theirs, ours = vllm.request(method, path, headers=headers), sim.request(method, path, headers=headers)
+            assert (ours.status_code, ours.text) == (theirs.status_code, theirs.text), (method, path, headers)
+            seen.add(ours.status_code)
+    assert seen == {200, 401}
+
+
+def test_sim_with_an_api_key_refuses_v1_without_it_and_serves_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpserve.config import load_settings
+
+    monkeypatch.setenv("VLLM_API_KEY", KEY)  # read as vLLM reads it
+    settings = load_settings(SimSettings, {"sim_speed": 0})
+    assert settings.sim_api_key == KEY
+    body = {"prompt": "hi", "max_tokens": 2}
+    with TestClient(build_simulator(settings).app()) as sim:
+        refused = sim.post("/v1/completions", json=body)
+        assert (refused.status_code, refused.json()) == (401, {"error": "Unauthorized"})
+        assert sim.get("/v1/models").status_code == 401
+        assert sim.get("/health").status_code == 200 and sim.get("/metrics").status_code == 200
+        served = sim.post("/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
+    with TestClient(build_simulator(SimSettings(sim_speed=0)).app()) as open_sim:
+        assert open_sim.post("/v1/completions", json=body).status_code == 200
