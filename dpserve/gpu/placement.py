@@ -18,6 +18,9 @@ class ReplicaClue:
     """GPU indices or UUIDs the replica was said to run on ("0", "GPU-3f2a..."); empty: not said."""
     pids: frozenset[int] = frozenset()
     """The replica's processes (its server and their children), when it runs on this host."""
+    share: tuple[int, int] = (0, 1)
+    """(rank, engines): one engine of a data-parallel server whose processes are `pids`: it holds the
+    rank-th of the equal shares of the GPUs those processes use, in index order (vLLM's order)."""
 
 
 def parse_replica_spec(text: str) -> tuple[str, tuple[str, ...]]:
@@ -40,6 +43,9 @@ def place_replicas(clues: Sequence[ReplicaClue], gpus: Sequence[GpuSample]) -> d
             indices = tuple(g.index for g in gpus if str(g.index) in wanted or (g.uuid and g.uuid in wanted))
         else:
             indices = tuple(g.index for g in gpus if any(p.pid in clue.pids for p in g.processes))
+            rank, engines = clue.share
+            size = len(indices) // engines
+            indices = indices[rank * size : (rank + 1) * size] if engines > 1 else indices
         if indices:
             placed[clue.id] = indices
     return placed

@@ -35,6 +35,19 @@ def parse_kv_event_source(text: str) -> tuple[str, str]:
     return url.rstrip("/"), endpoint
 
 
+def engine_endpoint(endpoint: str, rank: int | None) -> str:
+    """Where engine `rank` of a data-parallel server publishes, given the server's `--kv-events-config`
+    endpoint: vLLM adds the rank to a TCP port and `_dp{rank}` to an inproc name (rank 0 keeps it)."""
+    if not rank:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    base, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit() and int(port):
+        return f"{base}:{int(port) + rank}"
+    return endpoint
+
+
 class SequenceCheck(enum.Enum):
     FIRST = "first"
     NEXT = "next"

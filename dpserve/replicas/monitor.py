@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -57,6 +57,12 @@ class ReplicaMonitor:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._models_every = max(1, round(models_refresh_s / interval_s))
         self._task: asyncio.Task[None] | None = None
+        self._engines_found: Callable[[Replica, list[int]], Awaitable[None]] | None = None
+
+    def on_engines(self, handler: Callable[[Replica, list[int]], Awaitable[None]]) -> None:
+        """`handler(replica, ranks)`: the replica's metrics name several engines: it is a vLLM
+        data-parallel server, and each engine can be routed to as a replica of its own."""
+        self._engines_found = handler
 
     async def probe_all(self, tick: int = 0) -> None:
         await asyncio.gather(*(self._probe(replica, tick) for replica in self._registry))
@@ -111,6 +117,10 @@ class ReplicaMonitor:
             if stale or tick % self._models_every == 0:
                 self._catalog.set_model_cards(replica.id, await self._model_cards(replica))
             await self._scrape(replica)
+        except EnginesFound as found:
+            assert self._engines_found is not None
+            await self._engines_found(replica, found.ranks)
+            return
         except Misconfigured as exc:
             self._registry.set_misconfigured(replica.id, exc.cause)
             return
@@ -145,6 +155,10 @@ class ReplicaMonitor:
             _check(resp, "/metrics")
             text = await resp.text()
         samples = parse_samples(text, SCRAPED_METRICS)
+        if replica.rank is not None:
+            samples = samples.of_engine(replica.rank)
+        elif self._engines_found is not None and len(ranks := samples.engines(RUNNING)) > 1:
+            raise EnginesFound(ranks)
         cache_config = samples.first_labels(CACHE_CONFIG) or {}
         block_size, kv_blocks = cache_config.get("block_size"), cache_config.get("num_gpu_blocks")
         self._registry.record_scrape(
@@ -177,6 +191,15 @@ def _full_of_others(replica: Replica) -> bool:
 
 class ProbeFailed(Exception):
     pass
+
+
+class EnginesFound(ProbeFailed):
+    """Not a failure: the replica is a data-parallel server of these engines (a read between probes that
+    finds it leaves the split to the next probe)."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"engines {ranks}")
+        self.ranks = ranks
 
 
 class Misconfigured(Exception):

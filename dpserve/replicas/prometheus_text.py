@@ -23,6 +23,24 @@ class Samples:
         series = self.by_name.get(name)
         return series[0][0] if series else None
 
+    def engines(self, name: str) -> list[int]:
+        """The engines (vLLM's `engine` label: a data-parallel server's ranks) that report `name`."""
+        found = {labels.get(ENGINE, "") for labels, _ in self.by_name.get(name, ())}
+        return sorted(int(engine) for engine in found if engine.isdigit())
+
+    def of_engine(self, rank: int) -> Samples:
+        """Only engine `rank`'s series, and the series no engine is named on (the server's own)."""
+        wanted = str(rank)
+        return Samples(
+            {
+                name: [(labels, value) for labels, value in series if labels.get(ENGINE, wanted) == wanted]
+                for name, series in self.by_name.items()
+            }
+        )
+
+
+ENGINE = "engine"
+
 
 def parse_samples(text: str, wanted: Collection[str]) -> Samples:
     """Samples whose metric name is in `wanted`; other lines are skipped without parsing."""

@@ -54,6 +54,15 @@ class Replica(LoadFromCounts):
     replica has room. Empty: fit, or not known."""
     lora: ReplicaAdapters = field(default_factory=ReplicaAdapters)
     """Its LoRA adapters: slots, loaded, in use (`replicas/adapters.py`)."""
+    rank: int | None = None
+    """One engine of a vLLM data-parallel server (`--data-parallel-size N`) at `url`: its data-parallel
+    rank, which every request to it carries (`X-data-parallel-rank`). None: the server is one engine."""
+
+    @property
+    def where(self) -> str:
+        """What names this replica across routers, whatever each calls it: its URL, and its rank."""
+        return self.url if self.rank is None else f"{self.url}#dp{self.rank}"
+
     misconfigured: str | None = None
     """Why it refuses the router itself (its key, TLS): out of routing until a probe finds it usable."""
 
@@ -97,6 +106,11 @@ class Replica(LoadFromCounts):
         self.lora.listed(adapter_cards(cards))
 
 
+def engine_id(server_id: str, rank: int) -> str:
+    """The id of engine `rank` of the data-parallel server named `server_id` (`r0:dp1`)."""
+    return f"{server_id}:dp{rank}"
+
+
 def replica_id(index: int) -> str:
     """The name `dpserve up` and `dpserve compose` give their `index`-th replica (`--replica r0=URL`), so
     their tables, their Prometheus labels and the router's agree."""
@@ -123,6 +137,19 @@ def split_replica_name(spec: str) -> tuple[str | None, str]:
             "starting with a letter or digit"
         )
     return name, rest
+
+
+ENGINES_MARKER = "@dp="
+
+
+def split_engine_count(spec: str) -> tuple[str, int]:
+    """`URL[@gpu=...]@dp=N` -> (the rest, N); a spec without the marker -> (spec, 1)."""
+    rest, marker, count = spec.rpartition(ENGINES_MARKER)
+    if not marker:
+        return spec, 1
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--replica {spec}: `{ENGINES_MARKER}` wants the server's --data-parallel-size, 1 or more")
+    return rest, int(count)
 
 
 def address_id(url: str) -> str:
@@ -182,8 +209,11 @@ class ReplicaRegistry:
         return next((r for r in self._replicas.values() if r.url == url), None)
 
     def add(self, spec: str) -> Replica:
-        """`spec`: `[NAME=]URL[@gpu=N]`. Its id is NAME, else its address (`address_id`)."""
+        """`spec`: `[NAME=]URL[@gpu=N][@dp=N]`. Its id is NAME, else its address (`address_id`). With
+        `@dp=N` it is a vLLM data-parallel server of N engines, each added as a replica (the first is
+        returned); without, a server found to have several engines is split when its metrics show them."""
         name, rest = split_replica_name(spec)
+        rest, engines = split_engine_count(rest)
         url, hint = parse_replica_spec(rest)
         if self.by_url(url) is not None:
             raise ValueError(f"{url} is already a replica")
@@ -192,11 +222,39 @@ class ReplicaRegistry:
             raise ValueError(f"--replica {spec}: another replica is already named {rid}")
         replica = Replica(id=rid, url=url, gpu_hint=hint)
         self._replicas[replica.id] = replica
+        if engines > 1:
+            return self.split_engines(rid, range(engines))[0]
         for listener in self._added_listeners:
             listener(replica)
         self._reshaped()
         self.notify_room()
         return replica
+
+    def at_url(self, url: str) -> list[Replica]:
+        """The replica at `url`, or every engine of the data-parallel server there."""
+        url = url.rstrip("/")
+        return [r for r in self._replicas.values() if r.url == url]
+
+    def split_engines(self, replica_id: str, ranks: Sequence[int]) -> list[Replica]:
+        """The replica is a data-parallel server of these engines: each becomes a replica of its own
+        (`engine_id`), pinned by its rank; the server's own entry goes. Its GPUs (`@gpu=...`) are dealt in
+        rank order, as vLLM gives rank r the r-th share of the GPUs it sees."""
+        server = self._replicas.pop(replica_id)
+        self.degraded_ids = self.degraded_ids - {replica_id}
+        share = len(server.gpu_hint) // len(ranks) if server.gpu_hint else 0
+        engines = []
+        for order, rank in enumerate(ranks):
+            hint = server.gpu_hint[order * share : (order + 1) * share] if share else ()
+            engine = Replica(id=engine_id(server.id, rank), url=server.url, gpu_hint=hint, rank=rank)
+            engine.draining = server.draining
+            self._replicas[engine.id] = engine
+            engines.append(engine)
+        for engine in engines:
+            for listener in self._added_listeners:
+                listener(engine)
+        self._reshaped()
+        self.notify_room()
+        return engines
 
     def remove(self, replica_id: str) -> Replica:
         """Out of the registry at once; requests in flight on it finish (their release is a no-op)."""

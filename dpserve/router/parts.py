@@ -29,7 +29,7 @@ from dpserve.replicas.adapter_folder import AdapterFolder, AdapterFolderWatch
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
 from dpserve.replicas.health import HealthRules
-from dpserve.replicas.kv_events import parse_kv_event_source
+from dpserve.replicas.kv_events import engine_endpoint, parse_kv_event_source
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.fleet.agents import GpuAgents
 from dpserve.router.fleet.gpus import GpuFleet
@@ -149,14 +149,16 @@ def shadow_scorer(settings: RouterSettings, registry: ReplicaRegistry) -> Shadow
 
 
 def kv_event_endpoints(settings: RouterSettings, registry: ReplicaRegistry) -> dict[str, str]:
-    """Replica id -> ZMQ endpoint, from `--kv-events URL=ENDPOINT` (the URL must be a known replica)."""
+    """Replica id -> ZMQ endpoint, from `--kv-events URL=ENDPOINT` (the URL must be a known replica; for a
+    data-parallel server, ENDPOINT is its `--kv-events-config` one and each engine's is offset by its rank)."""
     endpoints: dict[str, str] = {}
     for text in settings.kv_events:
         url, endpoint = parse_kv_event_source(text)
-        replica = registry.by_url(url)
-        if replica is None:
+        replicas = registry.at_url(url)
+        if not replicas:
             raise ValueError(f"--kv-events names {url}, which is not one of the router's --replica URLs")
-        endpoints[replica.id] = endpoint
+        for replica in replicas:
+            endpoints[replica.id] = engine_endpoint(endpoint, replica.rank)
     return endpoints
 
 
@@ -215,11 +217,16 @@ def gpu_sampler(settings: RouterSettings, registry: ReplicaRegistry, nvml: Calla
     if settings.gpu_interval_s <= 0:
         return None
     # Only replicas without a hint are looked for by process.
-    processes = ReplicaProcesses([r.url for r in registry if not r.gpu_hint])
+    processes = ReplicaProcesses(sorted({r.url for r in registry if not r.gpu_hint}))
 
     def clues() -> list[ReplicaClue]:
         pids = processes.pids()
-        return [ReplicaClue(r.id, r.gpu_hint, pids.get(r.url, frozenset())) for r in registry]
+        replicas = list(registry)
+        engines = {r.url: sum(other.url == r.url for other in replicas) for r in replicas if r.rank is not None}
+        return [
+            ReplicaClue(r.id, r.gpu_hint, pids.get(r.url, frozenset()), (r.rank or 0, engines.get(r.url, 1)))
+            for r in replicas
+        ]
 
     return GpuSampler(nvml, settings.gpu_interval_s, clues=clues)
 

@@ -12,6 +12,7 @@ GET|POST|DELETE /admin/engine/{op}                the same on every replica
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,12 +25,14 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 
 from dpserve.kvindex.index import KvIndex
-from dpserve.replicas.kv_events import KvEventSubscriber, parse_kv_event_source
+from dpserve.replicas.kv_events import KvEventSubscriber, engine_endpoint, parse_kv_event_source
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.control.engine_ops import call_engine, engine_op
 from dpserve.router.http.errors import OpenAIError, bad_request
 from dpserve.router.http.request_body import read_limited
+
+log = logging.getLogger("dpserve.router")
 
 ADMIN_BODY_LIMIT = 16 * 1024
 ADAPTER_OPS = frozenset({"load_lora_adapter", "unload_lora_adapter", "load_adapter", "unload_adapter"})
@@ -54,6 +57,7 @@ class FleetControl:
         self.subscribers = subscribers
         self.kv_index = kv_index
         self.zmq_context = zmq_context
+        monitor.on_engines(self.split_engines)
 
     async def add(self, url: str, gpu: str | None, kv_events: str | None) -> Replica:
         check_replica_url(url)
@@ -69,12 +73,35 @@ class FleetControl:
             replica = self.registry.add(url + (f"@gpu={gpu}" if gpu else ""))
         except ValueError as exc:
             raise OpenAIError(409, str(exc), code="replica_exists") from None
-        if kv_events is not None and self.kv_index is not None:
-            subscriber = KvEventSubscriber(self.kv_index, replica.id, kv_events, self.zmq_context, time.monotonic)
-            self.subscribers.append(subscriber)
-            subscriber.start()
+        if kv_events is not None:
+            self._subscribe(replica, kv_events)
         await self.monitor.probe_now(replica)
         return replica
+
+    def _subscribe(self, replica: Replica, endpoint: str) -> None:
+        assert self.kv_index is not None
+        subscriber = KvEventSubscriber(self.kv_index, replica.id, endpoint, self.zmq_context, time.monotonic)
+        self.subscribers.append(subscriber)
+        subscriber.start()
+
+    async def _stop_events(self, replica_id: str) -> None:
+        for subscriber in [s for s in self.subscribers if s.replica_id == replica_id]:
+            self.subscribers.remove(subscriber)
+            await subscriber.stop()
+        if self.kv_index is not None:
+            self.kv_index.clear(replica_id)
+
+    async def split_engines(self, server: Replica, ranks: list[int]) -> None:
+        """A replica found to be a vLLM data-parallel server: each engine routed as its own replica, its
+        KV events read where that engine publishes them (the server's endpoint, offset by its rank)."""
+        endpoint = next((s.endpoint for s in self.subscribers if s.replica_id == server.id), None)
+        await self._stop_events(server.id)
+        engines = self.registry.split_engines(server.id, ranks)
+        log.info("replica %s is a data-parallel server: engines %s", server.id, ", ".join(e.id for e in engines))
+        if endpoint is not None and self.kv_index is not None:
+            for engine in engines:
+                self._subscribe(engine, engine_endpoint(endpoint, engine.rank))
+        await asyncio.gather(*(self.monitor.probe_now(engine) for engine in engines))
 
     def drain(self, replica_id: str, draining: bool) -> Replica:
         self.registry.set_draining(self.known(replica_id), draining)
@@ -82,11 +109,7 @@ class FleetControl:
 
     async def remove(self, replica_id: str) -> Replica:
         replica = self.registry.remove(self.known(replica_id))
-        for subscriber in [s for s in self.subscribers if s.replica_id == replica_id]:
-            self.subscribers.remove(subscriber)
-            await subscriber.stop()
-        if self.kv_index is not None:
-            self.kv_index.clear(replica_id)
+        await self._stop_events(replica_id)
         return replica
 
     def known(self, replica_id: str) -> str:

@@ -81,14 +81,15 @@ class Discovery:
         self._kv_port = kv_port
         self._clock = clock
         self._wall = wall
-        self._owned: dict[str, str] = {}  # url -> replica id, for replicas this added
+        self._owned: set[str] = set()  # the URLs of the replicas this added (a server's engines share one)
         self._leaving: dict[str, float] = {}  # url -> when it left DNS
         self._poked = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         fleet.registry.on_refused(self._refused)
 
     def _refused(self, replica_id: str) -> None:
-        if replica_id in self._owned.values():
+        replica = self._registry.find(replica_id)
+        if replica is not None and replica.url in self._owned:
             self._poked.set()
 
     def poke(self) -> None:
@@ -117,40 +118,44 @@ class Discovery:
         state.urls, state.error, state.last_success = urls, None, self._wall()
 
     async def _apply(self, desired: frozenset[str]) -> None:
-        for url in sorted(desired - self._owned.keys()):
-            if self._registry.by_url(url) is not None:
+        for url in sorted(desired - self._owned):
+            if self._registry.at_url(url):
                 continue  # given by --replica or the admin API: not ours to manage
             try:
                 replica = await self._fleet.add(url, None, self._kv_events(url))
             except OpenAIError as exc:
                 log.warning("discovered replica %s not added: %s", url, exc.message)
                 continue
-            self._owned[url] = replica.id
+            self._owned.add(url)
             log.info("replica %s discovered at %s", replica.id, url)
-        for url, replica_id in list(self._owned.items()):
-            if replica_id not in self._registry:  # removed through the admin API
-                del self._owned[url]
+        for url in sorted(self._owned):
+            replicas = self._registry.at_url(url)
+            if not replicas:  # removed through the admin API
+                self._owned.discard(url)
                 self._leaving.pop(url, None)
             elif url in desired and url in self._leaving:
                 del self._leaving[url]
-                self._fleet.drain(replica_id, False)
-                log.info("replica %s is back in DNS: resumed", replica_id)
+                for replica in replicas:
+                    self._fleet.drain(replica.id, False)
+                log.info("replica %s is back in DNS: resumed", url)
             elif url not in desired and url not in self._leaving:
                 self._leaving[url] = self._clock()
-                self._fleet.drain(replica_id, True)
-                log.info("replica %s (%s) left DNS: draining", replica_id, url)
+                for replica in replicas:
+                    self._fleet.drain(replica.id, True)
+                log.info("replica %s left DNS: draining", url)
         await self._remove_drained()
 
     async def _remove_drained(self) -> None:
         now = self._clock()
         for url, since in list(self._leaving.items()):
-            replica = self._registry.find(self._owned[url])
-            if replica is not None and replica.in_flight > 0 and now - since < DRAIN_GRACE_S:
+            replicas = self._registry.at_url(url)
+            if sum(replica.in_flight for replica in replicas) > 0 and now - since < DRAIN_GRACE_S:
                 continue
-            if replica is not None:
+            for replica in replicas:
                 await self._fleet.remove(replica.id)
                 log.info("replica %s removed: gone from DNS", replica.id)
-            del self._leaving[url], self._owned[url]
+            del self._leaving[url]
+            self._owned.discard(url)
 
     def _kv_events(self, url: str) -> str | None:
         if self._fleet.kv_index is None:

@@ -152,7 +152,7 @@ class PeerBoard:
         self._registry.set_peer_in_flight(totals)
 
     def _ids_by_url(self) -> dict[str, str]:
-        return {replica.url: replica.id for replica in self._registry}
+        return {replica.where: replica.id for replica in self._registry}
 
     # -- what this router says -----------------------------------------------------------------------
 
@@ -161,7 +161,7 @@ class PeerBoard:
         bindings made since the last update (taken: the next update does not repeat them)."""
         self._seq += 1
         replicas = list(self._registry)
-        urls = {replica.id: replica.url for replica in replicas}
+        urls = {replica.id: replica.where for replica in replicas}
         routes = []
         if self._recent is not None and news:
             for rid, keys in self._recent.take_outbox()[-MAX_ROUTES:]:
@@ -181,8 +181,8 @@ class PeerBoard:
             origin=self.origin,
             seq=self._seq,
             sent_at=self._wall(),
-            in_flight={r.url: r.in_flight for r in replicas if r.in_flight},
-            unhealthy=tuple(r.url for r in replicas if r.health.ever_healthy and not r.healthy),
+            in_flight={r.where: r.in_flight for r in replicas if r.in_flight},
+            unhealthy=tuple(r.where for r in replicas if r.health.ever_healthy and not r.healthy),
             routes=routes,
             bindings=bindings,
             usage=usage[:MAX_USAGE],
@@ -199,9 +199,9 @@ class PeerBoard:
             if self._kv_index is not None:
                 size, entries = self._kv_index.export(replica.id)
                 if entries:
-                    kv.append((replica.url, size, entries))
+                    kv.append((replica.where, size, entries))
         if self._recent is not None:
-            urls = {replica.id: replica.url for replica in self._registry}
+            urls = {replica.id: replica.where for replica in self._registry}
             recent = [(key, urls[rid], age) for key, rid, age in self._recent.export() if rid in urls]
         return PeerSnapshot(self.origin, kv, recent)
 

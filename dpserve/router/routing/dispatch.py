@@ -44,6 +44,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 RETRYABLE = (UpstreamError, TimeoutError)
 # Answers another replica may do better with: its failure or its backpressure.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+DATA_PARALLEL_RANK = "X-data-parallel-rank"
+"""vLLM's request header that sends a request to one engine of a data-parallel server."""
 
 
 @dataclass(frozen=True)
@@ -431,7 +433,8 @@ class Dispatcher:
         """One try on one replica. Its slot is taken here and returned when the answer is read, or by the
         stream this hands over."""
         registry = self._registry
-        address = self._address(registry.get(replica_id).url)
+        replica = registry.get(replica_id)
+        address = self._address(replica.url)
         registry.acquire(replica_id)
         handed_over = False
         resp: UpstreamResponse | None = None
@@ -439,6 +442,8 @@ class Dispatcher:
             headers = request.headers
             if life is not None and life.trace_headers:  # this attempt's span, for the replica's to nest under
                 headers = {**headers, **life.trace_headers}
+            if replica.rank is not None:  # one engine of a data-parallel server: vLLM's header pins it
+                headers = {**headers, DATA_PARALLEL_RANK: str(replica.rank)}
             resp = await self._upstream.request(address, request.method, request.path, request.body, headers)
             if resp.status == 401:  # vLLM's key check, the only 401 it gives: the router's key, not the client's
                 raise ReplicaMisconfigured(KEY_REFUSED)
