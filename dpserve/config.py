@@ -736,8 +736,22 @@ class SimSettings:
     sim_speed: float = setting(1.0, "time scale: 2 = twice as fast, 0 = no waits at all", SIM_MODEL)
     sim_tokenizer: str = setting("tiny", "the tiny model's BPE, or a fast hash", SIM_MODEL, choices=("tiny", "fast"))
     sim_kv_events: str | None = setting(
-        None, "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 (none: no events)", SIM_MODEL, metavar="ENDPOINT"
+        None,
+        "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557; engine R on port + R, as vLLM (none: no events)",
+        SIM_MODEL,
+        metavar="ENDPOINT",
     )
+    sim_data_parallel_size: int = setting(
+        1,
+        "engines behind this one server, as `vllm serve --data-parallel-size`: each with its own batch, KV cache "
+        "(--num-blocks each) and metrics; requests pinned by the X-data-parallel-rank header, else to the least loaded",
+        SIM_MODEL,
+        metavar="N",
+    )
+
+    def __post_init__(self) -> None:
+        if self.sim_data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size {self.sim_data_parallel_size}: must be at least 1")
 
 
 AGENT = "GPU agent"

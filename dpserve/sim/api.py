@@ -3,6 +3,8 @@
 Response bodies carry the same keys as vLLM 0.32's (with `--enable-prompt-tokens-details`, which
 `dpserve up` turns on for real replicas too), and errors the same `{"error": {...}}` shape and types.
 One prompt and one choice per request: a batch of prompts or `n` > 1 is refused with a 400 that says so.
+With data parallelism (dp.py) a generating request goes to the engine its `X-data-parallel-rank` header
+names, else to the least loaded one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from starlette.routing import Route
 
 from dpserve.disconnect import ClientGone, until_disconnect
 from dpserve.sim.auth import RequireKey
-from dpserve.sim.engine import GenerationRequest, RequestStats, RequestTooLarge, SimEngine
+from dpserve.sim.dp import RANK_HEADER, EngineGroup, RankOutOfRange, header_rank
+from dpserve.sim.engine import GenerationRequest, RequestStats, RequestTooLarge
 from dpserve.sim.formats import ChatFormat, CompletionFormat, ResponseFormat, new_id, usage
 from dpserve.sim.metrics import SimMetrics
 from dpserve.sim.tokenizer import SimTokenizer
@@ -46,10 +49,12 @@ class SimError(Exception):
         self.message = message
         self.param = param
 
-    def response(self) -> Response:
+    def body(self) -> dict[str, Any]:
         kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "BadRequest")
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
-        return Response(orjson.dumps(body), status_code=self.status, media_type=JSON)
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+
+    def response(self) -> Response:
+        return Response(orjson.dumps(self.body()), status_code=self.status, media_type=JSON)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +71,7 @@ class SimApi:
         self,
         model: SimModel,
         tokenizer: SimTokenizer,
-        engine: SimEngine,
+        engines: EngineGroup,
         metrics: SimMetrics,
         api_key: str | None = None,
     ) -> None:
@@ -74,7 +79,9 @@ class SimApi:
         self.model = model
         self.api_key = api_key
         self.tokenizer = tokenizer
-        self.engine = engine
+        self.engines = engines
+        self.engine = engines.engines[0]
+        """Engine 0: it also draws the length of an answer without max_tokens, before any engine is chosen."""
         self.metrics = metrics
         self.created = int(time.time())
 
@@ -96,7 +103,9 @@ class SimApi:
         return Starlette(routes=routes, middleware=middleware)
 
     @staticmethod
-    def _guard(handler: Callable[[dict[str, Any]], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    def _guard(
+        handler: Callable[[dict[str, Any], Request], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             try:
                 body = orjson.loads(await request.body())
@@ -106,7 +115,7 @@ class SimApi:
                 return SimError(400, "Request body must be a JSON object.").response()
             try:
                 # A client that leaves before a whole answer is ready aborts its request, as in vLLM.
-                return await until_disconnect(request.receive, handler(body))
+                return await until_disconnect(request.receive, handler(body, request))
             except SimError as err:
                 return err.response()
             except ClientGone:
@@ -150,8 +159,8 @@ class SimApi:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def reset_prefix_cache(self, request: Request) -> Response:
-        """vLLM's dev-mode endpoint: drops every cached block no running request uses."""
-        if not self.engine.reset_prefix_cache():
+        """vLLM's dev-mode endpoint: drops every cached block no running request uses, on every engine."""
+        if not self.engines.reset_prefix_cache():
             return SimError(400, "Cannot reset the prefix cache while requests are running.").response()
         return Response(b"", status_code=200)
 
@@ -232,7 +241,7 @@ class SimApi:
         return Prompt(ids, max_tokens, finish_reason, stream, bool(options.get("include_usage")))
 
     # Endpoints that generate.
-    async def tokenize(self, body: dict[str, Any]) -> Response:
+    async def tokenize(self, body: dict[str, Any], _: Request) -> Response:
         self._check_model(body)
         if "messages" in body:
             ids = self._chat_ids(body, add_generation_prompt=body.get("add_generation_prompt", True) is not False)
@@ -241,47 +250,57 @@ class SimApi:
         payload = {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids, "token_strs": None}
         return Response(orjson.dumps(payload), media_type=JSON)
 
-    async def render_completion(self, body: dict[str, Any]) -> Response:
+    async def render_completion(self, body: dict[str, Any], _: Request) -> Response:
         self._check_model(body)
         rendered = {"request_id": f"cmpl-{uuid.uuid4().hex}", "token_ids": self._completion_ids(body)}
         return Response(orjson.dumps([{**rendered, "model": self.model.name}]), media_type=JSON)
 
-    async def render_chat(self, body: dict[str, Any]) -> Response:
+    async def render_chat(self, body: dict[str, Any], _: Request) -> Response:
         self._check_model(body)
         rendered = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "token_ids": self._chat_ids(body)}
         return Response(orjson.dumps({**rendered, "model": self.model.name}), media_type=JSON)
 
-    async def completions(self, body: dict[str, Any]) -> Response:
+    async def completions(self, body: dict[str, Any], http: Request) -> Response:
         self._check_model(body)
         prompt = self._prompt(body, self._completion_ids(body), "max_tokens")
-        return await self._generate(prompt, CompletionFormat(self.model.name))
+        return await self._generate(
+            prompt, CompletionFormat(self.model.name), header_rank(http.headers.get(RANK_HEADER))
+        )
 
-    async def chat(self, body: dict[str, Any]) -> Response:
+    async def chat(self, body: dict[str, Any], http: Request) -> Response:
         self._check_model(body)
         prompt = self._prompt(body, self._chat_ids(body), "max_completion_tokens")
-        return await self._generate(prompt, ChatFormat(self.model.name))
+        return await self._generate(prompt, ChatFormat(self.model.name), header_rank(http.headers.get(RANK_HEADER)))
 
-    async def _generate(self, prompt: Prompt, fmt: ResponseFormat) -> Response:
+    async def _generate(self, prompt: Prompt, fmt: ResponseFormat, rank: int | None) -> Response:
         request = GenerationRequest(prompt.ids, prompt.max_tokens, prompt.finish_reason)
         try:
-            self.engine.check_fits(request)
+            self.engine.check_fits(request)  # every engine's cache is the same size
         except RequestTooLarge as exc:
             raise SimError(400, f"The request cannot fit this replica's KV cache: {exc}.", "max_tokens") from None
-        output = self.engine.choose_output(self.tokenizer.output_ids(), prompt.max_tokens)
+        try:
+            chosen = self.engines.choose(rank)
+        except RankOutOfRange as exc:
+            # vLLM finds this once generation starts: a 400, or in a stream an error event (with a 200).
+            if prompt.stream:
+                return StreamingResponse(_error_stream(SimError(400, str(exc))), media_type=SSE)
+            raise SimError(400, str(exc)) from None
+        output = self.engines.engines[chosen].choose_output(self.tokenizer.output_ids(), prompt.max_tokens)
         stats = RequestStats(arrived=time.monotonic())
+        tokens = self.engines.generate(chosen, request, output, stats, prompt.stream)
         if prompt.stream:
-            return StreamingResponse(self._stream(request, output, stats, prompt, fmt), media_type=SSE)
-        pieces = [self.tokenizer.piece(token) async for token in self.engine.generate(request, output, stats, False)]
+            return StreamingResponse(self._stream(tokens, output, stats, prompt, fmt), media_type=SSE)
+        pieces = [self.tokenizer.piece(token) async for token in tokens]
         body = fmt.full("".join(pieces), prompt.finish_reason, usage(len(prompt.ids), len(pieces), stats.cached_tokens))
         return Response(orjson.dumps(body), media_type=JSON)
 
     async def _stream(
-        self, request: GenerationRequest, output: list[int], stats: RequestStats, prompt: Prompt, fmt: ResponseFormat
+        self, tokens: AsyncIterator[int], output: list[int], stats: RequestStats, prompt: Prompt, fmt: ResponseFormat
     ) -> AsyncIterator[bytes]:
         opening = fmt.opening()
         last = len(output) - 1
         index = 0
-        async for token in self.engine.generate(request, output, stats, True):
+        async for token in tokens:
             if index == 0 and opening is not None:
                 # vLLM sends chat's role chunk with the first token, after prefill: so TTFT measured
                 # on the first event means the same on a sim as on vLLM.
@@ -293,6 +312,11 @@ class SimApi:
         if prompt.include_usage:
             yield _event(fmt.usage_chunk(usage(len(prompt.ids), stats.output_tokens, stats.cached_tokens)))
         yield b"data: [DONE]\n\n"
+
+
+async def _error_stream(error: SimError) -> AsyncIterator[bytes]:
+    yield _event(error.body())
+    yield b"data: [DONE]\n\n"
 
 
 def _event(payload: dict[str, Any]) -> bytes:

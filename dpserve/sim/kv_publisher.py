@@ -3,7 +3,8 @@
 Each batch is one multipart message: [topic (empty, as vLLM's default), sequence number (8 bytes,
 big-endian, from 0), payload], the payload a msgpack array [timestamp, [event, ...], data_parallel_rank],
 each event a map tagged by "type" with the fields vLLM's own events carry (block hashes are unsigned
-64-bit ints, as vLLM sends them by default).
+64-bit ints, as vLLM sends them by default). With data parallelism each engine publishes on its own
+endpoint, as vLLM's `ZmqEventPublisher.offset_endpoint_port` derives it from the configured one.
 """
 
 from __future__ import annotations
@@ -47,21 +48,41 @@ def encode_batch(events: Sequence[KvEvent], timestamp: float, data_parallel_rank
     return msgspec.msgpack.encode([timestamp, [event_to_wire(event) for event in events], data_parallel_rank])
 
 
+def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
+    """Engine R's endpoint, as vLLM's: a tcp port + R (port 0 stays 0, the OS picks), an inproc name + `_dp{R}`."""
+    if data_parallel_rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if "tcp" in endpoint:
+        if ":" in endpoint:
+            base, port = endpoint.rsplit(":", 1)
+            if int(port) == 0:
+                return endpoint
+            return f"{base}:{int(port) + data_parallel_rank}"
+        return endpoint
+    raise ValueError(f"KV-event endpoint {endpoint!r}: must contain 'inproc' or 'tcp' with data parallelism")
+
+
 class KvEventPublisher:
     """A ZMQ PUB socket. PUB never blocks a sender: with no subscriber, or one too slow, batches are
-    dropped, and the sequence numbers let a subscriber see the gap (as with vLLM)."""
+    dropped, and the sequence numbers let a subscriber see the gap (as with vLLM). Engine `data_parallel_rank`'s
+    publisher binds its offset endpoint and stamps its rank on every batch."""
 
-    def __init__(self, endpoint: str, topic: str = "") -> None:
+    def __init__(self, endpoint: str, topic: str = "", data_parallel_rank: int = 0) -> None:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(endpoint)
+        self._socket.bind(offset_endpoint(endpoint, data_parallel_rank))
+        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        """Where it is bound (the port the OS chose, for port 0)."""
+        self._rank = data_parallel_rank
         self._topic = topic.encode()
         self._seq = 0
 
     def publish(self, events: Sequence[KvEvent]) -> None:
-        payload = encode_batch(events, time.time())
+        payload = encode_batch(events, time.time(), self._rank)
         try:
             self._socket.send_multipart((self._topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:

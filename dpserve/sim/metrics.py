@@ -108,42 +108,36 @@ CACHE_CONFIG_DEFAULTS = {
 }
 
 
-class SimMetrics(EngineObserver):
-    """Updated by the engine as requests move; gauges that are state (queue, KV usage) are read at scrape."""
+class _Families:
+    """Every metric family, once per registry; each engine's series are its children labelled engine="R"."""
 
-    def __init__(self, model_name: str, cache: PrefixCache, max_num_seqs: int) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry, cache: PrefixCache) -> None:
         labels = ("model_name", "engine")
-        values = (model_name, "0")
-        reg = self.registry
 
-        # Each helper registers a family and returns this engine's one series of it.
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=reg).labels(*values)
+            return Gauge(name, doc, labels, registry=registry)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=reg).labels(*values)
+            return Counter(name, doc, labels, registry=registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(*values)
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
 
-        self._running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self._waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        kv_usage.set_function(lambda: cache.usage)
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
         self.hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter(
+        self.success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             (*labels, "finished_reason"),
-            registry=reg,
+            registry=registry,
         )
-        self.success = {reason: success.labels(model_name, "0", reason) for reason in FINISHED_REASONS}
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
@@ -158,25 +152,50 @@ class SimMetrics(EngineObserver):
             "Histogram of time spent in WAITING phase for request.",
             LATENCY_BUCKETS,
         )
-        info = {
-            **CACHE_CONFIG_DEFAULTS,
-            "block_size": str(cache.block_size),
-            "effective_attention_block_size": str(cache.block_size),
-            "num_gpu_blocks": str(cache.capacity),
-            "kv_cache_size_tokens": str(cache.capacity * cache.block_size),
-            "kv_cache_max_concurrency": str(float(max_num_seqs)),
-            "engine": "0",
-        }
-        config = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", tuple(info), registry=reg)
-        config.labels(**info).set(1)
+        self.cache_config = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            tuple(cache_config_labels(cache, 1, 0)),
+            registry=registry,
+        )
+
+
+def cache_config_labels(cache: PrefixCache, max_num_seqs: int, rank: int) -> dict[str, str]:
+    return {
+        **CACHE_CONFIG_DEFAULTS,
+        "block_size": str(cache.block_size),
+        "effective_attention_block_size": str(cache.block_size),
+        "num_gpu_blocks": str(cache.capacity),
+        "kv_cache_size_tokens": str(cache.capacity * cache.block_size),
+        "kv_cache_max_concurrency": str(float(max_num_seqs)),
+        "engine": str(rank),
+    }
+
+
+class EngineMetrics(EngineObserver):
+    """One engine's series, updated by that engine as requests move; gauges that are state (queue, KV usage)
+    are read at scrape."""
+
+    def __init__(self, families: _Families, model_name: str, rank: int, cache: PrefixCache, max_num_seqs: int) -> None:
+        values = (model_name, str(rank))
+        self._running = families.running.labels(*values)
+        self._waiting = families.waiting.labels(*values)
+        families.kv_usage.labels(*values).set_function(lambda: cache.usage)
+        self.queries = families.queries.labels(*values)
+        self.hits = families.hits.labels(*values)
+        self.prompt_tokens = families.prompt_tokens.labels(*values)
+        self.generation_tokens = families.generation_tokens.labels(*values)
+        self.success = {reason: families.success.labels(*values, reason) for reason in FINISHED_REASONS}
+        self.ttft = families.ttft.labels(*values)
+        self.itl = families.itl.labels(*values)
+        self.e2e = families.e2e.labels(*values)
+        self.queue_time = families.queue_time.labels(*values)
+        families.cache_config.labels(**cache_config_labels(cache, max_num_seqs, rank)).set(1)
 
     def watch(self, engine: SimEngine) -> None:
         """Read the engine's queue state at scrape time rather than on every change."""
         self._running.set_function(lambda: engine.running)
         self._waiting.set_function(lambda: engine.waiting)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
 
     # EngineObserver
     def on_admitted(self, request: GenerationRequest, stats: RequestStats) -> None:
@@ -195,3 +214,21 @@ class SimMetrics(EngineObserver):
         self.generation_tokens.inc(stats.output_tokens)
         self.success[reason].inc()
         self.e2e.observe(stats.finished - stats.arrived)
+
+
+class SimMetrics(EngineMetrics):
+    """The simulator's /metrics: engine 0's series (this object) and those `engine` adds for the other data
+    parallel ranks, every one labelled with its engine="R" as vLLM labels them."""
+
+    def __init__(self, model_name: str, cache: PrefixCache, max_num_seqs: int) -> None:
+        self.registry = CollectorRegistry()
+        self._families = _Families(self.registry, cache)
+        self._model_name = model_name
+        super().__init__(self._families, model_name, 0, cache, max_num_seqs)
+
+    def engine(self, rank: int, cache: PrefixCache, max_num_seqs: int) -> EngineMetrics:
+        """Rank `rank`'s series (rank 0's is this object)."""
+        return EngineMetrics(self._families, self._model_name, rank, cache, max_num_seqs)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

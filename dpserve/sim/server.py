@@ -1,4 +1,5 @@
-"""`dpserve sim`: one simulator replica, wired from the settings and served by uvicorn."""
+"""`dpserve sim`: one simulator replica (one engine, or `--data-parallel-size` of them behind one server),
+wired from the settings and served by uvicorn."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from starlette.applications import Starlette
 from dpserve.config import SimSettings
 from dpserve.sim.api import SimApi, SimModel
 from dpserve.sim.cache import PrefixCache
+from dpserve.sim.dp import EngineGroup
 from dpserve.sim.engine import LatencyModel, SimEngine
 from dpserve.sim.kv_publisher import KvEventPublisher
-from dpserve.sim.metrics import SimMetrics
+from dpserve.sim.metrics import EngineMetrics, SimMetrics
 from dpserve.sim.tokenizer import make_tokenizer
 from dpserve.tiny_model import TINY_MODEL_NAME
 
@@ -25,18 +27,19 @@ log = logging.getLogger("dpserve.sim")
 @dataclass
 class Simulator:
     api: SimApi
-    publisher: KvEventPublisher | None
+    publishers: list[KvEventPublisher]
+    """One per engine, in rank order (none without --kv-events)."""
 
     def app(self) -> Starlette:
         app = self.api.app()
-        publisher = self.publisher
+        publishers = self.publishers
 
         @contextlib.asynccontextmanager
         async def lifespan(_: Starlette) -> AsyncIterator[None]:
             try:
                 yield
             finally:
-                if publisher is not None:
+                for publisher in publishers:
                     publisher.close()
 
         app.router.lifespan_context = lifespan
@@ -49,7 +52,6 @@ def sim_model_name(settings: SimSettings) -> str:
 
 def build_simulator(settings: SimSettings) -> Simulator:
     name = sim_model_name(settings)
-    cache = PrefixCache(settings.sim_num_blocks, settings.sim_block_size)
     latency = LatencyModel(
         prefill_s_per_token=settings.sim_prefill_ms_per_token / 1000,
         decode_s_per_token=settings.sim_decode_ms_per_token / 1000,
@@ -57,35 +59,47 @@ def build_simulator(settings: SimSettings) -> Simulator:
         jitter=settings.sim_jitter,
         speed=settings.sim_speed,
     )
-    publisher = KvEventPublisher(settings.sim_kv_events) if settings.sim_kv_events else None
-    metrics = SimMetrics(name, cache, settings.sim_max_num_seqs)
-    engine = SimEngine(
-        cache,
-        latency,
-        settings.sim_max_num_seqs,
-        seed=settings.sim_seed,
-        observer=metrics,
-        publish=publisher.publish if publisher else None,
-    )
-    metrics.watch(engine)
+    caches = [
+        PrefixCache(settings.sim_num_blocks, settings.sim_block_size) for _ in range(settings.sim_data_parallel_size)
+    ]
+    metrics = SimMetrics(name, caches[0], settings.sim_max_num_seqs)
+    engines: list[SimEngine] = []
+    publishers: list[KvEventPublisher] = []
+    for rank, cache in enumerate(caches):
+        observer: EngineMetrics = metrics if rank == 0 else metrics.engine(rank, cache, settings.sim_max_num_seqs)
+        publisher = (
+            KvEventPublisher(settings.sim_kv_events, data_parallel_rank=rank) if settings.sim_kv_events else None
+        )
+        engine = SimEngine(
+            cache,
+            latency,
+            settings.sim_max_num_seqs,
+            seed=settings.sim_seed + rank,
+            observer=observer,
+            publish=publisher.publish if publisher else None,
+        )
+        observer.watch(engine)
+        engines.append(engine)
+        publishers.extend([publisher] if publisher else [])
     model = SimModel(name=name, max_model_len=settings.max_model_len, root=f"dpserve-sim/{name}")
-    api = SimApi(model, make_tokenizer(settings.sim_tokenizer), engine, metrics, settings.sim_api_key)
-    return Simulator(api, publisher)
+    api = SimApi(model, make_tokenizer(settings.sim_tokenizer), EngineGroup(engines), metrics, settings.sim_api_key)
+    return Simulator(api, publishers)
 
 
 def serve_sim(settings: SimSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     simulator = build_simulator(settings)
     log.info(
-        "sim %s on %s:%d (%d blocks of %d tokens, max %d seqs, speed %g, KV events: %s, API key: %s)",
+        "sim %s on %s:%d (%d engine(s) of %d blocks of %d tokens, max %d seqs; speed %g, KV events: %s, key: %s)",
         simulator.api.model.name,
         settings.host,
         settings.port,
+        settings.sim_data_parallel_size,
         settings.sim_num_blocks,
         settings.sim_block_size,
         settings.sim_max_num_seqs,
         settings.sim_speed,
-        settings.sim_kv_events or "off",
+        " ".join(publisher.endpoint for publisher in simulator.publishers) or "off",
         "required on /v1" if settings.sim_api_key else "none",
     )
     uvicorn.run(
