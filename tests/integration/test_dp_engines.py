@@ -24,6 +24,7 @@ from tests.conftest import free_port
 from tests.integration.conftest import (
     FLEET_START_TIMEOUT_S,
     RouterProcess,
+    running_sim,
     start_router,
     stop_process,
     stop_router,
@@ -161,3 +162,24 @@ def test_a_repeated_prefix_goes_to_the_engine_that_caches_it(router: RouterProce
     hits = {e: n - before_hits.get(e, 0.0) for e, n in _per_engine(dp_server, PREFIX_HITS).items()}
     assert served.get("1") == 5 and served.get("0", 0) == 0, served
     assert hits.get("1", 0) > 0, hits  # engine 1 served the prefix from its cache
+
+
+def test_an_engine_that_dies_takes_its_server_out_and_the_share_moves_to_another_replica(dp_server: DpServer) -> None:
+    """vLLM ends the whole data-parallel server when one engine dies (measured here: the API server stops
+    answering within a second). Both engines leave routing at once; the other replica takes every request.
+    Runs last: it kills the module's server."""
+    import psutil
+
+    with running_sim("--model", TINY_MODEL_NAME) as sim:
+        kv = f"{dp_server.url}={dp_server.kv_endpoint}"
+        router = start_router([dp_server.url, f"r1={sim.url}"], "kv_aware", "--kv-events", kv, expect_healthy=3)
+        try:
+            server = next(p for p in psutil.process_iter(["name"]) if p.info["name"] == "VLLM::EngineCore_DP1")
+            server.kill()
+            wait_until(lambda: not any(_status(router)[e]["healthy"] for e in ENGINES), 10, 0.1, "both engines ejected")
+            before = int(_status(router)["r1"]["served_total"])  # type: ignore[call-overload]
+            for turn in range(10):
+                assert _chat(router, f"after the engine died {turn}").status_code == 200
+            assert int(_status(router)["r1"]["served_total"]) - before == 10  # type: ignore[call-overload]
+        finally:
+            stop_router(router)
