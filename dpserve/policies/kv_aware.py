@@ -24,11 +24,14 @@ Warm requests leave it out, so owning a lot never pushes a request away from its
 
 Two guards: replicas over the balance limit (see `BalanceGuard`) are not chosen while others are,
 so a popular prefix cannot overload its replica; and an optional softmax temperature spreads choices
-among near-equal costs (0 = always the lowest cost, ties to the lighter load, then at random).
+among near-equal costs (0 = always the lowest cost, ties to the lighter load, then to the replica the
+prompt's first block hashes highest with: a new prefix whose first requests reach several routers at the
+same moment lands on one replica, where a random pick split it between two).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Sequence
@@ -82,10 +85,10 @@ class KvAware(Policy):
         if features.prefix is not None and features.prefix.held:
             mean_held = sum(features.prefix.held.get(c.id, 0) for c in candidates) / len(candidates)
         costs = [(self.cost(features, c, mean_held), c) for c in allowed]
-        chosen = self._pick(costs)
+        chosen = self._pick(costs, features.prefix.keys[0] if features.prefix and features.prefix.keys else None)
         return Decision(chosen.id, _reason(features, candidates, allowed, chosen))
 
-    def _pick(self, costs: list[tuple[float, ReplicaView]]) -> ReplicaView:
+    def _pick(self, costs: list[tuple[float, ReplicaView]], first_key: int | None) -> ReplicaView:
         temperature = self.weights.temperature
         if temperature > 0 and len(costs) > 1:
             lowest = min(cost for cost, _ in costs)
@@ -96,7 +99,19 @@ class KvAware(Policy):
         if len(tied) > 1:
             least = min(c.load for c in tied)
             tied = [c for c in tied if c.load == least]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        if len(tied) == 1:
+            return tied[0]
+        if first_key is not None:  # the prompt's own pick: routers seeing it at the same moment agree
+            return max(tied, key=lambda c: rendezvous(first_key, c.id))
+        return self._rng.choice(tied)
+
+
+def rendezvous(key: int, replica_id: str) -> int:
+    """The weight of `replica_id` for the prefix whose first block is `key` (highest random weight): the
+    same in every router and process (Python's own str hash is salted per process), and a replica that
+    leaves moves only the prefixes it won."""
+    digest = hashlib.blake2b(f"{key}:{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 def _reason(

@@ -138,3 +138,25 @@ def test_every_policy_chooses_among_the_candidates_only(name: str) -> None:
     features = RequestFeatures("chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, 4, 16, {"gone": 4}), "s")
     fleet = replicas(1, 0)
     assert all(policy.choose(features, fleet).id in {"r0", "r1"} for _ in range(20))
+
+
+def _new_prefix(first_key: int) -> RequestFeatures:
+    keys = (first_key, first_key + 1, first_key + 2)
+    return RequestFeatures("chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, 3, 16, {}, keys))
+
+
+def test_routers_seeing_a_new_prefix_at_once_choose_the_same_replica() -> None:
+    """Each router breaks a tie by the prefix's own hash (rendezvous), not its own random draw: four
+    routers with different random states agree on every one of 200 new prefixes, and the prefixes spread."""
+    replicas = [ReplicaSnapshot(id=f"r{i}") for i in range(4)]
+    routers = [KvAware(rng=random.Random(seed)) for seed in range(4)]
+    chosen = collections.Counter()
+    for key in range(1000, 1200):
+        picks = {router.choose(_new_prefix(key), replicas).id for router in routers}
+        assert len(picks) == 1, (key, picks)
+        chosen[picks.pop()] += 1
+    assert set(chosen) == {"r0", "r1", "r2", "r3"} and min(chosen.values()) > 30, chosen
+    # A candidate list in another order picks the same; the load still comes first.
+    assert routers[0].choose(_new_prefix(7), replicas[::-1]).id == routers[1].choose(_new_prefix(7), replicas).id
+    busy = [ReplicaSnapshot(id=r.id, in_flight=0 if r.id == "r2" else 3) for r in replicas]
+    assert all(router.choose(_new_prefix(key), busy).id == "r2" for router in routers for key in range(50))
