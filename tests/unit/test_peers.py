@@ -293,3 +293,16 @@ def test_tenants_usage_travels_to_peers_and_counts_in_their_quotas() -> None:
 def test_malformed_usage_reports_are_refused(usage: list[list[object]]) -> None:
     with pytest.raises(PeerWireError):
         decode_update(msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": 1.0, "q": usage}))
+
+
+def test_peers_tell_a_data_parallel_servers_engines_apart_by_url_and_rank() -> None:
+    clock = Clock()
+    mine, registry, _ = board_for(URLS[:1], clock)
+    registry.split_engines("r0", [0, 1])
+    theirs, their_registry, _ = board_for(URLS[:1], clock)
+    their_registry.split_engines("r0", [0, 1])
+    their_registry.acquire("r0:dp1")
+    update = theirs.update()
+    assert update.in_flight == {f"{URLS[0]}#dp1": 1}
+    mine.apply(PeerUpdate("b", 1, clock.now, in_flight=dict(update.in_flight)), "link-b")
+    assert (registry.get("r0:dp0").peer_in_flight, registry.get("r0:dp1").peer_in_flight) == (0, 1)
