@@ -151,7 +151,7 @@ def vllm_argv(settings: UpSettings, model: str, served_name: str | None, port: i
 
 
 def new_replica_key() -> str:
-    return secrets.token_urlsafe(32)
+    return secrets.token_hex(32)  # no leading `-`, should a key ever be given as an argument
 
 
 def with_replica_key(settings: UpSettings, generate: Callable[[], str] = new_replica_key) -> UpSettings:

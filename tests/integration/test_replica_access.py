@@ -42,7 +42,7 @@ from tests.integration.conftest import (
 
 pytestmark = pytest.mark.integration
 
-KEY = secrets.token_urlsafe(24)
+KEY = secrets.token_hex(24)  # hex: never a leading `-` that argparse would take for a flag
 ADAPTER = "tiny-lora-0"
 CHAT = {"model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 MISCONFIGURED_WITHIN_S = 10.0
