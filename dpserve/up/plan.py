@@ -107,7 +107,7 @@ def vllm_engine_flags(
     these and come last. `otlp_traces_endpoint`: the router's, so vLLM's spans join the router's traces.
     `tensor_parallel_size`: the GPUs (CPU ranks) each replica is given."""
     flags: list[str] = []
-    if tensor_parallel_size != 1:
+    if tensor_parallel_size != 1 and not _has_flag(extra, *TP_FLAGS):
         flags += [TP_FLAG, str(tensor_parallel_size)]
     if otlp_traces_endpoint and not _has_flag(extra, "--otlp-traces-endpoint"):
         flags += ["--otlp-traces-endpoint", otlp_traces_endpoint]
@@ -226,6 +226,7 @@ def plan_replicas(
         count = settings.num_replicas or DEFAULT_CPU_REPLICAS
     if count < 1:
         raise PlanError("--replicas must be at least 1")
+    core_ranks = [] if topology.count else rank_cores(cores, count, settings.tensor_parallel_size)
     lora_env = LORA_RUNTIME_ENV if settings.lora_enabled else {}
     key_env = replica_key_env(settings)
     plans = []
@@ -239,7 +240,7 @@ def plan_replicas(
             env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": gpus_of, **lora_env, **key_env}
             plans.append(ReplicaPlan(rid, port, kv_port, f"cuda:{gpus_of}", env, None, argv, groups[index]))
             continue
-        ranks = rank_cores(cores, count, settings.tensor_parallel_size)[index]
+        ranks = core_ranks[index]
         cpus = tuple(sorted({cpu for rank in ranks for cpu in rank}))
         # One core set per rank, `|` between them (vLLM's CPU backend: rank i binds its threads to set i).
         bind = "|".join(_core_list(rank) for rank in ranks)
