@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from dpserve.tiny_model import TINY_MODEL_NAME
-from dpserve.up.plan import VLLM_SERVER_MODULE
+from dpserve.up.plan import VLLM_SERVER_MODULE, rank_cores
 from tests.integration.conftest import FLEET_START_TIMEOUT_S, Fleet, router_status, running_fleet
 
 pytestmark = pytest.mark.integration
@@ -28,12 +28,11 @@ if len(os.sched_getaffinity(0)) < 2:
 @pytest.fixture(scope="module")
 def wide_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("tensor-parallel")
-    cores = sorted(os.sched_getaffinity(0))[:2]
     up_args = ["--replicas", "1", "--tensor-parallel-size", "2", "--cache-dir", str(work / "cache")]
     started = time.monotonic()
     # Keyed (open_replicas=False): the SDK goes through the router, which dpserve up gave the replica's key.
     with running_fleet(work, 1, up_args, FLEET_START_TIMEOUT_S, open_replicas=False) as fleet:
-        print(f"tensor-parallel fleet ready in {time.monotonic() - started:.0f} s on cores {cores}")
+        print(f"tensor-parallel fleet ready in {time.monotonic() - started:.0f} s")
         yield fleet
 
 
@@ -53,15 +52,18 @@ def test_the_replica_runs_two_ranks_each_on_its_own_core(wide_fleet: Fleet) -> N
     (server,) = [p for p in children if VLLM_SERVER_MODULE in p.cmdline()]
     argv = server.cmdline()
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
-    cores = sorted(os.sched_getaffinity(0))[:2]
-    assert server.environ()["VLLM_CPU_OMP_THREADS_BIND"] == f"{cores[0]}|{cores[1]}"
+    # This machine's cores in two halves (on two cores: "0|1").
+    ranks = rank_cores(sorted(os.sched_getaffinity(0)), 1, 2)[0]
+    bind = "|".join(",".join(map(str, rank)) for rank in ranks)
+    assert server.environ()["VLLM_CPU_OMP_THREADS_BIND"] == bind
     # The launcher's table names the replica's two core sets.
-    assert f"cpu:{cores[0]}|{cores[1]}" in wide_fleet.log_path.read_text()
-    # vLLM itself says it runs at that size, with a worker per rank.
+    assert f"cpu:{bind}" in wide_fleet.log_path.read_text()
+    # vLLM itself says it runs at that size, each rank's threads bound to its own core.
     log = replica_log(wide_fleet)
     assert "tensor_parallel_size=2" in log, log[-3000:]
-    workers = [p for p in server.children(recursive=True) if "Worker" in p.name() or "Worker" in " ".join(p.cmdline())]
-    assert len(workers) >= 2, [(p.pid, p.name(), p.cmdline()[:3]) for p in server.children(recursive=True)]
+    assert "local_world_size=2" in log, log[-3000:]
+    for rank, cores in enumerate(ranks):
+        assert f"local_rank={rank}, core ids={list(cores)}" in log, log[-3000:]
     # Keyed for its router only.
     assert httpx.get(f"{wide_fleet.replica_urls[0]}/v1/models", timeout=10).status_code == 401
     (replica,) = router_status(wide_fleet.router_url)["replicas"]
