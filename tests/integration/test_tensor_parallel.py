@@ -17,7 +17,7 @@ import pytest
 
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.plan import VLLM_SERVER_MODULE, rank_cores
-from tests.integration.conftest import FLEET_START_TIMEOUT_S, Fleet, router_status, running_fleet
+from tests.integration.conftest import FLEET_START_TIMEOUT_S, Fleet, router_status, running_fleet, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -56,14 +56,15 @@ def test_the_replica_runs_two_ranks_each_on_its_own_core(wide_fleet: Fleet) -> N
     ranks = rank_cores(sorted(os.sched_getaffinity(0)), 1, 2)[0]
     bind = "|".join(",".join(map(str, rank)) for rank in ranks)
     assert server.environ()["VLLM_CPU_OMP_THREADS_BIND"] == bind
-    # The launcher's table names the replica's two core sets.
-    assert f"cpu:{bind}" in wide_fleet.log_path.read_text()
+    # The launcher's table names the replica's two core sets (printed once its router is ready).
+    wait_until(lambda: f"cpu:{bind}" in wide_fleet.log_path.read_text(), 30, what="the launcher's table")
     # vLLM itself says it runs at that size, each rank's threads bound to its own core.
     log = replica_log(wide_fleet)
     assert "tensor_parallel_size=2" in log, log[-3000:]
     assert "local_world_size=2" in log, log[-3000:]
     for rank, cores in enumerate(ranks):
         assert f"local_rank={rank}, core ids={list(cores)}" in log, log[-3000:]
+        assert f"world_size=2 rank={rank} local_rank={rank}" in log, log[-3000:]
     # Keyed for its router only.
     assert httpx.get(f"{wide_fleet.replica_urls[0]}/v1/models", timeout=10).status_code == 401
     (replica,) = router_status(wide_fleet.router_url)["replicas"]
