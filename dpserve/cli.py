@@ -267,6 +267,11 @@ def _add_compose_command(commands: argparse._SubParsersAction[argparse.ArgumentP
         "routers (default: LORA_DIR in .env; relative to the compose file)"
     )
     _add_lora_flags(compose, ROUTER_LORA, {"lora_dir": lora_dir_help})
+    _add_tensor_parallel_flag(
+        compose,
+        "GPUs per replica (vLLM's flag): --gpus N makes N/K vLLM services, service i reserving GPUs "
+        "K*i .. K*i+K-1 (host indices; check `nvidia-smi topo -m`); K must divide N",
+    )
     compose.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     compose.add_argument(
         "--env-file", type=Path, default=Path(".env"), help="where GPUS, MODEL and LORA_DIR are read (.env)"
@@ -290,14 +295,23 @@ def _add_lora_flags(parser: argparse.ArgumentParser, router: Collection[str], he
     add_setting_flags(parser, UpSettings, only=ENGINE_LORA_SETTINGS, env_in_help=False)
 
 
+def _add_tensor_parallel_flag(parser: argparse.ArgumentParser, text: str) -> None:
+    """`dpserve up`'s --tensor-parallel-size, for a command that writes it into files."""
+    add_setting_flags(
+        parser, UpSettings, only=("tensor_parallel_size",), env_in_help=False, help_for={"tensor_parallel_size": text}
+    )
+
+
 def _add_kube_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     kube = commands.add_parser(
         "kube",
-        help="write Kubernetes manifests: a vLLM StatefulSet (one GPU per pod), the routers, the GPU agents",
+        help="write Kubernetes manifests: a vLLM StatefulSet (one GPU per pod, or K), the routers, the GPU agents",
         description="Writes one multi-document YAML (to stdout unless -o). API keys are never written: the "
         "router reads them from the Secret dpserve-keys, which the file's header says how to create.",
     )
-    kube.add_argument("--replicas", type=int, required=True, help="vLLM pods, one GPU each")
+    kube.add_argument(
+        "--replicas", type=int, required=True, help="vLLM pods, one GPU each (K with --tensor-parallel-size K)"
+    )
     kube.add_argument("--model", help="model served (default Qwen/Qwen2.5-1.5B-Instruct)")
     kube.add_argument("--namespace", help="namespace for everything (default dpserve)")
     kube.add_argument(
@@ -332,6 +346,11 @@ def _add_kube_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         "replica and router pods (ReadOnlyMany or ReadWriteMany)",
     )
     _add_lora_flags(kube, [name for name in ROUTER_LORA if name != "lora_dir"], {})
+    _add_tensor_parallel_flag(
+        kube,
+        "GPUs per vLLM pod (vLLM's flag; the pod asks for K of --gpu-resource, the device plugin picks "
+        "them on one node)",
+    )
     kube.add_argument(
         "--prometheus-namespace",
         dest="prometheus_namespace",
@@ -399,6 +418,7 @@ DEPLOY_OPTIONS = (
     "max_loras",
     "max_lora_rank",
     "otlp_traces_endpoint",
+    "tensor_parallel_size",
 )
 """Router and replica settings `dpserve compose` and `dpserve kube` write into their files."""
 

@@ -178,6 +178,12 @@ def check_lora_engine(max_loras: int, max_lora_rank: int) -> None:
             raise ValueError(f"{flag} {value}: must be at least 1")
 
 
+def check_tensor_parallel_size(size: int) -> None:
+    """A ValueError for a size no replica can have (`dpserve up`, `compose` and `kube` alike)."""
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size {size}: at least 1 GPU per replica")
+
+
 # The router's help groups. RouterSettings stays flat (its readers in dpserve/router/ read `settings.NAME`); each
 # group is what one constructor in dpserve/router/app.py builds its part from: ROUTING policy_tuning and
 # selector_for, UPSTREAM upstream_deadlines (and RetryRules), HEALTH health_rules (and ReplicaMonitor), FLOW
@@ -658,6 +664,14 @@ class UpSettings:
         900.0, "seconds to wait for each replica to start", UP, flag="--start-timeout"
     )
     cpu_kv_cache_gib: int = setting(1, "KV-cache GiB of each CPU replica (VLLM_CPU_KVCACHE_SPACE)", UP)
+    tensor_parallel_size: int = setting(
+        1,
+        "GPUs per replica, vLLM's flag of the same name: the GPUs are grouped K at a time, each group as close as "
+        "NVML's topology allows (NVLink, then one PCIe switch, ...); K must divide the GPU count. On the CPU: K "
+        "ranks per replica, a core set each",
+        UP,
+        metavar="K",
+    )
     max_model_len: int = setting(4096, "context length", UP)
     vllm_args: tuple[str, ...] = setting(
         (), "flags for every `vllm serve` replica, given after `--`", UP, flag=None, env="DPSERVE_VLLM_ARGS"
@@ -692,6 +706,7 @@ class UpSettings:
 
     def __post_init__(self) -> None:
         check_lora_engine(self.max_loras, self.max_lora_rank)
+        check_tensor_parallel_size(self.tensor_parallel_size)
 
     @property
     def lora_enabled(self) -> bool:

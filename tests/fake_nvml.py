@@ -64,6 +64,8 @@ class FakeNvml:
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
     NVML_VOLATILE_ECC = pynvml.NVML_VOLATILE_ECC
     nvmlEventTypeXidCriticalError = pynvml.nvmlEventTypeXidCriticalError
+    NVML_P2P_CAPS_INDEX_NVLINK = pynvml.NVML_P2P_CAPS_INDEX_NVLINK
+    NVML_P2P_STATUS_OK = pynvml.NVML_P2P_STATUS_OK
 
     def __init__(self, gpus: list[FakeGpu], call_delay_s: float = 0.0) -> None:
         self.gpus = gpus
@@ -77,6 +79,8 @@ class FakeNvml:
         self.event_sets: dict[int, list[int]] = {}
         """Event set id -> the GPU handles registered on it."""
         self.freed_event_sets = 0
+        self.topology: list[list[str]] | None = None
+        """`nvidia-smi topo -m`'s cells (`topology_matrix`), GPU by GPU; None: NVML answers NotSupported."""
 
     def _check(self) -> None:
         if self.call_delay_s:
@@ -199,6 +203,48 @@ class FakeNvml:
 
     def nvmlEventSetFree(self, event_set: int) -> None:
         self.freed_event_sets += 1
+
+    def _link(self, device1: int, device2: int) -> str:
+        self._gpu(device1, "topology")
+        self._gpu(device2, "topology")
+        if self.topology is None:
+            raise pynvml.NVMLError_NotSupported()
+        return self.topology[device1][device2]
+
+    def nvmlDeviceGetP2PStatus(self, device1: int, device2: int, p2pIndex: int) -> int:
+        assert p2pIndex == pynvml.NVML_P2P_CAPS_INDEX_NVLINK
+        nvlink = self._link(device1, device2).startswith("NV")
+        return pynvml.NVML_P2P_STATUS_OK if nvlink else pynvml.NVML_P2P_STATUS_NOT_SUPPORTED
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, device1: int, device2: int) -> int:
+        return PCIE_LEVELS[self._link(device1, device2).removeprefix("NV").lstrip("0123456789") or "SYS"]
+
+
+PCIE_LEVELS = {
+    "X": pynvml.NVML_TOPOLOGY_INTERNAL,
+    "PIX": pynvml.NVML_TOPOLOGY_SINGLE,
+    "PXB": pynvml.NVML_TOPOLOGY_MULTIPLE,
+    "PHB": pynvml.NVML_TOPOLOGY_HOSTBRIDGE,
+    "NODE": pynvml.NVML_TOPOLOGY_NODE,
+    "SYS": pynvml.NVML_TOPOLOGY_SYSTEM,
+}
+"""`nvidia-smi topo -m`'s legend as NVML's common-ancestor levels. An `NV#` cell (# NVLinks) says nothing of the
+PCIe path: the fake answers SYS for it, or the level written after it (`NV2PIX`)."""
+TOPOLOGY_DIR = Path(__file__).parent / "data" / "gpu_topology"
+
+
+def topology_matrix(text: str) -> list[list[str]]:
+    """The GPU-by-GPU cells of `nvidia-smi topo -m`'s matrix (its CPU and NUMA affinity columns dropped)."""
+    rows = [line.split() for line in text.splitlines() if line.startswith("GPU")]
+    return [row[1 : len(rows) + 1] for row in rows]
+
+
+def gpus_of_topology(name: str) -> FakeNvml:
+    """A FakeNvml with as many GPUs as tests/data/gpu_topology/NAME.txt has, linked as it says."""
+    matrix = topology_matrix((TOPOLOGY_DIR / f"{name}.txt").read_text())
+    nvml = FakeNvml([FakeGpu(f"GPU-{index:04d}") for index in range(len(matrix))])
+    nvml.topology = matrix
+    return nvml
 
 
 def two_gpus() -> FakeNvml:

@@ -72,6 +72,8 @@ def run_compose(
         return 0
     output.write_text(text)
     what = f"{options.gpus} {overlay} replica(s)" if overlay else f"{options.gpus} GPU(s), {options.model}"
+    if options.tensor_parallel_size > 1:
+        what += f", {options.replicas} replica(s) of {options.tensor_parallel_size} GPUs"
     if options.routers > 1:
         what += f", {options.routers} routers"
     print(f"dpserve compose: wrote {output} ({what})", file=sys.stderr)

@@ -1,6 +1,7 @@
 """The Docker Compose stack for one multi-GPU host, for any number of GPUs.
 
-One vLLM service per GPU (`vllm-0` ... `vllm-{N-1}`), each reserving its own GPU; the router, built
+One vLLM service per GPU (`vllm-0` ... `vllm-{N-1}`), each reserving its own GPU (with `--tensor-parallel-size
+K`, one per K GPUs, consecutive indices); the router, built
 from `router/Dockerfile` and told of each replica by service name (with `--routers N`, also `router-2` ...
 `router-N`, each told of the others with `--peer`); the host's GPU agent (`dpserve
 agent`, same image), which reads every GPU through NVML and which the router polls; the `monitoring` profile
@@ -28,7 +29,14 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from dpserve.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, RouterSettings, check_lora_engine, lora_adapters
+from dpserve.config import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    RouterSettings,
+    check_lora_engine,
+    check_tensor_parallel_size,
+    lora_adapters,
+)
 from dpserve.deploy.yaml_text import Reset, dump
 from dpserve.replicas.registry import replica_ids
 from dpserve.up.plan import LORA_RUNTIME_ENV, VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
@@ -119,10 +127,18 @@ class ComposeOptions:
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     otlp_traces_endpoint: str | None = None
     """Where the routers and the vLLM replicas export traces (OTLP): vLLM's spans nest under the router's."""
+    tensor_parallel_size: int = 1
+    """GPUs per replica (vLLM's flag): `gpus` / K replica services, service i reserving GPUs K*i .. K*i+K-1."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise ValueError(f"--gpus {self.gpus}: at least one GPU")
+        check_tensor_parallel_size(self.tensor_parallel_size)
+        if self.gpus % self.tensor_parallel_size:
+            raise ValueError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} does not divide --gpus {self.gpus}: "
+                "each replica needs exactly that many GPUs"
+            )
         if not self.model.strip():
             raise ValueError("--model must name a model")
         if self.routers < 1:
@@ -139,10 +155,21 @@ class ComposeOptions:
         return self.enable_lora or bool(self.lora or self.lora_dir)
 
     @property
+    def replicas(self) -> int:
+        """vLLM replicas: one per `tensor_parallel_size` GPUs."""
+        return self.gpus // self.tensor_parallel_size
+
+    def replica_gpus(self, index: int) -> list[int]:
+        """Replica `index`'s GPUs: consecutive host indices (no NVML where the file is written; see
+        docs/deploy.md for boards whose NVLink pairs are not index pairs)."""
+        size = self.tensor_parallel_size
+        return list(range(index * size, (index + 1) * size))
+
+    @property
     def replica_services(self) -> list[str]:
         if self.scaled:
             return [SCALED_SERVICE]
-        return [replica_service(index) for index in range(self.gpus)]
+        return [replica_service(index) for index in range(self.replicas)]
 
     @property
     def router_services(self) -> list[str]:
@@ -151,6 +178,8 @@ class ComposeOptions:
     def flags(self) -> str:
         """The command line that writes this stack, as the file's header says (defaults left out)."""
         flags = f"--gpus {self.gpus}" + (" --scaled" if self.scaled else "")
+        if self.tensor_parallel_size != 1:
+            flags += f" --tensor-parallel-size {self.tensor_parallel_size}"
         if self.routers != 1:
             flags += f" --routers {self.routers}"
         if self.router_workers != 1:
@@ -227,6 +256,7 @@ def _engine(options: ComposeOptions) -> dict[str, Any]:
         "enable_lora": options.lora_enabled,
         "max_loras": var("MAX_LORAS", options.max_loras),
         "max_lora_rank": var("MAX_LORA_RANK", options.max_lora_rank),
+        "tensor_parallel_size": options.tensor_parallel_size,
     }
 
 
@@ -239,16 +269,18 @@ def _adapters_volume(options: ComposeOptions) -> list[dict[str, Any]]:
     return [{"type": "bind", "source": source, "target": ADAPTERS_DIR, "read_only": True}]
 
 
-def _vllm_service(options: ComposeOptions, gpu: int | None) -> dict[str, Any]:
+def _vllm_service(options: ComposeOptions, index: int | None) -> dict[str, Any]:
     command = ["--model", var("MODEL", options.model), "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
     command += ["--gpu-memory-utilization", var("GPU_MEMORY_UTILIZATION", "0.90")]
     command += vllm_engine_flags(None, KV_EVENTS_PORT, var("MAX_MODEL_LEN", 8192), **_engine(options))
-    if gpu is None:
-        # Scaled: each container asks for one GPU and the runtime picks it. Docker Engine alone gives every
-        # container the same first GPU: on such a host use compose.yaml, which pins one per service.
-        deploy = {"replicas": var("REPLICAS", options.gpus), **_gpu_reservation(count=1, capabilities=["gpu"])}
+    if index is None:
+        # Scaled: each container asks for its GPUs and the runtime picks them. Docker Engine alone gives every
+        # container the same first GPUs: on such a host use compose.yaml, which pins them per service.
+        count = options.tensor_parallel_size
+        deploy = {"replicas": var("REPLICAS", options.replicas), **_gpu_reservation(count=count, capabilities=["gpu"])}
     else:
-        deploy = _gpu_reservation(device_ids=[str(gpu)], capabilities=["gpu"])
+        device_ids = [str(gpu) for gpu in options.replica_gpus(index)]
+        deploy = _gpu_reservation(device_ids=device_ids, capabilities=["gpu"])
     return {
         "image": var("VLLM_IMAGE", DEFAULT_VLLM_IMAGE),
         "entrypoint": ["python3", "-m", VLLM_SERVER_MODULE],
@@ -273,19 +305,23 @@ def _vllm_service(options: ComposeOptions, gpu: int | None) -> dict[str, Any]:
 
 
 def router_targets(options: ComposeOptions) -> list[RouterTarget]:
-    """Each replica by service name, with the GPU it reserves (NVML index, host order) for telemetry;
+    """Each replica by service name, with the GPUs it reserves (NVML indices, host order) for telemetry;
     none in the scaled stack, where the router discovers them."""
     if options.scaled:
         return []
     return [
         RouterTarget(
-            f"http://{replica_service(gpu)}:{REPLICA_PORT}",
-            str(gpu),
-            f"tcp://{replica_service(gpu)}:{KV_EVENTS_PORT}",
+            f"http://{replica_service(index)}:{REPLICA_PORT}",
+            _gpu_list(options, index),
+            f"tcp://{replica_service(index)}:{KV_EVENTS_PORT}",
             rid,  # as its Prometheus target is labelled (`_static_replica_targets`)
         )
-        for gpu, rid in enumerate(replica_ids(options.gpus))
+        for index, rid in enumerate(replica_ids(options.replicas))
     ]
+
+
+def _gpu_list(options: ComposeOptions, index: int) -> str:
+    return ",".join(str(gpu) for gpu in options.replica_gpus(index))
 
 
 def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
@@ -390,8 +426,8 @@ def prometheus_config(options: ComposeOptions) -> dict[str, Any]:
 
 def _static_replica_targets(options: ComposeOptions) -> list[dict[str, Any]]:
     return [
-        {"targets": [f"{name}:{REPLICA_PORT}"], "labels": {"replica": rid, "gpu": str(index)}}
-        for index, (name, rid) in enumerate(zip(options.replica_services, replica_ids(options.gpus), strict=True))
+        {"targets": [f"{name}:{REPLICA_PORT}"], "labels": {"replica": rid, "gpu": _gpu_list(options, index)}}
+        for index, (name, rid) in enumerate(zip(options.replica_services, replica_ids(options.replicas), strict=True))
     ]
 
 
@@ -467,8 +503,8 @@ def _loadtest_services(options: ComposeOptions) -> dict[str, dict[str, Any]]:
 
 def compose_document(options: ComposeOptions) -> dict[str, Any]:
     services: dict[str, Any] = {
-        name: _vllm_service(options, None if options.scaled else gpu)
-        for gpu, name in enumerate(options.replica_services)
+        name: _vllm_service(options, None if options.scaled else index)
+        for index, name in enumerate(options.replica_services)
     }
     for index, name in enumerate(options.router_services):
         services[name] = _router_service(options, index)
@@ -573,8 +609,14 @@ def render(options: ComposeOptions, overlay: str | None = None) -> str:
         routers = "the router" if options.routers == 1 else f"{options.routers} routers sharing state as peers"
         header = (
             f"Generated by `dpserve compose {flags} --model {options.model}`; regenerate rather than edit.\n"
-            f"One vLLM service per GPU, {routers}, and profiles `monitoring` (Prometheus, Grafana), "
+            f"One vLLM service per {_replica_gpus_text(options)}, {routers}, and profiles `monitoring` "
+            "(Prometheus, Grafana), "
             "`loadtest` (Locust).\n"
             'Model, images and ports come from .env. See README.md, "Run on a multi-GPU host".'
         )
     return dump(compose_document(options), header)
+
+
+def _replica_gpus_text(options: ComposeOptions) -> str:
+    size = options.tensor_parallel_size
+    return "GPU" if size == 1 else f"{size} GPUs (--tensor-parallel-size {size}, GPUs in index order)"

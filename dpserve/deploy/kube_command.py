@@ -31,7 +31,8 @@ def run_kube(replicas: int, output: Path | None, **given: Any) -> int:
         return 0
     output.write_text(text)
     print(
-        f"dpserve kube: wrote {output} ({options.replicas} GPU replica(s) of {options.model}, namespace "
+        f"dpserve kube: wrote {output} ({options.replicas} replica(s) of {options.model}, "
+        f"{options.tensor_parallel_size} GPU(s) each, namespace "
         f"{options.namespace}); create the Secret {options.keys_secret} first, then kubectl apply -f {output}",
         file=sys.stderr,
     )

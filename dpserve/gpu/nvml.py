@@ -29,6 +29,8 @@ class Nvml(Protocol):
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED: int
     NVML_VOLATILE_ECC: int
     nvmlEventTypeXidCriticalError: int
+    NVML_P2P_CAPS_INDEX_NVLINK: int
+    NVML_P2P_STATUS_OK: int
 
     def nvmlInit(self) -> None: ...
     def nvmlShutdown(self) -> None: ...
@@ -56,6 +58,9 @@ class Nvml(Protocol):
     def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None: ...
     def nvmlEventSetWait_v2(self, event_set: Any, timeout_ms: int) -> Any: ...
     def nvmlEventSetFree(self, event_set: Any) -> None: ...
+    # How the GPUs are linked (gpu/topology.py groups a tensor-parallel replica's GPUs by it).
+    def nvmlDeviceGetP2PStatus(self, device1: Any, device2: Any, p2pIndex: int) -> int: ...
+    def nvmlDeviceGetTopologyCommonAncestor(self, device1: Any, device2: Any) -> int: ...
 
 
 def load_nvml() -> Nvml:
@@ -93,6 +98,11 @@ class NvmlReader:
         self._names: dict[int, tuple[str, str]] = {}
         """index -> (uuid, name), remembered so a GPU that is lost later is still named."""
         self._xids: dict[int, XidWatch] = {}
+
+    @property
+    def nvml(self) -> Nvml:
+        """The library it reads through (opened by `open`)."""
+        return self._nvml
 
     def open(self) -> None:
         """Initialise NVML; raises NvmlUnavailable with `no NVIDIA GPU found: ...` when it cannot."""

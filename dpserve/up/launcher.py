@@ -12,13 +12,13 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 
 import aiohttp
 
 from dpserve.config import UpSettings
-from dpserve.gpu.nvml import count_nvidia_gpus
+from dpserve.gpu.topology import GpuTopology, read_topology
 from dpserve.replicas.access import ReplicaAccess
 from dpserve.router.flow.access import check_bind, load_keys
 from dpserve.text_table import format_table
@@ -215,7 +215,8 @@ def _plan(settings: UpSettings) -> tuple[list[ReplicaPlan], str | None]:
         from dpserve.tiny_model import TINY_MODEL_NAME
 
         return plan_sims(settings, settings.served_model_name or settings.model or TINY_MODEL_NAME), None
-    gpus, why_none = count_nvidia_gpus()
+    topology, why_none = read_topology()
+    gpus = topology.count if topology else 0
     if importlib.util.find_spec("vllm") is None:
         # Said before the tiny model is built and a replica fails with a bare ModuleNotFoundError.
         extra = "gpu" if gpus else "cpu"
@@ -230,7 +231,16 @@ def _plan(settings: UpSettings) -> tuple[list[ReplicaPlan], str | None]:
     # Measured (docs/benchmarks/policies.md): the router's own tokenizer costs far less than a
     # round trip to a replica's /tokenize, so use it whenever the model's files are here.
     tokenizer = model if (Path(model) / "tokenizer.json").is_file() else None
-    return plan_replicas(settings, model, served_name, gpus, sorted(os.sched_getaffinity(0))), tokenizer
+    plans = plan_replicas(settings, model, served_name, topology or 0, sorted(os.sched_getaffinity(0)))
+    if topology and settings.tensor_parallel_size > 1:
+        print(grouping_line(topology, plans), flush=True)
+    return plans, tokenizer
+
+
+def grouping_line(topology: GpuTopology, plans: Sequence[ReplicaPlan]) -> str:
+    """How the GPUs were grouped, each group with its worst link: what to check against `nvidia-smi topo -m`."""
+    groups = "; ".join(f"{plan.id} {topology.describe(plan.gpus)}" for plan in plans)
+    return f"dpserve: GPUs grouped by {topology.source} topology: {groups}"
 
 
 def run_launcher(settings: UpSettings, routers: int = 1) -> int:

@@ -18,6 +18,7 @@ from dpserve.config import (
     parse_lora,
     settings_argv,
 )
+from dpserve.gpu.topology import GpuTopology, GroupingError, group_gpus
 from dpserve.replicas.access import replica_key
 from dpserve.replicas.registry import replica_ids
 
@@ -26,6 +27,9 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LORA_RUNTIME_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 """What a LoRA-enabled replica needs in its environment: the router loads adapters at run time
 (POST /v1/load_lora_adapter), so no `--lora-modules`."""
+TP_FLAG = "--tensor-parallel-size"
+TP_FLAGS = (TP_FLAG, "-tp")
+"""vLLM's flag and its short form: given to `dpserve up` itself, which groups the GPUs by it, never after `--`."""
 VLLM_KEY_ENV = "VLLM_API_KEY"
 """Where vLLM reads its `--api-key` when the flag is not given: in the environment, the key stays out of `ps`."""
 
@@ -40,6 +44,8 @@ class ReplicaPlan:
     env: dict[str, str]
     cpus: tuple[int, ...] | None
     argv: tuple[str, ...]
+    gpus: tuple[int, ...] = ()
+    """Its GPUs' NVML indices (CUDA's too: CUDA_DEVICE_ORDER=PCI_BUS_ID); empty on the CPU."""
 
     @property
     def url(self) -> str:
@@ -92,13 +98,17 @@ def vllm_engine_flags(
     max_loras: int | str = DEFAULT_MAX_LORAS,
     max_lora_rank: int | str = DEFAULT_MAX_LORA_RANK,
     otlp_traces_endpoint: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> list[str]:
     """What every replica dpserve starts needs from vLLM (`dpserve up` and `dpserve compose` alike):
     prefix caching, KV events published on `kv_port` and per-request cached-token counts; with
     `priority_scheduling`, vLLM's priority scheduler (the router passes each request's class); with
     `enable_lora`, LoRA (adapters are loaded at run time, see LORA_RUNTIME_ENV). Flags in `extra` win over
-    these and come last. `otlp_traces_endpoint`: the router's, so vLLM's spans join the router's traces."""
+    these and come last. `otlp_traces_endpoint`: the router's, so vLLM's spans join the router's traces.
+    `tensor_parallel_size`: the GPUs (CPU ranks) each replica is given."""
     flags: list[str] = []
+    if tensor_parallel_size != 1 and not _has_flag(extra, *TP_FLAGS):
+        flags += [TP_FLAG, str(tensor_parallel_size)]
     if otlp_traces_endpoint and not _has_flag(extra, "--otlp-traces-endpoint"):
         flags += ["--otlp-traces-endpoint", otlp_traces_endpoint]
     if priority_scheduling and not _has_flag(extra, "--scheduling-policy"):
@@ -146,6 +156,7 @@ def vllm_argv(settings: UpSettings, model: str, served_name: str | None, port: i
         max_loras=settings.max_loras,
         max_lora_rank=settings.max_lora_rank,
         otlp_traces_endpoint=settings.router.otlp_traces_endpoint,
+        tensor_parallel_size=settings.tensor_parallel_size,
     )
     return (*argv, *flags)
 
@@ -196,17 +207,26 @@ def plan_sims(settings: UpSettings, served_name: str) -> list[ReplicaPlan]:
 
 
 def plan_replicas(
-    settings: UpSettings, model: str, served_name: str | None, gpu_count: int, cores: Sequence[int]
+    settings: UpSettings,
+    model: str,
+    served_name: str | None,
+    gpus: int | GpuTopology,
+    cores: Sequence[int],
 ) -> list[ReplicaPlan]:
-    if gpu_count:
-        count = settings.num_replicas or gpu_count
-        if count > gpu_count:
-            raise PlanError(f"--replicas {count} asks for more replicas than the {gpu_count} GPUs found")
+    """`gpus`: this host's GPUs (a count: their links not known, so grouped in index order), or none (0): vLLM
+    on the CPU, each replica (each of its tensor-parallel ranks) pinned to cores of its own where there are
+    enough."""
+    if _has_flag(settings.vllm_args, *TP_FLAGS):
+        raise PlanError(f"give {TP_FLAG} to dpserve up itself, not after `--`: it hands each replica that many GPUs")
+    topology = GpuTopology.unknown(gpus, "not read") if isinstance(gpus, int) else gpus
+    if topology.count:
+        groups = gpu_groups(settings, topology)
+        count = len(groups)
     else:
         count = settings.num_replicas or DEFAULT_CPU_REPLICAS
     if count < 1:
         raise PlanError("--replicas must be at least 1")
-    core_sets = [] if gpu_count else split_cores(cores, count)
+    core_ranks = [] if topology.count else rank_cores(cores, count, settings.tensor_parallel_size)
     lora_env = LORA_RUNTIME_ENV if settings.lora_enabled else {}
     key_env = replica_key_env(settings)
     plans = []
@@ -214,21 +234,51 @@ def plan_replicas(
         port = settings.base_port + index
         kv_port = settings.kv_events_base_port + index
         argv = vllm_argv(settings, model, served_name, port, kv_port)
-        if gpu_count:
+        if topology.count:
+            gpus_of = ",".join(map(str, groups[index]))
             # PCI bus order is NVML's order, so CUDA's device N is the GPU the router's NVML calls N.
-            env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(index), **lora_env, **key_env}
-            plans.append(ReplicaPlan(rid, port, kv_port, f"cuda:{index}", env, None, argv))
+            env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": gpus_of, **lora_env, **key_env}
+            plans.append(ReplicaPlan(rid, port, kv_port, f"cuda:{gpus_of}", env, None, argv, groups[index]))
             continue
-        cpus = core_sets[index]
+        ranks = core_ranks[index]
+        cpus = tuple(sorted({cpu for rank in ranks for cpu in rank}))
+        # One core set per rank, `|` between them (vLLM's CPU backend: rank i binds its threads to set i).
+        bind = "|".join(_core_list(rank) for rank in ranks)
         env = {
             "CUDA_VISIBLE_DEVICES": "",
             "VLLM_CPU_KVCACHE_SPACE": str(settings.cpu_kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": _core_list(cpus),
+            "VLLM_CPU_OMP_THREADS_BIND": bind,
             **lora_env,
             **key_env,
         }
-        plans.append(ReplicaPlan(rid, port, kv_port, f"cpu:{_core_list(cpus)}", env, cpus, argv))
+        plans.append(ReplicaPlan(rid, port, kv_port, f"cpu:{bind}", env, cpus, argv))
     return plans
+
+
+def gpu_groups(settings: UpSettings, topology: GpuTopology) -> tuple[tuple[int, ...], ...]:
+    """Each replica's GPUs: every GPU grouped by `--tensor-parallel-size`; with fewer `--replicas` than groups,
+    the best-linked groups (lowest indices among equals), in index order."""
+    size = settings.tensor_parallel_size
+    try:
+        groups = group_gpus(topology, size)
+    except GroupingError as exc:
+        raise PlanError(str(exc)) from None
+    count = settings.num_replicas or len(groups)
+    if count < 1:
+        raise PlanError("--replicas must be at least 1")
+    if count > len(groups):
+        found = f"the {topology.count} GPUs found"
+        raise PlanError(
+            f"--replicas {count} asks for more replicas than {found}"
+            + (f": at {TP_FLAG} {size} they make {len(groups)}" if size > 1 else "")
+        )
+    return tuple(sorted(sorted(groups, key=lambda group: (topology.cost(group), group))[:count]))
+
+
+def rank_cores(cores: Sequence[int], replicas: int, size: int) -> list[list[tuple[int, ...]]]:
+    """Each CPU replica's ranks' cores: the cores split once per rank of every replica (shared where too few)."""
+    sets = split_cores(cores, replicas * size)
+    return [sets[index * size : (index + 1) * size] for index in range(replicas)]
 
 
 def events_known(settings: UpSettings) -> bool:

@@ -21,6 +21,7 @@ from dpserve.gpu.local_processes import ReplicaProcesses
 from dpserve.gpu.nvml import NvmlReader, count_nvidia_gpus, load_nvml
 from dpserve.gpu.placement import ReplicaClue
 from dpserve.gpu.sampler import GpuSampler
+from dpserve.gpu.topology import UNKNOWN, group_gpus, read_topology
 from dpserve.router.app import create_app
 from tests.conftest import free_port, serving
 
@@ -79,6 +80,23 @@ def test_real_nvml_reads_every_gpu() -> None:
         assert gpu.temperature_celsius is not None and 0 < gpu.temperature_celsius < 120
         assert gpu.power_watts is not None and gpu.power_watts > 0
         assert gpu.sm_clock_mhz is not None and gpu.sm_clock_mhz > 0
+
+
+def test_real_nvml_topology_is_read_for_every_pair() -> None:
+    """The NVLink P2P and common-ancestor calls through the real library: known distances for every pair
+    (not UNKNOWN, which the fake answers without a topology), symmetric, and a grouping by them."""
+    topology, why = read_topology()
+    assert why is None and topology is not None
+    print(topology)
+    assert topology.count == GPUS
+    for a in range(GPUS):
+        assert topology.distance[a][a] == 0
+        for b in range(GPUS):
+            assert topology.distance[a][b] == topology.distance[b][a]
+            assert a == b or topology.distance[a][b] < UNKNOWN, (a, b)
+    size = 2 if GPUS % 2 == 0 else 1
+    groups = group_gpus(topology, size)
+    assert sorted(gpu for group in groups for gpu in group) == list(range(GPUS))
 
 
 def test_a_busy_gpu_is_seen_and_tied_to_its_replica_by_process(

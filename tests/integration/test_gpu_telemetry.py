@@ -23,7 +23,7 @@ from dpserve.config import RouterSettings
 from dpserve.router.app import create_app
 from tests.chromium import require_chromium
 from tests.conftest import free_port, serving
-from tests.fake_nvml import FakeNvml, two_gpus
+from tests.fake_nvml import FakeGpu, FakeNvml, two_gpus
 from tests.integration.conftest import (
     Fleet,
     RouterFactory,
@@ -202,3 +202,51 @@ def test_bad_router_flags_are_one_line_and_exit_2(args: list[str], message: str)
     assert done.returncode == 2
     assert done.stderr.strip().startswith("dpserve router: ") and message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+async def test_a_tensor_parallel_replicas_gpus_show_as_one_and_either_drains_it() -> None:
+    """`--replica URL@gpu=0,1`, as `dpserve up --tensor-parallel-size 2` writes it: /status lists both GPUs
+    under the replica and their reading combined; one of them throttled drains the whole replica."""
+    gib = 1 << 30
+    nvml = FakeNvml(
+        [
+            FakeGpu("GPU-0", util_gpu=80, memory_used=60 * gib),
+            FakeGpu("GPU-1", util_gpu=20, memory_used=58 * gib),
+            FakeGpu("GPU-2", util_gpu=5, memory_used=10 * gib),
+            FakeGpu("GPU-3", util_gpu=7, memory_used=11 * gib),
+        ]
+    )
+    with running_sim() as wide, running_sim() as other:
+        specs = [f"{wide.url}@gpu=0,1", f"{other.url}@gpu=2,3"]
+        async with in_process_router(specs, nvml) as url, httpx.AsyncClient() as client:
+
+            async def status() -> dict[str, Any]:
+                return (await client.get(f"{url}/status")).json()
+
+            async def ready() -> bool:
+                return all(r["healthy"] and r["gpus"] for r in (await status())["replicas"])
+
+            await until(ready)
+            r0, r1 = (await status())["replicas"]
+            assert [g["index"] for g in r0["gpus"]] == [0, 1] and [g["index"] for g in r1["gpus"]] == [2, 3]
+            assert r0["gpu"]["gpus"] == 2 and r0["gpu"]["utilization_gpu"] == pytest.approx(0.8)
+            assert r0["gpu"]["memory_used_bytes"] == 118 * gib
+            metrics = (await client.get(f"{url}/metrics")).text
+            assert 'dpserve_replica_gpu_utilization_ratio{replica="r0"} 0.8' in metrics
+            assert 'dpserve_replica_gpus{replica="r1"} 2.0' in metrics
+
+            nvml.gpus[1].throttle_reasons = pynvml.nvmlClocksEventReasonHwSlowdown
+
+            async def r0_degraded() -> bool:
+                return (await status())["replicas"][0]["state"] == "degraded"
+
+            await until(r0_degraded, 10)
+            r0, r1 = (await status())["replicas"]
+            assert r1["state"] == "healthy"
+            answered = [
+                (await client.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})).headers[
+                    "x-dpserve-replica"
+                ]
+                for _ in range(6)
+            ]
+            assert set(answered) == {"r1"}  # round robin, yet none to the replica on the throttled GPU

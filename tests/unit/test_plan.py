@@ -10,7 +10,8 @@ import pytest
 
 from dpserve.cli import _overrides, build_parser
 from dpserve.config import RouterSettings, UpSettings, load_settings
-from dpserve.up.launcher import Launcher, _plan, busy_ports, run_launcher
+from dpserve.gpu.topology import GpuTopology, read_topology_with
+from dpserve.up.launcher import Launcher, _plan, busy_ports, grouping_line, run_launcher
 from dpserve.up.plan import (
     PlanError,
     plan_replicas,
@@ -20,6 +21,7 @@ from dpserve.up.plan import (
     router_env,
     split_cores,
 )
+from tests.fake_nvml import gpus_of_topology
 
 
 def test_split_cores_disjoint_and_covering() -> None:
@@ -366,3 +368,81 @@ def test_launcher_says_plainly_when_vllm_is_not_installed(
     assert "vLLM is not installed" in err and "dpserve[" in err and "--sim" in err
     # Simulated replicas need no engine.
     assert _plan(UpSettings(sim_replicas=1))[0][0].device == "sim"
+
+
+def _topology(name: str) -> GpuTopology:
+    nvml = gpus_of_topology(name)
+    nvml.nvmlInit()
+    return read_topology_with(nvml, len(nvml.gpus))
+
+
+def test_tensor_parallel_replicas_take_nvlinked_gpu_groups_and_the_router_hears_of_them() -> None:
+    settings = UpSettings(tensor_parallel_size=2)
+    plans = plan_replicas(settings, "org/model-70b", None, _topology("nvlink-bridges-8"), [0, 1])
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["0,2", "1,3", "4,6", "5,7"]
+    assert [p.gpus for p in plans] == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert [p.device for p in plans] == ["cuda:0,2", "cuda:1,3", "cuda:4,6", "cuda:5,7"]
+    for plan in plans:
+        assert plan.argv[plan.argv.index("--tensor-parallel-size") + 1] == "2"
+        assert plan.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    args = build_parser().parse_args(list(router_argv(settings, plans)[3:]))
+    assert args.replicas == [
+        f"r{i}=http://127.0.0.1:{8100 + i}@gpu={gpus}" for i, gpus in enumerate(["0,2", "1,3", "4,6", "5,7"])
+    ]
+    assert grouping_line(_topology("nvlink-bridges-8"), plans) == (
+        "dpserve: GPUs grouped by NVML topology: r0 0,2 (NVLink); r1 1,3 (NVLink); r2 4,6 (NVLink); r3 5,7 (NVLink)"
+    )
+    # One GPU per replica, as before: no flag for vLLM.
+    assert "--tensor-parallel-size" not in plan_replicas(UpSettings(), "m", None, 8, [0])[0].argv
+
+
+def test_fewer_tensor_parallel_replicas_than_groups_take_the_best_linked() -> None:
+    # Sockets interleaved: pairs share a PCIe switch. Four of them, --replicas 2 takes the first two.
+    topology = _topology("pcie-interleaved-8")
+    plans = plan_replicas(UpSettings(tensor_parallel_size=4, num_replicas=1), "m", None, topology, [0])
+    assert [p.gpus for p in plans] == [(0, 2, 4, 6)]
+    rows = [[0 if a == b else 6 for b in range(4)] for a in range(4)]
+    rows[2][3] = rows[3][2] = 0  # only 2-3 is NVLinked
+    plans = plan_replicas(
+        UpSettings(tensor_parallel_size=2, num_replicas=1),
+        "m",
+        None,
+        GpuTopology(tuple(tuple(row) for row in rows)),
+        [0],
+    )
+    assert [p.gpus for p in plans] == [(2, 3)]
+    with pytest.raises(
+        PlanError,
+        match="--replicas 3 asks for more replicas than the 4 GPUs found: at --tensor-parallel-size 2 they make 2",
+    ):
+        plan_replicas(UpSettings(tensor_parallel_size=2, num_replicas=3), "m", None, 4, [0])
+
+
+def test_tensor_parallel_size_not_dividing_the_gpus_or_given_after_the_dashes_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"--tensor-parallel-size 3 does not divide the 8 GPU\(s\) found"):
+        plan_replicas(UpSettings(tensor_parallel_size=3), "m", None, _topology("nvswitch-8"), [0])
+    for extra in (("--tensor-parallel-size", "2"), ("-tp=2",)):
+        with pytest.raises(PlanError, match="give --tensor-parallel-size to dpserve up itself"):
+            plan_replicas(UpSettings(vllm_args=extra), "m", None, 8, [0])
+    with pytest.raises(ValueError, match="at least 1 GPU per replica"):
+        UpSettings(tensor_parallel_size=0)
+
+
+def test_cpu_tensor_parallel_ranks_get_a_core_set_each() -> None:
+    settings = UpSettings(tensor_parallel_size=2, num_replicas=1)
+    (plan,) = plan_replicas(settings, "/m", "tiny", 0, [0, 1])
+    assert plan.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert plan.cpus == (0, 1) and plan.device == "cpu:0|1" and plan.gpus == ()
+    assert plan.argv[plan.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert plan.router_target.gpu is None
+    plans = plan_replicas(UpSettings(tensor_parallel_size=2), "/m", "tiny", 0, range(8))
+    assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plans] == ["0,1|2,3", "4,5|6,7"]
+    assert [p.cpus for p in plans] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def test_tensor_parallel_size_comes_from_the_flag_or_the_environment() -> None:
+    args = build_parser().parse_args(["up", "--tensor-parallel-size", "2"])
+    assert load_settings(UpSettings, _overrides(args), env={}).tensor_parallel_size == 2
+    args = build_parser().parse_args(["up"])
+    settings = load_settings(UpSettings, _overrides(args), env={"DPSERVE_TENSOR_PARALLEL_SIZE": "4"})
+    assert settings.tensor_parallel_size == 4

@@ -117,10 +117,13 @@ def add_status_routes(app: FastAPI, state: RouterState) -> None:
 
 def _status(state: RouterState) -> dict[str, Any]:
     gpus = state.gpus.status()
+    combined = state.gpus.replica_gpus()
     replicas = []
     for replica in state.registry:
         entry = replica_status(replica, state)
         entry["gpus"] = [gpu for gpu in gpus["devices"] if gpu["replica"] == replica.id]
+        # Its GPUs as one (a tensor-parallel replica has several): utilization the busiest, memory summed.
+        entry["gpu"] = combined[replica.id].to_dict() if replica.id in combined else None
         replicas.append(entry)
     return {
         "policy": state.policy.name,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dpserve.gpu.combined import ReplicaGpus
 from dpserve.gpu.sample import GpuSample
 from dpserve.router.fleet.gpus import GpuFleet
 
@@ -61,6 +62,28 @@ GAUGES: tuple[tuple[str, str, Callable[[GpuSample], float | None]], ...] = (
 )
 
 
+REPLICA_GAUGES: tuple[tuple[str, str, Callable[[ReplicaGpus], float | None]], ...] = (
+    ("dpserve_replica_gpus", "GPUs tied to the replica (its tensor-parallel size, where known).", lambda r: r.gpus),
+    (
+        "dpserve_replica_gpu_utilization_ratio",
+        "The replica's busiest GPU's utilization: its ranks move at that GPU's pace (DCGM GPU_UTIL / 100, max).",
+        lambda r: r.utilization_gpu,
+    ),
+    (
+        "dpserve_replica_gpu_memory_used_bytes",
+        "Device memory in use on all the replica's GPUs (summed).",
+        lambda r: r.memory_used_bytes,
+    ),
+    (
+        "dpserve_replica_gpu_memory_total_bytes",
+        "Device memory of all the replica's GPUs (summed).",
+        lambda r: r.memory_total_bytes,
+    ),
+    ("dpserve_replica_gpu_power_watts", "Power draw of all the replica's GPUs (summed).", lambda r: r.power_watts),
+)
+"""Per replica, its GPUs combined (gpu/combined.py); only where every GPU of it gave the reading."""
+
+
 class GpuCollector(Collector):
     def __init__(self, fleet: GpuFleet) -> None:
         self._fleet = fleet
@@ -106,6 +129,7 @@ class GpuCollector(Collector):
         for replica, count in sorted(fleet.degradations.items()):
             degradations.add_metric([replica], count)
         yield degradations
+        yield from replica_families(fleet)
         if fleet.agents is not None:
             agents_up = GaugeMetricFamily(
                 "dpserve_gpu_agent_up", "1 when the GPU agent's last poll succeeded.", labels=["agent", "host"]
@@ -114,3 +138,13 @@ class GpuCollector(Collector):
                 host = agent.reading.host if agent.reading else ""
                 agents_up.add_metric([agent.url, host], 0.0 if agent.error or agent.reading is None else 1.0)
             yield agents_up
+
+
+def replica_families(fleet: GpuFleet) -> Iterator[Metric]:
+    families = [(GaugeMetricFamily(name, doc, labels=["replica"]), read) for name, doc, read in REPLICA_GAUGES]
+    for replica, gpus in sorted(fleet.replica_gpus().items()):
+        for family, read in families:
+            value = read(gpus)
+            if value is not None:
+                family.add_metric([replica], float(value))
+    yield from (family for family, _ in families)

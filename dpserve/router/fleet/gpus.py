@@ -2,7 +2,9 @@
 agents, fleet/agents.py), each tied to the replica it serves, with its health verdict (gpu/health.py).
 
 After each reading the view is rebuilt, and each replica's GPU trouble is written to the registry:
-a replica on a degraded GPU is soft-drained by selection (no new requests while another has room).
+a replica on a degraded GPU is soft-drained by selection (no new requests while another has room). A
+replica on several GPUs (`--replica URL@gpu=0,1`, tensor parallel) is drained when any of them is
+degraded (its ranks all wait on the sick one), and its GPUs are also read as one (`replica_gpus`).
 
 Tying a GPU to its replica: a hint (`--replica URL@gpu=N|UUID`) first; on this host, the replica's
 processes (the sampler does it); on other hosts, the `ADDRESS:PORT`s the agent saw the GPU's process
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from dpserve.gpu.combined import ReplicaGpus, combine_gpus
 from dpserve.gpu.health import GpuHealthTracker, GpuVerdict
 from dpserve.gpu.sample import GpuSample
 from dpserve.gpu.sampler import GpuSampler
@@ -149,6 +152,14 @@ class GpuFleet:
             for hint in replica.gpu_hint:
                 by_hint[hint] = replica.id
         return by_endpoint, by_hint
+
+    def replica_gpus(self) -> dict[str, ReplicaGpus]:
+        """Each replica with GPUs tied to it: their readings combined (gpu/combined.py says how)."""
+        samples: dict[str, list[GpuSample]] = {}
+        for device in self.devices:
+            if device.replica is not None:
+                samples.setdefault(device.replica, []).append(device.gpu)
+        return {replica: combine_gpus(gpus) for replica, gpus in samples.items()}
 
     def _apply(self) -> None:
         reasons: dict[str, list[str]] = {}
