@@ -79,16 +79,11 @@ def combine(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict
 
 def _replica(entry: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     same = [theirs for other in others for theirs in other.get("replicas", []) if theirs.get("id") == entry["id"]]
-    merged = dict(entry)
-    for key in REPLICA_COUNTS:
-        merged[key] = entry.get(key, 0) + sum(theirs.get(key, 0) for theirs in same)
-    return merged
+    return {**entry, **_sums([entry, *same], REPLICA_COUNTS)}
 
 
 def _flow(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    merged = dict(own)
-    for key in FLOW_COUNTS:
-        merged[key] = own.get(key, 0) + sum(other.get(key, 0) for other in others)
+    merged = {**own, **_sums([own, *others], FLOW_COUNTS)}
     merged["queued_by_priority"] = _add_maps(
         [own.get("queued_by_priority", {}), *(o.get("queued_by_priority", {}) for o in others)]
     )
@@ -98,9 +93,7 @@ def _flow(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict[s
 
 def _receipts(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     everyone = [own, *others]
-    merged = dict(own)
-    for key in RECEIPT_COUNTS:
-        merged[key] = sum(summary.get(key, 0) for summary in everyone)
+    merged = {**own, **_sums(everyone, RECEIPT_COUNTS)}
     merged["classes"] = _add_maps([summary.get("classes", {}) for summary in everyone])
     prompt = merged["prompt_tokens"]
     merged["predicted_hit_rate"] = merged["predicted_cached_tokens"] / prompt if prompt else None
@@ -125,9 +118,7 @@ def _shadows(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dic
 
 def _tally(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     everyone = [own, *others]
-    merged = dict(own)
-    for key in SHADOW_COUNTS:
-        merged[key] = sum(tally.get(key, 0) for tally in everyone)
+    merged = {**own, **_sums(everyone, SHADOW_COUNTS)}
     decisions, prompt = merged["decisions"], merged["prompt_tokens"]
     merged["estimated_hit_rate"] = merged["estimated_cached_tokens"] / prompt if prompt else None
     load = sum((tally.get("mean_load") or 0.0) * tally.get("decisions", 0) for tally in everyone)
@@ -137,6 +128,10 @@ def _tally(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict[
     replicas = own.get("replicas")  # the fair share's divisor, the same for every worker
     merged["max_share"] = max(by_replica.values()) * replicas / decisions if replicas and decisions else None
     return merged
+
+
+def _sums(parts: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, Any]:
+    return {key: sum(part.get(key, 0) for part in parts) for key in keys}
 
 
 def _add_maps(maps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
