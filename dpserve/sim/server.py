@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from dpserve.sim.api import SimApi, SimModel
 from dpserve.sim.cache import PrefixCache
 from dpserve.sim.dp import EngineGroup
 from dpserve.sim.engine import LatencyModel, SimEngine
-from dpserve.sim.kv_publisher import KvEventPublisher
+from dpserve.sim.kv_publisher import KvEventBindError, KvEventPublisher
 from dpserve.sim.metrics import EngineMetrics, SimMetrics
 from dpserve.sim.tokenizer import SimTokenizer, make_tokenizer
 from dpserve.tiny_model import TINY_MODEL_NAME
@@ -108,17 +109,19 @@ def build_simulator(
 
 def serve_sim(settings: SimSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    simulator = build_simulator(settings)
+    if settings.sim_count > 1:
+        serve_fleet(settings)
+        return
+    try:
+        simulator = build_simulator(settings)
+    except KvEventBindError as exc:
+        raise SystemExit(f"dpserve sim: {exc}") from None
     log.info(
-        "sim %s on %s:%d (%d engine(s) of %d blocks of %d tokens, max %d seqs; speed %g, KV events: %s, key: %s)",
+        "sim %s on %s:%d (%s, KV events: %s, key: %s)",
         simulator.api.model.name,
         settings.host,
         settings.port,
-        settings.sim_data_parallel_size,
-        settings.sim_num_blocks,
-        settings.sim_block_size,
-        settings.sim_max_num_seqs,
-        settings.sim_speed,
+        engine_summary(settings),
         " ".join(publisher.endpoint for publisher in simulator.publishers) or "off",
         "required on /v1" if settings.sim_api_key else "none",
     )
@@ -131,3 +134,37 @@ def serve_sim(settings: SimSettings) -> None:
         loop="uvloop",
         http="httptools",
     )
+
+
+def engine_summary(settings: SimSettings) -> str:
+    return (
+        f"{settings.sim_data_parallel_size} engine(s) of {settings.sim_num_blocks} blocks of "
+        f"{settings.sim_block_size} tokens, max {settings.sim_max_num_seqs} seqs; speed {settings.sim_speed:g}"
+    )
+
+
+def serve_fleet(settings: SimSettings) -> None:
+    """`--count N`: N replicas in this process, one uvicorn server listening on all their ports."""
+    from dpserve.sim.fleet import FleetError, build_fleet, port_span
+
+    started = time.monotonic()
+    try:
+        fleet = build_fleet(settings)
+    except (FleetError, KvEventBindError) as exc:
+        raise SystemExit(f"dpserve sim: {exc}") from None
+    events = [publisher.endpoint for simulator in fleet.simulators for publisher in simulator.publishers]
+    log.info(
+        "sim %s: %d replicas on %s ports %s, built in %.2f s (each %s, KV events: %s, key: %s)",
+        fleet.simulators[0].api.model.name,
+        len(fleet.simulators),
+        settings.host,
+        port_span(fleet.ports),
+        time.monotonic() - started,
+        engine_summary(settings),
+        f"{events[0]} .. {events[-1]} ({len(events)})" if events else "off",
+        "required on /v1" if settings.sim_api_key else "none",
+    )
+    config = uvicorn.Config(
+        fleet, log_level=settings.log_level, access_log=settings.access_log, loop="uvloop", http="httptools"
+    )
+    uvicorn.Server(config).run(sockets=fleet.sockets)
