@@ -17,7 +17,7 @@ import zmq
 
 from dpserve.replicas.prometheus_text import parse_samples
 from tests.conftest import free_port_range
-from tests.integration.conftest import running_sims
+from tests.integration.conftest import router_status, running_sims, start_router, stop_router
 
 pytestmark = pytest.mark.integration
 
@@ -105,3 +105,31 @@ def test_a_port_in_use_stops_the_sim_with_an_error_naming_it() -> None:
         done = subprocess.run(command, capture_output=True, timeout=60, check=False)
     assert done.returncode == 1
     assert f"port {port + 1} (replica 1 of 3) on 127.0.0.1 is already in use" in done.stderr.decode()
+
+
+def success(http: httpx.Client, url: str) -> float:
+    samples = parse_samples(http.get(f"{url}/metrics").text, {"vllm:request_success_total"})
+    return sum(value for _, value in samples.by_name["vllm:request_success_total"])
+
+
+def test_a_kv_aware_router_sees_a_counted_sim_as_four_replicas_each_with_its_own_events() -> None:
+    with running_sims(COUNT, "--speed", "0") as sims:
+        events = [f"--kv-events={sim.url}={sim.kv_events}" for sim in sims]
+        router = start_router([s.url for s in sims], "kv_aware", *events, "--tokenizer", "remote", expect_healthy=COUNT)
+        try:
+            prompts = [" ".join(f"prompt{k} word{i}" for i in range(80)) for k in range(8)]
+            with httpx.Client(timeout=30) as http:
+                for _ in range(3):
+                    for prompt in prompts:
+                        reply = http.post(f"{router.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+                        assert reply.status_code == 200, reply.text
+                time.sleep(0.5)  # the last events reach the router
+                replicas = {replica["url"]: replica for replica in router_status(router.url)["replicas"]}
+                served = {sim.url: success(http, sim.url) for sim in sims}
+        finally:
+            stop_router(router)
+    assert sum(served.values()) == 3 * len(prompts)
+    for url, replica in replicas.items():
+        assert replica["healthy"] and replica["served_total"] == served[url]  # what the router sent, it alone ran
+        assert replica["kv_events"]["gaps"] == 0
+        assert (replica["kv_events"]["batches"] > 0) == (served[url] > 0), url  # its events, from its port
