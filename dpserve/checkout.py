@@ -23,6 +23,7 @@ PACKAGE = "benchmarks"
 BENCH_MODULES = {
     "upstream-client": "upstream_client",
     "sim": "sim_cost",
+    "sim-count": "sim_count",
     "policies": "policies",
     "routers": "routers",
     "scaling": "scaling",

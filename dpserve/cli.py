@@ -391,6 +391,7 @@ def _add_model_command(commands: argparse._SubParsersAction[argparse.ArgumentPar
 BENCH_HELP = {
     "upstream-client": "aiohttp vs httpx as the relay's upstream client",
     "sim": "what simulator replicas cost: start-up, memory, CPU, req/s",
+    "sim-count": "what `dpserve sim --count N` costs, N replicas in one process: ready time, memory, idle CPU",
     "policies": "hit rate, TTFT and spread per routing policy, vs vllm-router",
     "routers": "several routers, sharing or not: hit rate, spread, restart, --workers",
     "scaling": "throughput vs replica count with Locust: CSV, table and plot",

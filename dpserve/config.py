@@ -764,9 +764,22 @@ class SimSettings:
         metavar="N",
     )
 
+    sim_count: int = setting(
+        1,
+        "independent replicas served by this one process, each with its own engine(s), KV cache, metrics and KV "
+        "events: replica I on --port + I, its KV events on the --kv-events port + I x --data-parallel-size, its "
+        "seed + I x --data-parallel-size (port 0: the OS picks each)",
+        SIM,
+        metavar="N",
+    )
+
     def __post_init__(self) -> None:
         if self.sim_data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size {self.sim_data_parallel_size}: must be at least 1")
+        if self.sim_count < 1:
+            raise ValueError(f"--count {self.sim_count}: must be at least 1")
+        if self.port and self.port + self.sim_count - 1 > 65535:
+            raise ValueError(f"--count {self.sim_count} from --port {self.port}: ports past 65535")
 
 
 AGENT = "GPU agent"

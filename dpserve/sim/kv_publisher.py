@@ -64,17 +64,36 @@ def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
     raise ValueError(f"KV-event endpoint {endpoint!r}: must contain 'inproc' or 'tcp' with data parallelism")
 
 
+class KvEventBindError(OSError):
+    """The endpoint a publisher must bind is taken (or cannot be bound)."""
+
+
 class KvEventPublisher:
     """A ZMQ PUB socket. PUB never blocks a sender: with no subscriber, or one too slow, batches are
     dropped, and the sequence numbers let a subscriber see the gap (as with vLLM). Engine `data_parallel_rank`'s
-    publisher binds its offset endpoint and stamps its rank on every batch."""
+    publisher binds its offset endpoint and stamps its rank on every batch. `offset`: the endpoint's offset
+    when it is not the rank (`dpserve sim --count`: replica I's engine R on offset I x engines + R);
+    `context`: the ZMQ context (none: the process's shared one)."""
 
-    def __init__(self, endpoint: str, topic: str = "", data_parallel_rank: int = 0) -> None:
-        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str = "",
+        data_parallel_rank: int = 0,
+        *,
+        offset: int | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self._context: zmq.Context[zmq.Socket[bytes]] = context or zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(offset_endpoint(endpoint, data_parallel_rank))
+        bind = offset_endpoint(endpoint, data_parallel_rank if offset is None else offset)
+        try:
+            self._socket.bind(bind)
+        except zmq.ZMQError as exc:
+            self._socket.close(linger=0)
+            raise KvEventBindError(f"KV events: cannot bind {bind}: {exc}") from None
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         """Where it is bound (the port the OS chose, for port 0)."""
         self._rank = data_parallel_rank

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import uvicorn
+import zmq
 from starlette.applications import Starlette
 
 from dpserve.config import SimSettings
@@ -16,9 +18,9 @@ from dpserve.sim.api import SimApi, SimModel
 from dpserve.sim.cache import PrefixCache
 from dpserve.sim.dp import EngineGroup
 from dpserve.sim.engine import LatencyModel, SimEngine
-from dpserve.sim.kv_publisher import KvEventPublisher
+from dpserve.sim.kv_publisher import KvEventBindError, KvEventPublisher
 from dpserve.sim.metrics import EngineMetrics, SimMetrics
-from dpserve.sim.tokenizer import make_tokenizer
+from dpserve.sim.tokenizer import SimTokenizer, make_tokenizer
 from dpserve.tiny_model import TINY_MODEL_NAME
 
 log = logging.getLogger("dpserve.sim")
@@ -32,25 +34,36 @@ class Simulator:
 
     def app(self) -> Starlette:
         app = self.api.app()
-        publishers = self.publishers
 
         @contextlib.asynccontextmanager
         async def lifespan(_: Starlette) -> AsyncIterator[None]:
             try:
                 yield
             finally:
-                for publisher in publishers:
-                    publisher.close()
+                self.close()
 
         app.router.lifespan_context = lifespan
         return app
+
+    def close(self) -> None:
+        """Close its KV-event publishers."""
+        for publisher in self.publishers:
+            publisher.close()
 
 
 def sim_model_name(settings: SimSettings) -> str:
     return settings.served_model_name or settings.model or TINY_MODEL_NAME
 
 
-def build_simulator(settings: SimSettings) -> Simulator:
+def build_simulator(
+    settings: SimSettings,
+    index: int = 0,
+    tokenizer: SimTokenizer | None = None,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+) -> Simulator:
+    """Replica `index` of `--count` (0: the only one): its engines seeded from --seed + index x engines and
+    publishing on the --kv-events endpoint offset by as much, plus their rank. `tokenizer` (stateless) may be
+    shared by replicas; `context`: the ZMQ context for the publishers (none: the process's shared one)."""
     name = sim_model_name(settings)
     latency = LatencyModel(
         prefill_s_per_token=settings.sim_prefill_ms_per_token / 1000,
@@ -59,46 +72,56 @@ def build_simulator(settings: SimSettings) -> Simulator:
         jitter=settings.sim_jitter,
         speed=settings.sim_speed,
     )
-    caches = [
-        PrefixCache(settings.sim_num_blocks, settings.sim_block_size) for _ in range(settings.sim_data_parallel_size)
-    ]
+    size = settings.sim_data_parallel_size
+    caches = [PrefixCache(settings.sim_num_blocks, settings.sim_block_size) for _ in range(size)]
     metrics = SimMetrics(name, caches[0], settings.sim_max_num_seqs)
     engines: list[SimEngine] = []
     publishers: list[KvEventPublisher] = []
-    for rank, cache in enumerate(caches):
-        observer: EngineMetrics = metrics if rank == 0 else metrics.engine(rank, cache, settings.sim_max_num_seqs)
-        publisher = (
-            KvEventPublisher(settings.sim_kv_events, data_parallel_rank=rank) if settings.sim_kv_events else None
-        )
-        engine = SimEngine(
-            cache,
-            latency,
-            settings.sim_max_num_seqs,
-            seed=settings.sim_seed + rank,
-            observer=observer,
-            publish=publisher.publish if publisher else None,
-        )
-        observer.watch(engine)
-        engines.append(engine)
-        publishers.extend([publisher] if publisher else [])
+    try:
+        for rank, cache in enumerate(caches):
+            observer: EngineMetrics = metrics if rank == 0 else metrics.engine(rank, cache, settings.sim_max_num_seqs)
+            endpoint, offset = settings.sim_kv_events, index * size + rank
+            publisher = (
+                KvEventPublisher(endpoint, data_parallel_rank=rank, offset=offset, context=context)
+                if endpoint
+                else None
+            )
+            publishers.extend([publisher] if publisher else [])
+            engine = SimEngine(
+                cache,
+                latency,
+                settings.sim_max_num_seqs,
+                seed=settings.sim_seed + offset,
+                observer=observer,
+                publish=publisher.publish if publisher else None,
+            )
+            observer.watch(engine)
+            engines.append(engine)
+    except BaseException:
+        for built in publishers:
+            built.close()
+        raise
     model = SimModel(name=name, max_model_len=settings.max_model_len, root=f"dpserve-sim/{name}")
-    api = SimApi(model, make_tokenizer(settings.sim_tokenizer), EngineGroup(engines), metrics, settings.sim_api_key)
+    tokenizer = tokenizer or make_tokenizer(settings.sim_tokenizer)
+    api = SimApi(model, tokenizer, EngineGroup(engines), metrics, settings.sim_api_key)
     return Simulator(api, publishers)
 
 
 def serve_sim(settings: SimSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    simulator = build_simulator(settings)
+    if settings.sim_count > 1:
+        serve_fleet(settings)
+        return
+    try:
+        simulator = build_simulator(settings)
+    except KvEventBindError as exc:
+        raise SystemExit(f"dpserve sim: {exc}") from None
     log.info(
-        "sim %s on %s:%d (%d engine(s) of %d blocks of %d tokens, max %d seqs; speed %g, KV events: %s, key: %s)",
+        "sim %s on %s:%d (%s, KV events: %s, key: %s)",
         simulator.api.model.name,
         settings.host,
         settings.port,
-        settings.sim_data_parallel_size,
-        settings.sim_num_blocks,
-        settings.sim_block_size,
-        settings.sim_max_num_seqs,
-        settings.sim_speed,
+        engine_summary(settings),
         " ".join(publisher.endpoint for publisher in simulator.publishers) or "off",
         "required on /v1" if settings.sim_api_key else "none",
     )
@@ -111,3 +134,37 @@ def serve_sim(settings: SimSettings) -> None:
         loop="uvloop",
         http="httptools",
     )
+
+
+def engine_summary(settings: SimSettings) -> str:
+    return (
+        f"{settings.sim_data_parallel_size} engine(s) of {settings.sim_num_blocks} blocks of "
+        f"{settings.sim_block_size} tokens, max {settings.sim_max_num_seqs} seqs; speed {settings.sim_speed:g}"
+    )
+
+
+def serve_fleet(settings: SimSettings) -> None:
+    """`--count N`: N replicas in this process, one uvicorn server listening on all their ports."""
+    from dpserve.sim.fleet import FleetError, build_fleet, port_span
+
+    started = time.monotonic()
+    try:
+        fleet = build_fleet(settings)
+    except (FleetError, KvEventBindError) as exc:
+        raise SystemExit(f"dpserve sim: {exc}") from None
+    events = [publisher.endpoint for simulator in fleet.simulators for publisher in simulator.publishers]
+    log.info(
+        "sim %s: %d replicas on %s ports %s, built in %.2f s (each %s, KV events: %s, key: %s)",
+        fleet.simulators[0].api.model.name,
+        len(fleet.simulators),
+        settings.host,
+        port_span(fleet.ports),
+        time.monotonic() - started,
+        engine_summary(settings),
+        f"{events[0]} .. {events[-1]} ({len(events)})" if events else "off",
+        "required on /v1" if settings.sim_api_key else "none",
+    )
+    config = uvicorn.Config(
+        fleet, log_level=settings.log_level, access_log=settings.access_log, loop="uvloop", http="httptools"
+    )
+    uvicorn.Server(config).run(sockets=fleet.sockets)

@@ -165,6 +165,25 @@ def running_sim(*args: str) -> Iterator[SimProcess]:
 
 
 @contextlib.contextmanager
+def running_sims(count: int, *args: str, timeout_s: float = 60) -> Iterator[list[SimProcess]]:
+    """`dpserve sim --count COUNT`: COUNT replicas in one process, on consecutive free loopback ports, until the
+    block ends; replica I publishes KV events on the first KV port + I (its `kv_events`, unless `args` give
+    --data-parallel-size). They share one `process`: stopping it stops them all."""
+    port = free_port_range(count)
+    kv_port = free_port_range(count, start=port + count)
+    command = [*sim_command(port, f"tcp://127.0.0.1:{kv_port}", *args), "--count", str(count)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sims = [SimProcess(f"http://127.0.0.1:{port + i}", f"tcp://127.0.0.1:{kv_port + i}", process) for i in range(count)]
+    last = f"{sims[-1].url}/health"  # the ports start listening in order
+    try:
+        wait_until(lambda: answers(last) or process.poll() is not None, timeout_s, 0.1, "sims")
+        assert process.poll() is None, process.stderr.read().decode() if process.stderr else "sims exited"
+        yield sims
+    finally:
+        stop_process(process, 10)
+
+
+@contextlib.contextmanager
 def kv_router_over_sims(count: int, sim_args: Sequence[str], *router_args: str) -> Iterator[RouterProcess]:
     """`count` sims publishing KV events (each with `sim_args`), and a kv_aware router over them that reads
     the events and tokenizes on the replicas; the router is stopped (and its files written) on the way out."""
