@@ -12,9 +12,11 @@ import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from dpserve.background import cancel_and_wait
 from dpserve.kvindex.events import EventDecodeError, decode_message
@@ -25,6 +27,20 @@ log = logging.getLogger("dpserve.kv_events")
 RECONNECT_MIN_MS = 100
 RECONNECT_MAX_MS = 2000
 RECEIVE_HWM = 100_000
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+"""ZMTP heartbeats (answered by the replica's libzmq itself, whatever its Python is doing): a replica whose host
+went silent (no FIN, no RST) shows as a dropped stream within a few seconds."""
+LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+class EventWatcher(Protocol):
+    """Who hears, besides the index, of a replica's stream: that events came (work on it), and that the
+    connection came up or dropped (a replica that dies drops it at once)."""
+
+    def events_seen(self, replica_id: str) -> None: ...
+
+    def events_link(self, replica_id: str, up: bool) -> None: ...
 
 
 def parse_kv_event_source(text: str) -> tuple[str, str]:
@@ -94,14 +110,17 @@ class KvEventSubscriber:
         endpoint: str,
         context: zmq.asyncio.Context,
         clock: Callable[[], float],
+        watcher: EventWatcher | None = None,
     ) -> None:
         self.replica_id = replica_id
+        self.linked = False
         self.endpoint = endpoint
         self.stats = SubscriberStats()
         self._index = index
         self._context = context
         self._clock = clock
         self._tracker = SequenceTracker()
+        self._watcher = watcher
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -138,6 +157,8 @@ class KvEventSubscriber:
             self.stats.by_type[name] = self.stats.by_type.get(name, 0) + 1
         self.stats.last_event_at = self._clock()
         self._index.apply(self.replica_id, batch.events)
+        if self._watcher is not None:
+            self._watcher.events_seen(self.replica_id)
 
     @property
     def missed_batches(self) -> int:
@@ -149,11 +170,32 @@ class KvEventSubscriber:
         socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MIN_MS)
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+        socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
+        links = socket.get_monitor_socket(LINK_EVENTS) if self._watcher is not None else None
+        watching = asyncio.create_task(self._watch_link(links)) if links is not None else None
         socket.connect(self.endpoint)
         try:
             while True:
                 frames = await socket.recv_multipart()
                 self.handle(frames)
         finally:
+            await cancel_and_wait(watching)
+            if links is not None:
+                socket.disable_monitor()
+                links.close(linger=0)
             socket.close(linger=0)
+
+    async def _watch_link(self, links: zmq.asyncio.Socket) -> None:
+        """The stream's connection as libzmq reports it: up on connect, down on a close or a missed heartbeat."""
+        while True:
+            event = zmq.utils.monitor.parse_monitor_message(await links.recv_multipart())
+            up = event["event"] == zmq.EVENT_CONNECTED
+            if up == self.linked:
+                continue
+            self.linked = up
+            if not up:
+                log.info("KV-event stream of replica %s dropped", self.replica_id)
+            if self._watcher is not None:
+                self._watcher.events_link(self.replica_id, up)

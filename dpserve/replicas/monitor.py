@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from dpserve.background import cancel_and_wait
 from dpserve.replicas.access import KEY_REFUSED, tls_refusal
@@ -26,13 +30,24 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CACHE_CONFIG = "vllm:cache_config_info"
 SCRAPED_METRICS = frozenset({RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG, LORA_INFO})
+SLICES = 20
+"""A probe cycle is cut into this many slices (fewer with fewer replicas): each replica is probed in its own."""
+CONFIRM_GAP_S = 0.1
+"""Between the probes in a row that confirm a replica whose KV-event stream dropped."""
 
 
 class ReplicaMonitor:
     """Probes every replica each `interval_s`: /health, then /metrics, and /v1/models when needed. Health and
     load go to the registry, models and adapter slots to the catalog. `session` is the replicas' own
     (`ReplicaAccess.client_session`: their key and TLS); a replica that refuses it is marked misconfigured,
-    and read again each probe (/v1/models, which vLLM's key guards, included) until it accepts it."""
+    and read again each probe (/v1/models, which vLLM's key guards, included) until it accepts it.
+
+    The probes are spread over the interval (`SLICES` slices, each replica in one), not sent all at once.
+    A quiet replica (`quiet`: healthy, nothing running or waiting at its last read, no request of this
+    router's or its peers' on it, no KV event since that read) is read only every `quiet_interval_s`: its
+    /metrics would say nothing new. Its /health too while its KV-event stream is connected (`events_link`),
+    since a replica that dies drops that connection and is probed at once, `confirm_probes` times in a row
+    (as many as ejecting takes). Anything that stirs it brings it back to every interval."""
 
     def __init__(
         self,
@@ -44,9 +59,12 @@ class ReplicaMonitor:
         models_refresh_s: float = 30.0,
         held: Callable[[], bool] = lambda: False,
         held_interval_s: float = 0.1,
+        quiet_interval_s: float = 0.0,
+        confirm_probes: int = 2,
     ) -> None:
         """`held`: whether the router holds requests now; while it does, replicas full only because of load
-        that is not the routers' are read again every `held_interval_s` (`_watch_held`)."""
+        that is not the routers' are read again every `held_interval_s` (`_watch_held`). `quiet_interval_s`
+        0 (or not above `interval_s`): every replica read every interval."""
         self._registry = registry
         self._catalog = catalog
         self._held = held
@@ -56,20 +74,57 @@ class ReplicaMonitor:
         self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._models_every = max(1, round(models_refresh_s / interval_s))
+        self._quiet_every = max(1, round(quiet_interval_s / interval_s)) if interval_s > 0 else 1
+        self._confirm_probes = confirm_probes
+        self._probed: dict[str, int] = {}
+        """Per replica, the cycle of its last /health, /metrics and /v1/models read (`_visits`)."""
+        self._scraped: dict[str, int] = {}
+        self._models_read: dict[str, int] = {}
+        self._probing: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._engines_found: Callable[[Replica, list[int]], Awaitable[None]] | None = None
+        self.stats = ProbeStats()
 
     def on_engines(self, handler: Callable[[Replica, list[int]], Awaitable[None]]) -> None:
         """`handler(replica, ranks)`: the replica's metrics name several engines: it is a vLLM
         data-parallel server, and each engine can be routed to as a replica of its own."""
         self._engines_found = handler
 
-    async def probe_all(self, tick: int = 0) -> None:
-        await asyncio.gather(*(self._probe(replica, tick) for replica in self._registry))
+    async def probe_all(self) -> None:
+        """Every replica at once, in full (before serving: the fleet routable from the first request)."""
+        await asyncio.gather(*(self._probe(replica, 0) for replica in self._registry))
 
     async def probe_now(self, replica: Replica) -> None:
         """One probe outside the schedule: a replica added at run time is routable at once if up."""
         await self._probe(replica, 0)
+
+    def events_seen(self, replica_id: str) -> None:
+        """A KV-event batch came from the replica: it is not quiet until read again."""
+        replica = self._registry.find(replica_id)
+        if replica is not None:
+            replica.events_at = time.monotonic()
+
+    def events_link(self, replica_id: str, up: bool) -> None:
+        """Its KV-event stream connected (`up`) or dropped. Dropped while it is in routing: probed at once,
+        as many times in a row as ejecting takes, if it keeps failing (a dead replica is out within a
+        fraction of a second, not at its next scheduled probe)."""
+        replica = self._registry.find(replica_id)
+        if replica is None:
+            return
+        replica.events_linked = up
+        if not up and replica.healthy:
+            self._spawn(self._confirm(replica), f"replica-confirm-{replica_id}")
+
+    async def _confirm(self, replica: Replica) -> None:
+        for attempt in range(self._confirm_probes):
+            if attempt:
+                await asyncio.sleep(CONFIRM_GAP_S)
+            if not replica.healthy or self._registry.find(replica.id) is not replica:
+                return
+            await self._probe(replica, 0)
+            if replica.health.probe_failures == 0:
+                return  # it answered: the stream only reconnects
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="replica-monitor")
@@ -79,6 +134,13 @@ class ReplicaMonitor:
     async def stop(self) -> None:
         await cancel_and_wait(self._held_task)
         await cancel_and_wait(self._task)
+        for task in list(self._tasks):
+            await cancel_and_wait(task)
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _watch_held(self) -> None:
         """While requests are held: a replica full only because of load that is not the routers' (a client
@@ -102,21 +164,71 @@ class ReplicaMonitor:
             log.debug("reading /metrics of held-up replica %s failed: %s", replica.id, _describe(exc))
 
     async def _run(self) -> None:
-        tick = 0
+        """Cycle after cycle of `interval_s`, each cut into slices: the replicas of a slice are visited at its
+        start (`_visit`), so probes go out evenly over the interval, whatever the fleet's size."""
+        loop = asyncio.get_running_loop()
+        cycle, next_at = 0, loop.time()
         while True:
-            await asyncio.sleep(self._interval_s)
-            tick += 1
-            await self.probe_all(tick)
+            cycle += 1
+            replicas = list(self._registry)
+            slices = max(1, min(len(replicas), SLICES))
+            for part in range(slices):
+                next_at = max(next_at + self._interval_s / slices, loop.time() - self._interval_s)
+                await asyncio.sleep(next_at - loop.time())
+                self._visit(replicas[part::slices], cycle)
+            if len(self._probed) > 2 * len(replicas) + 16:  # replicas removed: forget their cycles
+                alive = {replica.id for replica in replicas}
+                for book in (self._probed, self._scraped, self._models_read):
+                    for rid in [rid for rid in book if rid not in alive]:
+                        del book[rid]
 
-    async def _probe(self, replica: Replica, tick: int) -> None:
+    def _visit(self, replicas: Sequence[Replica], cycle: int) -> None:
+        """Probes those of `replicas` that are due this cycle, not waiting for the answers (a replica whose
+        last probe has not ended yet is left for the next cycle)."""
+        due = []
+        for replica in replicas:
+            if replica.id in self._probing:
+                continue
+            visit = self._due(replica, cycle)
+            if visit is not None:
+                due.append((replica, visit))
+        self.stats.skipped += len(replicas) - len(due)
+        if due:
+            self._spawn(self._probe_some(due, cycle), "replica-probes")
+
+    def _due(self, replica: Replica, cycle: int) -> bool | None:
+        """What this cycle reads of the replica: None nothing, False /health alone, True /health and /metrics."""
+        every = self._quiet_every
+        if every <= 1 or not quiet(replica):
+            return True
+        scrape = cycle - self._scraped.get(replica.id, 0) >= every
+        if scrape or not replica.events_linked:
+            return scrape
+        return False if cycle - self._probed.get(replica.id, 0) >= every else None
+
+    async def _probe_some(self, due: list[tuple[Replica, bool]], cycle: int) -> None:
+        ids = [replica.id for replica, _ in due]
+        self._probing.update(ids)
         try:
-            async with self._session.get(f"{replica.url}/health", timeout=self._timeout) as resp:
+            await asyncio.gather(*(self._probe(replica, cycle, scrape) for replica, scrape in due))
+        finally:
+            self._probing.difference_update(ids)
+
+    async def _probe(self, replica: Replica, cycle: int, scrape: bool = True) -> None:
+        """`cycle` 0: outside the schedule (at start, a replica added or suspected): read in full."""
+        self._probed[replica.id] = cycle
+        self.stats.probes += 1
+        try:
+            async with self._session.get(_url(replica.url, "/health"), timeout=self._timeout) as resp:
                 _check(resp, "/health")
             # A replica coming back may have been restarted with another model: re-read its models.
             stale = not replica.healthy or not replica.models or replica.misconfigured is not None
-            if stale or tick % self._models_every == 0:
+            if stale or not cycle or cycle - self._models_read.get(replica.id, 0) >= self._models_every:
+                self._models_read[replica.id] = cycle
                 self._catalog.set_model_cards(replica.id, await self._model_cards(replica))
-            await self._scrape(replica)
+            if scrape or stale:
+                self._scraped[replica.id] = cycle
+                await self._scrape(replica)
         except EnginesFound as found:
             assert self._engines_found is not None
             await self._engines_found(replica, found.ranks)
@@ -141,7 +253,8 @@ class ReplicaMonitor:
         self._registry.probe_succeeded(replica.id)
 
     async def _model_cards(self, replica: Replica) -> tuple[dict[str, Any], ...]:
-        async with self._session.get(f"{replica.url}/v1/models", timeout=self._timeout) as resp:
+        self.stats.models += 1
+        async with self._session.get(_url(replica.url, "/v1/models"), timeout=self._timeout) as resp:
             _check(resp, "/v1/models")
             payload = orjson.loads(await resp.read())
         data = payload.get("data") if isinstance(payload, dict) else None
@@ -151,7 +264,8 @@ class ReplicaMonitor:
         return cards
 
     async def _scrape(self, replica: Replica, scheduled: bool = True) -> None:
-        async with self._session.get(f"{replica.url}/metrics", timeout=self._timeout) as resp:
+        self.stats.scrapes += 1
+        async with self._session.get(_url(replica.url, "/metrics"), timeout=self._timeout) as resp:
             _check(resp, "/metrics")
             text = await resp.text()
         samples = parse_samples(text, SCRAPED_METRICS)
@@ -178,6 +292,38 @@ class ReplicaMonitor:
             # vLLM logs the metric on engine steps only: an idle replica keeps showing its last batch.
             idle = not samples.total(RUNNING) and not samples.total(WAITING)
             self._catalog.set_lora_info(replica.id, max_loras, frozenset() if idle else active)
+
+
+def quiet(replica: Replica) -> bool:
+    """Nothing to read on it: in routing and answering, nothing running or waiting at its last read, no
+    request of this router's or its peers' on it, and no KV event from it since that read."""
+    read = replica.last_scrape
+    return (
+        read is not None
+        and replica.routable
+        and not replica.in_flight
+        and not replica.peer_in_flight
+        and not replica.running
+        and not replica.waiting
+        and not replica.health.probe_failures
+        and (replica.events_at is None or replica.events_at < read)
+    )
+
+
+@dataclass
+class ProbeStats:
+    """Reads sent since start, and replica visits skipped because the replica was quiet."""
+
+    probes: int = 0
+    scrapes: int = 0
+    models: int = 0
+    skipped: int = 0
+
+
+@functools.lru_cache(maxsize=16384)
+def _url(base: str, path: str) -> URL:
+    """A replica's endpoint, parsed once (yarl's parse was a tenth of a probe's cost at 256 replicas)."""
+    return URL(base + path)
 
 
 def _full_of_others(replica: Replica) -> bool:

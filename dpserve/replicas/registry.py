@@ -63,6 +63,11 @@ class Replica(LoadFromCounts):
         """What names this replica across routers, whatever each calls it: its URL, and its rank."""
         return self.url if self.rank is None else f"{self.url}#dp{self.rank}"
 
+    events_at: float | None = None
+    """When its last KV-event batch came (monotonic): news of work on it that its last read may not show."""
+    events_linked: bool = False
+    """Its KV-event stream is connected now: were it to die, the disconnect would say so at once."""
+
     misconfigured: str | None = None
     """Why it refuses the router itself (its key, TLS): out of routing until a probe finds it usable."""
 

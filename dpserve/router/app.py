@@ -235,6 +235,8 @@ class Router:
                 self.settings.probe_timeout_s,
                 held=lambda: self.admission.depth > 0,
                 held_interval_s=self.settings.held_probe_interval_s,
+                quiet_interval_s=self.settings.quiet_probe_interval_s,
+                confirm_probes=self.settings.fail_threshold,
             )
             tokens = self._token_cache(replicas)
             relaying = self._relaying(hot, replicas, tokens)
@@ -285,7 +287,7 @@ class Router:
         subscribers = self.state.subscribers
         if self.kv_index is not None:
             subscribers.extend(
-                KvEventSubscriber(self.kv_index, rid, endpoint, zmq_context, time.monotonic)
+                KvEventSubscriber(self.kv_index, rid, endpoint, zmq_context, time.monotonic, monitor)
                 for rid, endpoint in self.kv_endpoints.items()
             )
         self.metrics.registry.register(RoutingStateCollector(self.kv_index, subscribers, self.text_index, tokens))

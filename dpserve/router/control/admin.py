@@ -80,7 +80,9 @@ class FleetControl:
 
     def _subscribe(self, replica: Replica, endpoint: str) -> None:
         assert self.kv_index is not None
-        subscriber = KvEventSubscriber(self.kv_index, replica.id, endpoint, self.zmq_context, time.monotonic)
+        subscriber = KvEventSubscriber(
+            self.kv_index, replica.id, endpoint, self.zmq_context, time.monotonic, self.monitor
+        )
         self.subscribers.append(subscriber)
         subscriber.start()
 
