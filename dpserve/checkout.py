@@ -24,6 +24,7 @@ BENCH_MODULES = {
     "upstream-client": "upstream_client",
     "sim": "sim_cost",
     "sim-count": "sim_count",
+    "scale": "scale",
     "policies": "policies",
     "routers": "routers",
     "scaling": "scaling",

@@ -392,6 +392,7 @@ BENCH_HELP = {
     "upstream-client": "aiohttp vs httpx as the relay's upstream client",
     "sim": "what simulator replicas cost: start-up, memory, CPU, req/s",
     "sim-count": "what `dpserve sim --count N` costs, N replicas in one process: ready time, memory, idle CPU",
+    "scale": "the control plane at 256 to 1024 replicas: idle CPU, memory, hit rate, tiny latency, decisions",
     "policies": "hit rate, TTFT and spread per routing policy, vs vllm-router",
     "routers": "several routers, sharing or not: hit rate, spread, restart, --workers",
     "scaling": "throughput vs replica count with Locust: CSV, table and plot",
