@@ -91,3 +91,39 @@ async def test_subscriber_receives_a_publishers_events_over_loopback() -> None:
         await sub.stop()
         publisher.close()
         context.destroy(linger=0)
+
+
+class Watcher:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.links: list[tuple[str, bool]] = []
+
+    def events_seen(self, replica_id: str) -> None:
+        self.seen.append(replica_id)
+
+    def events_link(self, replica_id: str, up: bool) -> None:
+        self.links.append((replica_id, up))
+
+
+async def test_the_watcher_hears_of_events_and_of_the_stream_connecting_and_dropping() -> None:
+    port = free_port()
+    publisher = KvEventPublisher(f"tcp://127.0.0.1:{port}")
+    context = zmq.asyncio.Context()
+    watcher = Watcher()
+    sub = KvEventSubscriber(KvIndex(), "r0", f"tcp://127.0.0.1:{port}", context, time.monotonic, watcher)
+    sub.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not watcher.seen:
+            assert time.monotonic() < deadline, "no event arrived"
+            publisher.publish([BlockStored((1,), None, (1, 2, 3, 4), 4)])
+            await asyncio.sleep(0.05)
+        assert watcher.links == [("r0", True)] and sub.linked
+        publisher.close()  # the replica dies: its end of the stream closes
+        while sub.linked:
+            assert time.monotonic() < deadline, "the drop was not heard"
+            await asyncio.sleep(0.05)
+        assert watcher.links == [("r0", True), ("r0", False)]
+    finally:
+        await sub.stop()
+        context.destroy(linger=0)
