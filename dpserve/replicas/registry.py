@@ -191,6 +191,12 @@ class ReplicaRegistry:
         self._added_listeners: list[Callable[[Replica], None]] = []
         self.degraded_ids: frozenset[str] = frozenset()
         """Replicas whose GPU is unfit (`set_degraded`): read on every decision, so kept as a set."""
+        self._counts_listeners: list[Callable[[], None]] = []
+        self._busy: set[str] = set()
+        """Replicas with requests of this router in flight: what peers hear of, without a scan of the fleet."""
+        self._peer_busy: set[str] = set()
+        self.reshapes = 0
+        """How many times which replicas are routable (or exist) may have changed: a version for caches."""
         for spec in specs:
             self.add(spec)
 
@@ -330,6 +336,14 @@ class ReplicaRegistry:
         """`listener(replica)` runs for each replica added from now on, before it is routable."""
         self._added_listeners.append(listener)
 
+    def on_counts(self, listener: Callable[[], None]) -> None:
+        """`listener` runs whenever this router's in-flight count of a replica changes (what peers hear)."""
+        self._counts_listeners.append(listener)
+
+    def busy(self) -> list[Replica]:
+        """The replicas with requests of this router in flight, without a scan of the fleet."""
+        return [replica for rid in self._busy if (replica := self._replicas.get(rid)) is not None]
+
     def notify_room(self) -> None:
         """Tells the `on_change` listeners a replica may have gained room (also the catalog's to call: an
         adapter gone idle frees a slot)."""
@@ -341,6 +355,7 @@ class ReplicaRegistry:
             listener(replica_id)
 
     def _reshaped(self) -> None:
+        self.reshapes += 1
         for listener in self._reshape_listeners:
             listener()
 
@@ -366,11 +381,18 @@ class ReplicaRegistry:
         replica = self._replicas[replica_id]
         replica.in_flight += 1
         replica.served_total += 1
+        self._busy.add(replica_id)
+        for listener in self._counts_listeners:
+            listener()
 
     def release(self, replica_id: str) -> None:
         replica = self._replicas.get(replica_id)
         if replica is not None:
             replica.in_flight = max(0, replica.in_flight - 1)
+            if not replica.in_flight:
+                self._busy.discard(replica_id)
+            for listener in self._counts_listeners:
+                listener()
         self.notify_room()
 
     def hold_adapter(self, replica_id: str, adapter: str) -> None:
@@ -391,10 +413,14 @@ class ReplicaRegistry:
     def set_peer_in_flight(self, counts: dict[str, int]) -> None:
         """What the router's peers have in flight, per replica id (absent: none); sums over every peer."""
         fell = False
-        for replica in self._replicas.values():
-            count = counts.get(replica.id, 0)
+        for rid in self._peer_busy | counts.keys():  # those with counts before or now, not the whole fleet
+            replica = self._replicas.get(rid)
+            if replica is None:
+                continue
+            count = counts.get(rid, 0)
             fell = fell or count < replica.peer_in_flight
             replica.peer_in_flight = count
+        self._peer_busy = {rid for rid, count in counts.items() if count}
         if fell:
             self.notify_room()  # a peer's requests ended there
 

@@ -189,6 +189,7 @@ class Router:
         )  # fmt: skip
         self.peers = peer_links(settings, board, self.resolver, self.keys)
         if self.peers.enabled:  # what this router routes is news for its peers
+            self.registry.on_counts(self.peers.counts_changed)
             if self.recent is not None:
                 self.recent.on_news = self.peers.news
             if self.bindings is not None:

@@ -306,3 +306,30 @@ def test_peers_tell_a_data_parallel_servers_engines_apart_by_url_and_rank() -> N
     assert update.in_flight == {f"{URLS[0]}#dp1": 1}
     mine.apply(PeerUpdate("b", 1, clock.now, in_flight=dict(update.in_flight)), "link-b")
     assert (registry.get("r0:dp0").peer_in_flight, registry.get("r0:dp1").peer_in_flight) == (0, 1)
+
+
+def test_own_update_follows_counts_and_verdicts_without_a_scan_of_the_fleet() -> None:
+    clock = Clock()
+    registry = healthy_registry(URLS)
+    board = PeerBoard(registry, "me", clock=clock, wall=clock)
+    heard = []
+    registry.on_counts(lambda: heard.append(1))
+    registry.acquire("r0")
+    registry.acquire("r0")
+    registry.release("r0")
+    assert board.update().in_flight == {URLS[0]: 1} and len(heard) == 3
+    registry.release("r0")
+    assert board.update().in_flight == {} and registry.busy() == []
+    assert board.update().unhealthy == ()
+    registry.probe_failed("r1", "down")
+    registry.probe_failed("r1", "down")  # ejected: the fleet's shape changed, the verdicts are read again
+    assert board.update().unhealthy == (URLS[1],)
+
+
+def test_peer_counts_are_set_and_cleared_for_the_replicas_they_name() -> None:
+    registry = healthy_registry(URLS)
+    registry.set_peer_in_flight({"r0": 2})
+    registry.set_peer_in_flight({"r1": 1})
+    assert [r.peer_in_flight for r in registry] == [0, 1]
+    registry.set_peer_in_flight({})
+    assert [r.peer_in_flight for r in registry] == [0, 0]

@@ -79,6 +79,8 @@ class PeerBoard:
         self._wall = wall
         self._origins: dict[str, PeerOrigin] = {}
         self._seq = 0
+        self._shape: tuple[int, dict[str, str], tuple[str, ...]] = (-1, {}, ())
+        """(the registry's reshape count, replica ids by where, the unhealthy): rebuilt when it reshapes."""
         self.quotas = quotas
 
     # -- what peers say ------------------------------------------------------------------------------
@@ -152,7 +154,18 @@ class PeerBoard:
         self._registry.set_peer_in_flight(totals)
 
     def _ids_by_url(self) -> dict[str, str]:
-        return {replica.where: replica.id for replica in self._registry}
+        return self._fleet_shape()[1]
+
+    def _fleet_shape(self) -> tuple[int, dict[str, str], tuple[str, ...]]:
+        """Ids by where and the unhealthy, scanned once per change of the fleet's shape, not per update: at
+        a thousand replicas a scan per update was most of an idle router's peer cost."""
+        registry = self._registry
+        if self._shape[0] != registry.reshapes:
+            replicas = list(registry)
+            ids = {replica.where: replica.id for replica in replicas}
+            unhealthy = tuple(r.where for r in replicas if r.health.ever_healthy and not r.healthy)
+            self._shape = (registry.reshapes, ids, unhealthy)
+        return self._shape
 
     # -- what this router says -----------------------------------------------------------------------
 
@@ -160,20 +173,19 @@ class PeerBoard:
         """This router's update for its peers now: whole counts and verdicts, and (`news`) the routes and
         bindings made since the last update (taken: the next update does not repeat them)."""
         self._seq += 1
-        replicas = list(self._registry)
-        urls = {replica.id: replica.where for replica in replicas}
+        registry = self._registry
         routes = []
         if self._recent is not None and news:
             for rid, keys in self._recent.take_outbox()[-MAX_ROUTES:]:
-                url = urls.get(rid)
-                if url is not None and keys:
-                    routes.append((url, keys))
+                replica = registry.find(rid)
+                if replica is not None and keys:
+                    routes.append((replica.where, keys))
         bindings = []
         if self._bindings is not None and news:
             for session, rid in self._bindings.take_outbox()[-MAX_ROUTES:]:
-                url = urls.get(rid)
-                if url is not None:
-                    bindings.append((session, url))
+                replica = registry.find(rid)
+                if replica is not None:
+                    bindings.append((session, replica.where))
         usage = []
         if self.quotas is not None and news:
             usage = [(tenant, requests, tokens) for tenant, (requests, tokens) in self.quotas.take_news().items()]
@@ -181,8 +193,8 @@ class PeerBoard:
             origin=self.origin,
             seq=self._seq,
             sent_at=self._wall(),
-            in_flight={r.where: r.in_flight for r in replicas if r.in_flight},
-            unhealthy=tuple(r.where for r in replicas if r.health.ever_healthy and not r.healthy),
+            in_flight={r.where: r.in_flight for r in registry.busy() if r.in_flight},
+            unhealthy=self._fleet_shape()[2],
             routes=routes,
             bindings=bindings,
             usage=usage[:MAX_USAGE],

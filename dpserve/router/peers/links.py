@@ -127,6 +127,7 @@ class PeerLinks:
         self._session: aiohttp.ClientSession | None = None
         self._draining = False
         self._news = asyncio.Event()
+        self._counts = asyncio.Event()
         self._sources = list(sources)
         self._resolver = resolver
         self._interval_s = interval_s
@@ -224,17 +225,34 @@ class PeerLinks:
         prefix reaches several routers within milliseconds), not at the next interval."""
         self._news.set()
 
+    def counts_changed(self) -> None:
+        """This router's in-flight count of a replica changed: peers hear of it within `interval_s`."""
+        if not self._counts.is_set():
+            self._counts.set()
+
+    async def _wake(self) -> None:
+        """Until news (at once), a changed count (then `interval_s` more, to batch them) or the heartbeat is
+        due: an idle router wakes twice a second, not every interval, whatever the fleet's size."""
+        news, counts = asyncio.ensure_future(self._news.wait()), asyncio.ensure_future(self._counts.wait())
+        try:
+            await asyncio.wait((news, counts), timeout=self._heartbeat_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            news.cancel()
+            counts.cancel()
+        if self._counts.is_set() and not self._news.is_set():
+            await asyncio.sleep(self._interval_s)
+
     async def _publish(self) -> None:
         last: tuple[dict[str, int], tuple[str, ...]] | None = None
         last_sent = 0.0
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._news.wait(), self._interval_s)
+            await self._wake()
             # Decisions made in this turn of the loop join this update. At most one update per NEWS_GAP_S:
             # a quiet router's news goes at once (a group's next prompt may reach a peer a millisecond
             # later), a busy one's is batched, so the cost per request stays an append to the outbox.
             await asyncio.sleep(max(0.0, NEWS_GAP_S - (time.monotonic() - last_sent)))
             self._news.clear()
+            self._counts.clear()
             self.board.expire()
             update = self.board.update()
             shape = (update.in_flight, update.unhealthy)
