@@ -352,7 +352,7 @@ class RouterSettings:
     probe_interval_s: float = setting(1.0, "seconds between health probes", HEALTH)
     probe_timeout_s: float = setting(3.0, "seconds a health probe may take", HEALTH)
     quiet_probe_interval_s: float = setting(
-        5.0,
+        10.0,
         "seconds between reads of a quiet replica (healthy, nothing running or waiting at its last read, no "
         "request of this router's or its peers' on it, no KV event since): its /metrics, and its /health too "
         "while its KV-event stream is connected (a replica that dies drops it, and is probed at once); anything "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import resource
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -32,6 +33,31 @@ HEARTBEAT_TIMEOUT_MS = 3000
 """ZMTP heartbeats (answered by the replica's libzmq itself, whatever its Python is doing): a replica whose host
 went silent (no FIN, no RST) shows as a dropped stream within a few seconds."""
 LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+SOCKETS_PER_STREAM = 3
+"""A subscriber's SUB socket and its monitor's pair (`_run`)."""
+SPARE_SOCKETS = 16384
+"""Room for replicas added at run time (discovery, the admin API) over those known at start."""
+
+
+def events_context(streams: int) -> zmq.asyncio.Context:
+    """The router's ZMQ context, sized for `streams` KV-event streams and more added later: libzmq's
+    default of 1023 sockets could not open the 1024th replica's subscriber, and each stream takes
+    SOCKETS_PER_STREAM. The soft limit on open files is raised as far as the hard one allows (a socket
+    is an eventfd, a stream's connection one more)."""
+    context = zmq.asyncio.Context()
+    context.set(zmq.MAX_SOCKETS, SOCKETS_PER_STREAM * streams + SPARE_SOCKETS)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 5 * streams + 1024  # the streams' sockets and connections, the probes', the clients'
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        ceiling = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, hard))
+        if ceiling < wanted:
+            log.warning(
+                "%d open files may be needed for %d KV-event streams; the hard limit is %d", wanted, streams, hard
+            )
+    return context
 
 
 class EventWatcher(Protocol):

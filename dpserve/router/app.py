@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
-import zmq.asyncio
 from fastapi import FastAPI
 
 from dpserve.config import RouterSettings
@@ -25,7 +24,7 @@ from dpserve.kvindex.text_prefix import ChunkTokens, TextPrefixIndex
 from dpserve.policies import Need, Policy, make_policy
 from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
-from dpserve.replicas.kv_events import KvEventSubscriber
+from dpserve.replicas.kv_events import KvEventSubscriber, events_context
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.control.admin import FleetControl, add_admin_routes
@@ -283,7 +282,7 @@ class Router:
         tokens: TokenCache | None,
     ) -> FleetControl:
         """The replicas' KV-event subscribers, started; the fleet control that adds and removes them."""
-        zmq_context = zmq.asyncio.Context()
+        zmq_context = events_context(max(len(self.registry), len(self.kv_endpoints)))
         stack.callback(zmq_context.destroy, linger=0)
         subscribers = self.state.subscribers
         if self.kv_index is not None:
