@@ -45,8 +45,9 @@ from typing import Any
 
 import aiohttp
 import orjson
+import psutil
 
-from benchmarks.fleet import UpPorts, get_text, port_block, progress, router_command, spawn, wait_ok
+from benchmarks.fleet import UpPorts, cpu_seconds, get_text, port_block, progress, router_command, spawn, wait_ok
 from benchmarks.policies import decision_reasons, pressure_capacity, sum_counts
 from benchmarks.policy_workloads import BenchRequest, Workload, multi_turn, shared_prefix
 from benchmarks.report import format_table, shown, write_csv
@@ -106,6 +107,10 @@ class RoundResult:
     served: list[float]
     reasons: dict[str, int]
     """dpserve's routing decisions by reason (none for vLLM alone)."""
+    router_cpu_s: float
+    """CPU seconds the contender's router used during the run (0 for vLLM alone)."""
+    servers_cpu_s: float
+    """CPU seconds the layout's vLLM servers (with `dpserve up` and its idle router) used during the run."""
 
     @property
     def hit_rate(self) -> float:
@@ -132,6 +137,8 @@ class Row:
     round_hit_rates: str
     reasons: str
     """dpserve's routing decisions by reason (dpserve_routing_decision_reasons_total), summed over the rounds."""
+    router_cpu_ms_per_request: float
+    servers_cpu_ms_per_request: float
     load_1m: float
     """The machine's 1-minute load average as the contender's first round began (2 cores here)."""
 
@@ -443,10 +450,13 @@ async def run_round(
             await wait_routable(session, url, ENGINES, process)
             await asyncio.sleep(1.0)  # KV-event subscribers connected, first probes done
         before = await engine_counters(session, layout)
+        trees = [psutil.Process(layout.process.pid)], [psutil.Process(process.pid)] if process else []
+        cpu_before = [cpu_seconds(tree) for tree in trees]
         if workload == "random":
             outcomes, seconds = await random_prompts(args, url, args.model_dir, tag)
         else:
             outcomes, seconds = await drive_chat(url, chats[workload], args.concurrency, args.max_tokens)
+        cpu_after = [cpu_seconds(tree) for tree in trees]
         after = await settled_counters(session, layout, before, len(outcomes))
         reasons = await decision_reasons(session, url) if process is not None else {}
     finally:
@@ -462,6 +472,8 @@ async def run_round(
         queries=sum(a[1] - b[1] for a, b in zip(after, before, strict=True)),
         served=[a[2] - b[2] for a, b in zip(after, before, strict=True)],
         reasons=reasons,
+        router_cpu_s=cpu_after[1] - cpu_before[1],
+        servers_cpu_s=cpu_after[0] - cpu_before[0],
     )
 
 
@@ -471,7 +483,8 @@ def summary(result: RoundResult) -> str:
         f"hit {result.hit_rate:.3f} ({result.hits:.0f}/{result.queries:.0f} tokens), "
         f"{result.ok / result.seconds:.2f} req/s, TTFT p50 {percentile(sorted(result.ttfts_ms), 50):.0f} ms, "
         f"errors {result.errors}, per engine {'/'.join(str(round(n)) for n in result.served)}, "
-        f"load {os.getloadavg()[0]:.1f}"
+        f"CPU per request: router {result.router_cpu_s * 1000 / max(1, result.ok):.1f} ms, "
+        f"servers {result.servers_cpu_s * 1000 / max(1, result.ok):.1f} ms; load {os.getloadavg()[0]:.1f}"
     )
 
 
@@ -499,6 +512,10 @@ def pooled_row(backend: str, workload: str, contender: str, rounds: Sequence[Rou
         per_engine="/".join(str(round(n)) for n in served),
         round_hit_rates=" ".join(f"{r.hit_rate:.3f}" for r in rounds),
         reasons=" ".join(f"{k}={v}" for k, v in sum_counts([r.reasons for r in rounds]).items()),
+        router_cpu_ms_per_request=round(sum(r.router_cpu_s for r in rounds) * 1000 / requests, 2) if requests else 0.0,
+        servers_cpu_ms_per_request=round(sum(r.servers_cpu_s for r in rounds) * 1000 / requests, 2)
+        if requests
+        else 0.0,
         load_1m=round(load, 2),
     )
 
@@ -575,6 +592,8 @@ TABLE_HEADER = (
     "itl_mean",
     "req/s",
     "per_engine",
+    "cpu_router",
+    "cpu_servers",
     "err",
     "client",
     "load",
@@ -593,6 +612,8 @@ def table_cells(r: Row) -> tuple[str, ...]:
         f"{r.itl_mean_ms:.1f}ms",
         f"{r.req_per_s:.2f}",
         r.per_engine,
+        f"{r.router_cpu_ms_per_request:.1f}ms",
+        f"{r.servers_cpu_ms_per_request:.1f}ms",
         str(r.errors),
         r.client,
         f"{r.load_1m:.1f}",
@@ -610,6 +631,8 @@ MARKDOWN_HEADER = (
     "ITL mean",
     "req/s",
     "requests per engine",
+    "router CPU per request",
+    "servers' CPU per request",
     "errors",
     "client",
     "load (1 min)",
@@ -660,25 +683,31 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-async def run_layout(
-    args: argparse.Namespace, backend: str, layout_name: str, sizes: Sizes, chats: dict[str, Workload]
+async def run_all(
+    args: argparse.Namespace, backend: str, sizes: Sizes, chats: dict[str, Workload]
 ) -> dict[tuple[str, str], tuple[list[RoundResult], float]]:
-    """Every round of every workload of the contenders on one layout: (workload, contender) -> rounds, load."""
-    contenders = [c for c in CONTENDERS if LAYOUT[c] == layout_name]
+    """Both layouts up at once (an idle vLLM engine waits without spinning), the contenders taking turns
+    workload by workload, in an order that rotates every round: a slow spell on this shared machine falls on
+    all three alike. (workload, contender) -> its rounds, and the load as its first round began."""
     results: dict[tuple[str, str], tuple[list[RoundResult], float]] = {}
+    layouts: dict[str, Layout] = {}
     async with aiohttp.ClientSession() as session:
-        layout = await start_layout(session, args, backend, layout_name, sizes)
         try:
+            for name in ("dp", "replicas"):
+                layouts[name] = await start_layout(session, args, backend, name, sizes)
             for round_index in range(args.rounds):
+                order = CONTENDERS[round_index % 3 :] + CONTENDERS[: round_index % 3]
                 for workload in args.workloads:
-                    for contender in contenders:
+                    for contender in order:
                         load = os.getloadavg()[0]
                         tag = f"{backend}-{workload}-{contender}-{round_index}"
+                        layout = layouts[LAYOUT[contender]]
                         result = await run_round(session, args, layout, contender, workload, chats, tag)
                         results.setdefault((workload, contender), ([], load))[0].append(result)
                         progress(f"  {workload:14} {LABELS[contender]:28} {round_index + 1}: {summary(result)}")
         finally:
-            terminate(layout.process, 90)
+            for layout in layouts.values():
+                terminate(layout.process, 90)
     return results
 
 
@@ -687,9 +716,7 @@ def run_backend(args: argparse.Namespace, backend: str) -> list[Row]:
     sizes = cache_sizes(args, backend, chats)
     for name, workload in chats.items():
         progress(f"{name}: {workload.description}; {len(workload.requests)} requests")
-    results: dict[tuple[str, str], tuple[list[RoundResult], float]] = {}
-    for layout_name in ("dp", "replicas"):
-        results |= asyncio.run(run_layout(args, backend, layout_name, sizes, chats))
+    results = asyncio.run(run_all(args, backend, sizes, chats))
     return [
         pooled_row(backend, workload, contender, *results[(workload, contender)])
         for workload in args.workloads
