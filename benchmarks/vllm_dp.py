@@ -109,6 +109,8 @@ class RoundResult:
     """dpserve's routing decisions by reason (none for vLLM alone)."""
     router_cpu_s: float
     """CPU seconds the contender's router used during the run (0 for vLLM alone)."""
+    load_1m: float
+    """The machine's 1-minute load average as the round began."""
     servers_cpu_s: float
     """CPU seconds the layout's vLLM servers (with `dpserve up` and its idle router) used during the run."""
 
@@ -140,7 +142,7 @@ class Row:
     router_cpu_ms_per_request: float
     servers_cpu_ms_per_request: float
     load_1m: float
-    """The machine's 1-minute load average as the contender's first round began (2 cores here)."""
+    """The machine's 1-minute load average as each round began, their mean (2 cores here)."""
 
 
 # -- workloads and the cache ---------------------------------------------------------------------------
@@ -450,6 +452,7 @@ async def run_round(
             await wait_routable(session, url, ENGINES, process)
             await asyncio.sleep(1.0)  # KV-event subscribers connected, first probes done
         before = await engine_counters(session, layout)
+        load = os.getloadavg()[0]
         trees = [psutil.Process(layout.process.pid)], [psutil.Process(process.pid)] if process else []
         cpu_before = [cpu_seconds(tree) for tree in trees]
         if workload == "random":
@@ -474,6 +477,7 @@ async def run_round(
         reasons=reasons,
         router_cpu_s=cpu_after[1] - cpu_before[1],
         servers_cpu_s=cpu_after[0] - cpu_before[0],
+        load_1m=load,
     )
 
 
@@ -484,11 +488,11 @@ def summary(result: RoundResult) -> str:
         f"{result.ok / result.seconds:.2f} req/s, TTFT p50 {percentile(sorted(result.ttfts_ms), 50):.0f} ms, "
         f"errors {result.errors}, per engine {'/'.join(str(round(n)) for n in result.served)}, "
         f"CPU per request: router {result.router_cpu_s * 1000 / max(1, result.ok):.1f} ms, "
-        f"servers {result.servers_cpu_s * 1000 / max(1, result.ok):.1f} ms; load {os.getloadavg()[0]:.1f}"
+        f"servers {result.servers_cpu_s * 1000 / max(1, result.ok):.1f} ms; load {result.load_1m:.1f}"
     )
 
 
-def pooled_row(backend: str, workload: str, contender: str, rounds: Sequence[RoundResult], load: float) -> Row:
+def pooled_row(backend: str, workload: str, contender: str, rounds: Sequence[RoundResult]) -> Row:
     """The rounds as one row: every request's TTFT and every gap pooled, the counters summed."""
     ttfts = sorted(t for r in rounds for t in r.ttfts_ms)
     itls = sorted(gap for r in rounds for gap in r.itls_ms)
@@ -516,7 +520,7 @@ def pooled_row(backend: str, workload: str, contender: str, rounds: Sequence[Rou
         servers_cpu_ms_per_request=round(sum(r.servers_cpu_s for r in rounds) * 1000 / requests, 2)
         if requests
         else 0.0,
-        load_1m=round(load, 2),
+        load_1m=round(sum(r.load_1m for r in rounds) / len(rounds), 2),
     )
 
 
@@ -685,11 +689,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 async def run_all(
     args: argparse.Namespace, backend: str, sizes: Sizes, chats: dict[str, Workload]
-) -> dict[tuple[str, str], tuple[list[RoundResult], float]]:
+) -> dict[tuple[str, str], list[RoundResult]]:
     """Both layouts up at once (an idle vLLM engine waits without spinning), the contenders taking turns
     workload by workload, in an order that rotates every round: a slow spell on this shared machine falls on
-    all three alike. (workload, contender) -> its rounds, and the load as its first round began."""
-    results: dict[tuple[str, str], tuple[list[RoundResult], float]] = {}
+    all three alike. (workload, contender) -> its rounds."""
+    results: dict[tuple[str, str], list[RoundResult]] = {}
     layouts: dict[str, Layout] = {}
     async with aiohttp.ClientSession() as session:
         try:
@@ -699,11 +703,10 @@ async def run_all(
                 order = CONTENDERS[round_index % 3 :] + CONTENDERS[: round_index % 3]
                 for workload in args.workloads:
                     for contender in order:
-                        load = os.getloadavg()[0]
                         tag = f"{backend}-{workload}-{contender}-{round_index}"
                         layout = layouts[LAYOUT[contender]]
                         result = await run_round(session, args, layout, contender, workload, chats, tag)
-                        results.setdefault((workload, contender), ([], load))[0].append(result)
+                        results.setdefault((workload, contender), []).append(result)
                         progress(f"  {workload:14} {LABELS[contender]:28} {round_index + 1}: {summary(result)}")
         finally:
             for layout in layouts.values():
@@ -718,7 +721,7 @@ def run_backend(args: argparse.Namespace, backend: str) -> list[Row]:
         progress(f"{name}: {workload.description}; {len(workload.requests)} requests")
     results = asyncio.run(run_all(args, backend, sizes, chats))
     return [
-        pooled_row(backend, workload, contender, *results[(workload, contender)])
+        pooled_row(backend, workload, contender, results[(workload, contender)])
         for workload in args.workloads
         for contender in CONTENDERS
     ]

@@ -9,8 +9,13 @@ GPUs 0..N-1 and vLLM gives engine r the r-th; on the CPU each engine is bound to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import re
 from collections.abc import Sequence
+
+import psutil
 
 from dpserve.config import UpSettings
 from dpserve.replicas.registry import replica_ids
@@ -97,3 +102,38 @@ def plan_dp_sim(settings: UpSettings, served_name: str) -> list[ReplicaPlan]:
     dp = dataclasses.replace(settings, vllm_args=("--data-parallel-size", str(engines), *settings.vllm_args))
     plan = ReplicaPlan(rid, port, kv_port, "sim", {}, None, sim_argv(dp, served_name, port, kv_port))
     return [dataclasses.replace(plan, engines=engines)]
+
+
+ENGINE_PROCESS = re.compile(r"^VLLM::EngineCore_DP(\d+)\b")
+"""How vLLM titles a data-parallel server's engine process (`set_process_title`)."""
+
+
+def engine_core_sets(plan: ReplicaPlan) -> list[tuple[int, ...]]:
+    """The cores each engine of a CPU data-parallel server is bound to (its VLLM_CPU_OMP_THREADS_BIND), by
+    rank; none for a GPU server or a single engine."""
+    bind = plan.env.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if plan.engines < 2 or "|" not in bind:
+        return []
+    return [tuple(int(cpu) for cpu in part.split(",")) for part in bind.split("|")]
+
+
+def pin_engine_processes(root_pid: int, core_sets: Sequence[tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+    """Every thread of each engine process (`VLLM::EngineCore_DP<r>`) under `root_pid` onto core set r:
+    vLLM binds only the engine's model worker there (VLLM_CPU_OMP_THREADS_BIND) and leaves the engine process,
+    which busy-polls its worker between steps, free to run on the other engines' cores (measured: 2 engines on
+    2 cores served about half the requests per second unpinned). Returns the pid pinned for each rank."""
+    pinned: dict[int, tuple[int, ...]] = {}
+    try:
+        family = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return pinned
+    for process in family:
+        with contextlib.suppress(psutil.Error, OSError):
+            match = ENGINE_PROCESS.match(" ".join(process.cmdline()).strip())
+            if match is None or int(match.group(1)) >= len(core_sets):
+                continue
+            cores = core_sets[int(match.group(1))]
+            for thread in process.threads():
+                os.sched_setaffinity(thread.id, cores)
+            pinned[process.pid] = cores
+    return pinned

@@ -22,7 +22,7 @@ from dpserve.gpu.topology import GpuTopology, read_topology
 from dpserve.replicas.access import ReplicaAccess
 from dpserve.router.flow.access import check_bind, load_keys
 from dpserve.text_table import format_table
-from dpserve.up.engine_dp import plan_dp_server, plan_dp_sim
+from dpserve.up.engine_dp import engine_core_sets, pin_engine_processes, plan_dp_server, plan_dp_sim
 from dpserve.up.plan import (
     PlanError,
     ReplicaPlan,
@@ -176,9 +176,19 @@ class Launcher:
                 async with session.get(url + path, timeout=timeout, headers=headers) as resp:
                     if resp.status == 200:
                         proc.state = "ready"
+                        self._pin_engines(proc)
                         return
             await asyncio.sleep(1.0)
         raise StartupFailed(f"{proc.name} was not ready after {self.settings.replica_start_timeout_s:.0f}s")
+
+    def _pin_engines(self, proc: ManagedProcess) -> None:
+        """A CPU data-parallel server's engine processes onto their engines' cores (after every start)."""
+        if proc not in self.replicas or proc.process is None:
+            return
+        core_sets = engine_core_sets(self.plans[self.replicas.index(proc)])
+        if core_sets:
+            pinned = pin_engine_processes(proc.process.pid, core_sets)
+            log.info("%s: engine processes pinned to their cores: %s", proc.name, sorted(pinned.values()))
 
     async def shutdown(self) -> None:
         # The routers first, so in-flight streams finish while the replicas still serve them; they get

@@ -5,13 +5,16 @@ the module (about 2 minutes here)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 
 import httpx
+import psutil
 import pytest
 
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME
+from dpserve.up.engine_dp import ENGINE_PROCESS
 from tests.integration.conftest import FLEET_START_TIMEOUT_S, Fleet, router_status, running_fleet, wait_until
 
 pytestmark = pytest.mark.integration
@@ -43,6 +46,13 @@ def test_engine_dp_serves_a_chat_through_its_router_with_both_engines_routable(d
     wait_until(lambda: "ready at" in dp_fleet.log_tail(20_000), 30, what="dpserve up's table")
     log = dp_fleet.log_tail(20_000)
     assert "2 data-parallel engines" in log and "cpu:0|1" in log, log
+    # Each engine process runs on its own engine's core, as its model worker does (vLLM binds only the worker).
+    engines = {}
+    for process in psutil.Process(dp_fleet.process.pid).children(recursive=True):
+        match = ENGINE_PROCESS.match(" ".join(process.cmdline()).strip())
+        if match:
+            engines[int(match.group(1))] = {os.sched_getaffinity(t.id).pop() for t in process.threads()}
+    assert engines == {0: {0}, 1: {1}}, engines
     replicas = {str(r["id"]): r for r in router_status(dp_fleet.router_url)["replicas"]}
     assert sorted(replicas) == ENGINES and all(r["url"] == server and r["healthy"] for r in replicas.values())
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -13,7 +15,7 @@ import pytest
 from dpserve.cli import _overrides, build_parser
 from dpserve.config import RouterSettings, UpSettings, load_settings
 from dpserve.replicas.registry import ReplicaRegistry
-from dpserve.up.engine_dp import plan_dp_server, plan_dp_sim
+from dpserve.up.engine_dp import engine_core_sets, pin_engine_processes, plan_dp_server, plan_dp_sim
 from dpserve.up.launcher import _plan, run_launcher
 from dpserve.up.plan import PlanError, ReplicaPlan, plan_replicas, plan_routers, router_argv
 
@@ -121,3 +123,45 @@ def test_a_router_port_on_an_engines_kv_port_is_refused(capsys: pytest.CaptureFi
 def test_engine_dp_with_tensor_parallel_ranks_is_refused() -> None:
     with pytest.raises(PlanError, match="--engine-dp with --tensor-parallel-size"):
         plan_dp_server(UpSettings(tensor_parallel_size=2), "/m", None, 0, [0, 1])
+
+
+def test_engine_core_sets_come_from_the_servers_bind() -> None:
+    (cpu,) = plan_dp_server(UpSettings(), "/m", None, 0, range(4))
+    assert engine_core_sets(cpu) == [(0, 1), (2, 3)]
+    (gpu,) = plan_dp_server(UpSettings(), "/m", None, 2, [0, 1])
+    assert engine_core_sets(gpu) == []
+    assert engine_core_sets(plan_replicas(UpSettings(), "/m", None, 0, [0, 1])[0]) == []
+
+
+ENGINE_LIKE = """
+import setproctitle, sys, threading, time
+setproctitle.setproctitle("VLLM::EngineCore_DP" + sys.argv[1])
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_engine_processes_are_pinned_to_their_engines_cores_every_thread() -> None:
+    """vLLM binds only an engine's model worker to its cores; the engine process, titled as vLLM titles it,
+    is found under the server's process and pinned, all its threads."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    # Children of this process, which stands for the server: the engines are found under it.
+    engines = [
+        subprocess.Popen([sys.executable, "-c", ENGINE_LIKE, str(rank)], stdout=subprocess.PIPE) for rank in (0, 1)
+    ]
+    try:
+        for engine in engines:
+            assert engine.stdout is not None and engine.stdout.readline() == b"ready\n"
+        pinned = pin_engine_processes(os.getpid(), [(cores[0],), (cores[1],)])
+        assert pinned == {engines[0].pid: (cores[0],), engines[1].pid: (cores[1],)}
+        for rank, engine in enumerate(engines):
+            threads = os.listdir(f"/proc/{engine.pid}/task")
+            assert len(threads) >= 2
+            assert all(os.sched_getaffinity(int(tid)) == {cores[rank]} for tid in threads)
+        assert pin_engine_processes(engines[0].pid, [(0,)]) == {}  # no engine under it: nothing to pin
+    finally:
+        for engine in engines:
+            engine.kill()
+            engine.wait()
