@@ -708,6 +708,11 @@ async def run_all(
                         result = await run_round(session, args, layout, contender, workload, chats, tag)
                         results.setdefault((workload, contender), []).append(result)
                         progress(f"  {workload:14} {LABELS[contender]:28} {round_index + 1}: {summary(result)}")
+        except Exception:
+            for layout in layouts.values():
+                if layout.process.poll() is not None:  # e.g. stopped from outside: say so, not just "disconnected"
+                    progress(f"layout {layout.name!r}: dpserve up exited ({layout.process.returncode}), see its up.log")
+            raise
         finally:
             for layout in layouts.values():
                 terminate(layout.process, 90)
