@@ -201,6 +201,7 @@ def router_command(
     settings: Mapping[str, Any] | None = None,
     extra: Sequence[str] = (),
     block_size: int = 16,
+    engines: int = 1,
 ) -> list[str]:
     """One router (`router`, of ROUTERS) with `policy` over `replicas` (base URLs), listening on HOST:`port`.
 
@@ -209,11 +210,12 @@ def router_command(
     and `block_size`). dpserve's flags are `dpserve up`'s own (`dpserve.up.plan.router_flags`), from RouterSettings
     with `settings` (field: value) over the defaults, at log level warning; `extra` comes last, so it wins. The
     Rust routers also get `port + 1` for Prometheus (sglang-router panics with "Address already in use" when
-    two of anything share its default)."""
+    two of anything share its default). `engines`: each replica is a vLLM data-parallel server of that many
+    engines (`URL@dp=N`), which dpserve routes one by one (the Rust routers see each server as one worker)."""
     if router == "dpserve":
         values = {"policy": policy, "host": HOST, "port": port, "log_level": "warning", **(settings or {})}
         targets = [
-            RouterTarget(url, None, events)
+            RouterTarget(url, None, events, engines=engines)
             for url, events in zip(replicas, kv_events or [""] * len(replicas), strict=True)
         ]
         flags = router_flags(RouterSettings(**values), targets, tokenizer, events=bool(kv_events))

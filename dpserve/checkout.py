@@ -32,6 +32,7 @@ BENCH_MODULES = {
     "overhead": "overhead",
     "fairness": "fairness",
     "lora": "lora",
+    "vllm-dp": "vllm_dp",
 }
 
 NO_BENCHMARKS = (

@@ -400,6 +400,7 @@ BENCH_HELP = {
     "overhead": "router overhead vs direct, vllm-router and sglang-router: req/s and added p50",
     "fairness": "flow control: a light tenant beside a heavy one, priority under a batch flood",
     "lora": "LoRA placement vs adapter-blind routing and vllm-router: loads, TTFT, a hot adapter",
+    "vllm-dp": "vLLM's own data parallelism alone vs dpserve over replicas vs dpserve inside it: hit rate, TTFT",
 }
 
 

@@ -695,6 +695,12 @@ class UpSettings:
     routers: int = setting(
         1, "routers on --port, --port+1, ..., each a --peer of the others, sharing routing state", UP, metavar="N"
     )
+    engine_dp: bool = setting(
+        False,
+        "one vLLM server per host with --data-parallel-size = the replica count (its GPUs; on CPU one core set "
+        "per engine), the router routing to each engine (X-data-parallel-rank); without it, one server per GPU",
+        UP,
+    )
     replica_key: bool = setting(
         True,
         "vLLM replicas answer only their routers: each run starts them with a new key (or --replica-api-key's) "

@@ -22,6 +22,7 @@ from dpserve.gpu.topology import GpuTopology, read_topology
 from dpserve.replicas.access import ReplicaAccess
 from dpserve.router.flow.access import check_bind, load_keys
 from dpserve.text_table import format_table
+from dpserve.up.engine_dp import engine_core_sets, pin_engine_processes, plan_dp_server, plan_dp_sim
 from dpserve.up.plan import (
     PlanError,
     ReplicaPlan,
@@ -99,7 +100,9 @@ class Launcher:
             await self.shutdown()
 
     async def _run(self) -> int:
-        print(f"dpserve: starting {len(self.plans)} replica(s); logs in {self.run_dir}", flush=True)
+        engines = sum(plan.engines for plan in self.plans)
+        of = f" ({engines} data-parallel engines)" if engines > len(self.plans) else ""
+        print(f"dpserve: starting {len(self.plans)} replica(s){of}; logs in {self.run_dir}", flush=True)
         for proc in self.replicas:
             await proc.start()
         async with aiohttp.ClientSession() as session:
@@ -173,9 +176,19 @@ class Launcher:
                 async with session.get(url + path, timeout=timeout, headers=headers) as resp:
                     if resp.status == 200:
                         proc.state = "ready"
+                        self._pin_engines(proc)
                         return
             await asyncio.sleep(1.0)
         raise StartupFailed(f"{proc.name} was not ready after {self.settings.replica_start_timeout_s:.0f}s")
+
+    def _pin_engines(self, proc: ManagedProcess) -> None:
+        """A CPU data-parallel server's engine processes onto their engines' cores (after every start)."""
+        if proc not in self.replicas or proc.process is None:
+            return
+        core_sets = engine_core_sets(self.plans[self.replicas.index(proc)])
+        if core_sets:
+            pinned = pin_engine_processes(proc.process.pid, core_sets)
+            log.info("%s: engine processes pinned to their cores: %s", proc.name, sorted(pinned.values()))
 
     async def shutdown(self) -> None:
         # The routers first, so in-flight streams finish while the replicas still serve them; they get
@@ -214,7 +227,8 @@ def _plan(settings: UpSettings) -> tuple[list[ReplicaPlan], str | None]:
     if settings.sim_replicas:
         from dpserve.tiny_model import TINY_MODEL_NAME
 
-        return plan_sims(settings, settings.served_model_name or settings.model or TINY_MODEL_NAME), None
+        served = settings.served_model_name or settings.model or TINY_MODEL_NAME
+        return (plan_dp_sim(settings, served) if settings.engine_dp else plan_sims(settings, served)), None
     topology, why_none = read_topology()
     gpus = topology.count if topology else 0
     if importlib.util.find_spec("vllm") is None:
@@ -231,7 +245,10 @@ def _plan(settings: UpSettings) -> tuple[list[ReplicaPlan], str | None]:
     # Measured (docs/benchmarks/policies.md): the router's own tokenizer costs far less than a
     # round trip to a replica's /tokenize, so use it whenever the model's files are here.
     tokenizer = model if (Path(model) / "tokenizer.json").is_file() else None
-    plans = plan_replicas(settings, model, served_name, topology or 0, sorted(os.sched_getaffinity(0)))
+    cores = sorted(os.sched_getaffinity(0))
+    if settings.engine_dp:
+        return plan_dp_server(settings, model, served_name, gpus, cores), tokenizer
+    plans = plan_replicas(settings, model, served_name, topology or 0, cores)
     if topology and settings.tensor_parallel_size > 1:
         print(grouping_line(topology, plans), flush=True)
     return plans, tokenizer
@@ -268,7 +285,7 @@ def run_launcher(settings: UpSettings, routers: int = 1) -> int:
     except PlanError as exc:
         print(f"dpserve: {exc}", file=sys.stderr)
         return 2
-    ports = [*(r.port for r in router_plans), *(p.port for p in plans), *(p.kv_events_port for p in plans)]
+    ports = [*(r.port for r in router_plans), *(port for p in plans for port in p.ports)]
     taken = busy_ports(ports)
     if taken:
         print(

@@ -20,7 +20,7 @@ from dpserve.config import (
 )
 from dpserve.gpu.topology import GpuTopology, GroupingError, group_gpus
 from dpserve.replicas.access import replica_key
-from dpserve.replicas.registry import replica_ids
+from dpserve.replicas.registry import ENGINES_MARKER, replica_ids
 
 DEFAULT_CPU_REPLICAS = 2
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -46,10 +46,21 @@ class ReplicaPlan:
     argv: tuple[str, ...]
     gpus: tuple[int, ...] = ()
     """Its GPUs' NVML indices (CUDA's too: CUDA_DEVICE_ORDER=PCI_BUS_ID); empty on the CPU."""
+    engines: int = 1
+    """A vLLM data-parallel server's engine count (`dpserve up --engine-dp`): engine r publishes KV events on
+    `kv_events_port` + r, and the router routes each engine as a replica of its own."""
+    extra_ports: tuple[int, ...] = ()
+    """Other ports it binds (a data-parallel server's RPC port)."""
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """Every port it binds: its own, each engine's KV events, the rest."""
+        kv_ports = range(self.kv_events_port, self.kv_events_port + self.engines)
+        return (self.port, *kv_ports, *self.extra_ports)
 
     @property
     def kv_events_endpoint(self) -> str:
@@ -59,7 +70,7 @@ class ReplicaPlan:
     def router_target(self) -> RouterTarget:
         """How the router is told of this replica: its URL, its GPU when it has one, its KV events."""
         gpu = self.device.removeprefix("cuda:") if self.device.startswith("cuda:") else None
-        return RouterTarget(self.url, gpu, self.kv_events_endpoint, self.id)
+        return RouterTarget(self.url, gpu, self.kv_events_endpoint, self.id, self.engines)
 
 
 class PlanError(ValueError):
@@ -297,11 +308,14 @@ class RouterTarget:
     name: str | None = None
     """Its name in the router (`r0`, as the launcher's table and the Prometheus labels call it); None: its
     address."""
+    engines: int = 1
+    """More than 1: a vLLM data-parallel server of that many engines (`@dp=N`), each routed on its own."""
 
     @property
     def replica_spec(self) -> str:
         spec = f"{self.name}={self.url}" if self.name else self.url
-        return f"{spec}@gpu={self.gpu}" if self.gpu is not None else spec
+        spec = f"{spec}@gpu={self.gpu}" if self.gpu is not None else spec
+        return f"{spec}{ENGINES_MARKER}{self.engines}" if self.engines > 1 else spec
 
 
 def router_flags(
@@ -389,7 +403,7 @@ def plan_routers(
         raise PlanError("--routers must be at least 1")
     ports = [settings.router.port + index for index in range(count)]
     # A router sharing a port with a replica would only fail to bind after the replicas' long start.
-    clash = sorted({port for plan in plans for port in (plan.port, plan.kv_events_port)}.intersection(ports))
+    clash = sorted({port for plan in plans for port in plan.ports}.intersection(ports))
     if clash:
         raise PlanError(
             f"router port(s) {', '.join(map(str, clash))} are also replica or KV-event ports: "
