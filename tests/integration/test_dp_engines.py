@@ -43,6 +43,7 @@ class DpServer:
     url: str
     kv_endpoint: str
     log: Path
+    pid: int
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DpServer]:
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the vLLM data-parallel server did not start:\n{log_path.read_text()[-4000:]}")
             time.sleep(1)
-        yield DpServer(url, f"tcp://127.0.0.1:{kv_port}", log_path)
+        yield DpServer(url, f"tcp://127.0.0.1:{kv_port}", log_path, process.pid)
     finally:
         stop_process(process, 60)
 
@@ -174,8 +175,9 @@ def test_an_engine_that_dies_takes_its_server_out_and_the_share_moves_to_another
         kv = f"{dp_server.url}={dp_server.kv_endpoint}"
         router = start_router([dp_server.url, f"r1={sim.url}"], "kv_aware", "--kv-events", kv, expect_healthy=3)
         try:
-            server = next(p for p in psutil.process_iter(["name"]) if p.info["name"] == "VLLM::EngineCore_DP1")
-            server.kill()
+            # This server's engine 1 only: other vLLM servers may run on the machine.
+            children = psutil.Process(dp_server.pid).children(recursive=True)
+            next(child for child in children if child.name() == "VLLM::EngineCore_DP1").kill()
             wait_until(lambda: not any(_status(router)[e]["healthy"] for e in ENGINES), 10, 0.1, "both engines ejected")
             before = int(_status(router)["r1"]["served_total"])  # type: ignore[call-overload]
             for turn in range(10):
