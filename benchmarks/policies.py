@@ -22,10 +22,10 @@ import random
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -54,6 +54,7 @@ VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
 WORKLOADS = ("shared_prefix", "cache_pressure", "multi_turn")
 HITS, QUERIES, SUCCESS = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total"
 CACHE_CONFIG = "vllm:cache_config_info"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -213,12 +214,24 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes) -> Outcome
 
 async def drive(router_url: str, workload: Workload, concurrency: int, max_tokens: int) -> tuple[list[Outcome], float]:
     """Each thread's requests in order; at most `concurrency` in flight; returns outcomes and seconds."""
+    return await drive_threads(router_url, workload, concurrency, max_tokens, _one)
+
+
+async def drive_threads(
+    base_url: str,
+    workload: Workload,
+    concurrency: int,
+    max_tokens: int,
+    one: Callable[[aiohttp.ClientSession, str, bytes], Awaitable[T]],
+) -> tuple[list[T], float]:
+    """Each thread's requests in order (a conversation's turns), streamed, at most `concurrency` in flight;
+    `one` sends a request and reads its answer. Returns what `one` returned for each, and the seconds."""
     threads: dict[int, list[BenchRequest]] = {}
     for request in workload.requests:
         threads.setdefault(request.thread, []).append(request)
     gate = asyncio.Semaphore(concurrency)
-    outcomes: list[Outcome] = []
-    url = f"{router_url}/v1/chat/completions"
+    results: list[T] = []
+    url = f"{base_url}/v1/chat/completions"
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
 
@@ -226,11 +239,11 @@ async def drive(router_url: str, workload: Workload, concurrency: int, max_token
             for request in requests:
                 body = orjson.dumps(request.body(TINY_MODEL_NAME, max_tokens, stream=True))
                 async with gate:
-                    outcomes.append(await _one(session, url, body))
+                    results.append(await one(session, url, body))
 
         started = time.perf_counter()
         await asyncio.gather(*(thread(requests) for requests in threads.values()))
-        return outcomes, time.perf_counter() - started
+        return results, time.perf_counter() - started
 
 
 async def replica_counters(session: aiohttp.ClientSession, fleet: Fleet) -> list[tuple[float, float, float]]:

@@ -48,8 +48,8 @@ import orjson
 import psutil
 
 from benchmarks.fleet import UpPorts, cpu_seconds, get_text, port_block, progress, router_command, spawn, wait_ok
-from benchmarks.policies import decision_reasons, pressure_capacity, sum_counts
-from benchmarks.policy_workloads import BenchRequest, Workload, multi_turn, shared_prefix
+from benchmarks.policies import decision_reasons, drive_threads, pressure_capacity, sum_counts
+from benchmarks.policy_workloads import Workload, multi_turn, shared_prefix
 from benchmarks.report import format_table, shown, write_csv
 from benchmarks.stats import percentile
 from dpserve.replicas.prometheus_text import parse_samples
@@ -349,24 +349,7 @@ async def drive_chat(
     base_url: str, workload: Workload, concurrency: int, max_tokens: int
 ) -> tuple[list[Streamed], float]:
     """Each thread's requests in order (a conversation's turns), at most `concurrency` in flight."""
-    threads: dict[int, list[BenchRequest]] = {}
-    for request in workload.requests:
-        threads.setdefault(request.thread, []).append(request)
-    gate = asyncio.Semaphore(concurrency)
-    results: list[Streamed] = []
-    url = f"{base_url}/v1/chat/completions"
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-
-        async def thread(requests: list[BenchRequest]) -> None:
-            for request in requests:
-                body = orjson.dumps(request.body(TINY_MODEL_NAME, max_tokens, stream=True))
-                async with gate:
-                    results.append(await stream_one(session, url, body))
-
-        started = time.perf_counter()
-        await asyncio.gather(*(thread(requests) for requests in threads.values()))
-        return results, time.perf_counter() - started
+    return await drive_threads(base_url, workload, concurrency, max_tokens, stream_one)
 
 
 def vllm_bench_argv(args: argparse.Namespace, base_url: str, model_dir: Path, result: Path) -> list[str]:
