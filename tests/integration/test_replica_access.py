@@ -25,7 +25,6 @@ from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_lora import build_tiny_loras
 from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from dpserve.up.plan import VLLM_SERVER_MODULE
-from tests.certificates import Pki, write_pki
 from tests.conftest import free_port
 from tests.integration.conftest import (
     FLEET_START_TIMEOUT_S,
@@ -39,6 +38,7 @@ from tests.integration.conftest import (
     stop_router,
     wait_until,
 )
+from tests.tls_certs import TlsFiles, make_tls_files
 
 pytestmark = pytest.mark.integration
 
@@ -53,24 +53,24 @@ TOKENIZE_FAILURES = "dpserve_routing_tokenize_failures_total"
 @dataclass
 class GuardedReplica:
     url: str
-    pki: Pki
+    pki: TlsFiles
     key_file: Path
     adapter: Path
     log_path: Path
 
     def client(self) -> httpx.Client:
         """A client the replica's TLS accepts (the CA, the client certificate), without its key."""
-        return httpx.Client(verify=self.pki.client_context(), timeout=60)
+        return httpx.Client(verify=self.pki.client_context(with_client_cert=True), timeout=60)
 
     def tls_flags(self, *, ca: bool = True) -> list[str]:
         flags = ["--replica-ssl-certfile", str(self.pki.client_cert), "--replica-ssl-keyfile", str(self.pki.client_key)]
-        return [*flags, "--replica-ssl-ca-certs", str(self.pki.ca)] if ca else flags
+        return [*flags, "--replica-ssl-ca-certs", str(self.pki.ca_cert)] if ca else flags
 
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardedReplica]:
     work = tmp_path_factory.mktemp("guarded")
-    pki = write_pki(work / "pki")
+    pki = make_tls_files(work / "pki")
     model = ensure_tiny_model(work / "cache")
     (adapter,) = build_tiny_loras(work / "adapters", model, 1)
     key_file = work / "replica.key"
@@ -81,7 +81,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardedReplica
     command += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--api-key", KEY]
     command += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "8"]
     command += ["--ssl-keyfile", str(pki.server_key), "--ssl-certfile", str(pki.server_cert)]
-    command += ["--ssl-ca-certs", str(pki.ca), "--ssl-cert-reqs", "2"]  # 2: ssl.CERT_REQUIRED
+    command += ["--ssl-ca-certs", str(pki.ca_cert), "--ssl-cert-reqs", "2"]  # 2: ssl.CERT_REQUIRED
     env = {
         **os.environ,
         "CUDA_VISIBLE_DEVICES": "",

@@ -28,14 +28,14 @@ from dpserve.router.http.upstream_client import (
 )
 from dpserve.router.routing.proxied_endpoints import resolve_model
 from dpserve.up.plan import VLLM_KEY_ENV, plan_replicas, router_argv, router_env, with_replica_key
-from tests.certificates import Pki, write_pki
+from tests.tls_certs import TlsFiles, make_tls_files
 
 KEY = "replica-key-0123456789"
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return write_pki(tmp_path_factory.mktemp("pki"))
+def pki(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_tls_files(tmp_path_factory.mktemp("pki"))
 
 
 def test_the_key_goes_in_one_bearer_header_and_never_in_repr() -> None:
@@ -65,14 +65,14 @@ def test_the_key_comes_from_the_flag_or_its_file_once(tmp_path: Path) -> None:
         replica_key(None, path)
 
 
-def test_tls_files_are_checked_when_the_router_is_built(tmp_path: Path, pki: Pki) -> None:
+def test_tls_files_are_checked_when_the_router_is_built(tmp_path: Path, pki: TlsFiles) -> None:
     with pytest.raises(ValueError, match="keys and TLS to replicas"):
         load_replica_access(None, tmp_path / "missing")
     with pytest.raises(ValueError, match="keys and TLS to replicas"):
         load_replica_access(None, None, ca_certs=tmp_path / "missing.pem")
     with pytest.raises(ValueError, match="needs --replica-ssl-certfile"):
-        load_replica_access(None, None, ca_certs=pki.ca, keyfile=pki.client_key)
-    access = load_replica_access(None, None, pki.ca, pki.client_cert, pki.client_key)
+        load_replica_access(None, None, ca_certs=pki.ca_cert, keyfile=pki.client_key)
+    access = load_replica_access(None, None, pki.ca_cert, pki.client_cert, pki.client_key)
     assert access.tls is not None and access.tls.verify_mode is ssl.CERT_REQUIRED and access.tls.check_hostname
     assert load_replica_access(None, None).tls is None  # the system's CAs, made when first needed
 
@@ -155,9 +155,9 @@ def test_dpserve_up_makes_no_key_when_it_must_not(settings: UpSettings) -> None:
 
 
 @contextlib.asynccontextmanager
-async def tls_replica(pki: Pki, seen: list[bytes]) -> AsyncIterator[Address]:
+async def tls_replica(pki: TlsFiles, seen: list[bytes]) -> AsyncIterator[Address]:
     """A loopback server with the test CA's server certificate that requires a client certificate."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pki.ca))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pki.ca_cert))
     context.load_cert_chain(str(pki.server_cert), str(pki.server_key))
     context.verify_mode = ssl.CERT_REQUIRED
 
@@ -175,10 +175,10 @@ async def tls_replica(pki: Pki, seen: list[bytes]) -> AsyncIterator[Address]:
         server.close()
 
 
-async def test_the_hot_path_client_speaks_mtls_and_sends_the_key(pki: Pki) -> None:
+async def test_the_hot_path_client_speaks_mtls_and_sends_the_key(pki: TlsFiles) -> None:
     seen: list[bytes] = []
     async with tls_replica(pki, seen) as address:
-        access = load_replica_access(KEY, None, pki.ca, pki.client_cert, pki.client_key)
+        access = load_replica_access(KEY, None, pki.ca_cert, pki.client_cert, pki.client_key)
         pool = UpstreamPool(Deadlines(connect_s=5.0, read_s=5.0), access=access)
         response = await pool.request(address, "GET", "/v1/models", b"", {})
         assert response.status == 200 and await response.read() == b"ok"
@@ -186,7 +186,7 @@ async def test_the_hot_path_client_speaks_mtls_and_sends_the_key(pki: Pki) -> No
     assert f"Authorization: Bearer {KEY}".encode() in seen[0].split(b"\r\n")
 
 
-async def test_a_replica_certificate_the_router_cannot_verify_is_a_misconfiguration(pki: Pki) -> None:
+async def test_a_replica_certificate_the_router_cannot_verify_is_a_misconfiguration(pki: TlsFiles) -> None:
     async with tls_replica(pki, []) as address:
         pool = UpstreamPool(Deadlines(connect_s=5.0, read_s=5.0), access=ReplicaAccess(KEY))  # the system's CAs
         with pytest.raises(ReplicaMisconfigured, match="certificate failed verification"):
@@ -194,12 +194,12 @@ async def test_a_replica_certificate_the_router_cannot_verify_is_a_misconfigurat
         pool.close()
 
 
-async def test_a_replica_refusing_a_missing_client_certificate_only_closes_the_connection(pki: Pki) -> None:
+async def test_a_replica_refusing_a_missing_client_certificate_only_closes_the_connection(pki: TlsFiles) -> None:
     """A limit, held here so that it is known: with TLS 1.3 the handshake is over before the replica checks
     the client's certificate, and its refusal reaches asyncio (and aiohttp) as the connection closing, with no
     TLS error to tell it from a replica going away. So it is a failing replica (ejected), not a misconfigured one."""
     async with tls_replica(pki, []) as address:
-        pool = UpstreamPool(Deadlines(connect_s=5.0, read_s=5.0), access=load_replica_access(KEY, None, pki.ca))
+        pool = UpstreamPool(Deadlines(connect_s=5.0, read_s=5.0), access=load_replica_access(KEY, None, pki.ca_cert))
         with pytest.raises(UpstreamError, match="closed the connection"):
             await pool.request(address, "GET", "/v1/models", b"", {})
         pool.close()
