@@ -290,3 +290,14 @@ def write_gpus(path: Path, gpus: list[FakeGpu]) -> None:
 
 def from_file() -> FakeNvml:
     return FileNvml(Path(os.environ[FAKE_NVML_FILE]))
+
+
+class StaticAgents:
+    """What GpuFleet reads of GpuAgents: fresh readings."""
+
+    def __init__(self, readings: list[tuple[object, object]]) -> None:
+        self._readings = readings
+        self.agents: dict[str, object] = {}
+
+    def readings(self) -> list[tuple[object, object]]:
+        return self._readings

@@ -19,7 +19,7 @@ from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.fleet.agents import AgentReadingError, parse_reading
 from dpserve.router.fleet.gpus import GpuFleet
 from dpserve.router.parts import gpu_health_rules
-from tests.fake_nvml import FakeGpu, FakeNvml
+from tests.fake_nvml import FakeGpu, FakeNvml, StaticAgents
 from tests.unit.selection_fixtures import REQUEST, fleet, selector
 
 
@@ -270,17 +270,6 @@ def test_clearing_a_degraded_replica_wakes_waiting_requests() -> None:
 
 
 # -- A remote GPU tied to its replica -------------------------------------------------------------------
-
-
-class StaticAgents:
-    """What GpuFleet reads of GpuAgents: fresh readings."""
-
-    def __init__(self, readings: list[tuple[object, object]]) -> None:
-        self._readings = readings
-        self.agents: dict[str, object] = {}
-
-    def readings(self) -> list[tuple[object, object]]:
-        return self._readings
 
 
 def test_agent_gpus_are_tied_to_replicas_by_listening_address_and_degrade_them() -> None:

@@ -21,7 +21,7 @@ from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.fleet.agents import parse_reading
 from dpserve.router.fleet.gpu_metrics import GpuCollector
 from dpserve.router.fleet.gpus import GpuFleet
-from tests.fake_nvml import FakeGpu, FakeNvml
+from tests.fake_nvml import FakeGpu, FakeNvml, StaticAgents
 from tests.unit.selection_fixtures import MODEL, REQUEST, selector
 
 GIB = 1 << 30
@@ -124,15 +124,6 @@ def test_metrics_export_each_replicas_gpus_combined() -> None:
     assert values[("dpserve_replica_gpu_memory_used_bytes", "r0")] == 138 * GIB
     assert values[("dpserve_replica_gpu_memory_total_bytes", "r1")] == 160 * GIB
     assert values[("dpserve_replica_gpu_power_watts", "r0")] == 650.0
-
-
-class StaticAgents:
-    def __init__(self, readings: list[tuple[object, object]]) -> None:
-        self._readings = readings
-        self.agents: dict[str, object] = {}
-
-    def readings(self) -> list[tuple[object, object]]:
-        return self._readings
 
 
 def test_an_agents_gpus_are_tied_by_compose_index_hints_and_drain_the_replica() -> None:
