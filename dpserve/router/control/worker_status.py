@@ -10,18 +10,13 @@ answered."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import aiohttp
+import orjson
 
-log = logging.getLogger("dpserve.router")
+from dpserve.router.observe.worker_metrics import WORKER_SCOPE, read_siblings
 
-WORKER_SCOPE = "worker"
-"""`/status?scope=worker`: this worker's status alone (what its siblings read)."""
-SIBLING_TIMEOUT_S = 2.0
 REPLICA_COUNTS = ("in_flight", "served_total")
 FLOW_COUNTS = ("queued", "queue_timeouts")
 RECEIPT_COUNTS = ("receipts", "scored", "prompt_tokens", "predicted_cached_tokens", "realized_cached_tokens")
@@ -37,9 +32,7 @@ class WorkerStatus:
     async def whole(self, own: dict[str, Any], scope: str) -> dict[str, Any]:
         if scope == WORKER_SCOPE or not self._siblings:
             return own
-        timeout = aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            theirs = await asyncio.gather(*(self._read(session, url) for url in self._siblings))
+        theirs = [_status(text) for text in await read_siblings(self._siblings, "/status")]
         merged = combine(own, [status for status in theirs if status is not None])
         merged["workers"] = [
             {"pid": own.get("pid"), "url": None, "answered": True},
@@ -50,16 +43,13 @@ class WorkerStatus:
         ]
         return merged
 
-    async def _read(self, session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
-        try:
-            async with session.get(f"{url}/status", params={"scope": WORKER_SCOPE}) as response:
-                if response.status != 200:
-                    return None
-                body = await response.json()
-                return body if isinstance(body, dict) else None
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # restarting: left out this once
-            log.warning("status of worker %s not read: %s", url, type(exc).__name__)
-            return None
+
+def _status(text: str | None) -> dict[str, Any] | None:
+    try:
+        body = orjson.loads(text) if text is not None else None
+    except orjson.JSONDecodeError:
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def combine(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 log = logging.getLogger("dpserve.router")
 
 WORKER_SCOPE = "worker"
-"""`/metrics?scope=worker`: this worker's series alone (what its siblings read)."""
+"""`/metrics?scope=worker`, `/status?scope=worker`: this worker's own answer alone (what its siblings read)."""
 SIBLING_TIMEOUT_S = 2.0
 SEEN_ALIKE = (
     "dpserve_replica_",
@@ -108,15 +108,22 @@ class WorkerMetrics:
         own = generate_latest(self._registry)
         if scope == WORKER_SCOPE or not self._siblings:
             return own
-        timeout = aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            theirs = await asyncio.gather(*(self._read(session, url) for url in self._siblings))
+        theirs = await read_siblings(self._siblings, "/metrics")
         return merge([own.decode(), *(text for text in theirs if text is not None)])
 
-    async def _read(self, session: aiohttp.ClientSession, url: str) -> str | None:
-        try:
-            async with session.get(f"{url}/metrics", params={"scope": WORKER_SCOPE}) as response:
-                return await response.text() if response.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError) as exc:  # restarting: its series are missing this once
-            log.warning("metrics of worker %s not read: %s", url, type(exc).__name__)
-            return None
+
+async def read_siblings(siblings: Sequence[str], path: str) -> list[str | None]:
+    """Each sibling worker's own answer at `path?scope=worker` (on its private port), in order; None where
+    it did not answer 200 within SIBLING_TIMEOUT_S (restarting: left out this once)."""
+    timeout = aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        return list(await asyncio.gather(*(_read(session, url, path) for url in siblings)))
+
+
+async def _read(session: aiohttp.ClientSession, url: str, path: str) -> str | None:
+    try:
+        async with session.get(f"{url}{path}", params={"scope": WORKER_SCOPE}) as response:
+            return await response.text() if response.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.warning("%s of worker %s not read: %s", path, url, type(exc).__name__)
+        return None
