@@ -7,6 +7,7 @@ import os
 import random
 import secrets
 import socket
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -222,10 +223,9 @@ def gpu_sampler(settings: RouterSettings, registry: ReplicaRegistry, nvml: Calla
     def clues() -> list[ReplicaClue]:
         pids = processes.pids()
         replicas = list(registry)
-        engines = {r.url: sum(other.url == r.url for other in replicas) for r in replicas if r.rank is not None}
+        engines = Counter(r.url for r in replicas)  # a data-parallel server's engines share its URL
         return [
-            ReplicaClue(r.id, r.gpu_hint, pids.get(r.url, frozenset()), (r.rank or 0, engines.get(r.url, 1)))
-            for r in replicas
+            ReplicaClue(r.id, r.gpu_hint, pids.get(r.url, frozenset()), (r.rank or 0, engines[r.url])) for r in replicas
         ]
 
     return GpuSampler(nvml, settings.gpu_interval_s, clues=clues)
