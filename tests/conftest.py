@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -25,18 +26,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
-def free_port_range(count: int, start: int = 20000, stop: int = 60000) -> int:
-    """The first of `count` consecutive ports that are all free on loopback."""
-    for base in range(start, stop, count + 7):
-        if not busy_ports(range(base, base + count)):
-            return base
+# Test ports come from below the kernel's ephemeral range: a port picked there (bind to 0) and handed to a
+# process that listens minutes later can meanwhile become the source port of one of vLLM's own connections.
+# A cursor, started apart per process, so no two callers here get the same port before either listens.
+_PORTS_LOW, _PORTS_HIGH = 20000, max(_ephemeral_low(), 24000)
+_cursor = _PORTS_LOW + (os.getpid() * 211) % ((_PORTS_HIGH - _PORTS_LOW) // 2)
+
+
+def free_port_range(count: int, start: int | None = None, stop: int | None = None) -> int:
+    """The first of `count` consecutive ports, all free on loopback, none handed out before by this process.
+    `start` and `stop` narrow where to look, when there is room there."""
+    global _cursor
+    high = stop or _PORTS_HIGH
+    for first in (max(start or 0, _cursor), _cursor, _PORTS_LOW):
+        for base in range(first, high - count):
+            if not busy_ports(range(base, base + count)):
+                _cursor = base + count
+                return base
     raise RuntimeError("no free port range")
+
+
+def free_port() -> int:
+    return free_port_range(1)
 
 
 @contextlib.asynccontextmanager

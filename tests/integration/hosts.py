@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
 from tests.integration.conftest import SimProcess, answers, sim_command, stop_process, wait_until
 
 DNS_ADDRESS = "127.0.0.53"
@@ -25,9 +26,7 @@ DNSMASQ = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
 def free_port_on(*addresses: str) -> int:
     """A port free for TCP on every one of these loopback addresses (and for UDP on the first)."""
     for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((addresses[0], 0))
-            port = int(probe.getsockname()[1])
+        port = free_port()
         try:
             for address in addresses:
                 with socket.socket() as sock:
