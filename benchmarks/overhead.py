@@ -1,10 +1,15 @@
 """`dpserve bench overhead`: what the router adds on the hot path, next to vllm-router and sglang-router.
 
-Starts K fast backends (`dpserve sim --speed 0`: no simulated GPU time), then measures one target at a time,
-each stopped before the next starts so that no two share the CPU:
+Starts K backends, then measures one target at a time, each stopped before the next starts so that no two
+share the CPU. The backends (`--backend`): `fast`, scripted servers that answer in microseconds
+(`benchmarks/fast_backend.py`), so that the router is the bottleneck; or `sim`, `dpserve sim --speed 0`
+(no simulated GPU time, but a scheduler and uvicorn per request: slower than the routers can push). Targets:
   * direct: the backends themselves, the ceiling;
   * dpserve: `dpserve router` over the K backends, once per policy in --dpserve-policies;
+  * dpserve@REV (`--against REV`): the same router from another commit, checked out in a temporary worktree;
   * vllm-router and sglang-router (round_robin), when installed.
+`--rounds R` measures every target R times, in ABBA order (the order reversed every other round), so a slow
+spell on a shared machine falls on all; ratios are taken within a round and their median reported.
 Every target must first answer correctly. Then, for each mode (json: 16 tokens in one JSON answer; sse:
 --stream-chunks SSE events), after an unrecorded warm-up: C connections over all K backends (throughput),
 then 1 connection over the first backend alone (added latency; each router is started again over it),
@@ -18,17 +23,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +44,7 @@ import aiohttp
 import psutil
 
 from benchmarks.fleet import (
+    CHECKOUT,
     HOST,
     bench_tool,
     cpu_seconds,
@@ -65,10 +73,13 @@ RUST_POLICY = "round_robin"
 NO_GPU = {"gpu_interval_s": 0.0}  # dpserve's router: no GPU telemetry (the backends are sims)
 START_TIMEOUT_S = 60.0
 LOADGEN_BUSY_CORES = 0.9  # above this, the generator may be what limits req/s
-GOAL_RPS_RATIO = 0.5  # dpserve req/s >= 0.5x vllm-router's
+# dpserve req/s against vllm-router's, per mode (the hot-path issue's goals), and against --against's commits.
+GOAL_RPS_RATIO = {"json": 0.8, "sse": 1.5}
+GOAL_AGAINST_RATIO = 1.0
 GOAL_ADDED_P50_MS = 1.0  # added p50 at 1 connection
 
 COLUMNS = [
+    "round",
     "target",
     "policy",
     "mode",
@@ -91,10 +102,12 @@ COLUMNS = [
 class Target:
     name: str  # one of TARGETS
     policy: str = ""
+    rev: str = ""  # dpserve only: another commit's router (`--against`)
 
     @property
     def label(self) -> str:
-        return f"{self.name}({self.policy})" if self.policy else self.name
+        name = f"{self.name}@{self.rev}" if self.rev else self.name
+        return f"{name}({self.policy})" if self.policy else name
 
 
 @dataclass
@@ -114,6 +127,7 @@ class Run:
     router_cpu: float | None  # cores, the router and its children; None for direct
     backends_cpu: float  # cores, all the backends together
     load1: float  # 1-minute load average when the run started: other work on the box skews figures
+    round: int = 0
 
 
 @dataclass
@@ -127,6 +141,8 @@ class Context:
     scripts: dict[str, Path]
     backend_urls: list[str]
     backends: list[psutil.Process]
+    checkouts: dict[str, Path]  # --against: each commit's worktree
+    round: int = 0
 
 
 # -- requests and answers -------------------------------------------------------------------------------
@@ -190,7 +206,9 @@ async def check_target(
 # -- processes ------------------------------------------------------------------------------------------
 
 
-def sim_command(port: int) -> list[str]:
+def backend_command(backend: str, port: int) -> list[str]:
+    if backend == "fast":
+        return [sys.executable, "-m", "benchmarks.fast_backend", "--port", str(port), "--model", MODEL]
     return [sys.executable, "-m", "dpserve", "sim", "--speed", "0", "--port", str(port), "--log-level", "warning"]
 
 
@@ -208,12 +226,13 @@ async def _wait_healthy(urls: list[str], processes: list[subprocess.Popen[bytes]
             await wait_ok(session, f"{url}/health", START_TIMEOUT_S, process)
 
 
-def start_backends(count: int, work: Path, processes: list[subprocess.Popen[bytes]]) -> list[str]:
-    """Start `count` sims (appended to `processes`, which the caller stops) and wait until all answer."""
+def start_backends(backend: str, count: int, work: Path, processes: list[subprocess.Popen[bytes]]) -> list[str]:
+    """Start `count` backends (appended to `processes`, which the caller stops) and wait until all answer."""
     base = port_block(count, random.Random())
     urls = [f"http://{HOST}:{base + index}" for index in range(count)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))}
     for index in range(count):
-        processes.append(spawn(sim_command(base + index), work / f"sim{index}.log", dict(os.environ)))
+        processes.append(spawn(backend_command(backend, base + index), work / f"{backend}{index}.log", env))
     asyncio.run(_wait_healthy(urls, processes))
     return urls
 
@@ -267,6 +286,7 @@ def measure(
         router_cpu=router_cpu,
         backends_cpu=(cpu_seconds(ctx.backends) - backends_before) / window,
         load1=load1,
+        round=ctx.round,
     )
 
 
@@ -318,10 +338,17 @@ def run_target(ctx: Context, target: Target) -> list[Run]:
 def router_runs(ctx: Context, target: Target, backend_urls: list[str], connections: int) -> list[Run]:
     """The target's router over `backend_urls`, checked, then measured at `connections`."""
     port = port_block(2, random.Random())
-    log_path = ctx.work / f"{target.label}-{len(backend_urls)}.log"
+    log_path = ctx.work / f"{target.label}-{len(backend_urls)}-{ctx.round}.log"
     extra = ctx.args.router_arg if target.name == "dpserve" else ()
     command = router_command(target.name, target.policy, backend_urls, port, settings=NO_GPU, extra=extra)
-    process = spawn(command, log_path, dict(os.environ))
+    if target.rev:
+        # `python -m` puts its working directory first on the path: the other commit's package is imported.
+        checkout = ctx.checkouts[target.rev]
+        with open(log_path, "wb") as log:
+            env = {**os.environ, "PYTHONPATH": str(checkout)}
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=checkout)
+    else:
+        process = spawn(command, log_path, dict(os.environ))
     try:
         url = f"http://{HOST}:{port}"
         try:
@@ -370,6 +397,7 @@ def targets(args: argparse.Namespace) -> list[Target]:
     for name in args.targets:
         if name == "dpserve":
             out += [Target("dpserve", policy) for policy in args.dpserve_policies]
+            out += [Target("dpserve", policy, rev) for rev in args.against for policy in args.dpserve_policies]
         elif name in RUST_ROUTERS:
             out.append(Target(name, RUST_POLICY))
         else:
@@ -378,51 +406,81 @@ def targets(args: argparse.Namespace) -> list[Target]:
 
 
 def run_benchmark(args: argparse.Namespace, loadgen: str) -> tuple[list[Run], list[str]]:
-    """Every target's runs, and what failed; overhead.csv is rewritten after each target, so an
-    interrupted run keeps what it had."""
+    """Every target's runs, round after round, and what failed; overhead.csv is rewritten after each target,
+    so an interrupted run keeps what it had."""
     runs: list[Run] = []
     failures: list[str] = []
-    sims: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory(prefix="dpserve-bench-overhead-") as tmp:
+    backends: list[subprocess.Popen[bytes]] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="dpserve-bench-overhead-") as tmp,
+        checkouts(args.against, Path(tmp)) as revs,
+    ):
         work = Path(tmp)
         try:
-            progress(f"starting {args.backends} sims (--speed 0) ...")
-            urls = start_backends(args.backends, work, sims)
+            progress(f"starting {args.backends} {args.backend} backends ...")
+            urls = start_backends(args.backend, args.backends, work, backends)
             bodies = {mode: request_body(mode, args.stream_chunks) for mode in MODES}
             scripts = {mode: write_wrk_script(work, mode, body) for mode, body in bodies.items()}
-            ctx = Context(args, loadgen, work, bodies, scripts, urls, [psutil.Process(p.pid) for p in sims])
-            for target in targets(args):
-                missing = why_missing(target)
-                if missing is not None:
-                    progress(f"{target.label}: skipped, {missing}")
-                    continue
-                progress(f"{target.label} ...")
-                try:
-                    runs += run_target(ctx, target)
-                except RuntimeError as exc:
-                    failures.append(target.label)
-                    progress(f"{target.label} failed, skipped: {exc}")
-                save_runs(runs, args.out / "overhead.csv")
+            processes = [psutil.Process(p.pid) for p in backends]
+            ctx = Context(args, loadgen, work, bodies, scripts, urls, processes, revs)
+            for ctx.round in range(args.rounds):
+                order = targets(args) if ctx.round % 2 == 0 else targets(args)[::-1]  # ABBA
+                for target in order:
+                    if target.label in failures:
+                        continue
+                    missing = why_missing(target)
+                    if missing is not None:
+                        progress(f"{target.label}: skipped, {missing}")
+                        continue
+                    progress(f"round {ctx.round + 1}/{args.rounds}: {target.label} ...")
+                    try:
+                        runs += run_target(ctx, target)
+                    except RuntimeError as exc:
+                        failures.append(target.label)
+                        progress(f"{target.label} failed, skipped: {exc}")
+                    save_runs(runs, args.out / "overhead.csv")
         finally:
-            stop_all(sims, 10)
+            stop_all(backends, 10)
     return runs, failures
+
+
+@contextlib.contextmanager
+def checkouts(revs: Sequence[str], work: Path) -> Iterator[dict[str, Path]]:
+    """Each commit of `--against` checked out (detached) in a worktree of this checkout, removed at the end."""
+    paths: dict[str, Path] = {}
+    try:
+        for rev in revs:
+            path = work / f"rev-{rev}"
+            git = ["git", "-C", str(CHECKOUT), "worktree", "add", "--detach", "--force", str(path), rev]
+            done = subprocess.run(git, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"--against {rev}: git worktree add failed: {done.stderr.strip()}")
+            paths[rev] = path
+        yield paths
+    finally:
+        for path in paths.values():
+            subprocess.run(
+                ["git", "-C", str(CHECKOUT), "worktree", "remove", "--force", str(path)], capture_output=True
+            )
 
 
 # -- reporting --------------------------------------------------------------------------------------------
 
 
-def find(runs: Sequence[Run], name: str, policy: str, mode: str, connections: int) -> Run | None:
+def find(runs: Sequence[Run], target: Target, mode: str, connections: int, round_: int | None = None) -> Run | None:
+    """The run of `target` in `mode` at `connections`, in round `round_` (None: the first one)."""
     for run in runs:
-        if (run.target.name, run.target.policy, run.mode, run.connections) == (name, policy, mode, connections):
-            return run
+        if (run.target, run.mode, run.connections) == (target, mode, connections):
+            if round_ is None or run.round == round_:
+                return run
     return None
 
 
 def added_p50(runs: Sequence[Run], run: Run) -> float | None:
-    """A 1-connection row's p50 minus direct's 1-connection p50 in the same mode."""
+    """A 1-connection row's p50 minus direct's 1-connection p50 in the same mode and round."""
     if run.connections != 1 or run.target.name == "direct":
         return None
-    direct = find(runs, "direct", "", run.mode, 1)
+    direct = find(runs, Target("direct"), run.mode, 1, run.round)
     return None if direct is None else run.p50_ms - direct.p50_ms
 
 
@@ -433,7 +491,8 @@ def _blank(value: float | None, digits: int) -> Any:
 def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
     return [
         {
-            "target": run.target.name,
+            "round": run.round + 1,
+            "target": f"{run.target.name}@{run.target.rev}" if run.target.rev else run.target.name,
             "policy": run.target.policy,
             "mode": run.mode,
             "connections": run.connections,
@@ -457,48 +516,69 @@ def save_runs(runs: Sequence[Run], path: Path) -> None:
     write_csv(path, table_rows(runs), COLUMNS)
 
 
-def rps_ratio(runs: Sequence[Run], policy: str, other: str, mode: str, connections: int) -> float | None:
-    ours = find(runs, "dpserve", policy, mode, connections)
-    theirs = find(runs, other, RUST_POLICY, mode, connections)
-    if ours is None or theirs is None or theirs.req_s <= 0:
-        return None
-    return ours.req_s / theirs.req_s
+def rps_ratios(runs: Sequence[Run], ours: Target, theirs: Target, mode: str, connections: int) -> list[float]:
+    """Ours over theirs in req/s, one ratio per round that measured both (same round: same conditions)."""
+    ratios = []
+    for round_ in sorted({run.round for run in runs}):
+        a, b = find(runs, ours, mode, connections, round_), find(runs, theirs, mode, connections, round_)
+        if a is not None and b is not None and b.req_s > 0:
+            ratios.append(a.req_s / b.req_s)
+    return ratios
 
 
-def ratio_lines(runs: Sequence[Run], policies: Sequence[str], connections: int) -> list[str]:
+def _ratio_text(ratios: Sequence[float]) -> str:
+    return f"{statistics.median(ratios):.2f}x (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+
+
+def comparisons(args: argparse.Namespace) -> list[tuple[Target, Target, dict[str, float]]]:
+    """(ours, theirs, goal per mode) for each dpserve policy: against vllm-router, then each --against commit."""
+    pairs = []
+    for policy in args.dpserve_policies:
+        ours = Target("dpserve", policy)
+        pairs += [
+            (ours, Target(other, RUST_POLICY), GOAL_RPS_RATIO if other == "vllm-router" else {})
+            for other in RUST_ROUTERS
+        ]
+        goal = dict.fromkeys(MODES, GOAL_AGAINST_RATIO)
+        pairs += [(ours, Target("dpserve", policy, rev), goal) for rev in args.against]
+    return pairs
+
+
+def ratio_lines(runs: Sequence[Run], args: argparse.Namespace) -> list[str]:
+    """Each comparison's median req/s ratio per mode, with its verdict when it has a goal."""
     lines = []
-    for policy in policies:
-        for other in RUST_ROUTERS:
-            for mode in MODES:
-                ratio = rps_ratio(runs, policy, other, mode, connections)
-                if ratio is not None:
-                    where = f"{MODE_NAMES[mode]}, {connections} connections"
-                    lines.append(f"dpserve({policy})/{other} req/s = {ratio:.2f}  ({where})")
+    for ours, theirs, goals in comparisons(args):
+        for mode in MODES:
+            ratios = rps_ratios(runs, ours, theirs, mode, args.connections)
+            if not ratios:
+                continue
+            where = f"{MODE_NAMES[mode]}, {args.connections} connections"
+            line = f"{ours.label}/{theirs.label} req/s = {_ratio_text(ratios)}  ({where})"
+            if mode in goals:
+                verdict = "PASS" if statistics.median(ratios) >= goals[mode] else "FAIL"
+                line += f": goal >= {goals[mode]:g}x {verdict}"
+            lines.append(line)
     return lines
 
 
-def verdict_lines(runs: Sequence[Run], policies: Sequence[str], connections: int) -> list[str]:
-    """The issue's must-show goals, per dpserve policy, on this run's figures."""
+def added_lines(runs: Sequence[Run], policies: Sequence[str]) -> list[str]:
+    """The added p50 at 1 connection, per dpserve policy, its median over rounds against the goal."""
     lines = []
-    modes = ", ".join(MODE_NAMES[mode] for mode in MODES)
     for policy in policies:
-        ratios = [rps_ratio(runs, policy, "vllm-router", mode, connections) for mode in MODES]
-        claim = f"dpserve({policy}) req/s >= {GOAL_RPS_RATIO}x vllm-router ({modes})"
-        if any(r is None for r in ratios):
-            lines.append(f"{claim}: n/a (no figures for both)")
-        else:
-            verdict = "PASS" if all(r >= GOAL_RPS_RATIO for r in ratios if r is not None) else "FAIL"
-            lines.append(f"{claim}: {verdict} (" + ", ".join(f"{r:.2f}x" for r in ratios if r is not None) + ")")
-        added = []
         for mode in MODES:
-            run = find(runs, "dpserve", policy, mode, 1)
-            added.append(None if run is None else added_p50(runs, run))
-        claim = f"dpserve({policy}) added p50 at 1 connection <= {GOAL_ADDED_P50_MS:g} ms ({modes})"
-        if any(a is None for a in added):
-            lines.append(f"{claim}: n/a (no figures for both)")
-        else:
-            verdict = "PASS" if all(a <= GOAL_ADDED_P50_MS for a in added if a is not None) else "FAIL"
-            lines.append(f"{claim}: {verdict} (" + ", ".join(f"{a:.2f} ms" for a in added if a is not None) + ")")
+            added = [
+                a
+                for run in runs
+                if run.target == Target("dpserve", policy)
+                and run.mode == mode
+                and (a := added_p50(runs, run)) is not None
+            ]
+            if added:
+                verdict = "PASS" if statistics.median(added) <= GOAL_ADDED_P50_MS else "FAIL"
+                lines.append(
+                    f"dpserve({policy}) added p50 at 1 connection ({MODE_NAMES[mode]}) = "
+                    f"{statistics.median(added):.2f} ms: goal <= {GOAL_ADDED_P50_MS:g} ms {verdict}"
+                )
     return lines
 
 
@@ -513,8 +593,8 @@ def plot(runs: Sequence[Run], path: Path, connections: int) -> None:
             xs, rps, added_xs, added = [], [], [], []
             for m_index, mode in enumerate(MODES):
                 x = m_index - 0.4 + width * (index + 0.5)
-                many = find(runs, target.name, target.policy, mode, connections)
-                one = find(runs, target.name, target.policy, mode, 1)
+                many = find(runs, target, mode, connections)
+                one = find(runs, target, mode, 1)
                 if many is not None:
                     xs.append(x)
                     rps.append(many.req_s)
@@ -552,10 +632,7 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> None:
     print()
     print(format_table(COLUMNS, [[row[c] for c in COLUMNS] for row in table_rows(runs)], align="right"))
     print()
-    ratios = ratio_lines(runs, args.dpserve_policies, args.connections)
-    for line in [*ratios, ""] if ratios else []:
-        print(line)
-    for line in verdict_lines(runs, args.dpserve_policies, args.connections):
+    for line in [*ratio_lines(runs, args), *added_lines(runs, args.dpserve_policies)]:
         print(line)
     busy = [run for run in runs if run.loadgen_peak > LOADGEN_BUSY_CORES]
     if busy:
@@ -578,7 +655,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="dpserve bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--backends", type=int, default=2, help="sims behind every router (2)")
+    parser.add_argument("--backends", type=int, default=2, help="backends behind every router (2)")
+    parser.add_argument(
+        "--backend",
+        choices=("fast", "sim"),
+        default="fast",
+        help="fast: scripted backends the router cannot keep busy (default); sim: dpserve sim --speed 0",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="times every target is measured, in ABBA order (1)")
+    parser.add_argument(
+        "--against",
+        default="",
+        metavar="REV[,REV]",
+        help="also measure dpserve's router as of these commits (git worktrees of this checkout)",
+    )
     parser.add_argument("--connections", type=int, default=32, help="connections of the throughput runs (32)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per measured run (10)")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unrecorded load per target and mode (1)")
@@ -609,13 +699,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(list(argv))
     args.targets = _comma_list(args.targets)
     args.dpserve_policies = _comma_list(args.dpserve_policies)
+    args.against = _comma_list(args.against)
     unknown = set(args.targets) - set(TARGETS)
     if unknown:
         parser.error(f"unknown targets: {sorted(unknown)}")
     if "dpserve" in args.targets and not args.dpserve_policies:
         parser.error("--dpserve-policies names no policy")
-    if args.backends < 1 or args.connections < 1 or args.stream_chunks < 1:
-        parser.error("--backends, --connections and --stream-chunks must be at least 1")
+    if min(args.backends, args.connections, args.stream_chunks, args.rounds) < 1:
+        parser.error("--backends, --connections, --stream-chunks and --rounds must be at least 1")
     if args.duration <= 0 or args.warmup < 0:
         parser.error("--duration must be positive and --warmup not negative")
     return args
@@ -640,8 +731,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("wrk is not on PATH", file=sys.stderr)
         return 2
     print(
-        f"# {os.cpu_count()} CPUs shared by {args.backends} sims, the router and the load generator ({loadgen}); "
-        f"{args.duration:g} s per run at {args.connections} and 1 connections; "
+        f"# {os.cpu_count()} CPUs shared by {args.backends} {args.backend} backends, the router and the load generator "
+        f"({loadgen}); {args.rounds} round(s) of {args.duration:g} s per run at {args.connections} and 1 connections; "
         f"load average before: {os.getloadavg()[0]:.2f} (anything else running skews the figures)",
         flush=True,
     )
