@@ -26,7 +26,9 @@ from tests.integration.conftest import (
     router_status,
     running_fleet,
     running_sim,
+    start_router,
     stop_process,
+    stop_router,
     wait_until,
 )
 
@@ -156,6 +158,31 @@ def test_a_client_that_leaves_aborts_its_request_on_the_sim() -> None:
         text = httpx.get(f"{sim.url}/metrics", timeout=5).text
         success = parse_samples(text, {"vllm:request_success_total"}).by_name["vllm:request_success_total"]
         assert {labels["finished_reason"]: value for labels, value in success if value} == {"abort": 1.0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_the_router_aborts_its_request_on_the_sim(stream: bool) -> None:
+    """Through the router's own HTTP protocol, which tells a request its client left (no watcher task): the
+    replica's request is aborted, the router counts one client gone, and its in-flight count returns to 0."""
+    with running_sim("--decode-ms-per-token", "20") as sim:
+        router = start_router([sim.url], "round_robin")
+        try:
+            body = {"prompt": "Write a long answer", "max_tokens": 500, "stream": stream}  # 10 s of decoding
+            with httpx.Client(timeout=0.5) as client:
+                if stream:  # two chunks read, then the connection closed with the answer half sent
+                    with client.stream("POST", f"{router.url}/v1/completions", json=body) as response:
+                        chunks = response.iter_bytes()
+                        assert next(chunks) and next(chunks)
+                else:  # gone while waiting for the whole answer
+                    with pytest.raises(httpx.ReadTimeout):
+                        client.post(f"{router.url}/v1/completions", json=body)
+            wait_until(lambda: replica_counter(sim.url, "vllm:num_requests_running") == 0, 3, 0.1, "the abort")
+            wait_until(lambda: router_status(router.url)["replicas"][0]["in_flight"] == 0, 3, 0.1, "in-flight 0")
+            text = httpx.get(f"{router.url}/metrics", timeout=5).text
+            gone = parse_samples(text, {"dpserve_client_disconnects_total"}).total("dpserve_client_disconnects_total")
+            assert gone == 1
+        finally:
+            stop_router(router)
 
 
 def peer_links(url: str) -> list[dict[str, Any]]:

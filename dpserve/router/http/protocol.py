@@ -6,11 +6,16 @@ memory with an endless header line: measured, 200 MiB sent in one header grew th
 This counts the bytes a request's head arrives in and answers 431 once they pass the bound with the
 head still incomplete, before the app (whose own header check runs only on complete heads) ever sees
 the request. The parser then holds at most one read beyond the bound.
+
+It also tells a request that its client left (`ClientLeft`, in the scope under `CLIENT_LEFT`) by a callback
+from `connection_lost`, where the app would otherwise keep a task per request waiting on `receive()` for
+`http.disconnect` (a task, a future and a cancellation per request, on the hot path).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -19,6 +24,19 @@ from dpserve.router.http.errors import OpenAIError
 
 # Allowance for the request line (method, URL, version) on top of the headers' own limit.
 REQUEST_LINE_BYTES = 8 * 1024
+
+
+CLIENT_LEFT = "dpserve.client_left"
+"""The scope key of a request's `ClientLeft`, when served by this protocol."""
+
+
+class ClientLeft:
+    """Where a request says what to call if its client's connection is lost before its answer is complete."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self) -> None:
+        self.callback: Callable[[], None] | None = None
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -35,6 +53,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._head_bytes = 0
         self._in_head = True
+        self.scope[CLIENT_LEFT] = ClientLeft()  # type: ignore[literal-required]  # an extension key of ours
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        # uvicorn marks the current request disconnected here, when its answer is not complete.
+        gone = cycle.scope.get(CLIENT_LEFT) if cycle is not None and not cycle.response_complete else None
+        super().connection_lost(exc)
+        if isinstance(gone, ClientLeft) and gone.callback is not None:
+            gone.callback()
 
     def on_headers_complete(self) -> None:
         self._in_head = False

@@ -50,11 +50,11 @@ from dpserve.router.http.errors import (
     replica_misconfigured,
     upstream_error_body,
 )
+from dpserve.router.http.protocol import CLIENT_LEFT, ClientLeft
 from dpserve.router.http.request_body import (
-    body_chunks,
     parse_body,
     parse_form,
-    read_limited,
+    receive_limited,
     request_schema,
 )
 from dpserve.router.http.stored_responses import ResponseOwners, id_of_answer, id_of_stream
@@ -237,7 +237,13 @@ class _Exchange:
         # From here on a client that leaves cancels this task, so the replica's request is dropped
         # (and aborted there) instead of computed for no one. (One frame, not a helper coroutine: every
         # chunk of a stream resumes through each frame of this await chain.)
-        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
+        task = asyncio.current_task()
+        left = self.scope.get(CLIENT_LEFT)
+        watcher = None
+        if isinstance(left, ClientLeft) and task is not None:
+            left.callback = lambda: self._client_left(task)
+        else:  # served by another ASGI server (tests): a task waits for `http.disconnect`
+            watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(task))
         try:
             outcome = await self._dispatch(prepared)
             if isinstance(outcome, Buffered):
@@ -261,7 +267,10 @@ class _Exchange:
                 raise
             task.uncancel()
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
+            elif isinstance(left, ClientLeft):
+                left.callback = None
 
     async def _prepare(self) -> _Prepared:
         """Reads and checks the request; OpenAIError (4xx) for anything the router will not send on."""
@@ -274,13 +283,13 @@ class _Exchange:
         path = upstream_path(self.scope)
         if endpoint.body is BodyKind.NONE:
             # Nothing to relay (a replica ignores a body here too), but read it so the connection stays usable.
-            await read_limited(headers, body_chunks(self.receive), state.max_body_bytes)
+            await receive_limited(headers, self.receive, state.max_body_bytes)
             del upstream_headers["content-type"]
             stream = endpoint.method == "GET" and b"stream=true" in self.scope.get("query_string", b"")
             features = RequestFeatures(endpoint.name, "", stream)
             response_id = path_response_id(endpoint)
             return _Prepared(features, Outbound(endpoint.method, path, b"", upstream_headers), response_id)
-        raw = await read_limited(headers, body_chunks(self.receive), state.max_body_bytes)
+        raw = await receive_limited(headers, self.receive, state.max_body_bytes)
         if endpoint.body is BodyKind.FORM:
             content_type = headers.get("content-type")
             parsed = parse_form(raw, content_type, endpoint)
@@ -371,11 +380,15 @@ class _Exchange:
     async def _watch_disconnect(self, task: asyncio.Task[object] | None) -> None:
         while (await self.receive())["type"] != "http.disconnect":
             pass
+        if task is not None:
+            self._client_left(task)
+
+    def _client_left(self, task: asyncio.Task[object]) -> None:
+        """The client is gone: the exchange is cancelled, unless its answer is already all written."""
         if self.answered or (self.stream is not None and self.stream.ending):
             return
         self.client_gone = True
-        if task is not None:
-            task.cancel()
+        task.cancel()
 
     async def _answer(self, outcome: Buffered) -> None:
         endpoint, status = self.endpoint, outcome.status
