@@ -142,6 +142,8 @@ class Context:
     backend_urls: list[str]
     backends: list[psutil.Process]
     checkouts: dict[str, Path]  # --against: each commit's worktree
+    router_cpus: str = ""  # --router-cpus: the routers' CPUs, and everything else's
+    other_cpus: str = ""
     round: int = 0
 
 
@@ -226,13 +228,37 @@ async def _wait_healthy(urls: list[str], processes: list[subprocess.Popen[bytes]
             await wait_ok(session, f"{url}/health", START_TIMEOUT_S, process)
 
 
-def start_backends(backend: str, count: int, work: Path, processes: list[subprocess.Popen[bytes]]) -> list[str]:
-    """Start `count` backends (appended to `processes`, which the caller stops) and wait until all answer."""
+def pinned(command: list[str], cpus: str) -> list[str]:
+    """`command` bound to `cpus` (taskset's list syntax), or as it is when `cpus` is empty."""
+    return ["taskset", "-c", cpus, *command] if cpus else command
+
+
+def cpu_split(router_cpus: str) -> tuple[str, str]:
+    """(the routers' CPUs, everything else's: backends and load generators), or ("", "") unpinned."""
+    if not router_cpus:
+        return "", ""
+    ours = set(os.sched_getaffinity(0))
+    routers: set[int] = set()
+    for part in router_cpus.split(","):
+        first, _, last = part.partition("-")
+        routers.update(range(int(first), int(last or first) + 1))
+    others = sorted(ours - routers)
+    if not routers <= ours or not others:
+        raise SystemExit(f"--router-cpus {router_cpus}: must be some, not all, of the CPUs {sorted(ours)}")
+    return router_cpus, ",".join(map(str, others))
+
+
+def start_backends(
+    backend: str, count: int, work: Path, processes: list[subprocess.Popen[bytes]], cpus: str = ""
+) -> list[str]:
+    """Start `count` backends (appended to `processes`, which the caller stops) on `cpus` (all when empty) and
+    wait until all answer."""
     base = port_block(count, random.Random())
     urls = [f"http://{HOST}:{base + index}" for index in range(count)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))}
     for index in range(count):
-        processes.append(spawn(backend_command(backend, base + index), work / f"{backend}{index}.log", env))
+        command = pinned(backend_command(backend, base + index), cpus)
+        processes.append(spawn(command, work / f"{backend}{index}.log", env))
     asyncio.run(_wait_healthy(urls, processes))
     return urls
 
@@ -251,10 +277,11 @@ def load_commands(ctx: Context, urls: list[str], mode: str, connections: int, du
     commands = []
     for url, share in zip(urls, split(connections, len(urls)), strict=False):
         if ctx.loadgen == "wrk":
-            commands.append(wrk_command(ctx.scripts[mode], url + PATH, share, duration_s))
+            command = wrk_command(ctx.scripts[mode], url + PATH, share, duration_s)
         else:
             expect = ctx.args.stream_chunks if mode == "sse" else 0
-            commands.append(python_command(url + PATH, ctx.bodies[mode], share, duration_s, expect))
+            command = python_command(url + PATH, ctx.bodies[mode], share, duration_s, expect)
+        commands.append(pinned(command, ctx.other_cpus))
     return commands
 
 
@@ -340,7 +367,9 @@ def router_runs(ctx: Context, target: Target, backend_urls: list[str], connectio
     port = port_block(2, random.Random())
     log_path = ctx.work / f"{target.label}-{len(backend_urls)}-{ctx.round}.log"
     extra = ctx.args.router_arg if target.name == "dpserve" else ()
-    command = router_command(target.name, target.policy, backend_urls, port, settings=NO_GPU, extra=extra)
+    command = pinned(
+        router_command(target.name, target.policy, backend_urls, port, settings=NO_GPU, extra=extra), ctx.router_cpus
+    )
     if target.rev:
         # `python -m` puts its working directory first on the path: the other commit's package is imported.
         checkout = ctx.checkouts[target.rev]
@@ -417,12 +446,13 @@ def run_benchmark(args: argparse.Namespace, loadgen: str) -> tuple[list[Run], li
     ):
         work = Path(tmp)
         try:
+            router_cpus, other_cpus = cpu_split(args.router_cpus)
             progress(f"starting {args.backends} {args.backend} backends ...")
-            urls = start_backends(args.backend, args.backends, work, backends)
+            urls = start_backends(args.backend, args.backends, work, backends, other_cpus)
             bodies = {mode: request_body(mode, args.stream_chunks) for mode in MODES}
             scripts = {mode: write_wrk_script(work, mode, body) for mode, body in bodies.items()}
             processes = [psutil.Process(p.pid) for p in backends]
-            ctx = Context(args, loadgen, work, bodies, scripts, urls, processes, revs)
+            ctx = Context(args, loadgen, work, bodies, scripts, urls, processes, revs, router_cpus, other_cpus)
             for ctx.round in range(args.rounds):
                 order = targets(args) if ctx.round % 2 == 0 else targets(args)[::-1]  # ABBA
                 for target in order:
@@ -661,6 +691,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         choices=("fast", "sim"),
         default="fast",
         help="fast: scripted backends the router cannot keep busy (default); sim: dpserve sim --speed 0",
+    )
+    parser.add_argument(
+        "--router-cpus",
+        default="",
+        metavar="LIST",
+        help="bind every router to these CPUs (taskset -c LIST), the backends and load generators to the others",
     )
     parser.add_argument("--rounds", type=int, default=1, help="times every target is measured, in ABBA order (1)")
     parser.add_argument(
