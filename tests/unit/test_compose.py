@@ -22,6 +22,7 @@ from dpserve.config import RouterSettings, load_settings
 from dpserve.deploy import grafana
 from dpserve.deploy.compose import (
     CPU_MODEL_DIR,
+    CPU_REPLICA_DOCKERFILE,
     CPU_SERVED_NAME,
     DEFAULT_MODEL,
     OVERLAYS,
@@ -858,14 +859,14 @@ def test_no_container_keeps_a_capability_it_does_not_need() -> None:
             assert stack["services"][service_name]["read_only"] is True, (name, service_name)
 
 
-def test_the_router_image_is_tagged_with_the_package_version() -> None:
+def test_the_images_built_here_are_tagged_with_the_package_version() -> None:
     version = package_version()
     assert version != "unknown" and re.fullmatch(r"\d+\.\d+\.\d+.*", version)
+    wanted = {ROUTER_DOCKERFILE: f"dpserve-router:{version}", CPU_REPLICA_DOCKERFILE: f"dpserve-vllm-cpu:{version}"}
     for name, stack in _stacks().items():
-        built = {
-            s["image"] for s in stack["services"].values() if s.get("build", {}).get("dockerfile") == ROUTER_DOCKERFILE
-        }
-        assert built == {f"dpserve-router:{version}"}, name
+        built = {(s["build"]["dockerfile"], s["image"]) for s in stack["services"].values() if "build" in s}
+        assert built, name
+        assert all(wanted[dockerfile] == image for dockerfile, image in built), (name, built)
 
 
 COMPOSE_DOCS = {ROOT / "docs" / "deploy.md": "## Run on a multi-GPU host"}
