@@ -419,7 +419,7 @@ def test_router_dockerfile_installs_the_package_and_runs_dpserve_router() -> Non
     # Built from this repository's package by pip; nothing of the source tree is copied in by hand.
     assert "COPY" not in keywords and "ADD" not in keywords
     installs = [args for keyword, args in instructions if keyword == "RUN" and "pip install" in args]
-    assert installs == ["--mount=type=bind,source=.,target=/src,rw pip install /src"]
+    assert installs == ["--mount=type=bind,source=.,target=/src,rw pip install -c /src/constraints.txt /src"]
     entrypoint = exec_form(instructions, "ENTRYPOINT")
     assert tuple(entrypoint) == ROUTER_ENTRYPOINT
     # The console script is the `dpserve` command the tests run as `python -m dpserve`.
@@ -433,7 +433,8 @@ def test_cpu_replica_dockerfile_builds_the_tiny_model_and_serves_it_with_vllm() 
     runs = [args for keyword, args in instructions if keyword == "RUN"]
     assert instructions[:2] == [("ARG", "BASE_IMAGE=python:3.11-slim"), ("FROM", "${BASE_IMAGE}")]
     assert ("ARG", "TORCH_INDEX=https://download.pytorch.org/whl/cpu") in instructions
-    wheels = 'PIP_FIND_LINKS=/src/replicas/wheels PIP_EXTRA_INDEX_URL="${TORCH_INDEX#none}" pip install "/src[cpu]"'
+    wheels = 'PIP_FIND_LINKS=/src/replicas/wheels PIP_EXTRA_INDEX_URL="${TORCH_INDEX#none}" '
+    wheels += 'pip install -c /src/constraints.txt "/src[cpu]"'
     assert any(wheels in run for run in runs)
     assert f"dpserve model tiny {CPU_MODEL_DIR}" in runs
     assert exec_form(instructions, "ENTRYPOINT") == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
