@@ -22,30 +22,13 @@ import pytest
 
 from dpserve.checkout import NO_BENCHMARKS
 from tests.conftest import free_port_range
-from tests.integration.conftest import stop_process, wait_until
+from tests.integration.conftest import checkout_files, stop_process, wait_until
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 INSTALL_TIMEOUT_S = 600
-
-
-def _source_tree(destination: Path) -> Path:
-    """The checkout's files as git knows them (committed or not, less the ignored): what a clone would hold."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
-    for name in filter(None, listed):
-        source = ROOT / os.fsdecode(name)
-        if source.is_file():
-            target = destination / os.fsdecode(name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(source.read_bytes())
-    return destination
 
 
 def _outside_env() -> dict[str, str]:
@@ -57,7 +40,7 @@ def _outside_env() -> dict[str, str]:
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`python -m build`'s sdist and wheel (the wheel built from the sdist, as build does by default)."""
     work = tmp_path_factory.mktemp("build")
-    source = _source_tree(work / "src")
+    source = checkout_files(work / "src")
     out = work / "dist"
     subprocess.run(
         [sys.executable, "-m", "build", "--outdir", str(out), str(source)],
