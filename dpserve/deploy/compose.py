@@ -101,6 +101,11 @@ def router_image() -> str:
     return f"{ROUTER_IMAGE}:{package_version()}"
 
 
+def cpu_replica_image() -> str:
+    """replicas/Dockerfile.cpu's image, tagged with this package's version as the router's is."""
+    return f"{CPU_REPLICA_IMAGE}:{package_version()}"
+
+
 def var(name: str, default: object) -> str:
     """A value Compose reads from the environment or `.env`, with the default written here."""
     return f"${{{name}:-{default}}}"
@@ -530,7 +535,7 @@ def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
     command = ["--model", CPU_MODEL_DIR, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
     command += vllm_engine_flags(CPU_SERVED_NAME, KV_EVENTS_PORT, CPU_MAX_MODEL_LEN, **_engine(options))
     replica = {
-        "image": CPU_REPLICA_IMAGE,
+        "image": cpu_replica_image(),
         # TORCH_INDEX: PyTorch's CPU index unless the shell says otherwise (`none` where torch's wheel is
         # on disk, which `make compose-up` copies into replicas/wheels/).
         "build": _build(CPU_REPLICA_DOCKERFILE, TORCH_INDEX=var("TORCH_INDEX", "https://download.pytorch.org/whl/cpu")),

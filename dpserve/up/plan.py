@@ -102,7 +102,7 @@ def _has_flag(args: Sequence[str], *names: str) -> bool:
 def vllm_engine_flags(
     served_name: str | None,
     kv_port: int | str,
-    max_model_len: int | str,
+    max_model_len: int | str | None,
     extra: Sequence[str] = (),
     priority_scheduling: bool = False,
     enable_lora: bool = False,
@@ -116,7 +116,7 @@ def vllm_engine_flags(
     `priority_scheduling`, vLLM's priority scheduler (the router passes each request's class); with
     `enable_lora`, LoRA (adapters are loaded at run time, see LORA_RUNTIME_ENV). Flags in `extra` win over
     these and come last. `otlp_traces_endpoint`: the router's, so vLLM's spans join the router's traces.
-    `tensor_parallel_size`: the GPUs (CPU ranks) each replica is given."""
+    `tensor_parallel_size`: the GPUs (CPU ranks) each replica is given. `max_model_len` None: the model's own."""
     flags: list[str] = []
     if tensor_parallel_size != 1 and not _has_flag(extra, *TP_FLAGS):
         flags += [TP_FLAG, str(tensor_parallel_size)]
@@ -146,7 +146,7 @@ def vllm_engine_flags(
             "topic": "",
         }
         flags += ["--kv-events-config", json.dumps(config)]
-    if not _has_flag(extra, "--max-model-len"):
+    if max_model_len is not None and not _has_flag(extra, "--max-model-len"):
         flags += ["--max-model-len", str(max_model_len)]
     # usage.prompt_tokens_details.cached_tokens: what a client (and the policy benchmark) reads per request.
     if not _has_flag(extra, "--enable-prompt-tokens-details"):
@@ -201,7 +201,9 @@ def replica_key_env(settings: UpSettings) -> dict[str, str]:
 def sim_argv(settings: UpSettings, served_name: str, port: int, kv_port: int) -> tuple[str, ...]:
     """One `dpserve sim`; everything after `--` on `dpserve up` goes to every sim, as it would to vLLM."""
     argv = [sys.executable, "-m", "dpserve", "sim", "--port", str(port), "--model", served_name]
-    argv += ["--max-model-len", str(settings.max_model_len), "--log-level", "warning"]
+    if settings.max_model_len is not None:  # else the simulator's own default, as vLLM's is the model's
+        argv += ["--max-model-len", str(settings.max_model_len)]
+    argv += ["--log-level", "warning"]
     argv += ["--kv-events", f"tcp://127.0.0.1:{kv_port}"]
     return (*argv, *settings.vllm_args)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
+import shutil
 import ssl
 import subprocess
 import sys
@@ -252,6 +253,25 @@ def stop_router(router: RouterProcess) -> str:
 stop_process = terminate
 
 
+def checkout_files(destination: Path) -> Path:
+    """A copy of the checkout's files as git knows them (committed or not, less the ignored): what a clone
+    holds, without the .venv, caches and build outputs this checkout has gathered."""
+    root = Path(__file__).resolve().parents[2]
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, listed):
+        source = root / os.fsdecode(name)
+        if source.is_file():  # a file deleted but not yet committed is listed too
+            target = destination / os.fsdecode(name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return destination
+
+
 RouterFactory = Callable[..., RouterProcess]
 
 
@@ -267,3 +287,26 @@ def router_factory(fleet: Fleet) -> Iterator[RouterFactory]:
     yield make
     for router in started:
         stop_router(router)
+
+
+@contextlib.contextmanager
+def torch_index(wheel: Path, directory: Path) -> Iterator[str]:
+    """A package index on loopback holding that one wheel (a plain directory listing, which pip reads as a
+    simple index's page); yields its URL."""
+    project = directory / "torch"
+    project.mkdir(parents=True)
+    (project / wheel.name).symlink_to(wheel)
+    port = free_port_range(1)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+        cwd=directory,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_until(lambda: answers(url + "torch/"), 20, 0.2, "the local torch index")
+        yield url
+    finally:
+        server.terminate()
+        server.wait(10)

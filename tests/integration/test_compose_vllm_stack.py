@@ -12,6 +12,7 @@ import time
 import openai
 import pytest
 
+from dpserve.deploy.compose import cpu_replica_image
 from tests.integration.docker_stack import compose_stack, docker, needs_engine
 from tests.integration.traffic import MODEL, long_prompt, wait_for
 
@@ -21,7 +22,7 @@ WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lim
 
 def test_vllm_cpu_stack_serves_the_sdk_through_the_router() -> None:
     needs_engine()
-    cached = subprocess.run(["docker", "image", "inspect", "dpserve-vllm-cpu"], capture_output=True).returncode == 0
+    cached = subprocess.run(["docker", "image", "inspect", cpu_replica_image()], capture_output=True).returncode == 0
     started = time.monotonic()
     with compose_stack("cpu") as stack:
         ready_s = time.monotonic() - started  # `make compose-up` returns once every healthcheck passes (--wait)

@@ -22,6 +22,7 @@ from dpserve.config import RouterSettings, load_settings
 from dpserve.deploy import grafana
 from dpserve.deploy.compose import (
     CPU_MODEL_DIR,
+    CPU_REPLICA_DOCKERFILE,
     CPU_SERVED_NAME,
     DEFAULT_MODEL,
     OVERLAYS,
@@ -418,7 +419,7 @@ def test_router_dockerfile_installs_the_package_and_runs_dpserve_router() -> Non
     # Built from this repository's package by pip; nothing of the source tree is copied in by hand.
     assert "COPY" not in keywords and "ADD" not in keywords
     installs = [args for keyword, args in instructions if keyword == "RUN" and "pip install" in args]
-    assert installs == ["--mount=type=bind,source=.,target=/src,rw pip install /src"]
+    assert installs == ["--mount=type=bind,source=.,target=/src,rw pip install -c /src/constraints.txt /src"]
     entrypoint = exec_form(instructions, "ENTRYPOINT")
     assert tuple(entrypoint) == ROUTER_ENTRYPOINT
     # The console script is the `dpserve` command the tests run as `python -m dpserve`.
@@ -432,7 +433,8 @@ def test_cpu_replica_dockerfile_builds_the_tiny_model_and_serves_it_with_vllm() 
     runs = [args for keyword, args in instructions if keyword == "RUN"]
     assert instructions[:2] == [("ARG", "BASE_IMAGE=python:3.11-slim"), ("FROM", "${BASE_IMAGE}")]
     assert ("ARG", "TORCH_INDEX=https://download.pytorch.org/whl/cpu") in instructions
-    wheels = 'PIP_FIND_LINKS=/src/replicas/wheels PIP_EXTRA_INDEX_URL="${TORCH_INDEX#none}" pip install "/src[cpu]"'
+    wheels = 'PIP_FIND_LINKS=/src/replicas/wheels PIP_EXTRA_INDEX_URL="${TORCH_INDEX#none}" '
+    wheels += 'pip install -c /src/constraints.txt "/src[cpu]"'
     assert any(wheels in run for run in runs)
     assert f"dpserve model tiny {CPU_MODEL_DIR}" in runs
     assert exec_form(instructions, "ENTRYPOINT") == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
@@ -858,14 +860,14 @@ def test_no_container_keeps_a_capability_it_does_not_need() -> None:
             assert stack["services"][service_name]["read_only"] is True, (name, service_name)
 
 
-def test_the_router_image_is_tagged_with_the_package_version() -> None:
+def test_the_images_built_here_are_tagged_with_the_package_version() -> None:
     version = package_version()
     assert version != "unknown" and re.fullmatch(r"\d+\.\d+\.\d+.*", version)
+    wanted = {ROUTER_DOCKERFILE: f"dpserve-router:{version}", CPU_REPLICA_DOCKERFILE: f"dpserve-vllm-cpu:{version}"}
     for name, stack in _stacks().items():
-        built = {
-            s["image"] for s in stack["services"].values() if s.get("build", {}).get("dockerfile") == ROUTER_DOCKERFILE
-        }
-        assert built == {f"dpserve-router:{version}"}, name
+        built = {(s["build"]["dockerfile"], s["image"]) for s in stack["services"].values() if "build" in s}
+        assert built, name
+        assert all(wanted[dockerfile] == image for dockerfile, image in built), (name, built)
 
 
 COMPOSE_DOCS = {ROOT / "docs" / "deploy.md": "## Run on a multi-GPU host"}

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import socket
@@ -68,6 +69,17 @@ def test_extra_vllm_flags_pass_through_and_win() -> None:
     assert argv[-len(extra) :] == extra
     assert "tiny" not in argv and "--enable-prefix-caching" not in argv
     assert argv.count("--max-model-len") == 1
+
+
+def test_the_context_length_is_the_models_own_unless_given() -> None:
+    """As `vllm serve`: no --max-model-len unless --max-model-len (or one after `--`) asks for one."""
+    for plans in (plan_replicas(UpSettings(), "/m", None, 0, [0]), plan_sims(UpSettings(sim_replicas=2), "t")):
+        assert "--max-model-len" not in plans[0].argv
+    given = load_settings(UpSettings, _overrides(build_parser().parse_args(["up", "--max-model-len", "2048"])))
+    assert given.max_model_len == 2048
+    for plans in (plan_replicas(given, "/m", None, 0, [0]), plan_sims(dataclasses.replace(given, sim_replicas=1), "t")):
+        argv = plans[0].argv
+        assert argv[argv.index("--max-model-len") + 1] == "2048" and argv.count("--max-model-len") == 1
 
 
 def test_sim_plan_runs_dpserve_sim_with_kv_events_and_passes_extra_flags() -> None:
