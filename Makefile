@@ -25,6 +25,8 @@ BROWSER := /usr/bin/chromium
 DNSMASQ := /usr/sbin/dnsmasq
 # An L4/L7 balancer in front of several routers (the router tier's restart benchmark and test): Debian's haproxy.
 HAPROXY := /usr/sbin/haproxy
+# The HTTP load generator of `dpserve bench overhead` (and its test), whose figures the README quotes: Debian's wrk.
+WRK := /usr/bin/wrk
 # A real Prometheus that runs the Grafana dashboard's queries (Grafana's image cannot be pulled here): Debian's.
 PROMETHEUS := /usr/bin/prometheus
 COMMA := ,
@@ -39,7 +41,7 @@ CHECKOV := $(VENV)/checkov/bin/checkov
 run: $(if $(wildcard $(STAMP)),$(STAMP),$(RUN_STAMP))
 	$(VENV)/bin/dpserve up $(ARGS)
 
-test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(PROMETHEUS) $(CHECKOV)
+test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(WRK) $(PROMETHEUS) $(CHECKOV)
 	@tools/docker-engine.sh || echo "No Docker engine runs here: the container tests will skip (tools/docker-engine.sh says why above)."
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
@@ -93,6 +95,10 @@ $(HAPROXY):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends haproxy >/dev/null
 	-$(SUDO) service haproxy stop >/dev/null 2>&1
+
+$(WRK):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends wrk >/dev/null
 
 # Only the binary, as for haproxy: the dashboard's test writes its configuration and starts it.
 $(PROMETHEUS):

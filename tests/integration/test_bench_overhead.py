@@ -1,5 +1,6 @@
-"""The router-overhead benchmark runs end to end over sims and writes its figures (no speed is asserted here:
-its goals are checked in its own output)."""
+"""The router-overhead benchmark runs end to end, over sims and over the fast scripted backends, and writes
+its figures (no speed is asserted here: its goals are checked in its own output). wrk is installed by
+`make test`, as the README's figures use it: no skip without it."""
 
 from __future__ import annotations
 
@@ -34,20 +35,47 @@ def assert_runs(rows: list[dict[str, str]], targets: set[str]) -> None:
         assert bool(row["chunks_s"]) == (row["mode"] == "sse"), row
 
 
-def test_overhead_benchmark_with_the_python_generator(tmp_path: Path) -> None:
+def test_overhead_benchmark_with_the_python_generator_over_sims(tmp_path: Path) -> None:
     targets = "direct,dpserve,vllm-router"
-    assert main(["bench", "overhead", *SHORT, "--loadgen", "python", "--targets", targets, "--out", str(tmp_path)]) == 0
+    command = ["bench", "overhead", *SHORT, "--loadgen", "python", "--backend", "sim", "--targets", targets]
+    assert main([*command, "--out", str(tmp_path)]) == 0
     rows = rows_of(tmp_path)
     assert_runs(rows, {"direct", "dpserve", "vllm-router"})
     assert {row["loadgen"] for row in rows} == {"python"}
     assert (tmp_path / "overhead.png").stat().st_size > 10_000
 
 
-@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not on PATH")
-def test_overhead_benchmark_with_wrk(tmp_path: Path) -> None:
-    targets = "direct,dpserve"
-    assert main(["bench", "overhead", *SHORT, "--loadgen", "wrk", "--targets", targets, "--out", str(tmp_path)]) == 0
+def test_overhead_benchmark_with_wrk_in_abba_rounds_against_a_commit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two rounds (the second in reverse order) over the fast backends, with this commit's router also run
+    from a worktree of HEAD (`--against`): every target in both rounds, and one ratio per round."""
+    assert shutil.which("wrk"), "wrk is not on PATH: `make test` installs it"
+    command = [
+        "bench",
+        "overhead",
+        *SHORT,
+        "--loadgen",
+        "wrk",
+        "--targets",
+        "direct,dpserve",
+        "--rounds",
+        "2",
+        "--warmup",
+        "0",
+    ]
+    assert main([*command, "--against", "HEAD", "--out", str(tmp_path)]) == 0
     rows = rows_of(tmp_path)
-    assert_runs(rows, {"direct", "dpserve"})
+    assert_runs([row for row in rows if row["round"] == "1"], {"direct", "dpserve", "dpserve@HEAD"})
+    assert_runs([row for row in rows if row["round"] == "2"], {"direct", "dpserve", "dpserve@HEAD"})
+    first = [
+        row["target"] for row in rows if row["round"] == "1" and row["mode"] == "json" and row["connections"] == "4"
+    ]
+    second = [
+        row["target"] for row in rows if row["round"] == "2" and row["mode"] == "json" and row["connections"] == "4"
+    ]
+    assert second == first[::-1]  # ABBA
+    out = capsys.readouterr().out
+    assert "dpserve(least_loaded)/dpserve@HEAD(least_loaded) req/s" in out and "(rounds: " in out
     assert {row["loadgen"] for row in rows} == {"wrk"}
     assert (tmp_path / "overhead.png").exists()
