@@ -66,9 +66,9 @@ import uvloop
 
 from benchmarks import streamed
 from benchmarks.fleet import bench_tool, get_text, progress, router_command
-from benchmarks.report import write_csv
+from benchmarks.report import met, write_csv
 from benchmarks.stats import percentile
-from benchmarks.streamed import met, ms, table, ttft_ms
+from benchmarks.streamed import ms, table, ttft_ms
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.process import terminate

@@ -71,8 +71,8 @@ import uvloop
 
 from benchmarks import streamed
 from benchmarks.fleet import bench_tool, child_env, get_text, progress, router_command
-from benchmarks.report import write_csv
-from benchmarks.streamed import met, ms, table, ttft_ms
+from benchmarks.report import met, write_csv
+from benchmarks.streamed import ms, table, ttft_ms
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.up.process import terminate
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -109,3 +110,17 @@ def figure(
         fig.savefig(path, dpi=DPI)
     finally:
         plt.close(fig)
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def goals_status(bench: str, goals: Sequence[tuple[str, bool]]) -> int:
+    """A benchmark's exit status from its goal lines (each: the line, whether all its goals were met): 1, said
+    on stderr, when any was missed; else 0. The figures are written before, either way."""
+    missed = sum(1 for _, ok in goals if not ok)
+    if missed:
+        print(f"dpserve bench {bench}: {missed} of {len(goals)} goal lines NOT met", file=sys.stderr)
+        return 1
+    return 0

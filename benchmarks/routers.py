@@ -69,7 +69,7 @@ from benchmarks.policies import (
     tokenize_all,
 )
 from benchmarks.policy_workloads import BenchRequest, Workload, shared_prefix
-from benchmarks.report import format_table, shown, write_csv
+from benchmarks.report import format_table, goals_status, met, shown, write_csv
 from benchmarks.stats import percentile
 from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from dpserve.up.launcher import busy_ports
@@ -685,26 +685,41 @@ def worker_means(rows: Sequence[WorkerRow]) -> list[tuple[str, ...]]:
     return means
 
 
-def verdicts(tiers: Sequence[TierRow], restarts: Sequence[RestartRow]) -> list[str]:
+def verdicts(tiers: Sequence[TierRow], restarts: Sequence[RestartRow]) -> list[tuple[str, bool]]:
+    """The stated goals on this run's figures: a line each, and whether it met them all."""
     lines = []
     for row in tiers:
         if row.tier == "shared" and row.workload != "uniform":
             alone = next((r for r in tiers if r.workload == row.workload and r.tier == "alone"), None)
+            ok = row.hit_vs_one >= 0.95
             lines.append(
-                f"{row.workload}: {row.routers} sharing routers hit {row.hit_vs_one:.2f}x one router's rate "
-                f"(goal >= 0.95){'' if alone is None else f'; alone {alone.hit_vs_one:.2f}x'}"
+                (
+                    f"{row.workload}: {row.routers} sharing routers hit {row.hit_vs_one:.2f}x one router's rate "
+                    f"(goal >= 0.95){'' if alone is None else f'; alone {alone.hit_vs_one:.2f}x'}: {met(ok)}",
+                    ok,
+                )
             )
         if row.tier == "shared" and row.workload == "uniform":
             through = next((r for r in tiers if r.workload == "uniform" and r.tier == "through_one"), None)
+            ok = row.max_share <= 1.25 and row.ttft_p99_vs_one <= 1.1
             lines.append(
-                f"uniform: max replica share {row.max_share:.2f}x the mean (goal <= 1.25), TTFT p99 "
-                f"{row.ttft_p99_vs_one:.2f}x one router's (goal <= 1.1)"
-                + ("" if through is None else f"; all through one of them {through.ttft_p99_vs_one:.2f}x")
+                (
+                    f"uniform: max replica share {row.max_share:.2f}x the mean (goal <= 1.25), TTFT p99 "
+                    f"{row.ttft_p99_vs_one:.2f}x one router's (goal <= 1.1)"
+                    + ("" if through is None else f"; all through one of them {through.ttft_p99_vs_one:.2f}x")
+                    + f": {met(ok)}",
+                    ok,
+                )
             )
     for r in restarts:
+        ok = r.failed_other == 0 and (r.start != "warm" or r.first_minute_vs_steady >= 0.9)
         lines.append(
-            f"restart ({r.start}): first minute {r.first_minute_vs_steady:.2f}x the steady hit rate "
-            f"(goal >= 0.9 warm); {r.failed_other} failed requests not in flight on the killed router (goal 0)"
+            (
+                f"restart ({r.start}): first minute {r.first_minute_vs_steady:.2f}x the steady hit rate "
+                f"(goal >= 0.9 warm); {r.failed_other} failed requests not in flight on the killed router "
+                f"(goal 0): {met(ok)}",
+                ok,
+            )
         )
     return lines
 
@@ -742,10 +757,10 @@ def main(argv: Sequence[str]) -> int:
     if workers:
         header = ("case", "workers", "runs", "req/s", "p50 ms", "p99 ms", "router CPU us/req", "errors")
         tables.append(format_table(header, worker_means(workers)))
-    lines = verdicts([r for r in tiers if r.run < 0], restarts)
-    report = "\n\n".join(tables) + "\n\n" + "\n".join(lines) + "\n"
+    goals = verdicts([r for r in tiers if r.run < 0], restarts)
+    report = "\n\n".join(tables) + "\n\n" + "\n".join(line for line, _ in goals) + "\n"
     (args.out / "routers.md").write_text("```\n" + report + "```\n")
     print()
     print(report)
     print(f"wrote {shown(args.out)}/routers.md and its CSVs")
-    return 0
+    return goals_status("routers", goals)

@@ -227,10 +227,6 @@ def ms(values: Sequence[float], q: float) -> float:
     return round(percentile(list(values), q), 1)
 
 
-def met(ok: bool) -> str:
-    return "met" if ok else "NOT met"
-
-
 def table(columns: Sequence[tuple[str, str]], rows: Sequence[object]) -> str:
     """The rows' `columns` (header, field) as a text table; an empty cell shows as `-`."""
     cells = [["-" if (value := getattr(r, name)) == "" else value for _, name in columns] for r in rows]

@@ -9,11 +9,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import dns.exception
+import dns.resolver
 import pytest
 
 from tests.conftest import free_port
@@ -47,17 +48,37 @@ class Dns:
     port: int
     extra: tuple[str, ...]
     process: subprocess.Popen[bytes] | None = None
+    generation: int = 0
+    """Each version of the hosts file also names `records-N.test` (N this): once it answers, dnsmasq serves
+    that version."""
 
     @property
     def nameserver(self) -> str:
         return f"{DNS_ADDRESS}:{self.port}"
 
     def set_records(self, records: dict[str, list[str]]) -> None:
+        self.generation += 1
         lines = [f"{address} {name}" for name, addresses in records.items() for address in addresses]
+        lines.append(f"127.0.0.1 records-{self.generation}.test")
         self.hosts_file.write_text("\n".join(lines) + "\n")
         if self.process is not None:
-            self.process.send_signal(signal.SIGHUP)
-            time.sleep(0.2)  # dnsmasq re-reads the file asynchronously
+            self.process.send_signal(signal.SIGHUP)  # dnsmasq re-reads the file asynchronously
+            self.wait_serving()
+
+    def serves_current_records(self) -> bool:
+        resolver = dns.resolver.Resolver(configure=False)
+        resolver.nameservers, resolver.port = [DNS_ADDRESS], self.port
+        try:
+            resolver.resolve(f"records-{self.generation}.test", "A", lifetime=0.5)
+        except dns.exception.DNSException:
+            return False
+        return True
+
+    def wait_serving(self) -> None:
+        process = self.process
+        assert process is not None
+        wait_until(lambda: process.poll() is not None or self.serves_current_records(), 10, 0.02, "dnsmasq's records")
+        assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
 
     def start(self) -> None:
         command = [DNSMASQ, "--keep-in-foreground", "--no-resolv", "--no-hosts", "--bind-interfaces"]
@@ -66,8 +87,7 @@ class Dns:
         if os.geteuid() == 0:
             command.append("--user=root")  # the hosts file lies in root's private tmp
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(0.3)
-        assert self.process.poll() is None, self.process.stderr.read().decode() if self.process.stderr else ""
+        self.wait_serving()
 
     def stop(self) -> None:
         if self.process is not None:

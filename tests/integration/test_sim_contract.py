@@ -211,7 +211,18 @@ class Subscriber:
         self.socket = zmq.Context.instance().socket(zmq.SUB)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.socket.connect(endpoint)
-        time.sleep(0.5)  # ZMQ's slow joiner: let the subscription reach the publisher
+
+    def join(self, url: str, timeout_s: float = 30) -> None:
+        """Until the subscription has reached the publisher (ZMQ's slow joiner drops what is published before):
+        a prompt of its own sent to the replica at `url` until one of its events comes back."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=60) as client:
+            while True:
+                body = {"model": MODEL, "prompt": unique_text(100), "max_tokens": 1}
+                assert client.post(f"{url}/v1/completions", json=body).status_code == 200
+                if self.socket.poll(500):
+                    return
+                assert time.monotonic() < deadline, "no KV event reached the subscriber"
 
     def drain(self, wait_s: float) -> list[list[bytes]]:
         messages = []
@@ -228,7 +239,8 @@ class Subscriber:
 def test_kv_events_use_vllm_wire_format_and_the_same_blocks(targets: dict[str, Target]) -> None:
     subscribers = {name: Subscriber(t.kv_events) for name, t in targets.items()}
     try:
-        for sub in subscribers.values():
+        for name, sub in subscribers.items():
+            sub.join(targets[name].url)
             sub.drain(0.3)
         prompt = unique_text(400)
         responses = both(targets, "POST", "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})

@@ -1,0 +1,72 @@
+"""The benchmarks' stated goals, checked on their own figures: each line says which it met and which not,
+and the run exits non-zero when any is missed (no sockets: rows made here)."""
+
+from __future__ import annotations
+
+from benchmarks.policies import Row, verdicts
+from benchmarks.report import goals_status
+from benchmarks.routers import RestartRow, TierRow
+from benchmarks.routers import verdicts as router_verdicts
+
+
+def row(workload: str, contender: str, hit_rate: float, oracle: float = 0.8, max_share: float = 1.0) -> Row:
+    return Row("sim", workload, contender, 24, 0, hit_rate, oracle, round(hit_rate / oracle, 3), 1, 2, 3, max_share, "")
+
+
+def test_policy_goals_are_met_only_when_kv_aware_is_near_the_oracle_above_round_robin_and_the_peers() -> None:
+    good = [
+        row("shared_prefix", "dpserve:kv_aware", 0.78),
+        row("shared_prefix", "dpserve:round_robin", 0.3),
+        row("shared_prefix", "vllm-router:cache_aware", 0.78),
+        row("multi_turn", "dpserve:kv_aware", 0.7, oracle=0.7),
+        row("multi_turn", "dpserve:round_robin", 0.2, oracle=0.7),
+    ]
+    assert verdicts(good) == [
+        (
+            "sim   shared_prefix   kv_aware/oracle 0.97 >= 0.95; vs round_robin 0.780 > 0.300; "
+            "vs best vllm-router 0.780 >= 0.780; max share 1.00 <= 1.5",
+            True,
+        ),
+        ("sim   multi_turn      kv_aware/oracle 1.00 >= 0.95; vs round_robin 0.700 > 0.200", True),
+    ]
+    # Each goal missed on its own turns its line false, and says which.
+    under_oracle = [row("shared_prefix", "dpserve:kv_aware", 0.75), good[1], good[2]]
+    assert verdicts(under_oracle)[0][1] is False and "kv_aware/oracle 0.94 NOT >= 0.95" in verdicts(under_oracle)[0][0]
+    no_better = [good[0], row("shared_prefix", "dpserve:round_robin", 0.78), good[2]]
+    assert verdicts(no_better)[0][1] is False and "vs round_robin 0.780 NOT > 0.780" in verdicts(no_better)[0][0]
+    peer_ahead = [row("shared_prefix", "dpserve:kv_aware", 0.77), good[1], good[2]]
+    assert verdicts(peer_ahead)[0][1] is False and "NOT >= 0.780" in verdicts(peer_ahead)[0][0]
+    piled = [row("shared_prefix", "dpserve:kv_aware", 0.78, max_share=1.6), good[1], good[2]]
+    assert verdicts(piled)[0][1] is False and "max share 1.60 NOT <= 1.5" in verdicts(piled)[0][0]
+    # No kv_aware run: nothing is claimed.
+    assert verdicts([good[1]]) == []
+
+
+def tier(workload: str, tier: str, hit_vs_one: float, p99_vs_one: float = 1.0, max_share: float = 1.0) -> TierRow:
+    return TierRow(workload, tier, -1, 2, 24, 0, 0.5, 0.5, hit_vs_one, 20, 40, p99_vs_one, 30, max_share, "12/12")
+
+
+def restart(start: str, vs_steady: float, failed_other: int = 0) -> RestartRow:
+    return RestartRow(start, 0.78, 0.78, 0.78 * vs_steady, vs_steady, 0.78, 1.5, 500, 2, failed_other)
+
+
+def test_router_goals_each_turn_their_line_and_the_exit_status(capsys) -> None:  # type: ignore[no-untyped-def]
+    tiers = [tier("shared_prefix", "shared", 1.0), tier("shared_prefix", "alone", 0.9), tier("uniform", "shared", 1.0)]
+    restarts = [restart("warm", 1.0), restart("cold", 0.5)]  # the 0.9 goal is the warm start's only
+    goals = router_verdicts(tiers, restarts)
+    assert [ok for _, ok in goals] == [True, True, True, True]
+    assert goals[0][0] == (
+        "shared_prefix: 2 sharing routers hit 1.00x one router's rate (goal >= 0.95); alone 0.90x: met"
+    )
+    assert goals_status("routers", goals) == 0 and capsys.readouterr().err == ""
+    missed = [
+        router_verdicts([tier("shared_prefix", "shared", 0.94)], []),
+        router_verdicts([tier("uniform", "shared", 1.0, max_share=1.3)], []),
+        router_verdicts([tier("uniform", "shared", 1.0, p99_vs_one=1.2)], []),
+        router_verdicts([], [restart("warm", 0.89)]),
+        router_verdicts([], [restart("alone", 1.0, failed_other=1)]),
+    ]
+    for lines in missed:
+        assert len(lines) == 1 and lines[0][1] is False and lines[0][0].endswith(": NOT met"), lines
+    assert goals_status("routers", [*goals, *missed[0]]) == 1
+    assert capsys.readouterr().err == "dpserve bench routers: 1 of 5 goal lines NOT met\n"
