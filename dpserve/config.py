@@ -359,6 +359,13 @@ class RouterSettings:
         "that stirs it brings it back to every --probe-interval. 0: every replica every --probe-interval",
         HEALTH,
     )
+    linked_quiet_probe_interval_s: float = setting(
+        30.0,
+        "seconds between reads of a quiet replica whose KV-event stream is connected: its events show any work "
+        "that stores a KV block, from this router or not, and bring it back to every --probe-interval; one that "
+        "dies drops the stream and is probed at once. Below --quiet-probe-interval: that interval",
+        HEALTH,
+    )
     held_probe_interval_s: float = setting(
         0.1,
         "while requests are held, seconds between reads of /metrics of a replica full only because of load that "

@@ -45,9 +45,10 @@ class ReplicaMonitor:
     The probes are spread over the interval (`SLICES` slices, each replica in one), not sent all at once.
     A quiet replica (`quiet`: healthy, nothing running or waiting at its last read, no request of this
     router's or its peers' on it, no KV event since that read) is read only every `quiet_interval_s`: its
-    /metrics would say nothing new. Its /health too while its KV-event stream is connected (`events_link`),
-    since a replica that dies drops that connection and is probed at once, `confirm_probes` times in a row
-    (as many as ejecting takes). Anything that stirs it brings it back to every interval."""
+    /metrics would say nothing new. While its KV-event stream is connected (`events_link`), its /health and
+    /metrics only every `linked_quiet_interval_s`: a replica that dies drops that connection and is probed at
+    once, `confirm_probes` times in a row (as many as ejecting takes), and work on it that stores a block, from
+    any client, shows as events. Anything that stirs it brings it back to every interval."""
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class ReplicaMonitor:
         held_interval_s: float = 0.1,
         quiet_interval_s: float = 0.0,
         confirm_probes: int = 2,
+        linked_quiet_interval_s: float = 0.0,
     ) -> None:
         """`held`: whether the router holds requests now; while it does, replicas full only because of load
         that is not the routers' are read again every `held_interval_s` (`_watch_held`). `quiet_interval_s`
@@ -75,6 +77,8 @@ class ReplicaMonitor:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._models_every = max(1, round(models_refresh_s / interval_s))
         self._quiet_every = max(1, round(quiet_interval_s / interval_s)) if interval_s > 0 else 1
+        linked_every = round(linked_quiet_interval_s / interval_s) if interval_s > 0 else 1
+        self._linked_quiet_every = max(self._quiet_every, linked_every)
         self._confirm_probes = confirm_probes
         self._probed: dict[str, int] = {}
         """Per replica, the cycle of its last /health, /metrics and /v1/models read (`_visits`)."""
@@ -201,6 +205,8 @@ class ReplicaMonitor:
         every = self._quiet_every
         if every <= 1 or not quiet(replica):
             return True
+        if replica.events_linked:  # its events would show work, its stream's drop a death: both read seldom
+            every = self._linked_quiet_every
         scrape = cycle - self._scraped.get(replica.id, 0) >= every
         if scrape or not replica.events_linked:
             return scrape

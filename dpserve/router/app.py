@@ -237,6 +237,7 @@ class Router:
                 held_interval_s=self.settings.held_probe_interval_s,
                 quiet_interval_s=self.settings.quiet_probe_interval_s,
                 confirm_probes=self.settings.fail_threshold,
+                linked_quiet_interval_s=self.settings.linked_quiet_probe_interval_s,
             )
             tokens = self._token_cache(replicas)
             relaying = self._relaying(hot, replicas, tokens)

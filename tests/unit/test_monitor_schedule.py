@@ -54,12 +54,15 @@ class ScriptedReplicas:
 
 
 def fleet(
-    count: int, quiet_s: float = 5.0, interval_s: float = 1.0
+    count: int, quiet_s: float = 5.0, interval_s: float = 1.0, linked_quiet_s: float = 0.0
 ) -> tuple[ReplicaRegistry, ScriptedReplicas, ReplicaMonitor]:
     registry = ReplicaRegistry([f"http://10.0.0.{i}:8000" for i in range(count)])
     replicas = ScriptedReplicas()
     session: Any = replicas
-    monitor = ReplicaMonitor(registry, ModelCatalog(registry), session, interval_s, 1.0, quiet_interval_s=quiet_s)
+    catalog = ModelCatalog(registry)
+    monitor = ReplicaMonitor(
+        registry, catalog, session, interval_s, 1.0, quiet_interval_s=quiet_s, linked_quiet_interval_s=linked_quiet_s
+    )
     return registry, replicas, monitor
 
 
@@ -101,6 +104,25 @@ async def test_quiet_replicas_are_read_every_quiet_interval_and_busy_ones_every_
     # Its stream would tell: both every 5th cycle.
     assert replicas.reads[(linked.url, "health")] == 2 and replicas.reads[(linked.url, "metrics")] == 2
     assert monitor.stats.skipped == 8
+
+
+async def test_a_quiet_replica_with_its_kv_events_connected_is_read_every_linked_interval() -> None:
+    registry, replicas, monitor = fleet(2, quiet_s=5.0, linked_quiet_s=10.0)
+    await monitor.probe_all()
+    linked, unlinked = list(registry)
+    linked.events_linked = True
+    replicas.reads.clear()
+    for cycle in range(1, 21):
+        monitor._visit(list(registry), cycle)
+        await settle(monitor)
+    assert replicas.reads[(linked.url, "health")] == 2 and replicas.reads[(linked.url, "metrics")] == 2
+    assert replicas.reads[(unlinked.url, "health")] == 20 and replicas.reads[(unlinked.url, "metrics")] == 4
+    linked.events_linked = False  # its stream dropped: back to the quiet interval, /health every cycle
+    replicas.reads.clear()
+    for cycle in range(21, 31):
+        monitor._visit(list(registry), cycle)
+        await settle(monitor)
+    assert replicas.reads[(linked.url, "health")] == 10 and replicas.reads[(linked.url, "metrics")] == 2
 
 
 async def test_anything_that_stirs_a_quiet_replica_brings_it_back_to_every_cycle() -> None:
