@@ -291,10 +291,13 @@ async def reset_caches(session: aiohttp.ClientSession, layout: Layout) -> None:
     """Every engine's prefix cache emptied (vLLM's data-parallel server resets all its engines)."""
     for url in layout.urls:
         for _ in range(50):
-            async with session.post(f"{url}/reset_prefix_cache") as resp:
-                await resp.read()
-                if resp.status == 200:
-                    break
+            try:
+                async with session.post(f"{url}/reset_prefix_cache") as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        break
+            except aiohttp.ServerDisconnectedError:
+                pass  # a kept-alive connection the server closed as the POST went out: sent again on a new one
             await asyncio.sleep(0.2)  # an engine still finishing a request refuses the reset
         else:
             raise RuntimeError(f"{url}/reset_prefix_cache kept failing (is VLLM_SERVER_DEV_MODE set?)")
