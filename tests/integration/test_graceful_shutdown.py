@@ -67,7 +67,9 @@ async def test_sigterm_lets_a_stream_in_flight_finish_and_accepts_nothing_new() 
             stop_router(router)
     assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
     assert len(events) >= 40  # every token arrived, then [DONE]
-    assert refused_after is not None and refused_after < 1.0, "new connections were still accepted"
+    assert refused_after is not None, "new connections were still accepted"
+    # Refused while the stream still had most of its way to go: at the signal, not near the stream's end.
+    assert refused_after < stream_done_after / 2, (refused_after, stream_done_after)
     assert stream_done_after > 1.0  # the stream really outlived the signal
     print(
         f"\nshutdown: new connections refused {refused_after * 1000:.0f} ms after SIGTERM; the stream finished "
@@ -95,4 +97,6 @@ async def test_past_the_grace_period_streams_end_with_an_error_event_and_the_rou
             stop_router(router)
     # Ended by the router before uvicorn's own cut: a proper end, not a broken chunked body.
     assert events[-1] == "data: [DONE]" and '"code":"router_shutdown"' in events[-2]
-    assert ended_after < 1.0 and exited_after < 5.0  # 0.5 s of grace, not the 20 s the stream would take
+    # 0.5 s of grace, not the 20 s the stream would take (400 tokens at 50 ms): a quarter of that at most.
+    whole_stream_s = 400 * 0.050
+    assert ended_after < whole_stream_s / 4 and exited_after < whole_stream_s / 4, (ended_after, exited_after)

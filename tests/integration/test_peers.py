@@ -41,6 +41,7 @@ from tests.integration.traffic import MODEL, replica_counts, wait_for
 pytestmark = pytest.mark.integration
 
 SLOW = ("--decode-ms-per-token", "50")
+SHUTDOWN_GRACE_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -118,19 +119,20 @@ def test_sessions_keep_their_replica_whichever_router_they_reach(sims: list[SimP
     urls = [sim.url for sim in sims]
     keys = [f"user-{index}" for index in range(16)]
 
-    def where(a: RouterProcess, b: RouterProcess) -> list[tuple[str, str]]:
+    def where(a: RouterProcess, b: RouterProcess, peered: bool) -> list[tuple[str, str]]:
         pairs = []
-        for key in keys:
+        for turn, key in enumerate(keys):
             first = replica_url_of(a, complete(a, "hello", **{"x-session-id": key}))
-            time.sleep(0.15)  # the next turn comes after this one's answer, as a user's does
+            if peered:  # the next turn comes after b heard of this one's binding, as a user's comes after the answer
+                wait_for(lambda n=turn + 1: router_status(b.url)["peers"]["bindings_learned"] >= n, 10, "the binding")
             pairs.append((first, replica_url_of(b, complete(b, "hello again", **{"x-session-id": key}))))
         return pairs
 
     with routers([urls, urls[::-1]], "session") as (a, b):
-        shared = where(a, b)
+        shared = where(a, b, peered=True)
     assert all(first == second for first, second in shared), shared
     with routers([urls, urls[::-1]], "session", peered=False) as (a, b):
-        alone = where(a, b)
+        alone = where(a, b, peered=False)
     assert any(first != second for first, second in alone), alone
 
 
@@ -146,13 +148,13 @@ def test_peers_count_each_others_requests_and_forget_a_killed_router_at_once(sim
             # b sends its own requests where a's are not.
             assert sum(r["in_flight"] for r in router_status(a.url)["replicas"]) == 6
             a.process.kill()
-            forgotten = wait_for(lambda: peer_in_flight(b) == 0, 5, "b to forget a's streams")
+            wait_for(lambda: peer_in_flight(b) == 0, 10, "b to forget a's streams")
         finally:
             stop.set()
-        assert forgotten < 2.0
         status = router_status(b.url)["peers"]
         assert status["peers"] == []
-        assert status["forgotten"].get("link_lost") == 1
+        # At once: on the link's loss, not after --peer-timeout of silence (that would count as "silent").
+        assert status["forgotten"] == {"link_lost": 1}, status["forgotten"]
         complete(b, "b still routes alone")
 
 
@@ -199,12 +201,13 @@ def indexed_blocks(router: RouterProcess) -> list[int]:
 
 def test_sigterm_with_peers_drains_without_waiting_on_their_streams(sims: list[SimProcess]) -> None:
     urls = [sim.url for sim in sims]
-    with routers([urls, urls], "least_loaded") as (a, b):
+    with routers([urls, urls], "least_loaded", "--shutdown-grace", str(SHUTDOWN_GRACE_S)) as (a, b):
         started = time.monotonic()
         a.process.send_signal(signal.SIGTERM)
-        a.process.wait(timeout=20)
+        a.process.wait(timeout=SHUTDOWN_GRACE_S + 10)
         took = time.monotonic() - started
-        assert took < 5, f"the drain waited {took:.1f} s"
+        # Waiting on the peers' link streams (requests in flight) would hold it the whole grace.
+        assert took < SHUTDOWN_GRACE_S / 2, f"the drain waited {took:.1f} s of a {SHUTDOWN_GRACE_S} s grace"
         status = router_status(b.url)["peers"]
         assert status["peers"] == [] and status["forgotten"].get("left") == 1, status
 
@@ -287,10 +290,9 @@ def test_a_peer_that_stops_answering_is_dropped_and_forgotten(sims: list[SimProc
     with router_with_scripted_peer(sims, script) as (router, peer):
         wait_for(lambda: peer_in_flight(router) == 40, 5, "the peer's count")
         # Then silence: no frame, no heartbeat, the connection held open.
-        forgotten = wait_for(lambda: peer_in_flight(router) == 0, 5, "the silent peer to be forgotten")
+        wait_for(lambda: peer_in_flight(router) == 0, 15, "the silent peer to be forgotten")
         status = router_status(router.url)["peers"]
-        assert status["links"][0]["errors"].get("silent", 0) >= 1
-        assert forgotten < 3
+        assert status["links"][0]["errors"].get("silent", 0) >= 1  # after --peer-timeout (2 s) of silence
         wait_for(lambda: peer.streams >= 2, 5, "the router to try the peer again")
         # Routing was never held up: least_loaded spreads over both replicas again.
         assert {replica_url_of(router, complete(router, f"q{i}")) for i in range(6)} == {s.url for s in sims}
