@@ -4,6 +4,7 @@ torchvision and torchaudio are removed only on the CPU, and only where they do n
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -11,12 +12,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _dry_run(target: str, engine: str, venv: Path) -> list[str]:
+    # Run under `make test` too (CI): without the outer make's variables, and without its "Entering directory".
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
     result = subprocess.run(
-        ["make", "-n", target, f"ENGINE={engine}", f"VENV={venv}"],
+        ["make", "--no-print-directory", "-n", target, f"ENGINE={engine}", f"VENV={venv}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     return result.stdout.splitlines()
