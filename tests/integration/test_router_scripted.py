@@ -28,6 +28,8 @@ class ScriptedReplica:
     mode: str = "ok"  # ok | http_500 | http_429 | cut_stream | not_found | text_502
     hits: collections.Counter[str] = field(default_factory=collections.Counter)
     url: str = ""
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    """Every completion request's body as the replica received it."""
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -48,6 +50,7 @@ class ScriptedReplica:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.bodies.append(body)
         self.hits[self.mode] += 1
         if self.mode == "http_500":
             return web.json_response({"error": {"message": "engine dead"}}, status=500)
@@ -223,3 +226,19 @@ async def test_ready_turns_503_when_a_shutdown_begins() -> None:
     # Load balancers stop sending; what still arrives on open connections is served.
     assert ready.status_code == 503 and ready.json()["draining"] is True
     assert served.status_code == 200
+
+
+@pytest.mark.parametrize("passed", [True, False])
+async def test_each_request_s_class_reaches_the_replica_as_its_priority_field(passed: bool) -> None:
+    """With --vllm-priority, the body the replica receives carries vLLM's `priority` for the request's class
+    (critical -1, standard 0, batch 1); without it, the body goes as the client sent it."""
+    replica = ScriptedReplica()
+    async with running([replica], vllm_priority=passed) as url, httpx.AsyncClient(timeout=10) as client:
+        for asked in ("critical", None, "batch"):
+            headers = {"x-dpserve-priority": asked} if asked else {}
+            body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+            response = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+            assert response.status_code == 200, response.text
+    forwarded = [body.get("priority") for body in replica.bodies]
+    assert forwarded == ([-1, 0, 1] if passed else [None, None, None])
+    assert all(body["prompt"] == "hi" and body["max_tokens"] == 1 for body in replica.bodies)
