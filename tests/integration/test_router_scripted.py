@@ -3,6 +3,7 @@ a 5xx before the first byte, a stream cut mid-response, replicas serving differe
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.integration
 @dataclass
 class ScriptedReplica:
     model: str = "m"
-    mode: str = "ok"  # ok | http_500 | http_429 | cut_stream | not_found | text_502
+    mode: str = "ok"  # ok | http_500 | http_429 | cut_stream | not_found | text_502 | slow_stream
     hits: collections.Counter[str] = field(default_factory=collections.Counter)
     url: str = ""
     bodies: list[dict[str, Any]] = field(default_factory=list)
@@ -66,6 +67,8 @@ class ScriptedReplica:
         await response.prepare(request)
         for index in range(5):
             await response.write(b"data: " + orjson.dumps({"choices": [{"text": str(index)}]}) + b"\n\n")
+            if self.mode == "slow_stream":
+                await asyncio.sleep(0.2)
             if self.mode == "cut_stream" and index == 2:
                 await response.write(b'data: {"half an ev')  # then the replica "dies" mid-event
                 assert request.transport is not None
@@ -242,3 +245,41 @@ async def test_each_request_s_class_reaches_the_replica_as_its_priority_field(pa
     forwarded = [body.get("priority") for body in replica.bodies]
     assert forwarded == ([-1, 0, 1] if passed else [None, None, None])
     assert all(body["prompt"] == "hi" and body["max_tokens"] == 1 for body in replica.bodies)
+
+
+async def test_a_tenant_over_its_requests_per_minute_gets_a_429_and_others_are_served() -> None:
+    """`--tenant acme:rpm=2`, over HTTP: acme's third request in the minute is refused with an OpenAI-style 429
+    and a Retry-After, the replica never sees it, and another tenant's request is served meanwhile."""
+    replica = ScriptedReplica()
+    async with running([replica], tenants=("acme:rpm=2",)) as url, httpx.AsyncClient(timeout=10) as client:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+        acme = {"x-dpserve-tenant": "acme"}
+        statuses = [(await client.post(f"{url}/v1/completions", json=body, headers=acme)).status_code for _ in range(2)]
+        refused = await client.post(f"{url}/v1/completions", json=body, headers=acme)
+        other = await client.post(f"{url}/v1/completions", json=body, headers={"x-dpserve-tenant": "zeta"})
+    assert statuses == [200, 200]
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["message"] and int(refused.headers["retry-after"]) >= 1
+    assert other.status_code == 200
+    assert len(replica.bodies) == 3  # the refused one never reached it
+
+
+async def test_a_tenant_over_its_concurrent_requests_is_refused_while_another_tenant_is_served() -> None:
+    """`--tenant acme:concurrent=1`: while one of acme's streams is open, its second request is refused with
+    a 429 and never reaches the replica; another tenant's is served; once the stream ended, acme is served."""
+    replica = ScriptedReplica(mode="slow_stream")  # 5 chunks, 0.2 s apart
+    async with running([replica], tenants=("acme:concurrent=1",)) as url, httpx.AsyncClient(timeout=10) as client:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}
+        acme = {"x-dpserve-tenant": "acme"}
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=acme) as first:
+            chunks = first.aiter_bytes()
+            assert first.status_code == 200 and await anext(chunks)  # the first is running on the replica
+            second = await client.post(f"{url}/v1/completions", json=body, headers=acme)
+            other = await client.post(f"{url}/v1/completions", json=body, headers={"x-dpserve-tenant": "zeta"})
+            async for _ in chunks:
+                pass
+        after = await client.post(f"{url}/v1/completions", json=body, headers=acme)
+    assert second.status_code == 429, second.text
+    assert second.json()["error"]["message"] and "retry-after" in second.headers
+    assert other.status_code == 200 and after.status_code == 200
+    assert len(replica.bodies) == 3  # first, other, after: the refused one never reached it
