@@ -17,6 +17,7 @@ from aiohttp import web
 from fastapi import FastAPI
 
 from dpserve.config import RouterSettings
+from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.router.app import create_app
 from tests.conftest import free_port, serving
 
@@ -283,3 +284,30 @@ async def test_a_tenant_over_its_concurrent_requests_is_refused_while_another_te
     assert second.json()["error"]["message"] and "retry-after" in second.headers
     assert other.status_code == 200 and after.status_code == 200
     assert len(replica.bodies) == 3  # first, other, after: the refused one never reached it
+
+
+async def test_only_a_trusted_key_may_name_the_tenant_its_requests_are_served_as() -> None:
+    """Keys `gateway:...` (its tenant's rules say trusted) and `app:...`: the gateway's requests are served as
+    the tenant it names in `x-dpserve-tenant` (counted under that name); the app's naming one is refused
+    with a 403 that never reaches the replica, and without the header it is served as its own tenant."""
+    replica = ScriptedReplica()
+    keys = ("gateway:gateway-key-123", "app:app-key-12345")
+    apps: list[FastAPI] = []
+    async with (
+        running([replica], apps=apps, api_keys=keys, tenants=("gateway:trusted=true",)) as url,
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+        gateway = {"authorization": "Bearer gateway-key-123", "x-dpserve-tenant": "team-a"}
+        named = await client.post(f"{url}/v1/completions", json=body, headers=gateway)
+        app_named = {"authorization": "Bearer app-key-12345", "x-dpserve-tenant": "team-a"}
+        refused = await client.post(f"{url}/v1/completions", json=body, headers=app_named)
+        own = await client.post(f"{url}/v1/completions", json=body, headers={"authorization": "Bearer app-key-12345"})
+        metrics = (await client.get(f"{url}/metrics", headers={"authorization": "Bearer gateway-key-123"})).text
+    assert named.status_code == 200 and own.status_code == 200
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["code"] == "tenant_not_allowed"
+    assert len(replica.bodies) == 2
+    # Names from a trusted header are unbounded: counted as "other", not under the gateway's own tenant.
+    counted = parse_samples(metrics, {"dpserve_tenant_requests_total"}).by_name["dpserve_tenant_requests_total"]
+    assert {labels["tenant"]: value for labels, value in counted} == {"app": 1.0, "gateway": 0.0, "other": 1.0}
