@@ -8,7 +8,8 @@ import contextlib
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import psutil
@@ -239,9 +240,9 @@ async def test_admission_queues_then_refuses_with_429_and_retry_after() -> None:
             body = {**CHAT, "max_tokens": 33}
             async with httpx.AsyncClient(base_url=router.url, timeout=30) as client:
                 first = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-                await asyncio.sleep(0.2)
+                await until(client, lambda status: status["replicas"][0]["in_flight"] == 1)  # the one slot taken
                 queued = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-                await asyncio.sleep(0.2)
+                await until(client, lambda status: status["flow"]["queued"] == 1)  # the queue of one full
                 full = await client.post("/v1/chat/completions", json=body)
                 timed_out = await queued
                 assert (await first).status_code == 200
@@ -256,3 +257,10 @@ async def test_admission_queues_then_refuses_with_429_and_retry_after() -> None:
     rejections = {labels["reason"]: value for labels, value in metrics.by_name["dpserve_admission_rejections_total"]}
     assert rejections == {"queue_full": 1.0, "queue_timeout": 1.0}
     assert metrics.total("dpserve_queue_wait_seconds_count") == 2  # the first and the last were admitted
+
+
+async def until(client: httpx.AsyncClient, holds: Callable[[dict[str, Any]], bool], timeout_s: float = 10.0) -> None:
+    """Polls the router's /status until `holds` is true of it (TimeoutError after `timeout_s`)."""
+    async with asyncio.timeout(timeout_s):
+        while not holds((await client.get("/status")).json()):
+            await asyncio.sleep(0.02)
