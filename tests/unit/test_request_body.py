@@ -1,22 +1,27 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import orjson
 import pytest
+from starlette.types import Message, Receive
 
 from dpserve.router.http.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, Endpoint
 from dpserve.router.http.errors import OpenAIError
 from dpserve.router.http.request_body import (
     parse_body,
-    read_limited,
+    receive_limited,
     with_model,
 )
 
 
-async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
-    for part in parts:
-        yield part
+def _chunks(*parts: bytes) -> Receive:
+    """An ASGI `receive` that gives `parts` as the body's messages, the last without more_body."""
+    messages = iter(enumerate(parts, 1))
+
+    async def receive() -> Message:
+        index, part = next(messages)
+        return {"type": "http.request", "body": part, "more_body": index < len(parts)}
+
+    return receive
 
 
 def _error(raw: bytes, endpoint: Endpoint = CHAT) -> OpenAIError:
@@ -74,14 +79,14 @@ def test_with_model_keeps_the_raw_bytes_unless_the_model_was_filled_in() -> None
     assert orjson.loads(with_model(filled, "m")) == {"prompt": "x", "seed": 3, "model": "m"}
 
 
-async def test_read_limited_refuses_declared_and_actual_oversize() -> None:
-    assert await read_limited({}, _chunks(b"ab", b"cd"), 4) == b"abcd"
+async def test_receive_limited_refuses_declared_and_actual_oversize() -> None:
+    assert await receive_limited({}, _chunks(b"ab", b"cd"), 4) == b"abcd"
     with pytest.raises(OpenAIError) as declared:
-        await read_limited({"content-length": "5"}, _chunks(b"abcde"), 4)
+        await receive_limited({"content-length": "5"}, _chunks(b"abcde"), 4)
     assert declared.value.status == 413
     with pytest.raises(OpenAIError) as streamed:
-        await read_limited({}, _chunks(b"abc", b"de"), 4)
+        await receive_limited({}, _chunks(b"abc", b"de"), 4)
     assert streamed.value.status == 413
     with pytest.raises(OpenAIError) as invalid:
-        await read_limited({"content-length": "lots"}, _chunks(b""), 4)
+        await receive_limited({"content-length": "lots"}, _chunks(b""), 4)
     assert invalid.value.status == 400

@@ -30,7 +30,7 @@ from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.control.engine_ops import call_engine, engine_op
 from dpserve.router.http.errors import OpenAIError, bad_request
-from dpserve.router.http.request_body import read_limited
+from dpserve.router.http.request_body import receive_limited
 
 log = logging.getLogger("dpserve.router")
 
@@ -150,7 +150,7 @@ def add_admin_routes(app: FastAPI, control: FleetControl, describe: Callable[[Re
 
     @app.post("/admin/replicas")
     async def add_replica(request: Request) -> JSONResponse:
-        raw = await read_limited(request.headers, request.stream(), ADMIN_BODY_LIMIT)
+        raw = await receive_limited(request.headers, request.receive, ADMIN_BODY_LIMIT)
         try:
             payload = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -180,7 +180,7 @@ def add_admin_routes(app: FastAPI, control: FleetControl, describe: Callable[[Re
 
     async def engine(request: Request, replicas: list[Replica], op_name: str) -> JSONResponse:
         op = engine_op(op_name, request.method)
-        body = await read_limited(request.headers, request.stream(), ADMIN_BODY_LIMIT)
+        body = await receive_limited(request.headers, request.receive, ADMIN_BODY_LIMIT)
         query = request.url.query
         answers = await call_engine(control.session, replicas, op, query, body, ENGINE_OP_TIMEOUT_S)
         if op_name in ADAPTER_OPS:  # their adapter set changed: read it again now, not at the next refresh
