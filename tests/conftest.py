@@ -6,12 +6,12 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 import uvicorn
 from starlette.types import ASGIApp
 
+from benchmarks.fleet import first_ephemeral_port
 from dpserve.up.launcher import busy_ports
 
 
@@ -26,17 +26,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     )
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 # Test ports come from below the kernel's ephemeral range: a port picked there (bind to 0) and handed to a
 # process that listens minutes later can meanwhile become the source port of one of vLLM's own connections.
 # A cursor, started apart per process, so no two callers here get the same port before either listens.
-_PORTS_LOW, _PORTS_HIGH = 20000, max(_ephemeral_low(), 24000)
+_PORTS_LOW, _PORTS_HIGH = 20000, max(first_ephemeral_port(), 24000)
 _cursor = _PORTS_LOW + (os.getpid() * 211) % ((_PORTS_HIGH - _PORTS_LOW) // 2)
 
 
