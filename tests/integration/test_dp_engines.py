@@ -5,7 +5,6 @@ its rank, and keeps a repeated prefix on the engine that caches it, as the engin
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from dpserve.up.plan import VLLM_SERVER_MODULE, vllm_engine_flags
 from tests.conftest import free_port
@@ -30,6 +28,7 @@ from tests.integration.conftest import (
     stop_router,
     wait_until,
 )
+from tests.integration.traffic import per_engine, spread_distinct
 
 pytestmark = pytest.mark.integration
 
@@ -90,14 +89,6 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _per_engine(server: DpServer, name: str) -> dict[str, float]:
-    samples = parse_samples(httpx.get(f"{server.url}/metrics", timeout=10).text, {name})
-    totals: dict[str, float] = {}
-    for labels, value in samples.by_name.get(name, ()):
-        totals[labels.get("engine", "")] = totals.get(labels.get("engine", ""), 0.0) + value
-    return totals
-
-
 def _status(router: RouterProcess) -> dict[str, dict[str, object]]:
     replicas = httpx.get(f"{router.url}/status", timeout=10).json()["replicas"]
     return {str(replica["id"]): replica for replica in replicas}
@@ -115,23 +106,9 @@ def test_the_servers_engines_are_routed_as_replicas_each_with_its_own_events(
     assert sorted(status) == list(ENGINES), status
     assert all(replica["url"] == dp_server.url and replica["healthy"] for replica in status.values())
 
-    async def spread() -> None:  # distinct prompts at once: no cached prefix, so by load over both engines
-        async with httpx.AsyncClient(timeout=60) as client:
-            body = {"model": TINY_MODEL_NAME, "max_tokens": 8}
-            answers = await asyncio.gather(
-                *(
-                    client.post(
-                        f"{router.url}/v1/chat/completions",
-                        json={**body, "messages": [{"role": "user", "content": f"topic {i} " * 40}]},
-                    )
-                    for i in range(8)
-                )
-            )
-            assert [answer.status_code for answer in answers] == [200] * 8
-
-    before = _per_engine(dp_server, SUCCESS)
-    asyncio.run(spread())
-    served = {engine: count - before.get(engine, 0.0) for engine, count in _per_engine(dp_server, SUCCESS).items()}
+    before = per_engine(dp_server.url, SUCCESS)
+    spread_distinct(router.url, {"model": TINY_MODEL_NAME, "max_tokens": 8})
+    served = {engine: count - before.get(engine, 0.0) for engine, count in per_engine(dp_server.url, SUCCESS).items()}
     assert served.get("0", 0) > 0 and served.get("1", 0) > 0, served
     # Each engine's events came on its own port (5557 + rank) and filled the index for that engine.
     wait_until(
@@ -156,11 +133,11 @@ def test_a_repeated_prefix_goes_to_the_engine_that_caches_it(router: RouterProce
     )
     assert direct.status_code == 200
     wait_until(lambda: _status(router)["r0:dp1"]["kv_events"]["indexed_blocks"], 20, what="the blocks indexed")  # type: ignore[index]
-    before_success, before_hits = _per_engine(dp_server, SUCCESS), _per_engine(dp_server, PREFIX_HITS)
+    before_success, before_hits = per_engine(dp_server.url, SUCCESS), per_engine(dp_server.url, PREFIX_HITS)
     for turn in range(1, 6):
         assert _chat(router, f"{shared} Question {turn}?").status_code == 200
-    served = {e: n - before_success.get(e, 0.0) for e, n in _per_engine(dp_server, SUCCESS).items()}
-    hits = {e: n - before_hits.get(e, 0.0) for e, n in _per_engine(dp_server, PREFIX_HITS).items()}
+    served = {e: n - before_success.get(e, 0.0) for e, n in per_engine(dp_server.url, SUCCESS).items()}
+    hits = {e: n - before_hits.get(e, 0.0) for e, n in per_engine(dp_server.url, PREFIX_HITS).items()}
     assert served.get("1") == 5 and served.get("0", 0) == 0, served
     assert hits.get("1", 0) > 0, hits  # engine 1 served the prefix from its cache
 

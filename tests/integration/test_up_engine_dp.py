@@ -4,7 +4,6 @@ the module (about 2 minutes here)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Iterator
 
@@ -12,10 +11,10 @@ import httpx
 import psutil
 import pytest
 
-from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.engine_dp import ENGINE_PROCESS
 from tests.integration.conftest import FLEET_START_TIMEOUT_S, Fleet, router_status, running_fleet, wait_until
+from tests.integration.traffic import per_engine, spread_distinct
 
 pytestmark = pytest.mark.integration
 
@@ -30,14 +29,6 @@ def dp_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     # Healthy count 2: the router found both engines of the one server.
     with running_fleet(work, 2, up_args, FLEET_START_TIMEOUT_S, open_replicas=False) as fleet:
         yield fleet
-
-
-def _served_per_engine(url: str) -> dict[str, float]:
-    samples = parse_samples(httpx.get(f"{url}/metrics", timeout=10).text, {SUCCESS})
-    served: dict[str, float] = {}
-    for labels, value in samples.by_name.get(SUCCESS, ()):
-        served[labels.get("engine", "")] = served.get(labels.get("engine", ""), 0.0) + value
-    return served
 
 
 def test_engine_dp_serves_a_chat_through_its_router_with_both_engines_routable(dp_fleet: Fleet) -> None:
@@ -63,25 +54,11 @@ def test_engine_dp_serves_a_chat_through_its_router_with_both_engines_routable(d
     # The server is keyed (dpserve up's default): only its router gets through.
     assert httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).status_code == 401
 
-    async def spread() -> list[str]:  # distinct prompts at once: routed by load over both engines
-        async with httpx.AsyncClient(timeout=60) as client:
-            answers = await asyncio.gather(
-                *(
-                    client.post(
-                        f"{dp_fleet.router_url}/v1/chat/completions",
-                        json={**body, "messages": [{"role": "user", "content": f"topic {i} " * 40}]},
-                    )
-                    for i in range(8)
-                )
-            )
-        assert [a.status_code for a in answers] == [200] * 8
-        return [a.headers["x-dpserve-replica"] for a in answers]
-
-    before = _served_per_engine(server)
-    chosen = asyncio.run(spread())
+    before = per_engine(server, SUCCESS)
+    chosen = spread_distinct(dp_fleet.router_url, body)
     assert set(chosen) == set(ENGINES), chosen
     # Each pinned request ran on the engine the router chose, as the engines' own counters show.
-    after = _served_per_engine(server)
+    after = per_engine(server, SUCCESS)
     served = {engine: after[engine] - before.get(engine, 0.0) for engine in after}
     assert served == {"0": chosen.count("r0:dp0"), "1": chosen.count("r0:dp1")}, (served, chosen)
     # Each engine's KV events (on the endpoint's port + its rank) reach the router.

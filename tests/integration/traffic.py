@@ -154,3 +154,26 @@ async def replica_counts(session: aiohttp.ClientSession, replica_url: str) -> tu
     async with session.get(f"{replica_url}/metrics") as response:
         found = parse_samples(await response.text(), {"vllm:num_requests_running", "vllm:num_requests_waiting"})
     return int(found.total("vllm:num_requests_running") or 0), int(found.total("vllm:num_requests_waiting") or 0)
+
+
+def per_engine(server_url: str, name: str) -> dict[str, float]:
+    """A vLLM server's counter `name` summed by its `engine` label (a data-parallel server's engines)."""
+    samples = parse_samples(httpx.get(f"{server_url}/metrics", timeout=10).text, {name})
+    totals: dict[str, float] = {}
+    for labels, value in samples.by_name.get(name, ()):
+        totals[labels.get("engine", "")] = totals.get(labels.get("engine", ""), 0.0) + value
+    return totals
+
+
+def spread_distinct(router_url: str, body: dict[str, Any], count: int = 8) -> list[str]:
+    """`count` chats with distinct prompts (no shared prefix) at once through the router, so placed by load;
+    each must answer 200. The replicas that answered, in order (`x-dpserve-replica`)."""
+
+    async def send() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            chats = [{**body, "messages": [{"role": "user", "content": f"topic {i} " * 40}]} for i in range(count)]
+            return await asyncio.gather(*(client.post(f"{router_url}/v1/chat/completions", json=c) for c in chats))
+
+    answers = asyncio.run(send())
+    assert [answer.status_code for answer in answers] == [200] * count
+    return [answer.headers["x-dpserve-replica"] for answer in answers]
