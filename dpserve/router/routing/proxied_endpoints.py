@@ -129,6 +129,9 @@ class ProxiedEndpoints:
         self._relaying = relaying
         self._endpoints = {endpoint.path: endpoint for endpoint in endpoints}
         self._request_ids = RequestIds()
+        # Built in the lifespan, on the serving loop: `current_task(loop)` then costs no `getpid` (3.11
+        # checks the running loop's process on every lookup: one system call per request, measured).
+        self._loop = asyncio.get_running_loop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
@@ -143,7 +146,7 @@ class ProxiedEndpoints:
             )
             await _send_error(send, error, self._request_ids.next())
             return
-        exchange = _Exchange(self._relaying, endpoint, scope, receive, send, self._request_ids)
+        exchange = _Exchange(self._relaying, endpoint, scope, receive, send, self._request_ids, self._loop)
         await exchange.run()
 
 
@@ -164,9 +167,17 @@ class _Exchange:
     """One request and its answer."""
 
     def __init__(
-        self, state: Relaying, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send, ids: RequestIds
+        self,
+        state: Relaying,
+        endpoint: Endpoint,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ids: RequestIds,
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.state = state
+        self.loop = loop
         self.endpoint = endpoint
         self.scope = scope
         self.receive = receive
@@ -237,13 +248,13 @@ class _Exchange:
         # From here on a client that leaves cancels this task, so the replica's request is dropped
         # (and aborted there) instead of computed for no one. (One frame, not a helper coroutine: every
         # chunk of a stream resumes through each frame of this await chain.)
-        task = asyncio.current_task()
+        task = asyncio.current_task(self.loop)
         left = self.scope.get(CLIENT_LEFT)
         watcher = None
         if isinstance(left, ClientLeft) and task is not None:
             left.callback = lambda: self._client_left(task)
         else:  # served by another ASGI server (tests): a task waits for `http.disconnect`
-            watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(task))
+            watcher = self.loop.create_task(self._watch_disconnect(task))
         try:
             outcome = await self._dispatch(prepared)
             if isinstance(outcome, Buffered):
@@ -262,7 +273,7 @@ class _Exchange:
             self.answered = True
             await self._refuse(err)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
+            task = asyncio.current_task(self.loop)
             if not self.client_gone or task is None:
                 raise
             task.uncancel()
