@@ -1,0 +1,220 @@
+"""Instructions per request: dpserve's router under callgrind, counted over a fixed number of requests.
+
+Timings on a shared 2-core machine differ by ±10% between identical runs; an instruction count does not,
+so a change of a few percent on the hot path shows here first (then in `dpserve bench overhead`).
+
+For each checkout (this one, and each `--against REV` in a temporary worktree): the router runs under
+`valgrind --tool=callgrind` over 2 fast scripted backends (`benchmarks/fast_backend.py`, not under
+valgrind), with probes slowed so that the counted window holds only requests. After `--warmup` requests,
+the counters are zeroed (`callgrind_control -z`), `--requests` are sent one after another on one
+keep-alive connection, and the counters dumped (`callgrind_control -d`). The router's whole process is
+counted: the event loop, uvicorn, the upstream client, the app. Each checkout is measured `--repeat`
+times (each a fresh router) and the spread is printed, to show what varies.
+
+    python -m benchmarks.instructions [--mode json|sse] [--requests 400] [--against REV] [--out DIR]
+
+Prints instructions per request per checkout and mode, and the ratio against the first checkout; writes
+instructions.csv under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import http.client
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.fleet import CHECKOUT, first_ephemeral_port
+from benchmarks.overhead import MODEL, checkouts, request_body
+
+READY_TIMEOUT_S = 300.0  # a router's start under valgrind: about 40 s here
+SLOW_PROBES = ("--probe-interval", "--quiet-probe-interval", "--linked-quiet-probe-interval")
+
+
+@dataclass(frozen=True)
+class Count:
+    checkout: str
+    mode: str
+    requests: int
+    instructions: int
+
+    @property
+    def per_request(self) -> float:
+        return self.instructions / self.requests
+
+
+def _port(offset: int) -> int:
+    # Below the ephemeral range, apart from the test suite's block (see tests/conftest.py).
+    return first_ephemeral_port() - 2000 - offset - (os.getpid() % 500) * 4
+
+
+def _wait(url_host: str, port: int, path: str, timeout_s: float, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{path} on port {port}: the process exited ({process.returncode})")
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            connection = http.client.HTTPConnection(url_host, port, timeout=2)
+            connection.request("GET", path)
+            if connection.getresponse().status == 200:
+                return
+        time.sleep(0.5)
+    raise SystemExit(f"port {port} did not answer {path} within {timeout_s:.0f} s")
+
+
+def send(port: int, body: bytes, count: int) -> None:
+    """`count` requests, one after another, on one keep-alive connection; each must be a 200."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    for _ in range(count):
+        connection.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+        response = connection.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise SystemExit(f"the router answered {response.status}: {data[:200]!r}")
+    connection.close()
+
+
+@contextlib.contextmanager
+def backends(work: Path) -> Iterator[list[str]]:
+    processes, urls = [], []
+    try:
+        for index in range(2):
+            port = _port(index)
+            command = [sys.executable, "-m", "benchmarks.fast_backend", "--port", str(port), "--model", MODEL]
+            log = (work / f"backend-{index}.log").open("wb")
+            processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=CHECKOUT))
+            _wait("127.0.0.1", port, "/health", 30, processes[-1])
+            urls.append(f"http://127.0.0.1:{port}")
+        yield urls
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(10)
+
+
+def count_router(
+    checkout: Path, label: str, urls: Sequence[str], body: bytes, args: argparse.Namespace, work: Path
+) -> int:
+    """The router's instructions over `args.requests` requests, after a warm-up."""
+    port = _port(10)
+    out = work / f"callgrind-{re.sub(r'[^A-Za-z0-9]', '_', label)}.%p"
+    replicas = [part for url in urls for part in ("--replica", url)]
+    command = [
+        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+        sys.executable, "-m", "dpserve", "router", *replicas, "--port", str(port), "--policy", args.policy,
+        "--gpu-interval", "0", *slow_probes(checkout), *args.router_arg,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    log = (work / f"router-{label}.log").open("wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=checkout)
+    try:
+        _wait("127.0.0.1", port, "/health", READY_TIMEOUT_S, process)
+        send(port, body, args.warmup)
+        # valgrind execs its tool in the process it was started as: that pid is the counted one.
+        _control("-z", process.pid)
+        send(port, body, args.requests)
+        _control("-d", process.pid)
+    finally:
+        process.terminate()
+        process.wait(60)
+    prefix = out.name.replace(".%p", ".")
+    dumps = sorted(path for path in work.glob(prefix + "*") if path.stat().st_size)
+    if not dumps:
+        raise SystemExit(f"{label}: callgrind wrote no dump (see {work})")
+    match = re.search(rb"^summary: (\d+)$", dumps[-1].read_bytes(), re.MULTILINE)
+    if match is None:
+        raise SystemExit(f"{label}: no summary line in {dumps[-1]}")
+    for dump in work.glob(prefix + "*"):
+        dump.unlink()
+    return int(match.group(1))
+
+
+def slow_probes(checkout: Path) -> list[str]:
+    """Probes an hour apart, with the flags this checkout's router has (older ones lack some)."""
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    command = [sys.executable, "-m", "dpserve", "router", "--help"]
+    usage = subprocess.run(command, capture_output=True, text=True, env=env, cwd=checkout, timeout=60).stdout
+    return [part for flag in SLOW_PROBES if flag in usage.split() for part in (flag, "3600")]
+
+
+def _control(flag: str, pid: int) -> None:
+    done = subprocess.run(["callgrind_control", flag, str(pid)], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0 or "OK" not in done.stdout:
+        raise SystemExit(f"callgrind_control {flag} {pid} failed: {done.stdout}{done.stderr}")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("json", "sse"), action="append", help="json (default) and/or sse")
+    parser.add_argument("--requests", type=int, default=400, help="requests counted per run (400)")
+    parser.add_argument("--warmup", type=int, default=50, help="requests before counting (50)")
+    parser.add_argument("--repeat", type=int, default=2, help="fresh routers per checkout and mode (2)")
+    parser.add_argument("--stream-chunks", type=int, default=16, help="SSE events per streamed answer (16)")
+    parser.add_argument("--policy", default="least_loaded")
+    parser.add_argument("--against", default="", help="comma list of other commits to count as well")
+    parser.add_argument("--router-arg", action="append", default=[], help="one more router flag (--x=y)")
+    parser.add_argument("--out", type=Path, default=None, help="where instructions.csv goes")
+    args = parser.parse_args(argv)
+    if args.requests < 50 or args.warmup < 1 or args.repeat < 1:
+        parser.error("--requests ≥ 50, --warmup ≥ 1, --repeat ≥ 1")
+    args.mode = args.mode or ["json"]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    for tool in ("valgrind", "callgrind_control"):
+        if shutil.which(tool) is None:
+            print(f"needs {tool} (apt-get install valgrind)", file=sys.stderr)
+            return 2
+    revs = [rev for rev in args.against.split(",") if rev]
+    counts: list[Count] = []
+    with tempfile.TemporaryDirectory(prefix="dpserve-instructions-") as tmp:
+        work = Path(tmp)
+        with checkouts(revs, work) as others, backends(work) as urls:
+            trees = {"here": CHECKOUT, **others}
+            for mode in args.mode:
+                body = request_body(mode, args.stream_chunks)
+                for repeat in range(args.repeat):
+                    order = list(trees.items()) if repeat % 2 == 0 else list(trees.items())[::-1]
+                    for label, tree in order:
+                        total = count_router(tree, f"{label}-{mode}", urls, body, args, work)
+                        count = Count(label, mode, args.requests, total)
+                        counts.append(count)
+                        print(f"{label:>12} {mode:4} {count.per_request / 1e3:8.1f}k instructions/request", flush=True)
+    report(counts, args.out)
+    return 0
+
+
+def report(counts: Sequence[Count], out: Path | None) -> None:
+    base = counts[0].checkout
+    for mode in dict.fromkeys(count.mode for count in counts):
+        rows = [count for count in counts if count.mode == mode]
+        for label in dict.fromkeys(count.checkout for count in rows):
+            mine = [count.per_request for count in rows if count.checkout == label]
+            ref = [count.per_request for count in rows if count.checkout == base]
+            mean, ref_mean = sum(mine) / len(mine), sum(ref) / len(ref)
+            spread = (max(mine) - min(mine)) / mean
+            print(f"{mode} {label}: {mean / 1e3:.1f}k per request (spread {spread:.1%}), {mean / ref_mean:.3f}x {base}")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "instructions.csv").open("w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(["checkout", "mode", "requests", "instructions", "per_request"])
+            for count in counts:
+                per_request = round(count.per_request)
+                writer.writerow([count.checkout, count.mode, count.requests, count.instructions, per_request])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
