@@ -273,7 +273,9 @@ def split(connections: int, parts: int) -> list[int]:
 
 
 def load_commands(ctx: Context, urls: list[str], mode: str, connections: int, duration_s: float) -> list[list[str]]:
-    """One generator per URL, the connections shared between them."""
+    """--loadgens generators per URL, the connections shared between them; the URLs repeated in turn (a, b, a, b),
+    so that few connections still reach every URL before any gets a second generator."""
+    urls = list(urls) * ctx.args.loadgens
     commands = []
     for url, share in zip(urls, split(connections, len(urls)), strict=False):
         if ctx.loadgen == "wrk":
@@ -706,6 +708,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="also measure dpserve's router as of these commits (git worktrees of this checkout)",
     )
     parser.add_argument("--connections", type=int, default=32, help="connections of the throughput runs (32)")
+    parser.add_argument(
+        "--loadgens",
+        type=int,
+        default=1,
+        help="load generators (one thread each) per URL under load, the connections shared between them (1): "
+        "more when one generator is near a core (the warning) and the router has cores to spare",
+    )
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per measured run (10)")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unrecorded load per target and mode (1)")
     parser.add_argument("--stream-chunks", type=int, default=64, help="SSE events per streamed answer (64)")
@@ -741,8 +750,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error(f"unknown targets: {sorted(unknown)}")
     if "dpserve" in args.targets and not args.dpserve_policies:
         parser.error("--dpserve-policies names no policy")
-    if min(args.backends, args.connections, args.stream_chunks, args.rounds) < 1:
-        parser.error("--backends, --connections, --stream-chunks and --rounds must be at least 1")
+    if min(args.backends, args.connections, args.stream_chunks, args.rounds, args.loadgens) < 1:
+        parser.error("--backends, --connections, --stream-chunks, --rounds and --loadgens must be at least 1")
     if args.duration <= 0 or args.warmup < 0:
         parser.error("--duration must be positive and --warmup not negative")
     return args
@@ -767,8 +776,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("wrk is not on PATH", file=sys.stderr)
         return 2
     print(
-        f"# {os.cpu_count()} CPUs shared by {args.backends} {args.backend} backends, the router and the load generator "
-        f"({loadgen}); {args.rounds} round(s) of {args.duration:g} s per run at {args.connections} and 1 connections; "
+        f"# {os.cpu_count()} CPUs shared by {args.backends} {args.backend} backends, the router and the load generators"
+        f" ({loadgen}, {args.loadgens} per URL); {args.rounds} round(s) of {args.duration:g} s per run "
+        f"at {args.connections} and 1 connections; "
         f"load average before: {os.getloadavg()[0]:.2f} (anything else running skews the figures)",
         flush=True,
     )

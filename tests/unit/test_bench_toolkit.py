@@ -139,3 +139,25 @@ def test_benchmark_ports_come_from_below_the_ephemeral_range() -> None:
         pytest.skip(f"this host's ephemeral ports start at {first}: no room below them")
     starts = [port_block(4, random.Random(seed)) for seed in range(50)]
     assert all(20000 <= start and start + 4 <= first for start in starts)
+
+
+def test_bench_overheads_loadgens_share_the_connections_with_every_url_reached_first() -> None:
+    from benchmarks import overhead
+
+    args = overhead.parse_args(["--loadgens", "2"])
+    scripts = {"json": Path("/work/json.lua")}
+    ctx = overhead.Context(args, "wrk", Path("/work"), {"json": b"{}"}, scripts, [], [], {})
+    commands = overhead.load_commands(ctx, URLS, "json", 7, 2.0)
+    urls = [url + overhead.PATH for url in URLS]
+    assert [(command[-1], command[2]) for command in commands] == [
+        (urls[0], "-c2"),
+        (urls[1], "-c2"),
+        (urls[0], "-c2"),
+        (urls[1], "-c1"),
+    ]
+    assert all(command[1] == "-t1" for command in commands)  # one thread each: its CPU says when it is the limit
+    # Fewer connections than generators: the empty ones are dropped, the first URLs served first.
+    assert [command[-1] for command in overhead.load_commands(ctx, URLS, "json", 2, 2.0)] == urls
+    assert len(overhead.load_commands(ctx, URLS[:1], "json", 1, 2.0)) == 1
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--loadgens", "0"])
