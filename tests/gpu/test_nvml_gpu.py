@@ -135,7 +135,9 @@ async def test_router_reports_the_gpu_of_its_replica(busy_replica: tuple[str, su
         plain,
         _,
     ):
-        app = create_app(RouterSettings(replicas=(url, plain), gpu_interval_s=0.2, probe_interval_s=0.5))
+        # Named: an unnamed replica's id is its host:port (found on the lent H100, 2026-11-27).
+        settings = RouterSettings(replicas=(f"r0={url}", f"r1={plain}"), gpu_interval_s=0.2, probe_interval_s=0.5)
+        app = create_app(settings)
         async with serving(app, "warning") as router, httpx.AsyncClient(base_url=router, timeout=30) as client:
             body = {"prompt": "hello", "max_tokens": 64}
             streams = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(6)]
