@@ -58,7 +58,7 @@ from benchmarks.fleet import (
     wait_ok,
 )
 from benchmarks.loadgen import python_command, run_all, write_wrk_script, wrk_command
-from benchmarks.report import figure, format_table, shown, write_csv
+from benchmarks.report import figure, format_table, goals_status, shown, write_csv
 from dpserve.up.process import log_tail, terminate
 
 PATH = "/v1/completions"
@@ -660,11 +660,13 @@ def decision_times(out: Path) -> None:
     print(report.text)
 
 
-def report(runs: Sequence[Run], args: argparse.Namespace) -> None:
+def report(runs: Sequence[Run], args: argparse.Namespace) -> list[tuple[str, bool]]:
+    """Prints the table and the goal lines; returns each goal line with whether it was met."""
     print()
     print(format_table(COLUMNS, [[row[c] for c in COLUMNS] for row in table_rows(runs)], align="right"))
     print()
-    for line in [*ratio_lines(runs, args), *added_lines(runs, args.dpserve_policies)]:
+    lines = [*ratio_lines(runs, args), *added_lines(runs, args.dpserve_policies)]
+    for line in lines:
         print(line)
     busy = [run for run in runs if run.loadgen_peak > LOADGEN_BUSY_CORES]
     if busy:
@@ -674,6 +676,7 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> None:
         )
     plot(runs, args.out / "overhead.png", args.connections)
     print(f"\nwrote {shown(args.out / 'overhead.csv')}, {shown(args.out / 'overhead.png')}")
+    return [(line, not line.endswith(" FAIL")) for line in lines if line.endswith((" PASS", " FAIL"))]
 
 
 # -- main ---------------------------------------------------------------------------------------------------
@@ -788,13 +791,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
-    if runs:
-        report(runs, args)
+    goals = report(runs, args) if runs else []
     if failures:
         print(f"failed: {', '.join(failures)}")
     if not args.skip_decision:
         decision_times(args.out)
-    return 1 if failures or not runs or any(run.errors for run in runs) else 0
+    if failures or not runs or any(run.errors for run in runs):
+        return 1
+    return goals_status("overhead", goals)  # 1 when a stated goal was missed
 
 
 if __name__ == "__main__":

@@ -35,10 +35,22 @@ def assert_runs(rows: list[dict[str, str]], targets: set[str]) -> None:
         assert bool(row["chunks_s"]) == (row["mode"] == "sse"), row
 
 
-def test_overhead_benchmark_with_the_python_generator_over_sims(tmp_path: Path) -> None:
+def exit_matches_verdicts(code: int, out: str) -> None:
+    """The benchmark's exit status says whether its printed goal lines were all met: 1 when any says FAIL."""
+    verdicts = [line for line in out.splitlines() if line.endswith((" PASS", " FAIL"))]
+    assert verdicts, out
+    assert code == (1 if any(line.endswith(" FAIL") for line in verdicts) else 0), (code, verdicts)
+
+
+def test_overhead_benchmark_with_the_python_generator_over_sims(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     targets = "direct,dpserve,vllm-router"
     command = ["bench", "overhead", *SHORT, "--loadgen", "python", "--backend", "sim", "--targets", targets]
-    assert main([*command, "--out", str(tmp_path)]) == 0
+    code = main([*command, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "dpserve(least_loaded)/vllm-router(round_robin) req/s" in out and "goal >= 0.8x" in out
+    exit_matches_verdicts(code, out)
     rows = rows_of(tmp_path)
     assert_runs(rows, {"direct", "dpserve", "vllm-router"})
     assert {row["loadgen"] for row in rows} == {"python"}
@@ -64,7 +76,7 @@ def test_overhead_benchmark_with_wrk_in_abba_rounds_against_a_commit(
         "--warmup",
         "0",
     ]
-    assert main([*command, "--against", "HEAD", "--out", str(tmp_path)]) == 0
+    code = main([*command, "--against", "HEAD", "--out", str(tmp_path)])
     rows = rows_of(tmp_path)
     assert_runs([row for row in rows if row["round"] == "1"], {"direct", "dpserve", "dpserve@HEAD"})
     assert_runs([row for row in rows if row["round"] == "2"], {"direct", "dpserve", "dpserve@HEAD"})
@@ -77,5 +89,6 @@ def test_overhead_benchmark_with_wrk_in_abba_rounds_against_a_commit(
     assert second == first[::-1]  # ABBA
     out = capsys.readouterr().out
     assert "dpserve(least_loaded)/dpserve@HEAD(least_loaded) req/s" in out and "(rounds: " in out
+    exit_matches_verdicts(code, out)
     assert {row["loadgen"] for row in rows} == {"wrk"}
     assert (tmp_path / "overhead.png").exists()
