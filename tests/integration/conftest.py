@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from dpserve.up.plan import VLLM_SERVER_MODULE
 from dpserve.up.process import terminate
 from tests.conftest import free_port, free_port_range
 
@@ -239,6 +240,22 @@ def start_router(
         stop_router(router)
         raise
     return router
+
+
+@contextlib.contextmanager
+def vllm_replica(model: Path, name: str, log: Path, *args: str) -> Iterator[str]:
+    """One real vLLM replica of `model` served as `name`, with `args` (a pooling runner, a scheduling policy),
+    on a free loopback port; its URL at once (wait for its /health), stopped when the block ends."""
+    port = free_port()
+    command = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", str(model), "--served-model-name", name]
+    command += ["--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port), *args]
+    env = {**os.environ, **REPLICA_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(process, 60)
 
 
 def stop_router(router: RouterProcess) -> str:

@@ -6,27 +6,21 @@ same embeddings through the router as from the replica."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from dpserve.tiny_model import ensure_tiny_model
-from dpserve.up.plan import VLLM_SERVER_MODULE
-from tests.conftest import free_port
-from tests.integration.conftest import REPLICA_ENV, answers, start_router, stop_process, stop_router, wait_until
+from tests.integration.conftest import answers, start_router, stop_router, vllm_replica, wait_until
 
 pytestmark = pytest.mark.integration
 
 EMBED, CLASSIFY = "tiny-embed", "tiny-classify"
+POOLING = ("--runner", "pooling")
 START_TIMEOUT_S = 300
 # What vLLM draws afresh for every request (and so differs between two runs of one request).
 PER_REQUEST = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
@@ -39,30 +33,13 @@ class Pooling:
     classify: str
 
 
-@contextlib.contextmanager
-def pooling_replica(model: Path, name: str, convert: str, log: Path) -> Iterator[str]:
-    port = free_port()
-    command = [
-        sys.executable, "-m", VLLM_SERVER_MODULE, "--model", str(model), "--served-model-name", name,
-        "--runner", "pooling", "--convert", convert, "--max-model-len", "512", "--port", str(port),
-        "--host", "127.0.0.1",
-    ]  # fmt: skip
-    env = {**os.environ, **REPLICA_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop_process(process, 60)
-
-
 @pytest.fixture(scope="module")
 def pooling(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pooling]:
     work = tmp_path_factory.mktemp("pooling")
     model = ensure_tiny_model(work / "cache")
     with (
-        pooling_replica(model, EMBED, "embed", work / "embed.log") as embed,
-        pooling_replica(model, CLASSIFY, "classify", work / "classify.log") as classify,
+        vllm_replica(model, EMBED, work / "embed.log", *POOLING, "--convert", "embed") as embed,
+        vllm_replica(model, CLASSIFY, work / "classify.log", *POOLING, "--convert", "classify") as classify,
     ):
         # Both start at once; each must come up (its log says why not).
         wait_until(lambda: answers(f"{embed}/health") and answers(f"{classify}/health"), START_TIMEOUT_S, what="vllm")
