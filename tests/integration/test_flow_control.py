@@ -141,16 +141,21 @@ def test_critical_requests_pass_a_batch_flood_and_batch_is_shed_first(sims: list
 
 
 def test_no_tenant_starves_and_no_request_waits_past_the_queue_timeout(sims: list[SimProcess]) -> None:
+    """With outside load as well: 2 streams straight to the first sim, which the router sees only in that
+    sim's scraped counts and in its own requests' waits, as a replica shared with other clients."""
     timeout_s = 0.5
     with router_over(sims, "--queue-timeout", str(timeout_s), "--tenant", "t5:weight=4") as url:
 
-        async def scenario() -> list[Answer]:
+        async def scenario() -> tuple[list[Answer], list[Answer]]:
             until = time.monotonic() + 8.0
+            outside = asyncio.create_task(closed_loop(sims[0].url, "outside", 2, until))
             loads = [closed_loop(url, f"t{n}", n + 1, until) for n in range(6)]  # 1 to 6 streams each
-            return [answer for answers in await asyncio.gather(*loads) for answer in answers]
+            routed = [answer for answers in await asyncio.gather(*loads) for answer in answers]
+            return routed, await outside
 
-        answers = asyncio.run(scenario())
+        answers, outside = asyncio.run(scenario())
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert outside and all(answer.status == 200 for answer in outside)  # the sim really carried outside load
     for tenant in (f"t{n}" for n in range(6)):
         assert any(a.tenant == tenant and a.status == 200 for a in answers), f"{tenant} was never served"
     for answer in answers:
