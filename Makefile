@@ -30,6 +30,8 @@ WRK := /usr/bin/wrk
 # A real Prometheus that runs the Grafana dashboard's queries (Grafana's image cannot be pulled here): Debian's.
 PROMETHEUS := /usr/bin/prometheus
 COMMA := ,
+# The suite's slowest tests and every skip with its reason, in the log CI keeps.
+PYTEST_ARGS ?= --durations=30 -rs
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # checkov, the deployment files' scanner (tests/unit/test_scan.py), in a virtual environment of its own:
 # its pins (aiodns<4, networkx, packaging) clash with the bench extra's and vLLM's.

@@ -17,9 +17,11 @@ from dpserve.up.launcher import busy_ports
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Tests that kill or stop the shared replicas run after everything that needs them healthy; the one
-    # that stops the whole fleet runs last of all.
+    # that stops the whole fleet runs after those; the vLLM containers last of all, once the shared fleet's
+    # replicas have left the cores and the memory to them.
     items.sort(
         key=lambda item: (
+            item.get_closest_marker("vllm_stack") is not None,
             item.get_closest_marker("disruptive") is not None,
             item.get_closest_marker("stops_fleet") is not None,
         )

