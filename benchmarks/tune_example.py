@@ -374,9 +374,10 @@ def machine() -> str:
 
 
 def shown_command(command: Sequence[str], work: Path) -> str:
-    """A command line for a report: `python` for this interpreter, `<work>` for the scratch folder."""
+    """A command line for a report: `python` for this interpreter, `<work>` for the scratch folder, `~` for the
+    home folder (the tiny model's cache)."""
     text = " ".join("python" if part == sys.executable else part for part in command)
-    return text.replace(str(work), "<work>")
+    return text.replace(str(work), "<work>").replace(str(Path.home()), "~")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

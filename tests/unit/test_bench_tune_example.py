@@ -5,6 +5,8 @@ and the checks that fail the run."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from benchmarks.tune_example import (
     checks,
     fit_figures,
     log_figures,
+    shown_command,
     tune_defaults_hit_rate,
     tune_request_count,
     workload,
@@ -159,3 +162,18 @@ def test_the_checks_fail_on_missing_receipts_a_hit_rate_of_0_or_over_1_and_a_mis
     assert len(failed(replica_hit_rate=None)) == 1 and len(failed(replica_hit_rate=1.2)) == 1
     assert len(failed(tune_requests=100)) == 1 and len(failed(tune_requests=None)) == 1
     assert len(failed(tune_hit_rate=0.0)) == 1 and len(failed(tune_hit_rate=None)) == 1
+
+
+def test_a_shown_command_carries_no_machine_paths(tmp_path: Path) -> None:
+    home = Path.home()
+    command = [
+        sys.executable,
+        "-m",
+        "dpserve",
+        "up",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--cache-dir",
+        str(home / "c"),
+    ]
+    assert shown_command(command, tmp_path) == "python -m dpserve up --run-dir <work>/run --cache-dir ~/c"
