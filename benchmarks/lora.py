@@ -71,7 +71,7 @@ import uvloop
 
 from benchmarks import streamed
 from benchmarks.fleet import bench_tool, child_env, get_text, progress, router_command
-from benchmarks.report import met, write_csv
+from benchmarks.report import goals_status, met, write_csv
 from benchmarks.streamed import ms, table, ttft_ms
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.up.process import terminate
@@ -821,7 +821,9 @@ def main(argv: Sequence[str]) -> int:
     replicas: list[str] = list(args.replica)
     with streamed.framed(args, "lora", lambda: write_report(args, compare, hot, len(replicas))) as work:
         uvloop.run(run_all(args, work, compare, hot, replicas))
-    return 0
+    lines = compare_goals([r for r in compare if r.run == -1] or list(compare), [r for r in compare if r.run >= 0])
+    lines += hot_goals([r for r in hot if r.run == -1] or list(hot), len(replicas), [r for r in hot if r.run >= 0])
+    return goals_status("lora", [(line, "NOT met" not in line) for line in lines])  # 1: a goal missed
 
 
 if __name__ == "__main__":

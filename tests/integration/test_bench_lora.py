@@ -1,6 +1,7 @@
 """The LoRA benchmark runs end to end on the session fleet's 2 real vLLM CPU replicas (`--max-loras 2`), small
-(2 rounds), and writes its tables: every round's rows and their medians (its goals are checked in its own output,
-not asserted here; only that dpserve answered every request, and that the replicas hold no adapter afterwards)."""
+(2 rounds), and writes its tables: every round's rows and their medians (its goals are checked in its own output
+and its exit status, which must agree; here, that dpserve answered every request, and that the replicas hold no
+adapter afterwards)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ def test_lora_benchmark_on_the_fleet_writes_compare_and_hot(fleet: Fleet, tmp_pa
         argv += ["--replica", url]
     # The fleet's own cache: its tiny model is the adapters' base, and is not built again.
     argv += ["--cache-dir", str(fleet.log_path.parent / "cache")]
-    assert main(argv) == 0
+    code = main(argv)
     out = tmp_path / "out"
+    # Its exit status says whether its goal lines (in lora.md) were all met.
+    report = (out / "lora.md").read_text()
+    assert " met" in report
+    assert code == (1 if "NOT met" in report else 0), report
     with open(out / "compare.csv") as handle:
         compare = {(row["setup"], int(row["run"])): row for row in csv.DictReader(handle)}
     setups = {setup for setup, _ in compare}
