@@ -71,3 +71,24 @@ def test_router_with_kv_events_flags_and_remote_tokens(fleet: Fleet, router_fact
     assert metric(router.url, "dpserve_routing_tokenize_failures_total") == 0
     assert metric(router.url, "dpserve_kv_events_total", type="BlockStored") > 0
     assert metric(router.url, "dpserve_kv_event_decode_errors_total") == 0
+
+
+def test_a_prompt_another_client_sent_straight_to_a_replica_is_routed_to_it(fleet: Fleet) -> None:
+    """Load that never went through the router: a client sends a long prompt straight to each replica in turn.
+    The replicas' own KV events tell the router, which sends the same prompt, asked through it, to the replica
+    that computed it, and that replica reports it cached."""
+    # Two prompts per replica: a policy blind to the cache would place all four right once in 16 runs.
+    for index, replica_url in [(i, url) for i, url in enumerate(fleet.replica_urls) for _ in range(2)]:
+        name = f"r{index}"
+        body = {"model": "dpserve-tiny", "prompt": long_prompt(random.randrange(10**6)), "max_tokens": 2}
+        before = metric(fleet.router_url, "dpserve_kv_index_blocks", replica=name)
+        direct = httpx.post(f"{replica_url}/v1/completions", json=body, timeout=60)
+        assert direct.status_code == 200, direct.text
+        wait_until(
+            lambda r=name, b=before: metric(fleet.router_url, "dpserve_kv_index_blocks", replica=r) > b,
+            10,
+            0.1,
+            "the replica's events of the outside request",
+        )
+        replica, cached = complete(fleet.router_url, body)
+        assert (replica, cached > 0) == (name, True), (replica, cached)
