@@ -20,22 +20,25 @@ instructions.csv under --out.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import csv
 import http.client
 import os
+import random
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.fleet import CHECKOUT, first_ephemeral_port
-from benchmarks.overhead import MODEL, checkouts, request_body
+import aiohttp
+
+from benchmarks.fleet import CHECKOUT, port_block, stop_all, wait_ok
+from benchmarks.overhead import checkouts, request_body, start_backends
 
 READY_TIMEOUT_S = 300.0  # a router's start under valgrind: about 40 s here
 SLOW_PROBES = ("--probe-interval", "--quiet-probe-interval", "--linked-quiet-probe-interval")
@@ -53,23 +56,12 @@ class Count:
         return self.instructions / self.requests
 
 
-def _port(offset: int) -> int:
-    # Below the ephemeral range, apart from the test suite's block (see tests/conftest.py).
-    return first_ephemeral_port() - 2000 - offset - (os.getpid() % 500) * 4
+def wait_ready(url: str, timeout_s: float, process: subprocess.Popen[bytes]) -> None:
+    async def ready() -> None:
+        async with aiohttp.ClientSession() as session:
+            await wait_ok(session, url, timeout_s, process)
 
-
-def _wait(url_host: str, port: int, path: str, timeout_s: float, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{path} on port {port}: the process exited ({process.returncode})")
-        with contextlib.suppress(OSError, http.client.HTTPException):
-            connection = http.client.HTTPConnection(url_host, port, timeout=2)
-            connection.request("GET", path)
-            if connection.getresponse().status == 200:
-                return
-        time.sleep(0.5)
-    raise SystemExit(f"port {port} did not answer {path} within {timeout_s:.0f} s")
+    asyncio.run(ready())
 
 
 def send(port: int, body: bytes, count: int) -> None:
@@ -86,27 +78,19 @@ def send(port: int, body: bytes, count: int) -> None:
 
 @contextlib.contextmanager
 def backends(work: Path) -> Iterator[list[str]]:
-    processes, urls = [], []
+    """The overhead benchmark's 2 fast backends, stopped at the end."""
+    processes: list[subprocess.Popen[bytes]] = []
     try:
-        for index in range(2):
-            port = _port(index)
-            command = [sys.executable, "-m", "benchmarks.fast_backend", "--port", str(port), "--model", MODEL]
-            log = (work / f"backend-{index}.log").open("wb")
-            processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=CHECKOUT))
-            _wait("127.0.0.1", port, "/health", 30, processes[-1])
-            urls.append(f"http://127.0.0.1:{port}")
-        yield urls
+        yield start_backends("fast", 2, work, processes)
     finally:
-        for process in processes:
-            process.terminate()
-            process.wait(10)
+        stop_all(processes, 10)
 
 
 def count_router(
     checkout: Path, label: str, urls: Sequence[str], body: bytes, args: argparse.Namespace, work: Path
 ) -> int:
     """The router's instructions over `args.requests` requests, after a warm-up."""
-    port = _port(10)
+    port = port_block(1, random.Random())
     out = work / f"callgrind-{re.sub(r'[^A-Za-z0-9]', '_', label)}.%p"
     replicas = [part for url in urls for part in ("--replica", url)]
     command = [
@@ -115,18 +99,18 @@ def count_router(
         "--gpu-interval", "0", *slow_probes(checkout), *args.router_arg,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    log = (work / f"router-{label}.log").open("wb")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=checkout)
+    # In the checkout's own folder: `python -m` puts the working directory first on the path.
+    with (work / f"router-{label}.log").open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=checkout)
     try:
-        _wait("127.0.0.1", port, "/health", READY_TIMEOUT_S, process)
+        wait_ready(f"http://127.0.0.1:{port}/health", READY_TIMEOUT_S, process)
         send(port, body, args.warmup)
         # valgrind execs its tool in the process it was started as: that pid is the counted one.
         _control("-z", process.pid)
         send(port, body, args.requests)
         _control("-d", process.pid)
     finally:
-        process.terminate()
-        process.wait(60)
+        stop_all([process], 60)
     prefix = out.name.replace(".%p", ".")
     dumps = sorted(path for path in work.glob(prefix + "*") if path.stat().st_size)
     if not dumps:
