@@ -19,15 +19,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dpserve.gpu.nvml import Nvml, count_nvidia_gpus, load_nvml, open_reader
-
-
-def percentile(values: Sequence[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+from benchmarks.stats import percentile
+from dpserve.gpu.nvml import Nvml, NvmlUnavailable, load_nvml, open_reader
 
 
 def measure(readings: int, load: Callable[[], Nvml] = load_nvml) -> list[str]:
+    """The process's first open (the library loaded then, as in a router that starts), then the readings;
+    NvmlUnavailable without a GPU."""
     started = time.perf_counter()
     reader = open_reader(load)
     open_ms = (time.perf_counter() - started) * 1000
@@ -49,7 +47,7 @@ def measure(readings: int, load: Callable[[], Nvml] = load_nvml) -> list[str]:
         f"GPUs read: {gpus}",
         f"open NVML: {open_ms:.2f} ms (once)",
         f"one reading of every GPU, {readings} readings: p50 {statistics.median(times):.3f} ms, "
-        f"p99 {percentile(times, 0.99):.3f} ms, max {max(times):.3f} ms",
+        f"p99 {percentile(sorted(times), 99):.3f} ms, max {max(times):.3f} ms",
     ]
 
 
@@ -58,11 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--readings", type=int, default=2000)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    count, why = count_nvidia_gpus()
-    if not count:
-        print(f"no GPU to measure: {why}", file=sys.stderr)
+    try:
+        lines = measure(max(1, args.readings))
+    except NvmlUnavailable as exc:
+        print(f"no GPU to measure: {exc}", file=sys.stderr)
         return 2
-    lines = measure(max(1, args.readings))
     print("\n".join(lines))
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n")
