@@ -63,7 +63,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -776,21 +776,33 @@ HOT_COLUMNS = (
 )  # fmt: skip
 
 
+RowT = TypeVar("RowT", "CompareRow", "HotRow")
+
+
+def shown_rows(rows: Sequence[RowT]) -> list[RowT]:
+    """The rows a report shows: the medians' (run -1), or the one round's."""
+    return [r for r in rows if r.run == -1] or list(rows)
+
+
+def goal_lines(compare: Sequence[CompareRow], hot: Sequence[HotRow], replicas: int) -> list[str]:
+    """The goal lines of what has been measured so far, on the shown rows, with each round's figures."""
+    lines = compare_goals(shown_rows(compare), [r for r in compare if r.run >= 0]) if compare else []
+    if hot:
+        lines += hot_goals(shown_rows(hot), replicas, [r for r in hot if r.run >= 0])
+    return lines
+
+
 def write_report(args: argparse.Namespace, compare: Sequence[CompareRow], hot: Sequence[HotRow], replicas: int) -> str:
     """The CSVs (every round's rows and the medians) and lora.md (the medians, or the one round's) of what has
     been measured so far; returns the report's text."""
-    tables, lines = [], []
+    tables = []
     if compare:
         write_csv(args.out / "compare.csv", [asdict(r) for r in compare], [f.name for f in fields(CompareRow)])
-        shown_compare = [r for r in compare if r.run == -1] or list(compare)
-        tables.append(table(COMPARE_COLUMNS, shown_compare))
-        lines += compare_goals(shown_compare, [r for r in compare if r.run >= 0])
+        tables.append(table(COMPARE_COLUMNS, shown_rows(compare)))
     if hot:
         write_csv(args.out / "hot.csv", [asdict(r) for r in hot], [f.name for f in fields(HotRow)])
-        shown_hot = [r for r in hot if r.run == -1] or list(hot)
-        tables.append(table(HOT_COLUMNS, shown_hot))
-        lines += hot_goals(shown_hot, replicas, [r for r in hot if r.run >= 0])
-    report = "\n\n".join(tables) + "\n\n" + "\n".join(lines) + "\n"
+        tables.append(table(HOT_COLUMNS, shown_rows(hot)))
+    report = "\n\n".join(tables) + "\n\n" + "\n".join(goal_lines(compare, hot, replicas)) + "\n"
     names = adapter_names(args.adapters)
     slots = "/".join(str(n) for n in getattr(args, "slots", None) or [args.max_loras])
     zipf = zipf_sequence(names, args.requests, args.zipf, args.seed)
@@ -821,8 +833,7 @@ def main(argv: Sequence[str]) -> int:
     replicas: list[str] = list(args.replica)
     with streamed.framed(args, "lora", lambda: write_report(args, compare, hot, len(replicas))) as work:
         uvloop.run(run_all(args, work, compare, hot, replicas))
-    lines = compare_goals([r for r in compare if r.run == -1] or list(compare), [r for r in compare if r.run >= 0])
-    lines += hot_goals([r for r in hot if r.run == -1] or list(hot), len(replicas), [r for r in hot if r.run >= 0])
+    lines = goal_lines(compare, hot, len(replicas))
     return goals_status("lora", [(line, "NOT met" not in line) for line in lines])  # 1: a goal missed
 
 
