@@ -576,9 +576,10 @@ def comparisons(args: argparse.Namespace) -> list[tuple[Target, Target, dict[str
     return pairs
 
 
-def ratio_lines(runs: Sequence[Run], args: argparse.Namespace) -> list[str]:
-    """Each comparison's median req/s ratio per mode, with its verdict when it has a goal."""
-    lines = []
+def ratio_lines(runs: Sequence[Run], args: argparse.Namespace) -> list[tuple[str, bool | None]]:
+    """Each comparison's median req/s ratio per mode, with its verdict when it has a goal: (line, whether the
+    goal was met, None without one)."""
+    lines: list[tuple[str, bool | None]] = []
     for ours, theirs, goals in comparisons(args):
         for mode in MODES:
             ratios = rps_ratios(runs, ours, theirs, mode, args.connections)
@@ -586,16 +587,17 @@ def ratio_lines(runs: Sequence[Run], args: argparse.Namespace) -> list[str]:
                 continue
             where = f"{MODE_NAMES[mode]}, {args.connections} connections"
             line = f"{ours.label}/{theirs.label} req/s = {_ratio_text(ratios)}  ({where})"
+            met = None
             if mode in goals:
-                verdict = "PASS" if statistics.median(ratios) >= goals[mode] else "FAIL"
-                line += f": goal >= {goals[mode]:g}x {verdict}"
-            lines.append(line)
+                met = statistics.median(ratios) >= goals[mode]
+                line += f": goal >= {goals[mode]:g}x {'PASS' if met else 'FAIL'}"
+            lines.append((line, met))
     return lines
 
 
-def added_lines(runs: Sequence[Run], policies: Sequence[str]) -> list[str]:
-    """The added p50 at 1 connection, per dpserve policy, its median over rounds against the goal."""
-    lines = []
+def added_lines(runs: Sequence[Run], policies: Sequence[str]) -> list[tuple[str, bool | None]]:
+    """The added p50 at 1 connection, per dpserve policy, its median over rounds against the goal: (line, met)."""
+    lines: list[tuple[str, bool | None]] = []
     for policy in policies:
         for mode in MODES:
             added = [
@@ -606,11 +608,12 @@ def added_lines(runs: Sequence[Run], policies: Sequence[str]) -> list[str]:
                 and (a := added_p50(runs, run)) is not None
             ]
             if added:
-                verdict = "PASS" if statistics.median(added) <= GOAL_ADDED_P50_MS else "FAIL"
-                lines.append(
+                met = statistics.median(added) <= GOAL_ADDED_P50_MS
+                line = (
                     f"dpserve({policy}) added p50 at 1 connection ({MODE_NAMES[mode]}) = "
-                    f"{statistics.median(added):.2f} ms: goal <= {GOAL_ADDED_P50_MS:g} ms {verdict}"
+                    f"{statistics.median(added):.2f} ms: goal <= {GOAL_ADDED_P50_MS:g} ms {'PASS' if met else 'FAIL'}"
                 )
+                lines.append((line, met))
     return lines
 
 
@@ -666,7 +669,7 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> list[tuple[str, boo
     print(format_table(COLUMNS, [[row[c] for c in COLUMNS] for row in table_rows(runs)], align="right"))
     print()
     lines = [*ratio_lines(runs, args), *added_lines(runs, args.dpserve_policies)]
-    for line in lines:
+    for line, _ in lines:
         print(line)
     busy = [run for run in runs if run.loadgen_peak > LOADGEN_BUSY_CORES]
     if busy:
@@ -676,7 +679,7 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> list[tuple[str, boo
         )
     plot(runs, args.out / "overhead.png", args.connections)
     print(f"\nwrote {shown(args.out / 'overhead.csv')}, {shown(args.out / 'overhead.png')}")
-    return [(line, not line.endswith(" FAIL")) for line in lines if line.endswith((" PASS", " FAIL"))]
+    return [(line, met) for line, met in lines if met is not None]
 
 
 # -- main ---------------------------------------------------------------------------------------------------
