@@ -23,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "tiny-priority"
 BATCH_REQUESTS = 3
+WATCHED = {"vllm:num_requests_waiting", "vllm:num_requests_running"}
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,6 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def waiting_and_running(url: str) -> tuple[float, float]:
     samples = parse_samples(httpx.get(f"{url}/metrics", timeout=10).text, WATCHED)
     return samples.total("vllm:num_requests_waiting") or 0.0, samples.total("vllm:num_requests_running") or 0.0
-
-
-WATCHED = {"vllm:num_requests_waiting", "vllm:num_requests_running"}
 
 
 def finishing_order(router: str, replica: str) -> list[str]:
