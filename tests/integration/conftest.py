@@ -35,6 +35,10 @@ REPLICA_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",
 }
 ROUTER_START_TIMEOUT_S = 30
+# Every vLLM the tests start runs eager: torch.compile costs each start 20-40 s on these 2 cores (a cold compile
+# cache, as on a fresh CI machine: 67 s to /health against 25 s eager), and the tiny model gains nothing the
+# tests look at from it. The HTTP server, scheduler, KV events and metrics are the same.
+VLLM_TEST_FLAGS = ("--enforce-eager",)
 
 
 @dataclass
@@ -110,6 +114,8 @@ def running_fleet(
     if open_replicas:  # a keyed `dpserve up` is tested in test_replica_access.py
         command.append("--no-replica-key")
     command += up_args
+    if "--sim" not in up_args:  # what follows `--` goes to every vLLM replica
+        command += [*([] if "--" in up_args else ["--"]), *VLLM_TEST_FLAGS]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **REPLICA_ENV})
     fleet = Fleet(
@@ -248,7 +254,7 @@ def vllm_replica(model: Path, name: str, log: Path, *args: str) -> Iterator[str]
     on a free loopback port; its URL at once (wait for its /health), stopped when the block ends."""
     port = free_port()
     command = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", str(model), "--served-model-name", name]
-    command += ["--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port), *args]
+    command += ["--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port), *VLLM_TEST_FLAGS, *args]
     env = {**os.environ, **REPLICA_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -21,6 +21,7 @@ from dpserve.up.plan import VLLM_SERVER_MODULE, vllm_engine_flags
 from tests.conftest import free_port
 from tests.integration.conftest import (
     FLEET_START_TIMEOUT_S,
+    VLLM_TEST_FLAGS,
     RouterProcess,
     running_sim,
     start_router,
@@ -54,7 +55,7 @@ def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DpServer]:
     command += ["--port", str(port), "--data-parallel-size", "2", "--data-parallel-rpc-port", str(rpc_port)]
     # The engine flags every replica dpserve starts gets: prefix caching, KV events (each engine on kv_port
     # plus its rank), cached-token counts.
-    command += vllm_engine_flags(TINY_MODEL_NAME, kv_port, 512)
+    command += vllm_engine_flags(TINY_MODEL_NAME, kv_port, 512, VLLM_TEST_FLAGS)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     log_path = work / "vllm.log"
     with open(log_path, "wb") as log:
