@@ -18,7 +18,8 @@ from dpserve.deploy.yaml_text import Reset
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = Path(__file__).parent / "data" / "compose-spec.json"
-"""The Compose Specification's schema, as ../shared/schemas holds it (a test keeps the two equal)."""
+"""The Compose Specification's schema, as the compose-spec repository holds it at commit 170098ba07d9 (a test
+checks its digest)."""
 
 TEST_SECRETS = {"REPLICA_API_KEY": "test-replica-key", "GRAFANA_ADMIN_PASSWORD": "test-grafana-password"}
 """The secrets the stack refuses to start without, for `docker compose config` here."""
