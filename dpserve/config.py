@@ -293,7 +293,7 @@ class RouterSettings:
         KV,
         metavar="DIR|remote",
     )
-    kv_index_max_entries: int = setting(2_000_000, "KV index bound, in blocks (about 470 bytes each)", KV)
+    kv_index_max_entries: int = setting(2_000_000, "KV index bound, in blocks (about 460 bytes each)", KV)
     prefix_index_max_chunks: int = setting(500_000, "prefix policy's index bound, in chunks", KV)
     token_cache_entries: int = setting(4096, "prompts whose token ids are kept (kv_aware)", KV)
     recent_route_ttl_s: float = setting(
