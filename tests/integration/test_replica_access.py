@@ -4,7 +4,8 @@ test CA (`--ssl-ca-certs`, `--ssl-cert-reqs 2`). One replica serves every case (
 a router given the key, the CA and a client certificate uses it for chat, streams, /tokenize and a LoRA load;
 a router without the key, or without the CA, answers 502 naming it and shows it misconfigured in /status.
 
-Then `dpserve up` without any key given: its vLLM replica answers its router only."""
+`dpserve up` without any key given (its vLLM replica answers its router only) is tested on the keyed fleet of
+tests/integration/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from dpserve.replicas.prometheus_text import parse_samples
@@ -28,11 +28,11 @@ from dpserve.up.plan import VLLM_SERVER_MODULE
 from tests.conftest import free_port
 from tests.integration.conftest import (
     FLEET_START_TIMEOUT_S,
+    VLLM_TEST_FLAGS,
     RouterProcess,
     answers,
     bearer,
     router_status,
-    running_fleet,
     start_router,
     stop_process,
     stop_router,
@@ -81,7 +81,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardedReplica
     command += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--api-key", KEY]
     command += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "8"]
     command += ["--ssl-keyfile", str(pki.server_key), "--ssl-certfile", str(pki.server_cert)]
-    command += ["--ssl-ca-certs", str(pki.ca_cert), "--ssl-cert-reqs", "2"]  # 2: ssl.CERT_REQUIRED
+    command += ["--ssl-ca-certs", str(pki.ca_cert), "--ssl-cert-reqs", "2", *VLLM_TEST_FLAGS]  # 2: CERT_REQUIRED
     env = {
         **os.environ,
         "CUDA_VISIBLE_DEVICES": "",
@@ -227,20 +227,3 @@ def test_a_router_without_the_ca_refuses_the_replicas_certificate(replica: Guard
     finally:
         stop_router(router)
     print(f"\nwithout the CA: 502 naming r0 {took:.2f} s after the router's start")
-
-
-def test_dpserve_up_keys_its_replicas_for_its_router_only(tmp_path: Path) -> None:
-    """No key given: `dpserve up` makes one, hands it to vLLM and to its router in their environments (not
-    their command lines), and the replica refuses anyone else."""
-    up_args = ["--replicas", "1", "--cache-dir", str(tmp_path / "cache")]
-    with running_fleet(tmp_path, 1, up_args, FLEET_START_TIMEOUT_S, open_replicas=False) as fleet:
-        answer = httpx.post(f"{fleet.router_url}/v1/chat/completions", json=CHAT, timeout=60)
-        assert answer.status_code == 200, answer.text
-        assert httpx.get(f"{fleet.replica_urls[0]}/v1/models", timeout=10).status_code == 401
-        children = psutil.Process(fleet.process.pid).children(recursive=True)
-        (vllm,) = [p for p in children if VLLM_SERVER_MODULE in p.cmdline()]
-        (router,) = [p for p in children if p.cmdline()[1:4] == ["-m", "dpserve", "router"]]
-        key = vllm.environ()["VLLM_API_KEY"]
-        assert len(key) >= 32 and router.environ()["DPSERVE_REPLICA_API_KEY"] == key
-        assert not [arg for arg in (*vllm.cmdline(), *router.cmdline()) if key in arg or arg == "--api-key"]
-        assert httpx.get(f"{fleet.replica_urls[0]}/v1/models", headers=bearer(key), timeout=10).status_code == 200

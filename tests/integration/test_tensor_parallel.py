@@ -17,7 +17,14 @@ import pytest
 
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.plan import VLLM_SERVER_MODULE, rank_cores
-from tests.integration.conftest import FLEET_START_TIMEOUT_S, Fleet, router_status, running_fleet, wait_until
+from tests.integration.conftest import (
+    FLEET_START_TIMEOUT_S,
+    Fleet,
+    bearer,
+    router_status,
+    running_fleet,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -109,3 +116,19 @@ def test_sdk_streams(client: openai.OpenAI) -> None:
             usage = chunk.usage
     assert len(pieces) >= 20
     assert usage is not None and usage.completion_tokens == 40
+
+
+def test_dpserve_up_keys_its_replicas_for_its_router_only(wide_fleet: Fleet) -> None:
+    """No key given: `dpserve up` makes one, hands it to vLLM and to its router in their environments (not
+    their command lines), and the replica refuses anyone else."""
+    chat = {"model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    answer = httpx.post(f"{wide_fleet.router_url}/v1/chat/completions", json=chat, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert httpx.get(f"{wide_fleet.replica_urls[0]}/v1/models", timeout=10).status_code == 401
+    children = psutil.Process(wide_fleet.process.pid).children(recursive=True)
+    (vllm,) = [p for p in children if VLLM_SERVER_MODULE in p.cmdline()]
+    (router,) = [p for p in children if p.cmdline()[1:4] == ["-m", "dpserve", "router"]]
+    key = vllm.environ()["VLLM_API_KEY"]
+    assert len(key) >= 32 and router.environ()["DPSERVE_REPLICA_API_KEY"] == key
+    assert not [arg for arg in (*vllm.cmdline(), *router.cmdline()) if key in arg or arg == "--api-key"]
+    assert httpx.get(f"{wide_fleet.replica_urls[0]}/v1/models", headers=bearer(key), timeout=10).status_code == 200
