@@ -15,8 +15,8 @@ pytestmark = pytest.mark.integration
 
 def test_fairness_benchmark_on_sims_writes_noisy_and_priority(tmp_path: Path) -> None:
     argv = ["bench", "fairness", "--experiments", "noisy,priority", "--contenders", "dpserve"]
-    argv += ["--a-streams", "32", "--warmup", "3", "--window", "6"]
-    argv += ["--critical-streams", "8", "--priority-warmup", "3", "--priority-window", "4"]
+    argv += ["--a-streams", "32", "--warmup", "2", "--window", "4"]
+    argv += ["--critical-streams", "8", "--priority-warmup", "2", "--priority-window", "3"]
     argv += ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "m")]
     assert main(argv) == 0
     with open(tmp_path / "noisy.csv") as handle:
