@@ -1,5 +1,6 @@
-"""A real OTLP/gRPC trace receiver for tests: the collector's own service definition (`opentelemetry-proto`),
-served by grpc on a free loopback port; every span it receives, decoded, with the service that sent it."""
+"""A real OTLP/gRPC trace receiver (the tests' and `benchmarks.tracing_cost`'s): the collector's own service
+definition (`opentelemetry-proto`), served by grpc on a free loopback port; every span it receives, decoded,
+with the service that sent it."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class OtlpReceiver:
         self.spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Service(self), self._server)
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Service(self), self._server)  # type: ignore[no-untyped-call]
         port = self._server.add_insecure_port("127.0.0.1:0")
         self.endpoint = f"http://127.0.0.1:{port}"
 

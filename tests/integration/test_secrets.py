@@ -11,8 +11,8 @@ import httpx
 import orjson
 import pytest
 
+from benchmarks.otlp_receiver import OtlpReceiver
 from tests.integration.conftest import SimProcess, bearer, running_sim, start_router, stop_router
-from tests.integration.otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ import httpx
 import orjson
 import pytest
 
+from benchmarks.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.integration.conftest import FLEET_START_TIMEOUT_S, running_fleet, start_router, stop_router
-from tests.integration.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.integration.raw_replica import RawReplica, Seen, json_answer
 
 pytestmark = pytest.mark.integration
