@@ -371,6 +371,27 @@ def with_efficiency(rows: list[ScalingRow]) -> list[ScalingRow]:
     return rows
 
 
+EFFICIENCY_CEILING = 1.1
+"""Above this, N replicas did more than N times one replica's work: the single-replica run was cut short
+(errors, a slow start) or the machine was busier then; the figures are not a scaling result."""
+
+
+def nonsense(rows: Sequence[ScalingRow]) -> list[str]:
+    """What makes the run's figures meaningless: a count with no request served or no rate, or an efficiency
+    past EFFICIENCY_CEILING."""
+    found = [
+        f"{row.replicas} replicas: {row.requests} requests, {row.req_per_s} req/s"
+        for row in rows
+        if row.requests <= 0 or row.req_per_s <= 0
+    ]
+    found += [
+        f"{row.replicas} replicas: efficiency {row.efficiency:.3f} > {EFFICIENCY_CEILING}"
+        for row in rows
+        if row.efficiency > EFFICIENCY_CEILING
+    ]
+    return found
+
+
 def save_rows(rows: Sequence[ScalingRow], path: Path) -> None:
     records = [{key: round(v, 4) if isinstance(v, float) else v for key, v in asdict(row).items()} for row in rows]
     write_csv(path, records, [f.name for f in fields(ScalingRow)])
@@ -506,4 +527,6 @@ def main(argv: Sequence[str]) -> int:
     print(
         f"wrote scaling.csv, scaling.md, scaling.png in {shown(out)}; Locust's CSV and HTML in {shown(out / 'locust')}"
     )
-    return 0 if all(row.requests for row in rows) else 1
+    for problem in nonsense(rows):
+        print(f"NONSENSE: {problem}", file=sys.stderr)
+    return 1 if nonsense(rows) else 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.scaling import load_rows
+from benchmarks.scaling import EFFICIENCY_CEILING, load_rows
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,8 @@ def test_scaling_benchmark_runs_and_writes_its_report(tmp_path: Path) -> None:
     assert rows[0].efficiency == 1.0
     # Twice the replicas and users: clearly more throughput (the exact figure is the benchmark's job).
     assert rows[1].req_per_s > 1.5 * rows[0].req_per_s
-    assert 0.75 < rows[1].efficiency < 1.25
+    # The benchmark itself refuses an efficiency above EFFICIENCY_CEILING (exit 1, checked above).
+    assert 0.75 < rows[1].efficiency <= EFFICIENCY_CEILING
     assert rows[1].router_cpu > 0 and rows[1].locust_cpu > 0 and rows[1].machine_cpu > 0
     assert (out / "scaling.png").stat().st_size > 10_000
     assert "| efficiency |" in (out / "scaling.md").read_text()

@@ -12,6 +12,7 @@ from benchmarks.scaling import (
     histogram_percentile,
     load_processes_for,
     load_rows,
+    nonsense,
     save_rows,
     summarize,
     with_efficiency,
@@ -98,3 +99,9 @@ def test_auto_load_processes_follow_the_user_count(monkeypatch: pytest.MonkeyPat
     args = argparse.Namespace(processes="auto", users_per_replica=10, arrival_rate_per_replica=0.0)
     assert [load_processes_for(args, n) for n in (1, 8, 10, 16, 64)] == [1, 1, 1, 2, 4]
     assert load_processes_for(argparse.Namespace(processes="3"), 1) == 3
+
+
+def test_no_request_or_an_efficiency_past_the_ceiling_is_nonsense() -> None:
+    assert nonsense(with_efficiency([_row(1, 10.0), _row(2, 19.0)])) == []
+    assert nonsense(with_efficiency([_row(1, 10.0), _row(2, 23.0)])) == ["2 replicas: efficiency 1.150 > 1.1"]
+    assert nonsense(with_efficiency([_row(1, 0.0), _row(2, 19.0)]))[0].startswith("1 replicas: ")
