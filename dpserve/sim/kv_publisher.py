@@ -100,6 +100,11 @@ class KvEventPublisher:
         self._topic = topic.encode()
         self._seq = 0
 
+    @property
+    def published(self) -> int:
+        """Batches published so far, dropped ones included: the sequence number the next one gets."""
+        return self._seq
+
     def publish(self, events: Sequence[KvEvent]) -> None:
         payload = encode_batch(events, time.time(), self._rank)
         try:

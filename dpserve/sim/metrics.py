@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from dpserve.sim.cache import PrefixCache
 from dpserve.sim.engine import EngineObserver, GenerationRequest, RequestStats, SimEngine
@@ -230,5 +235,30 @@ class SimMetrics(EngineMetrics):
         """Rank `rank`'s series (rank 0's is this object)."""
         return EngineMetrics(self._families, self._model_name, rank, cache, max_num_seqs)
 
+    def count_published(self, publishers: Mapping[int, Publisher]) -> None:
+        """The sim's own series, not vLLM's: `dpserve_sim_kv_event_batches_total`, the KV-event batches each
+        engine has published (dropped ones included: the next batch's sequence number), so a subscriber can be
+        waited on until it has seen every one."""
+        self.registry.register(_PublishedBatches(self._model_name, publishers))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Publisher(Protocol):
+    @property
+    def published(self) -> int: ...
+
+
+class _PublishedBatches(Collector):
+    def __init__(self, model_name: str, publishers: Mapping[int, Publisher]) -> None:
+        self._model_name = model_name
+        self._publishers = publishers
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "dpserve_sim_kv_event_batches", "KV-event batches published.", labels=("model_name", "engine")
+        )
+        for rank, publisher in self._publishers.items():
+            family.add_metric((self._model_name, str(rank)), publisher.published)
+        yield family

@@ -101,6 +101,8 @@ def build_simulator(
         for built in publishers:
             built.close()
         raise
+    # Each publisher is its rank's, in rank order.
+    metrics.count_published(dict(enumerate(publishers)))
     model = SimModel(name=name, max_model_len=settings.max_model_len, root=f"dpserve-sim/{name}")
     tokenizer = tokenizer or make_tokenizer(settings.sim_tokenizer)
     api = SimApi(model, tokenizer, EngineGroup(engines), metrics, settings.sim_api_key)

@@ -221,6 +221,15 @@ def test_lost_events_show_as_evicted_and_routing_recovers() -> None:
             stop_router(router)
 
 
+def every_batch_heard(router_url: str) -> bool:
+    """Whether the router has received every KV-event batch each of its sims has published so far."""
+    for replica in httpx.get(f"{router_url}/status", timeout=5).json()["replicas"]:
+        published = metric(replica["url"], "dpserve_sim_kv_event_batches_total")
+        if replica["kv_events"]["batches"] != published:
+            return False
+    return True
+
+
 def test_shadow_policies_are_scored_beside_the_live_one() -> None:
     """kv_aware live over 4 sims, round robin in its shadow: 3 groups of a shared prompt, 4 prompts each.
     The live choices through the cache model estimate what the sims report; round robin's estimate is
@@ -231,7 +240,8 @@ def test_shadow_policies_are_scored_beside_the_live_one() -> None:
             for group in range(3):  # 3 groups, 4 replicas: round robin's turn does not follow the groups
                 shared = long_prompt(500 + group, words=120)
                 send(router.url, f"{shared} {long_prompt(600 + 4 * turn + group, words=12)}", stream=turn % 2 == 1)
-            time.sleep(0.3)  # the turn's events reach the index before the next
+            # The turn's events reach the index before the next turn is routed.
+            wait_until(lambda: every_batch_heard(router.url), 10, 0.05, "the turn's KV events at the router")
         status = httpx.get(f"{router.url}/status", timeout=5).json()
     shadows, quality = status["shadows"], status["routing_quality"]
     live, rr = shadows["live_modelled"], shadows["shadows"]["round_robin"]
