@@ -437,9 +437,13 @@ def test_cpu_replica_dockerfile_builds_the_tiny_model_and_serves_it_with_vllm() 
     runs = [args for keyword, args in instructions if keyword == "RUN"]
     assert instructions[:2] == [("ARG", "BASE_IMAGE=python:3.11-slim"), ("FROM", "${BASE_IMAGE}")]
     assert ("ARG", "TORCH_INDEX=https://download.pytorch.org/whl/cpu") in instructions
-    wheels = 'PIP_FIND_LINKS=/src/replicas/wheels PIP_EXTRA_INDEX_URL="${TORCH_INDEX#none}" '
-    wheels += 'pip install -c /src/constraints.txt "/src[cpu]"'
-    assert any(wheels in run for run in runs)
+    # The pinned dependencies in a layer that only constraints.txt and replicas/wheels key, then dpserve alone.
+    deps = "--mount=type=bind,source=constraints.txt,target=/deps/constraints.txt "
+    deps += "--mount=type=bind,source=replicas/wheels,target=/deps/wheels "
+    deps += 'PIP_FIND_LINKS=/deps/wheels PIP_EXTRA_INDEX_URL="${TORCH_INDEX#none}" '
+    deps += "pip install --no-deps -r /deps/constraints.txt"
+    package = "--mount=type=bind,source=.,target=/src,rw pip install --no-deps /src"
+    assert [" ".join(run.split()) for run in runs if "pip install" in run] == [deps, package]
     assert f"dpserve model tiny {CPU_MODEL_DIR}" in runs
     assert exec_form(instructions, "ENTRYPOINT") == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     command = exec_form(instructions, "CMD")
