@@ -20,14 +20,13 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
 
-from benchmarks.fleet import HOST, port_block, spawn, stop_all
+from benchmarks.fleet import HOST, cpu_seconds, port_block, spawn, stop_all
 from benchmarks.instructions import send, wait_ready
 from benchmarks.otlp_receiver import OtlpReceiver
 from benchmarks.overhead import request_body, start_backends
@@ -44,11 +43,6 @@ class Row:
     requests: int
     cpu_us_per_request: float
     spans: int
-
-
-def router_cpu(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return float(times.user + times.system)
 
 
 def measure_case(ratio: float | None, urls: Sequence[str], args: argparse.Namespace, work: Path, rnd: int) -> list[Row]:
@@ -74,9 +68,9 @@ def measure_case(ratio: float | None, urls: Sequence[str], args: argparse.Namesp
                 send(port, body, args.warmup)
                 # The warm-up's spans in before counting starts, so none of them lands in the counted window.
                 before_spans = already + _spans_after(receiver, already, ratio, args.warmup)
-                start = router_cpu(watched)
+                start = cpu_seconds([watched])
                 send(port, body, args.requests)
-                used = router_cpu(watched) - start
+                used = cpu_seconds([watched]) - start
                 spans = _spans_after(receiver, before_spans, ratio, args.requests)
                 rows.append(Row(rnd, case, mode, args.requests, used / args.requests * 1e6, spans))
         finally:
@@ -88,12 +82,7 @@ def _spans_after(receiver: OtlpReceiver, before: int, ratio: float | None, reque
     """The spans received for the counted requests, once the exporter has sent what the ratio asks for (or
     EXPORT_WAIT_S has passed): the batch processor exports on its own schedule, after the requests."""
     expected = 0 if ratio is None else int(2 * requests * ratio * 0.8)
-    deadline = time.monotonic() + EXPORT_WAIT_S
-    while True:
-        count = len(receiver.wait_for(0, 0)) - before
-        if count >= expected or time.monotonic() > deadline:
-            return count
-        time.sleep(0.2)
+    return len(receiver.wait_for(before + expected, EXPORT_WAIT_S)) - before
 
 
 def problems(rows: Sequence[Row]) -> list[str]:
@@ -151,9 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             stop_all(processes, 10)
     report(rows, args.out)
-    for problem in problems(rows):
+    found = problems(rows)
+    for problem in found:
         print(f"NONSENSE: {problem}", file=sys.stderr)
-    return 1 if problems(rows) else 0
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def running_fleet(
     log_path = work / "dpserve-up.log"
     command = [sys.executable, "-m", "dpserve", "up", "--port", str(router_port), "--base-port", str(base_port)]
     command += ["--kv-events-base-port", str(kv_base_port), "--run-dir", str(work / "run"), "--probe-interval", "0.5"]
-    if open_replicas:  # a keyed `dpserve up` is tested in test_replica_access.py
+    if open_replicas:  # a keyed `dpserve up` is tested in test_tensor_parallel.py
         command.append("--no-replica-key")
     command += up_args
     if "--sim" not in up_args:  # what follows `--` goes to every vLLM replica
