@@ -30,13 +30,11 @@ def fill(index: KvIndex, entries: int, replicas: int, copies: int, seed: int) ->
     engines hash the same tokens alike only by chance of seeds), until the index holds `entries`."""
     rng = random.Random(seed)
     names = [f"r{i}" for i in range(replicas)]
-    chain = 0
     while index.entries < entries:
         tokens = tuple(rng.randrange(32_000) for _ in range(BLOCK_SIZE * CHAIN_BLOCKS))
         for replica in rng.sample(names, copies):
             hashes = tuple(rng.getrandbits(64) for _ in range(CHAIN_BLOCKS))
             index.store(replica, BlockStored(hashes, None, tokens, BLOCK_SIZE))
-        chain += 1
 
 
 def measure(entries: int, replicas: int, copies: int, seed: int) -> tuple[int, float, float]:
