@@ -633,30 +633,33 @@ def by_round(rounds: Sequence[CompareRow], setup: str, name: str) -> str:
     return "/".join(values) if len(values) > 1 else ""
 
 
-def compare_goals(rows: Sequence[CompareRow], rounds: Sequence[CompareRow] = ()) -> list[str]:
-    """The goals on `rows` (one a setup: the medians, or a single round's); with `rounds`, each round's figures
-    beside them."""
+def compare_goals(rows: Sequence[CompareRow], rounds: Sequence[CompareRow] = ()) -> list[tuple[str, bool]]:
+    """The goal lines on `rows` (one a setup: the medians, or a single round's), each with whether it was met
+    (vllm-router's line states figures, no goal); with `rounds`, each round's figures beside them."""
     by = {row.setup: row for row in rows}
-    lines = []
+    lines: list[tuple[str, bool]] = []
     ours, blind, peer = by.get("dpserve"), by.get("dpserve-blind"), by.get("vllm-router")
 
     def each(name: str) -> str:
         mine, theirs = by_round(rounds, "dpserve", name), by_round(rounds, "dpserve-blind", name)
         return f"; by round {mine} vs {theirs}" if mine and theirs else ""
 
+    def goal(text: str, ok: bool) -> None:
+        lines.append((f"{text}: {met(ok)}", ok))
+
     if ours is not None:
-        lines.append(
-            f"compare dpserve: {ours.failed} failed requests of {ours.requests} (goal 0): {met(ours.failed == 0)}"
-        )
+        goal(f"compare dpserve: {ours.failed} failed requests of {ours.requests} (goal 0)", ours.failed == 0)
     if ours is not None and blind is not None:
         assert not isinstance(ours.loads_per_100, str) and not isinstance(blind.loads_per_100, str)  # dpserve's
-        lines.append(
+        goal(
             f"compare dpserve: {ours.loads_per_100} adapter loads per 100 requests vs {blind.loads_per_100} with "
-            f"--lora-affinity off (goal fewer{each('loads_per_100')}): {met(ours.loads_per_100 < blind.loads_per_100)}"
+            f"--lora-affinity off (goal fewer{each('loads_per_100')})",
+            ours.loads_per_100 < blind.loads_per_100,
         )
-        lines.append(
+        goal(
             f"compare dpserve: TTFT p99 {ours.ttft_p99_ms} ms vs {blind.ttft_p99_ms} ms with --lora-affinity off "
-            f"(goal lower{each('ttft_p99_ms')}): {met(ours.ttft_p99_ms < blind.ttft_p99_ms)}"
+            f"(goal lower{each('ttft_p99_ms')})",
+            ours.ttft_p99_ms < blind.ttft_p99_ms,
         )
     if peer is not None:
         what = (
@@ -664,31 +667,35 @@ def compare_goals(rows: Sequence[CompareRow], rounds: Sequence[CompareRow] = ())
             if peer.not_found == 0
             else "requests for adapters a replica did not hold"
         )
-        lines.append(
+        text = (
             f"compare vllm-router: {peer.not_found} 404s of {peer.requests} requests ({what}); {peer.failed} failed "
             f"in all; TTFT p99 {peer.ttft_p99_ms} ms (dpserve {ours.ttft_p99_ms if ours else '-'} ms)"
         )
+        lines.append((text, True))  # figures beside dpserve's, no goal of its own
     return lines
 
 
-def hot_goals(rows: Sequence[HotRow], replicas: int, rounds: Sequence[HotRow] = ()) -> list[str]:
-    """The goals on `rows` (the medians, or a single round's); with `rounds`, each round's lowest share."""
-    lines = []
+def hot_goals(rows: Sequence[HotRow], replicas: int, rounds: Sequence[HotRow] = ()) -> list[tuple[str, bool]]:
+    """The goal lines on `rows` (the medians, or a single round's), each with whether it was met; with `rounds`,
+    each round's lowest share."""
+    lines: list[tuple[str, bool]] = []
     even = 1 / replicas
     low, high = even / HOT_SPREAD, min(1.0, even * HOT_SPREAD, 1 - (replicas - 1) * even / HOT_SPREAD)
     for row in rows:
         within = low <= row.min_share and row.max_share <= high
         lowest = [str(r.min_share) for r in rounds if r.hot_adapter == row.hot_adapter]
         each = f"; the lowest share by round {'/'.join(lowest)}" if len(lowest) > 1 else ""
-        lines.append(
+        text = (
             f"hot {row.hot_adapter} ({row.hot_requests} of {row.requests} requests): shares {row.replica_shares}, "
             f"goal each within {HOT_SPREAD}x of even ({low:.3f}..{high:.3f}{each}): {met(within)}"
         )
+        lines.append((text, within))
         most = ", in most rounds" if row.run == -1 else ""
-        lines.append(
-            f"hot {row.hot_adapter}: loaded at the end on {row.hot_loaded_on or 'none'} (goal every replica{most}): "
-            f"{met(row.loaded_everywhere)}; {row.failed} failed requests"
+        text = (
+            f"hot {row.hot_adapter}: loaded at the end on {row.hot_loaded_on or 'none'} "
+            f"(goal every replica{most}): {met(row.loaded_everywhere)}; {row.failed} failed requests"
         )
+        lines.append((text, row.loaded_everywhere))
     return lines
 
 
@@ -784,8 +791,9 @@ def shown_rows(rows: Sequence[RowT]) -> list[RowT]:
     return [r for r in rows if r.run == -1] or list(rows)
 
 
-def goal_lines(compare: Sequence[CompareRow], hot: Sequence[HotRow], replicas: int) -> list[str]:
-    """The goal lines of what has been measured so far, on the shown rows, with each round's figures."""
+def goal_lines(compare: Sequence[CompareRow], hot: Sequence[HotRow], replicas: int) -> list[tuple[str, bool]]:
+    """The goal lines of what has been measured so far, on the shown rows, with each round's figures, each with
+    whether it was met."""
     lines = compare_goals(shown_rows(compare), [r for r in compare if r.run >= 0]) if compare else []
     if hot:
         lines += hot_goals(shown_rows(hot), replicas, [r for r in hot if r.run >= 0])
@@ -802,7 +810,7 @@ def write_report(args: argparse.Namespace, compare: Sequence[CompareRow], hot: S
     if hot:
         write_csv(args.out / "hot.csv", [asdict(r) for r in hot], [f.name for f in fields(HotRow)])
         tables.append(table(HOT_COLUMNS, shown_rows(hot)))
-    report = "\n\n".join(tables) + "\n\n" + "\n".join(goal_lines(compare, hot, replicas)) + "\n"
+    report = "\n\n".join(tables) + "\n\n" + "\n".join(line for line, _ in goal_lines(compare, hot, replicas)) + "\n"
     names = adapter_names(args.adapters)
     slots = "/".join(str(n) for n in getattr(args, "slots", None) or [args.max_loras])
     zipf = zipf_sequence(names, args.requests, args.zipf, args.seed)
@@ -833,8 +841,7 @@ def main(argv: Sequence[str]) -> int:
     replicas: list[str] = list(args.replica)
     with streamed.framed(args, "lora", lambda: write_report(args, compare, hot, len(replicas))) as work:
         uvloop.run(run_all(args, work, compare, hot, replicas))
-    lines = goal_lines(compare, hot, len(replicas))
-    return goals_status("lora", [(line, "NOT met" not in line) for line in lines])  # 1: a goal missed
+    return goals_status("lora", goal_lines(compare, hot, len(replicas)))  # 1: a goal missed
 
 
 if __name__ == "__main__":

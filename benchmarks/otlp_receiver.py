@@ -95,3 +95,14 @@ class OtlpReceiver:
             if len(found) >= count or time.monotonic() > deadline:
                 return found
             time.sleep(0.05)
+
+    def settled(self, quiet_s: float, timeout_s: float) -> int:
+        """How many spans there are once none has arrived for `quiet_s` (or `timeout_s` has passed): an exporter
+        sends on its own schedule, so a count taken any earlier may miss a batch or take the next one's."""
+        deadline = time.monotonic() + timeout_s
+        count, since = len(self.spans), time.monotonic()
+        while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+            time.sleep(0.05)
+            if len(self.spans) != count:
+                count, since = len(self.spans), time.monotonic()
+        return count

@@ -9,12 +9,15 @@ requests, then `--requests` are sent one after another on one keep-alive connect
 streams of `--stream-chunks` events; the router's CPU (user + system, from /proc) over each is divided by the
 requests. Rounds alternate the order of the cases (ABBA). Prints the table, writes tracing_cost.csv under
 --out; exits 1 when the receiver did not get the spans a ratio asks for (2 per sampled request: the
-request's and its attempt's), or a figure is nonsense."""
+request's and its attempt's; the sampled requests within 5 standard deviations of ratio x requests, all of
+them at 1.0), or a figure is nonsense. Spans are counted once the exporter has gone quiet, before and after
+each counted window, so a window holds its own requests' spans and no others."""
 
 from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import random
 import subprocess
@@ -33,12 +36,19 @@ from benchmarks.overhead import request_body, start_backends
 
 READY_TIMEOUT_S = 60.0
 EXPORT_WAIT_S = 30.0
+QUIET_S = 6.0
+"""No span for this long and the exporter has sent them all: its batch processor waits up to 5 s to export
+(OTEL_BSP_SCHEDULE_DELAY's default), or less when 512 spans are queued."""
+SIGMAS = 5.0
+"""How far a sampled count may stray from ratio x requests, in standard deviations of the binomial."""
 
 
 @dataclass(frozen=True)
 class Row:
     round: int
     case: str
+    ratio: float | None
+    """The sampling ratio; None: tracing off."""
     mode: str
     requests: int
     cpu_us_per_request: float
@@ -64,35 +74,37 @@ def measure_case(ratio: float | None, urls: Sequence[str], args: argparse.Namesp
             watched = psutil.Process(process.pid)
             for mode in ("json", "sse"):
                 body = request_body(mode, args.stream_chunks)
-                already = len(receiver.wait_for(0, 0))
                 send(port, body, args.warmup)
-                # The warm-up's spans in before counting starts, so none of them lands in the counted window.
-                before_spans = already + _spans_after(receiver, already, ratio, args.warmup)
+                # Every span of the warm-up in before counting starts, and every span of the counted requests
+                # before they are counted, so each window holds exactly its own requests' spans.
+                before = _settled(receiver, ratio)
                 start = cpu_seconds([watched])
                 send(port, body, args.requests)
                 used = cpu_seconds([watched]) - start
-                spans = _spans_after(receiver, before_spans, ratio, args.requests)
-                rows.append(Row(rnd, case, mode, args.requests, used / args.requests * 1e6, spans))
+                spans = _settled(receiver, ratio) - before
+                rows.append(Row(rnd, case, ratio, mode, args.requests, used / args.requests * 1e6, spans))
         finally:
             stop_all([process], 30)
     return rows
 
 
-def _spans_after(receiver: OtlpReceiver, before: int, ratio: float | None, requests: int) -> int:
-    """The spans received for the counted requests, once the exporter has sent what the ratio asks for (or
-    EXPORT_WAIT_S has passed): the batch processor exports on its own schedule, after the requests."""
-    expected = 0 if ratio is None else int(2 * requests * ratio * 0.8)
-    return len(receiver.wait_for(before + expected, EXPORT_WAIT_S)) - before
+def _settled(receiver: OtlpReceiver, ratio: float | None) -> int:
+    """The spans received so far, once the exporter has sent all it holds (at once with tracing off: there is
+    nothing to wait for, and a span that still came would show in the next count)."""
+    return len(receiver.spans) if ratio is None else receiver.settled(QUIET_S, EXPORT_WAIT_S)
 
 
 def problems(rows: Sequence[Row]) -> list[str]:
+    """What no sane run gives: no CPU; spans with tracing off; an odd count (each sampled request has 2); or a
+    sampled share further than SIGMAS standard deviations from the ratio (with ratio 1: every request)."""
     found = []
     for row in rows:
         if not row.cpu_us_per_request > 0:
             found.append(f"{row.case} {row.mode}: CPU per request {row.cpu_us_per_request}")
-        ratio = None if row.case == "off" else float(row.case.split()[1])
-        low, high = (0, 0) if ratio is None else (2 * row.requests * ratio * 0.7, 2 * row.requests * ratio * 1.3)
-        if not low <= row.spans <= high:
+        ratio = row.ratio or 0.0
+        sampled, mean = row.spans / 2, row.requests * ratio
+        spread = SIGMAS * math.sqrt(row.requests * ratio * (1 - ratio))
+        if row.spans % 2 or not mean - spread <= sampled <= mean + spread:
             found.append(f"{row.case} {row.mode}: {row.spans} spans for {row.requests} requests")
     return found
 

@@ -3,6 +3,8 @@ and the run exits non-zero when any is missed (no sockets: rows made here)."""
 
 from __future__ import annotations
 
+from benchmarks.lora import CompareRow, HotRow
+from benchmarks.lora import goal_lines as lora_goal_lines
 from benchmarks.policies import Row, verdicts
 from benchmarks.report import goals_status
 from benchmarks.routers import RestartRow, TierRow
@@ -70,3 +72,39 @@ def test_router_goals_each_turn_their_line_and_the_exit_status(capsys) -> None: 
         assert len(lines) == 1 and lines[0][1] is False and lines[0][0].endswith(": NOT met"), lines
     assert goals_status("routers", [*goals, *missed[0]]) == 1
     assert capsys.readouterr().err == "dpserve bench routers: 1 of 5 goal lines NOT met\n"
+
+
+def compare(setup: str, failed: int = 0, loads_per_100: float | str = 5.0, ttft_p99_ms: float = 40.0) -> CompareRow:
+    loads = loads_per_100 if isinstance(loads_per_100, str) else loads_per_100 * 2
+    return CompareRow(
+        setup, -1, setup, 200, 200 - failed, failed, 0, loads, loads_per_100, loads, 20, ttft_p99_ms, 5, 40, 400,
+        "", "2/2", "", 1.0,
+    )  # fmt: skip
+
+
+def hot(min_share: float, max_share: float, loaded_everywhere: bool = True) -> HotRow:
+    return HotRow(
+        "a0", -1, 0.5, 200, 100, 0, f"r0={min_share} r1={max_share}", min_share, max_share, "r0 r1",
+        loaded_everywhere, 4, 2, 2, 20, 40, 45, 5, 40, "", "2/2", "", 1.0,
+    )  # fmt: skip
+
+
+def test_lora_goals_each_turn_their_line_and_the_exit_status(capsys) -> None:  # type: ignore[no-untyped-def]
+    good = [compare("dpserve"), compare("dpserve-blind", loads_per_100=30.0, ttft_p99_ms=60.0)]
+    peer = compare("vllm-router", failed=7, loads_per_100="n/a", ttft_p99_ms=90.0)
+    lines = lora_goal_lines([*good, peer], [hot(0.45, 0.55)], 2)
+    assert [ok for _, ok in lines] == [True, True, True, True, True, True], lines
+    assert lines[0][0] == "compare dpserve: 0 failed requests of 200 (goal 0): met"
+    assert lines[3][0].startswith("compare vllm-router: 0 404s of 200 requests") and "7 failed" in lines[3][0]
+    assert goals_status("lora", lines) == 0 and capsys.readouterr().err == ""
+    missed = [
+        lora_goal_lines([compare("dpserve", failed=1)], [], 2),
+        lora_goal_lines([compare("dpserve", loads_per_100=30.0), good[1]], [], 2)[1:2],
+        lora_goal_lines([compare("dpserve", ttft_p99_ms=60.0), good[1]], [], 2)[2:3],
+        lora_goal_lines([], [hot(0.3, 0.7)], 2)[:1],  # 0.3 < 1/3: outside 1.5x of even on 2 replicas
+        lora_goal_lines([], [hot(0.45, 0.55, loaded_everywhere=False)], 2)[1:],
+    ]
+    for lines in missed:
+        assert len(lines) == 1 and lines[0][1] is False and ": NOT met" in lines[0][0], lines
+    assert goals_status("lora", [*lora_goal_lines(good, [], 2), *missed[3]]) == 1
+    assert capsys.readouterr().err == "dpserve bench lora: 1 of 4 goal lines NOT met\n"
