@@ -96,7 +96,7 @@ def test_engine_dp_serves_a_chat_through_its_router_with_both_engines_routable(d
     assert httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).status_code == 401
 
     before = per_engine(server, SUCCESS)
-    chosen = spread_distinct(dp_fleet.router_url, body)
+    chosen = spread_distinct(dp_fleet.router_url, body, "its own router")
     assert set(chosen) == set(ENGINES), chosen
     # Each pinned request ran on the engine the router chose, as the engines' own counters show.
     after = per_engine(server, SUCCESS)
@@ -123,7 +123,7 @@ def test_the_servers_engines_are_routed_as_replicas_each_with_its_own_events(
     assert all(replica["url"] == server and replica["healthy"] for replica in status.values())
 
     before = per_engine(server, SUCCESS)
-    spread_distinct(router.url, {"model": TINY_MODEL_NAME, "max_tokens": 8})
+    spread_distinct(router.url, {"model": TINY_MODEL_NAME, "max_tokens": 8}, "another router")
     served = {engine: count - before.get(engine, 0.0) for engine, count in per_engine(server, SUCCESS).items()}
     assert served.get("0", 0) > 0 and served.get("1", 0) > 0, served
     # Each engine's events came on its own port (5557 + rank) and filled the index for that engine.

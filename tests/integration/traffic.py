@@ -165,13 +165,14 @@ def per_engine(server_url: str, name: str) -> dict[str, float]:
     return totals
 
 
-def spread_distinct(router_url: str, body: dict[str, Any], count: int = 8) -> list[str]:
+def spread_distinct(router_url: str, body: dict[str, Any], topic: str, count: int = 8) -> list[str]:
     """`count` chats with distinct prompts (no shared prefix) at once through the router, so placed by load;
-    each must answer 200. The replicas that answered, in order (`x-dpserve-replica`)."""
+    each must answer 200. The replicas that answered, in order (`x-dpserve-replica`). `topic` makes the prompts
+    new to the engines (a prompt they cached already stores no new blocks, so sends no KV events)."""
 
     async def send() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as client:
-            chats = [{**body, "messages": [{"role": "user", "content": f"topic {i} " * 40}]} for i in range(count)]
+            chats = [{**body, "messages": [{"role": "user", "content": f"{topic} {i} " * 40}]} for i in range(count)]
             return await asyncio.gather(*(client.post(f"{router_url}/v1/chat/completions", json=c) for c in chats))
 
     answers = asyncio.run(send())
