@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import psutil
@@ -53,18 +54,44 @@ def dp_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 def router(dp_fleet: Fleet) -> Iterator[RouterProcess]:
     """A router of this module's own over the server: one --replica and one --kv-events for it; its engines
     are found, each with its own events."""
-    kv = f"{dp_fleet.replica_urls[0]}={dp_fleet.kv_event_endpoints[0]}"
-    extra = ("--kv-events", kv, "--replica-api-key", REPLICA_KEY)
-    started = start_router([dp_fleet.replica_urls[0]], "kv_aware", *extra, expect_healthy=2)
+    started = _start_router(dp_fleet, [], expect_healthy=2)
     try:
         yield started
     finally:
         stop_router(started)
 
 
-def _status(router: RouterProcess) -> dict[str, dict[str, object]]:
-    replicas = httpx.get(f"{router.url}/status", timeout=10).json()["replicas"]
-    return {str(replica["id"]): replica for replica in replicas}
+def _start_router(dp_fleet: Fleet, others: list[str], expect_healthy: int) -> RouterProcess:
+    """A kv_aware router over the server (its first replica, with the server's key and KV events) and `others`."""
+    server = dp_fleet.replica_urls[0]
+    extra = ("--kv-events", f"{server}={dp_fleet.kv_event_endpoints[0]}", "--replica-api-key", REPLICA_KEY)
+    return start_router([server, *others], "kv_aware", *extra, expect_healthy=expect_healthy)
+
+
+def _status(router_url: str) -> dict[str, dict[str, Any]]:
+    """The router's replicas by id."""
+    return {str(replica["id"]): replica for replica in router_status(router_url)["replicas"]}
+
+
+def _engines_indexed(router_url: str) -> bool:
+    """Whether the router has indexed blocks from each engine's KV events."""
+    status = _status(router_url)
+    return all(status[engine]["kv_events"]["indexed_blocks"] for engine in ENGINES)
+
+
+def _engine_processes(dp_fleet: Fleet) -> dict[int, psutil.Process]:
+    """The server's engine processes by rank (vLLM titles them `VLLM::EngineCore_DP<rank>`)."""
+    engines = {}
+    for process in psutil.Process(dp_fleet.process.pid).children(recursive=True):
+        match = ENGINE_PROCESS.match(" ".join(process.cmdline()).strip())
+        if match:
+            engines[int(match.group(1))] = process
+    return engines
+
+
+def _served_since(server: str, name: str, before: dict[str, float]) -> dict[str, float]:
+    """How much the server's counter `name` grew on each engine since `before` (`per_engine`'s)."""
+    return {engine: count - before.get(engine, 0.0) for engine, count in per_engine(server, name).items()}
 
 
 def _chat(router: RouterProcess, text: str, max_tokens: int = 2) -> httpx.Response:
@@ -79,13 +106,12 @@ def test_engine_dp_serves_a_chat_through_its_router_with_both_engines_routable(d
     log = dp_fleet.log_tail(20_000)
     assert "2 data-parallel engines" in log and "cpu:0|1" in log, log
     # Each engine process runs on its own engine's core, as its model worker does (vLLM binds only the worker).
-    engines = {}
-    for process in psutil.Process(dp_fleet.process.pid).children(recursive=True):
-        match = ENGINE_PROCESS.match(" ".join(process.cmdline()).strip())
-        if match:
-            engines[int(match.group(1))] = {os.sched_getaffinity(t.id).pop() for t in process.threads()}
+    engines = {
+        rank: {os.sched_getaffinity(t.id).pop() for t in process.threads()}
+        for rank, process in _engine_processes(dp_fleet).items()
+    }
     assert engines == {0: {0}, 1: {1}}, engines
-    replicas = {str(r["id"]): r for r in router_status(dp_fleet.router_url)["replicas"]}
+    replicas = _status(dp_fleet.router_url)
     assert sorted(replicas) == list(ENGINES) and all(r["url"] == server and r["healthy"] for r in replicas.values())
 
     body = {"model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
@@ -99,39 +125,26 @@ def test_engine_dp_serves_a_chat_through_its_router_with_both_engines_routable(d
     chosen = spread_distinct(dp_fleet.router_url, body, "its own router")
     assert set(chosen) == set(ENGINES), chosen
     # Each pinned request ran on the engine the router chose, as the engines' own counters show.
-    after = per_engine(server, SUCCESS)
-    served = {engine: after[engine] - before.get(engine, 0.0) for engine in after}
+    served = _served_since(server, SUCCESS, before)
     assert served == {"0": chosen.count("r0:dp0"), "1": chosen.count("r0:dp1")}, (served, chosen)
     # Each engine's KV events (on the endpoint's port + its rank) reach the router.
-    wait_until(
-        lambda: all(
-            r["kv_events"]["indexed_blocks"]
-            for r in router_status(dp_fleet.router_url)["replicas"]
-            if r["id"] in ENGINES
-        ),
-        20,
-        what="both engines' KV events indexed",
-    )
+    wait_until(lambda: _engines_indexed(dp_fleet.router_url), 20, what="both engines' KV events indexed")
 
 
 def test_the_servers_engines_are_routed_as_replicas_each_with_its_own_events(
     router: RouterProcess, dp_fleet: Fleet
 ) -> None:
     server = dp_fleet.replica_urls[0]
-    status = _status(router)
+    status = _status(router.url)
     assert sorted(status) == list(ENGINES), status
     assert all(replica["url"] == server and replica["healthy"] for replica in status.values())
 
     before = per_engine(server, SUCCESS)
     spread_distinct(router.url, {"model": TINY_MODEL_NAME, "max_tokens": 8}, "another router")
-    served = {engine: count - before.get(engine, 0.0) for engine, count in per_engine(server, SUCCESS).items()}
+    served = _served_since(server, SUCCESS, before)
     assert served.get("0", 0) > 0 and served.get("1", 0) > 0, served
     # Each engine's events came on its own port (5557 + rank) and filled the index for that engine.
-    wait_until(
-        lambda: all(_status(router)[e]["kv_events"]["indexed_blocks"] for e in ENGINES),  # type: ignore[index]
-        20,
-        what="both engines' KV events indexed",
-    )
+    wait_until(lambda: _engines_indexed(router.url), 20, what="both engines' KV events indexed")
 
 
 def test_a_repeated_prefix_goes_to_the_engine_that_caches_it(router: RouterProcess, dp_fleet: Fleet) -> None:
@@ -148,12 +161,11 @@ def test_a_repeated_prefix_goes_to_the_engine_that_caches_it(router: RouterProce
     headers = {"X-data-parallel-rank": "1", **bearer(REPLICA_KEY)}
     direct = httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers, timeout=60)
     assert direct.status_code == 200
-    wait_until(lambda: _status(router)["r0:dp1"]["kv_events"]["indexed_blocks"], 20, what="the blocks indexed")  # type: ignore[index]
+    wait_until(lambda: _status(router.url)["r0:dp1"]["kv_events"]["indexed_blocks"], 20, what="the blocks indexed")
     before_success, before_hits = per_engine(server, SUCCESS), per_engine(server, PREFIX_HITS)
     for turn in range(1, 6):
         assert _chat(router, f"{shared} Question {turn}?").status_code == 200
-    served = {e: n - before_success.get(e, 0.0) for e, n in per_engine(server, SUCCESS).items()}
-    hits = {e: n - before_hits.get(e, 0.0) for e, n in per_engine(server, PREFIX_HITS).items()}
+    served, hits = _served_since(server, SUCCESS, before_success), _served_since(server, PREFIX_HITS, before_hits)
     assert served.get("1") == 5 and served.get("0", 0) == 0, served
     assert hits.get("1", 0) > 0, hits  # engine 1 served the prefix from its cache
 
@@ -162,19 +174,17 @@ def test_an_engine_that_dies_takes_its_server_out_and_the_share_moves_to_another
     """vLLM ends the whole data-parallel server when one engine dies (measured here: the API server stops
     answering within a second). Both engines leave routing at once; the other replica takes every request.
     Runs last: it kills the module's server (`dpserve up` then starts it again, and stops it at the end)."""
-    server = dp_fleet.replica_urls[0]
     with running_sim("--model", TINY_MODEL_NAME) as sim:
-        kv = f"{server}={dp_fleet.kv_event_endpoints[0]}"
-        extra = ("--kv-events", kv, "--replica-api-key", REPLICA_KEY)
-        router = start_router([server, f"r1={sim.url}"], "kv_aware", *extra, expect_healthy=3)
+        router = _start_router(dp_fleet, [f"r1={sim.url}"], expect_healthy=3)
         try:
             # This server's engine 1 only: other vLLM servers may run on the machine.
-            children = psutil.Process(dp_fleet.process.pid).children(recursive=True)
-            next(child for child in children if child.name() == "VLLM::EngineCore_DP1").kill()
-            wait_until(lambda: not any(_status(router)[e]["healthy"] for e in ENGINES), 10, 0.1, "both engines ejected")
-            before = int(_status(router)["r1"]["served_total"])  # type: ignore[call-overload]
+            _engine_processes(dp_fleet)[1].kill()
+            wait_until(
+                lambda: not any(_status(router.url)[e]["healthy"] for e in ENGINES), 10, 0.1, "both engines ejected"
+            )
+            before = int(_status(router.url)["r1"]["served_total"])
             for turn in range(10):
                 assert _chat(router, f"after the engine died {turn}").status_code == 200
-            assert int(_status(router)["r1"]["served_total"]) - before == 10  # type: ignore[call-overload]
+            assert int(_status(router.url)["r1"]["served_total"]) - before == 10
         finally:
             stop_router(router)
