@@ -505,7 +505,7 @@ async def tokenize_all(session: aiohttp.ClientSession, fleet: Fleet, workloads: 
             ids = await remote.tokens("chat", {"messages": request.messages}, TINY_MODEL_NAME, fleet.urls[0])
             if ids is None:
                 raise RuntimeError("could not tokenize a benchmark request on the replica")
-            request.token_ids = ids
+            request.token_ids = tuple(ids)
 
 
 def pressure_capacity(workload: Workload, block_size: int, replicas: int, concurrency: int, max_tokens: int) -> int:

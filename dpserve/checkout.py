@@ -30,6 +30,7 @@ BENCH_MODULES = {
     "scaling": "scaling",
     "soak": "soak",
     "overhead": "overhead",
+    "cost": "cost",
     "fairness": "fairness",
     "lora": "lora",
     "vllm-dp": "vllm_dp",

@@ -398,6 +398,7 @@ BENCH_HELP = {
     "scaling": "throughput vs replica count with Locust: CSV, table and plot",
     "soak": "minutes of unique prompts through kv_aware and prefix: router memory over time",
     "overhead": "router overhead vs direct, vllm-router and sglang-router: req/s and added p50",
+    "cost": "router CPU per realistic request (1k-token shared prompts, streamed) vs vllm-router and sglang-router",
     "fairness": "flow control: a light tenant beside a heavy one, priority under a batch flood",
     "lora": "LoRA placement vs adapter-blind routing and vllm-router: loads, TTFT, a hot adapter",
     "vllm-dp": "vLLM's own data parallelism alone vs dpserve over replicas vs dpserve inside it: hit rate, TTFT",

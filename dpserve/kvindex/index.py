@@ -39,14 +39,23 @@ def chain_key(parent: int, token_ids: Sequence[int], extra: object = None) -> in
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
-    """Keys of a prompt's full blocks, in order (a partial last block is never cached). With a LoRA
-    adapter, every block's key includes its name, as vLLM's hash does and its events say (`extra_keys`
-    `(name,)` per block): the same tokens under two adapters are two different blocks."""
+    """Keys of a prompt's full blocks, in order (a partial last block is never cached): `chain_key` of each,
+    over the ids' bytes taken once. With a LoRA adapter, every block's key includes its name, as vLLM's hash
+    does and its events say (`extra_keys` `(name,)` per block): the same tokens under two adapters are two
+    different blocks."""
+    ids = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else array("I", token_ids)
+    data = memoryview(ids).cast("B")
+    step = block_size * ids.itemsize
+    extra = repr((adapter,)).encode() if adapter is not None else b""
     keys: list[int] = []
     parent = ROOT_KEY
-    extra = (adapter,) if adapter is not None else None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_key(parent, token_ids[start : start + block_size], extra)
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    for start in range(0, len(data) - step + 1, step):
+        digest = blake2b(parent.to_bytes(8, "big"), digest_size=8)
+        digest.update(data[start : start + step])
+        if extra:
+            digest.update(extra)
+        parent = from_bytes(digest.digest(), "big")
         keys.append(parent)
     return keys
 

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,11 +26,14 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from dpserve.router.observe.token_pieces import PieceEncoder, token_ids
+
 log = logging.getLogger("dpserve.tokens")
 
-TokenIds = tuple[int, ...]
+TokenIds = Sequence[int]
+"""An array of 4-byte ids where the router encoded them (`token_pieces.token_ids`)."""
 THREAD_MIN_CHARS = 1024
-"""Prompts at least this long are tokenized off the event loop (a thread hop costs tens of µs)."""
+"""Prompts with at least this much new text are tokenized off the event loop (a thread hop costs tens of µs)."""
 JSON = {"content-type": "application/json"}
 
 
@@ -58,8 +62,10 @@ def single_prompt(payload: dict[str, Any]) -> str | list[int] | None:
 class LocalTokenizer:
     name = "local"
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, max_pieces: int = 4096) -> None:
+        """`max_pieces`: how many distinct prompt pieces (a system prompt, a turn) keep their ids."""
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.pieces = PieceEncoder(self._tokenizer, max_pieces)
         config_path = model_dir / "tokenizer_config.json"
         config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
         template = config.get("chat_template")
@@ -77,13 +83,21 @@ class LocalTokenizer:
         return (model_dir / "tokenizer.json").is_file()
 
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
-        if _prompt_chars(endpoint, payload) < THREAD_MIN_CHARS:
-            return self.tokens_now(endpoint, payload)
-        # A long prompt takes milliseconds to encode; the Rust encoder lets go of the GIL, so in a
+        text = self._text(endpoint, payload)
+        if text is None:
+            return self._ids(endpoint, payload)
+        if self.pieces.uncached_chars(text[0]) < THREAD_MIN_CHARS:
+            return self.pieces.encode(*text)
+        # A long new text takes milliseconds to encode; the Rust encoder lets go of the GIL, so in a
         # worker thread it no longer stalls every other request's relay on the event loop.
-        return await asyncio.to_thread(self.tokens_now, endpoint, payload)
+        return await asyncio.to_thread(self.pieces.encode, *text)
 
     def tokens_now(self, endpoint: str, payload: dict[str, Any]) -> TokenIds | None:
+        text = self._text(endpoint, payload)
+        return self.pieces.encode(*text) if text is not None else self._ids(endpoint, payload)
+
+    def _text(self, endpoint: str, payload: dict[str, Any]) -> tuple[str, bool] | None:
+        """The text to encode and whether the tokenizer adds its special tokens; None for no text."""
         if endpoint == "chat":
             if self._template is None:
                 self.failures += 1
@@ -97,22 +111,15 @@ class LocalTokenizer:
                 self.failures += 1
                 return None  # the replica will answer the client with its own 400
             # The template writes BOS itself: no special tokens on top, as vLLM does for chat.
-            return tuple(self._tokenizer.encode(text, add_special_tokens=False).ids)
+            return text, False
         prompt = single_prompt(payload)
-        if isinstance(prompt, str):
-            return tuple(self._tokenizer.encode(prompt, add_special_tokens=True).ids)
-        return tuple(prompt) if prompt is not None else None
+        return (prompt, True) if isinstance(prompt, str) else None
 
-
-def _prompt_chars(endpoint: str, payload: dict[str, Any]) -> int:
-    if endpoint != "chat":
-        prompt = payload.get("prompt")
-        return len(prompt) if isinstance(prompt, str) else 0
-    total = 0
-    for message in payload.get("messages") or ():
-        content = message.get("content") if isinstance(message, dict) else None
-        total += len(content) if isinstance(content, str) else 256  # parts: a rough, cheap guess
-    return total
+    @staticmethod
+    def _ids(endpoint: str, payload: dict[str, Any]) -> TokenIds | None:
+        """A completion prompt given as token ids is its own answer."""
+        prompt = single_prompt(payload) if endpoint != "chat" else None
+        return token_ids(prompt) if isinstance(prompt, list) else None
 
 
 def _token_text(value: Any) -> str:
@@ -137,7 +144,7 @@ class RemoteTokenizer:
             if prompt is None:
                 return None
             if not isinstance(prompt, str):
-                return tuple(prompt)
+                return token_ids(prompt)
             body = {"model": model, "prompt": prompt}
         try:
             async with self._session.post(
@@ -151,7 +158,7 @@ class RemoteTokenizer:
         if not isinstance(tokens, list):
             self.failures += 1
             return None
-        return tuple(tokens)
+        return token_ids(tokens)
 
 
 class TokenCache:
