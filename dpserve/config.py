@@ -289,7 +289,8 @@ class RouterSettings:
     tokenizer: str | None = setting(
         None,
         "token ids for kv_aware: a model directory with tokenizer.json (loaded in the router), or `remote` (the "
-        "replica's /tokenize); none: the model directory when the router is given one, else remote",
+        "replica's /tokenize); none: each model's own tokenizer where a copy is found here (the replicas' --model "
+        "path, the Hugging Face cache), once it agrees with the replicas' /tokenize, else remote",
         KV,
         metavar="DIR|remote",
     )

@@ -15,15 +15,28 @@ def leading_matches(
     prompt's length times the number of replicas."""
     depth = dict.fromkeys(replicas, 0)
     active = list(depth)
+    if not active:
+        return depth
+    position = 0
     for position, key in enumerate(keys):
         holders = holders_of(key)
         if not holders:
             break
+        for rid in active:
+            if rid not in holders:
+                break
+        else:
+            continue  # every replica still in the race holds this block too: the common case, no new list
+        for rid in active:
+            if rid not in holders:
+                depth[rid] = position
         active = [rid for rid in active if rid in holders]
         if not active:
             break
-        for rid in active:
-            depth[rid] = position + 1
+    else:
+        position = len(keys)
+    for rid in active:
+        depth[rid] = position
     return depth
 
 

@@ -9,7 +9,7 @@ would otherwise be spread over every replica, each computing the prefix again. E
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 from dpserve.kvindex.matching import deepest_holders, leading_matches
 
@@ -76,9 +76,14 @@ class RecentRoutes:
     def match(self, keys: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         oldest = self._clock() - self.ttl_s
 
-        def fresh_holders(key: int) -> set[str] | None:
+        def fresh_holders(key: int) -> Container[str] | None:
             holders = self._keys.get(key)
-            return {rid for rid, at in holders.items() if at >= oldest} if holders else None
+            if not holders:
+                return None
+            for at in holders.values():
+                if at < oldest:  # rare: a route past its ttl, not yet overwritten
+                    return {rid for rid, at in holders.items() if at >= oldest}
+            return holders
 
         return leading_matches(keys, replicas, fresh_holders)
 

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from fastapi import FastAPI
 
-from dpserve.config import RouterSettings
+from dpserve.config import RouterSettings, default_cache_dir
 from dpserve.gpu.nvml import Nvml, load_nvml
 from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
@@ -40,6 +40,7 @@ from dpserve.router.http.proxied_paths import HotPath, RouterApp
 from dpserve.router.http.stored_responses import ResponseOwners
 from dpserve.router.http.upstream_client import UpstreamPool
 from dpserve.router.observe.metrics import RouterMetrics, RoutingStateCollector
+from dpserve.router.observe.model_tokenizers import ModelTokenizers
 from dpserve.router.observe.prompt_tokens import PromptTokenizer, RemoteTokenizer, TokenCache
 from dpserve.router.observe.tracing import Tracing
 from dpserve.router.parts import (
@@ -250,11 +251,24 @@ class Router:
             yield
 
     def _token_cache(self, replicas: aiohttp.ClientSession) -> TokenCache | None:
-        """Prompts' tokens, for a policy that reads KV blocks: the local tokenizer, else the replicas'."""
+        """Prompts' tokens, for a policy that reads KV blocks: `--tokenizer DIR`'s, `--tokenizer remote`: the
+        replicas', none given: each model's own found here, else the replicas' (`ModelTokenizers`)."""
         if Need.KV_PREFIX not in self.needs:
             return None
-        tokenizer: PromptTokenizer = self.local_tokenizer or RemoteTokenizer(replicas)
+        remote = RemoteTokenizer(replicas)
+        tokenizer: PromptTokenizer
+        if self.local_tokenizer is not None:
+            tokenizer = self.local_tokenizer
+        elif self.settings.tokenizer == "remote":
+            tokenizer = remote
+        else:
+            tokenizer = ModelTokenizers(remote, self._model_root, default_cache_dir())
         return TokenCache(tokenizer, self.settings.token_cache_entries)
+
+    def _model_root(self, model: str) -> str | None:
+        """Where the replicas serve `model` from, as their cards say (vLLM: its --model)."""
+        root = self.catalog.model_cards(healthy_only=False).get(model, {}).get("root")
+        return root if isinstance(root, str) else None
 
     def _relaying(self, hot: UpstreamPool, replicas: aiohttp.ClientSession, tokens: TokenCache | None) -> Relaying:
         """The hot path's parts: the dispatcher and what the exchanges need."""

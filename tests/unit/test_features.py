@@ -27,6 +27,9 @@ class WordIds:
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
         return tuple(len(word) for word in payload["prompt"].split())
 
+    def source(self, model: str) -> str:
+        return self.name
+
 
 def fleet() -> tuple[ReplicaRegistry, ModelCatalog]:
     registry = ReplicaRegistry(["r0=http://a", "r1=http://b"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from benchmarks.policy_workloads import (
     multi_turn,
     oracle_partitioned,
@@ -10,6 +12,7 @@ from benchmarks.policy_workloads import (
 )
 from dpserve.kvindex.events import BlockRemoved, BlockStored
 from dpserve.kvindex.index import KvIndex, block_keys
+from dpserve.kvindex.matching import leading_matches
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import CHUNK_CHARS, TextPrefixIndex, text_keys
 
@@ -92,3 +95,20 @@ def test_oracles_count_hits_as_vllm_does() -> None:
     # prefix; one replica of 5 blocks cannot hold both groups, so they evict each other.
     assert oracle_partitioned(work.requests, 2, 2, 4, max_tokens=1) == oracle_unbounded(work.requests, 2)
     assert oracle_partitioned(work.requests, 2, 1, 5, max_tokens=1) < oracle_unbounded(work.requests, 2)
+
+
+def test_leading_matches_is_each_replicas_longest_leading_run() -> None:
+    """Against the definition, on random holdings with gaps: a replica's depth is how many keys it holds
+    from the first on, whatever the others hold (the common case, all holding the next block, skips work)."""
+    rng = random.Random(11)
+    for _ in range(500):
+        keys = list(range(rng.randrange(0, 12)))
+        replicas = [f"r{i}" for i in range(rng.randrange(0, 4))]
+        held = {key: {rid for rid in replicas if rng.random() < 0.8} for key in keys}
+        expected = {}
+        for rid in replicas:
+            run = 0
+            while run < len(keys) and rid in held[keys[run]]:
+                run += 1
+            expected[rid] = run
+        assert leading_matches(keys, replicas, held.get) == expected

@@ -39,11 +39,18 @@ JSON = {"content-type": "application/json"}
 
 class PromptTokenizer(Protocol):
     name: str
-    failures: int
-    """Prompts it could not tokenize (batches of prompts, which have no single prefix, are not failures)."""
+
+    @property
+    def failures(self) -> int:
+        """Prompts it could not tokenize (batches of prompts, which have no single prefix, are not failures)."""
+        ...
 
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
         """The prompt's token ids, or None when they cannot be known (the request then routes on load)."""
+        ...
+
+    def source(self, model: str) -> str:
+        """Where `model`'s tokens come from now: `local` or `remote`."""
         ...
 
 
@@ -81,6 +88,9 @@ class LocalTokenizer:
     @staticmethod
     def available(model_dir: Path) -> bool:
         return (model_dir / "tokenizer.json").is_file()
+
+    def source(self, model: str) -> str:
+        return self.name
 
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
         text = self._text(endpoint, payload)
@@ -135,6 +145,9 @@ class RemoteTokenizer:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.failures = 0
+
+    def source(self, model: str) -> str:
+        return self.name
 
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
         if endpoint == "chat":

@@ -99,7 +99,9 @@ class FeatureBuilder:
         base = (self._catalog.adapter_parent(adapter) or model) if adapter is not None else model
         tokens = await self._tokens.tokens(endpoint, payload, base, url)
         metrics = self._metrics
-        metrics.labeled(metrics.tokenize_seconds, self._tokens.tokenizer.name).observe(time.perf_counter() - started)
+        metrics.labeled(metrics.tokenize_seconds, self._tokens.tokenizer.source(base)).observe(
+            time.perf_counter() - started
+        )
         if tokens is None:
             return None
         keys = block_keys(tokens, block_size, adapter)
