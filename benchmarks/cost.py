@@ -36,6 +36,7 @@ from benchmarks.fleet import (
     CHECKOUT,
     UpPorts,
     cpu_seconds,
+    get_text,
     port_block,
     progress,
     router_command,
@@ -49,6 +50,7 @@ from benchmarks.policies import Fleet, Outcome, counter_deltas, drive, replica_c
 from benchmarks.policy_workloads import Workload, shared_prefix
 from benchmarks.report import format_table, goals_status, shown, write_csv
 from benchmarks.report import met as met_text
+from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import ensure_tiny_model
 from dpserve.up.process import terminate
 
@@ -105,6 +107,8 @@ class Row:
     router_cpu_s: float
     cpu_us_per_request: float
     hit_rate: float
+    tokens_from: str = ""
+    """dpserve's kv_aware: how many prompts got their tokens where (`local=N remote=N`), from its metrics."""
 
 
 # -- one measurement ---------------------------------------------------------------------------------
@@ -157,9 +161,19 @@ async def measure(
         outcomes, seconds = await drive(url, work, args.concurrency, args.max_tokens)
         cpu = cpu_seconds(tree) - cpu_before
         hits, queries, _ = counter_deltas(before, await replica_counters(session, fleet))
+        sources = await token_sources(session, url) if target.router == "dpserve" else ""
     finally:
         terminate(process, 10)
-    return row_of(round_index, target, outcomes, seconds, cpu, hits / queries if queries else 0.0)
+    row = row_of(round_index, target, outcomes, seconds, cpu, hits / queries if queries else 0.0)
+    row.tokens_from = sources
+    return row
+
+
+async def token_sources(session: aiohttp.ClientSession, url: str) -> str:
+    """Where dpserve's router got prompts' tokens over its life: `local=N remote=N`."""
+    name = "dpserve_routing_tokenize_seconds_count"
+    samples = parse_samples(await get_text(session, f"{url}/metrics") or "", {name})
+    return " ".join(f"{labels.get('tokenizer')}={int(value)}" for labels, value in samples.by_name.get(name, []))
 
 
 def row_of(

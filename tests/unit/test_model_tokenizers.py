@@ -37,6 +37,7 @@ class Replica:
 
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
         self.calls += 1
+        await asyncio.sleep(0)  # a round trip: other requests run meanwhile
         ids = self._truth.tokens_now(endpoint, payload)
         return None if ids is None else token_ids([i + self.shift for i in ids])
 
@@ -91,6 +92,20 @@ async def test_the_local_copy_is_used_once_it_agrees(model_dir: Path) -> None:
     ids = await tokenizers.tokens("chat", CHAT, "m", "")
     assert replica.calls == calls  # the replica is no longer asked
     assert list(ids or ()) == list(LocalTokenizer(model_dir).tokens_now("chat", CHAT) or ())
+
+
+async def test_checks_in_flight_together_still_end_in_trust(model_dir: Path) -> None:
+    """Requests side by side all start a check before the first one ends: more checks pass than were
+    asked for, and the copy is trusted all the same (found by `dpserve bench cost`: a count below zero
+    kept every request checking, asking the replica and tokenizing twice)."""
+    replica = Replica(model_dir)
+    tokenizers = ModelTokenizers(replica, lambda model: str(model_dir), Path("/nonexistent"), checks=3)
+    await settle(tokenizers, "m")
+    await asyncio.gather(*(tokenizers.tokens("chat", CHAT, "m", "") for _ in range(8)))
+    assert tokenizers.source("m") == "local"
+    calls = replica.calls
+    await tokenizers.tokens("chat", CHAT, "m", "")
+    assert replica.calls == calls
 
 
 async def test_a_copy_that_disagrees_is_dropped_for_good(model_dir: Path) -> None:

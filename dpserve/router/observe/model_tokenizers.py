@@ -64,6 +64,11 @@ class _Model:
     checks_left: int = CHECKS
     loading: asyncio.Task[None] | None = field(default=None, repr=False)
 
+    @property
+    def trusted(self) -> LocalTokenizer | None:
+        """The local tokenizer once it has passed its checks (checks still in flight may end below 0)."""
+        return self.local if self.checks_left <= 0 else None
+
 
 class ModelTokenizers:
     name = "auto"
@@ -86,16 +91,17 @@ class ModelTokenizers:
     def source(self, model: str) -> str:
         """`local` once the model's own tokenizer is trusted, else `remote` (the metrics' label)."""
         state = self._models.get(model)
-        return "local" if state is not None and state.local is not None and not state.checks_left else "remote"
+        return "local" if state is not None and state.trusted is not None else "remote"
 
     async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
         state = self._models.get(model)
         if state is None:
             state = self._models[model] = _Model(checks_left=self._checks)
             state.loading = asyncio.create_task(self._load(model, state))
+        trusted = state.trusted
+        if trusted is not None:
+            return await trusted.tokens(endpoint, payload, model, replica_url)
         local = state.local
-        if local is not None and not state.checks_left:
-            return await local.tokens(endpoint, payload, model, replica_url)
         theirs = await self._remote.tokens(endpoint, payload, model, replica_url)
         if local is not None and theirs is not None:
             self._check(model, state, await local.tokens(endpoint, payload, model, replica_url), theirs)
@@ -104,7 +110,7 @@ class ModelTokenizers:
     def _check(self, model: str, state: _Model, mine: TokenIds | None, theirs: TokenIds) -> None:
         if mine is not None and list(mine) == list(theirs):
             state.checks_left -= 1
-            if not state.checks_left:
+            if state.checks_left == 0:
                 log.info("model %s: prompts are tokenized in the router from now on", model)
             return
         state.local = None
