@@ -3,7 +3,7 @@
 The workload is shaped like real traffic, not like a microbenchmark: G groups of ~1k-token shared system
 prompts, each request with a question of its own, streamed answers of --max-tokens tokens, --concurrency in
 flight, over 2 `dpserve sim --speed 0` replicas publishing KV events (so every router is the busy part). Each
-target is started fresh over prefix caches just emptied, warmed with one request per group, then measured:
+target is started fresh over prefix caches just emptied, warmed with two requests per group, then measured:
 the CPU seconds its process tree used over the run (probes, scrapes and KV events included) divided by the
 requests it served, and the fleet's prefix-cache hit rate from the replicas' own counters.
 
@@ -22,7 +22,9 @@ import argparse
 import asyncio
 import contextlib
 import os
+import random
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -34,15 +36,14 @@ import psutil
 
 from benchmarks.fleet import (
     CHECKOUT,
-    UpPorts,
-    cpu_seconds,
+    HOST,
     get_text,
     port_block,
     progress,
     router_command,
     sigterm_unwinds,
     spawn,
-    start_up,
+    stop_all,
     wait_ok,
 )
 from benchmarks.overhead import checkouts
@@ -51,6 +52,7 @@ from benchmarks.policy_workloads import Workload, shared_prefix
 from benchmarks.report import format_table, goals_status, shown, write_csv
 from benchmarks.report import met as met_text
 from dpserve.replicas.prometheus_text import parse_samples
+from dpserve.router.observe.prompt_tokens import LocalTokenizer
 from dpserve.tiny_model import ensure_tiny_model
 from dpserve.up.process import terminate
 
@@ -63,6 +65,8 @@ TARGETS = (
     "sglang-router:cache_aware",
 )
 REPLICAS = 2
+WARM_ROUNDS = 2
+"""Requests per group before measuring: the router's start-up work (tokenizer checks, first scrapes) is done."""
 START_TIMEOUT_S = 120.0
 # The issue's goals: dpserve's CPU per request over the Rust router's, (ours, theirs, at most).
 GOALS = (
@@ -107,6 +111,8 @@ class Row:
     router_cpu_s: float
     cpu_us_per_request: float
     hit_rate: float
+    system_share: float = 0.0
+    """Of the router's CPU, the kernel's (system calls: sockets, wake-ups)."""
     tokens_from: str = ""
     """dpserve's kv_aware: how many prompts got their tokens where (`local=N remote=N`), from its metrics."""
 
@@ -147,26 +153,37 @@ async def measure(
 ) -> Row:
     warm, work = workloads
     await reset_caches(session, fleet)
-    port = port_block(2, __import__("random").Random())
+    port = port_block(2, random.Random())
     command = target_command(target, fleet, port, args.tokenizer_dir, revs)
     log_path = args.out / f"{target.label.replace(':', '_').replace('@', '_')}-{round_index}.log"
     process = spawn(command, log_path, target_env(target, revs))
     url = f"http://127.0.0.1:{port}"
     try:
         await wait_ok(session, f"{url}/v1/models", START_TIMEOUT_S, process)
-        await drive(url, warm, args.concurrency, args.max_tokens)  # one request per group: settles the router
+        await drive(url, warm, args.concurrency, args.max_tokens)
         await asyncio.sleep(args.settle_s)  # start-up work (first scrapes, subscriptions) out of the window
-        tree = [psutil.Process(process.pid)]
-        before, cpu_before = await replica_counters(session, fleet), cpu_seconds(tree)
+        tree = psutil.Process(process.pid)
+        before, cpu_before = await replica_counters(session, fleet), tree_times(tree)
         outcomes, seconds = await drive(url, work, args.concurrency, args.max_tokens)
-        cpu = cpu_seconds(tree) - cpu_before
+        user, system = (after - was for after, was in zip(tree_times(tree), cpu_before, strict=True))
         hits, queries, _ = counter_deltas(before, await replica_counters(session, fleet))
         sources = await token_sources(session, url) if target.router == "dpserve" else ""
     finally:
         terminate(process, 10)
-    row = row_of(round_index, target, outcomes, seconds, cpu, hits / queries if queries else 0.0)
+    row = row_of(round_index, target, outcomes, seconds, user + system, hits / queries if queries else 0.0)
     row.tokens_from = sources
+    row.system_share = round(system / (user + system), 2) if user + system else 0.0
     return row
+
+
+def tree_times(process: psutil.Process) -> tuple[float, float]:
+    """User and system CPU seconds so far of a process and its threads and children (as `fleet.cpu_seconds`)."""
+    user = system = 0.0
+    for member in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = member.cpu_times()
+            user, system = user + times.user, system + times.system
+    return user, system
 
 
 async def token_sources(session: aiohttp.ClientSession, url: str) -> str:
@@ -196,16 +213,25 @@ def row_of(
 # -- the run -----------------------------------------------------------------------------------------
 
 
-async def start_fleet(session: aiohttp.ClientSession, args: argparse.Namespace) -> tuple[Fleet, list[str]]:
-    ports = UpPorts.free(REPLICAS)
+async def start_fleet(
+    session: aiohttp.ClientSession, args: argparse.Namespace
+) -> tuple[Fleet, list[subprocess.Popen[bytes]]]:
+    """REPLICAS `dpserve sim --speed 0` processes, each publishing its KV events (and nothing else running:
+    `dpserve up` would add a router of its own)."""
+    base = port_block(2 * REPLICAS, random.Random())
+    urls = [f"http://{HOST}:{base + i}" for i in range(REPLICAS)]
+    endpoints = [f"tcp://{HOST}:{base + REPLICAS + i}" for i in range(REPLICAS)]
     run_dir = args.out / "fleet"
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = ports.command(run_dir, "round_robin")
-    command += ["--sim", str(REPLICAS), "--", "--speed", "0", "--block-size", str(args.block_size)]
     progress(f"starting {REPLICAS} sims with KV events ...")
-    process = await start_up(session, ports, command, run_dir / "up.log", dict(os.environ), START_TIMEOUT_S)
-    fleet = Fleet("sim", process, ports.replica_urls, ports.kv_endpoints, args.block_size, 0, run_dir / "up.log")
-    return fleet, []
+    sims = []
+    for index, (url, endpoint) in enumerate(zip(urls, endpoints, strict=True)):
+        command = [sys.executable, "-m", "dpserve", "sim", "--port", str(base + index), "--kv-events", endpoint]
+        command += ["--speed", "0", "--block-size", str(args.block_size), "--log-level", "warning"]
+        sims.append(spawn(command, run_dir / f"sim-{index}.log", dict(os.environ)))
+        await wait_ok(session, f"{url}/v1/models", START_TIMEOUT_S, sims[-1])
+    fleet = Fleet("sim", sims[0], urls, endpoints, args.block_size, 0, run_dir / "sim-0.log")
+    return fleet, sims
 
 
 def order(targets: Sequence[Target], round_index: int) -> list[Target]:
@@ -215,15 +241,20 @@ def order(targets: Sequence[Target], round_index: int) -> list[Target]:
 
 async def run(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
-    warm = shared_prefix(args.groups, 1, args.prefix_words, args.question_words, seed=1)
+    # The same requests for every target: each starts over caches just emptied. The first WARM_ROUNDS requests of
+    # each group are the warm-up, which also covers the checks of a tokenizer found in the router.
+    every = shared_prefix(args.groups, WARM_ROUNDS + args.prompts, args.prefix_words, args.question_words, seed=1)
+    cut = WARM_ROUNDS * args.groups
+    warm = Workload(every.name, every.requests[:cut], every.groups, every.description)
+    work = Workload(every.name, every.requests[cut:], every.groups, every.description)
+    tokenizer = LocalTokenizer(args.tokenizer_dir)
+    tokens = [len(tokenizer.tokens_now("chat", {"messages": r.messages}) or ()) for r in warm.requests]
+    progress(f"prompts of {statistics.mean(tokens):.0f} tokens on average (the tiny model's tokenizer)")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        fleet, _ = await start_fleet(session, args)
+        fleet, sims = await start_fleet(session, args)
         try:
             with checkouts(sorted({t.rev for t in args.targets if t.rev}), args.out) as revs:
                 for round_index in range(args.rounds):
-                    # A workload of its own per round: the same prefixes, new questions.
-                    work = shared_prefix(args.groups, args.prompts, args.prefix_words, args.question_words, seed=1)
-                    work = Workload(work.name, work.requests[args.groups :], work.groups, work.description)
                     for target in order(args.targets, round_index):
                         progress(f"round {round_index}: {target.label} ...")
                         row = await measure(session, target, fleet, (warm, work), args, revs, round_index)
@@ -233,7 +264,7 @@ async def run(args: argparse.Namespace) -> list[Row]:
                         )
                         rows.append(row)
         finally:
-            terminate(fleet.process, 30)
+            stop_all(sims, 10)
     return rows
 
 
@@ -302,7 +333,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="every target this many times, ABBA")
     parser.add_argument("--groups", type=int, default=16, help="shared system prompts")
     parser.add_argument("--prompts", type=int, default=20, help="measured requests per group")
-    parser.add_argument("--prefix-words", type=int, default=500, help="words per system prompt (~2 tokens each)")
+    parser.add_argument("--prefix-words", type=int, default=280, help="words per system prompt (280: ~1k tokens)")
     parser.add_argument("--question-words", type=int, default=16, help="words per request's own question")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per streamed answer")

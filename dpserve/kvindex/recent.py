@@ -9,9 +9,9 @@ would otherwise be spread over every replica, each computing the prefix again. E
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from dpserve.kvindex.matching import deepest_holders, leading_matches
+from dpserve.kvindex.matching import deepest_holders
 
 
 class RecentRoutes:
@@ -74,18 +74,34 @@ class RecentRoutes:
             self._keys.popitem(last=False)
 
     def match(self, keys: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        """Per replica, how many of `keys` (in prompt order) were sent there within the TTL, from the first
+        on (`matching.leading_matches`, with the freshness test inlined: it runs for every block)."""
         oldest = self._clock() - self.ttl_s
-
-        def fresh_holders(key: int) -> Container[str] | None:
-            holders = self._keys.get(key)
+        depth = dict.fromkeys(replicas, 0)
+        active = list(depth)
+        get = self._keys.get
+        position = 0
+        for position, key in enumerate(keys):
+            holders = get(key)
             if not holders:
-                return None
-            for at in holders.values():
-                if at < oldest:  # rare: a route past its ttl, not yet overwritten
-                    return {rid for rid, at in holders.items() if at >= oldest}
-            return holders
-
-        return leading_matches(keys, replicas, fresh_holders)
+                break
+            for rid in active:
+                at = holders.get(rid)
+                if at is None or at < oldest:
+                    break
+            else:
+                continue  # every replica still in the race was sent this block too: no new list
+            dropped = [rid for rid in active if not _sent_since(holders, rid, oldest)]
+            for rid in dropped:
+                depth[rid] = position
+            active = [rid for rid in active if rid not in dropped]
+            if not active:
+                break
+        else:
+            position = len(keys)
+        for rid in active:
+            depth[rid] = position
+        return depth
 
     def likely_best(self, keys: Sequence[int], limit: int) -> list[str]:
         """Up to `limit` replicas the prompt's blocks were recently sent to (see `deepest_holders`)."""
@@ -109,3 +125,8 @@ class RecentRoutes:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def _sent_since(holders: dict[str, float], replica: str, oldest: float) -> bool:
+    at = holders.get(replica)
+    return at is not None and at >= oldest

@@ -112,3 +112,28 @@ def test_leading_matches_is_each_replicas_longest_leading_run() -> None:
                 run += 1
             expected[rid] = run
         assert leading_matches(keys, replicas, held.get) == expected
+
+
+def test_recent_routes_match_counts_only_routes_within_the_ttl() -> None:
+    """Against the definition, on random routes of random ages: a replica's depth is how many keys were
+    sent there within the TTL, from the first on."""
+    rng = random.Random(5)
+    for _ in range(300):
+        now = [100.0]
+        recent = RecentRoutes(lambda: now[0], ttl_s=10.0)
+        keys = list(range(rng.randrange(0, 10)))
+        replicas = [f"r{i}" for i in range(rng.randrange(1, 4))]
+        sent: dict[tuple[int, str], float] = {}
+        for key in keys:
+            for rid in replicas:
+                if rng.random() < 0.8:
+                    age = rng.choice([0.0, 5.0, 15.0])  # fresh, fresh, expired
+                    recent.learn([key], rid, age)
+                    sent[(key, rid)] = now[0] - age
+        expected = {}
+        for rid in replicas:
+            run = 0
+            while run < len(keys) and sent.get((keys[run], rid), -1e9) >= now[0] - 10.0:
+                run += 1
+            expected[rid] = run
+        assert recent.match(keys, replicas) == expected

@@ -12,7 +12,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 from dpserve import tiny_model as tiny
 from dpserve.kvindex.index import ROOT_KEY, block_keys, chain_key
 from dpserve.router.observe import token_pieces
-from dpserve.router.observe.token_pieces import CHECK_FIRST, MIN_CACHED_CHARS, PieceEncoder, token_ids
+from dpserve.router.observe.token_pieces import CHECK_FIRST, PieceEncoder, token_ids
 
 WORDS = ["route", "cache", " ", "  ", "\n", "Ünï", "ć", "token", "block", "<s", "s>", "</s>", "<s>", "<pad>", "ab", "."]
 
@@ -47,10 +47,10 @@ def test_a_shared_prefix_is_encoded_once(tokenizer: Tokenizer) -> None:
     second = first.replace("Question one", "Another question entirely")
     assert encoder.uncached_chars(first) >= len(system)
     encoder.encode(first, False)
-    # Only the pieces not seen before are left to encode: the new question and its turn.
-    assert encoder.uncached_chars(second) < MIN_CACHED_CHARS
+    # Only the piece not seen before is left to encode: the new question's turn.
+    assert encoder.uncached_chars(second) == len("\n<|user|>\nAnother question entirely")
     assert list(encoder.encode(second, False)) == tokenizer.encode(second, add_special_tokens=False).ids
-    assert encoder.hits == 1
+    assert encoder.hits == 2  # the system prompt's piece and the generation prompt's
 
 
 def test_the_piece_cache_is_bounded(tokenizer: Tokenizer) -> None:
