@@ -43,14 +43,24 @@ def block_keys(token_ids: Sequence[int], block_size: int, adapter: str | None = 
     over the ids' bytes taken once. With a LoRA adapter, every block's key includes its name, as vLLM's hash
     does and its events say (`extra_keys` `(name,)` per block): the same tokens under two adapters are two
     different blocks."""
+    return chained_keys(id_bytes(token_ids), block_size, adapter)
+
+
+def id_bytes(token_ids: Sequence[int]) -> memoryview:
+    """Token ids as the 4-byte words `chain_key` hashes."""
     ids = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else array("I", token_ids)
-    data = memoryview(ids).cast("B")
-    step = block_size * ids.itemsize
+    return memoryview(ids).cast("B")
+
+
+def chained_keys(
+    data: memoryview, block_size: int, adapter: str | None, parent: int = ROOT_KEY, first_block: int = 0
+) -> list[int]:
+    """`block_keys` of the blocks from `first_block` on, the key of the block before it being `parent`."""
+    step = block_size * 4
     extra = repr((adapter,)).encode() if adapter is not None else b""
     keys: list[int] = []
-    parent = ROOT_KEY
     blake2b, from_bytes = hashlib.blake2b, int.from_bytes
-    for start in range(0, len(data) - step + 1, step):
+    for start in range(first_block * step, len(data) - step + 1, step):
         digest = blake2b(parent.to_bytes(8, "big"), digest_size=8)
         digest.update(data[start : start + step])
         if extra:

@@ -11,6 +11,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 from dpserve import tiny_model as tiny
 from dpserve.kvindex.index import ROOT_KEY, block_keys, chain_key
+from dpserve.kvindex.prefix_keys import PrefixKeys
 from dpserve.router.observe import token_pieces
 from dpserve.router.observe.token_pieces import CHECK_FIRST, PieceEncoder, token_ids
 
@@ -115,3 +116,19 @@ def test_block_keys_are_the_chained_keys_of_the_index(tmp_path: Path) -> None:
         assert block_keys(ids, 16, adapter) == expected
         assert block_keys(token_ids(ids), 16, adapter) == expected
         assert block_keys(tuple(ids), 16, adapter) == expected
+
+
+def test_prefix_keys_are_block_keys_and_reuse_shared_beginnings() -> None:
+    """Prompts of a few groups (a shared beginning each, then their own tail), with adapters and two block
+    sizes: always exactly `block_keys`, most blocks of a group's later prompts not hashed again, and with a
+    memo too small for them all, still exact and within its bound."""
+    for max_entries, reuse in ((256, 2.0), (8, 0.0)):
+        rng = random.Random(9)
+        memo = PrefixKeys(max_entries)
+        systems = [[rng.randrange(50_000) for _ in range(rng.randrange(300, 600))] for _ in range(4)]
+        for _ in range(400):
+            ids = rng.choice(systems) + [rng.randrange(50_000) for _ in range(rng.randrange(0, 40))]
+            block_size, adapter = rng.choice([16, 32]), rng.choice([None, None, "lora-a"])
+            assert memo.keys(token_ids(ids), block_size, adapter) == block_keys(ids, block_size, adapter)
+            assert len(memo) <= max_entries
+        assert memo.reused_blocks >= reuse * memo.hashed_blocks

@@ -11,7 +11,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dpserve.kvindex.index import KvIndex, block_keys
+from dpserve.kvindex.index import KvIndex
+from dpserve.kvindex.prefix_keys import PrefixKeys
 from dpserve.kvindex.text_prefix import ChunkTokens, TextPrefixIndex, text_keys
 from dpserve.policies.base import Need, PrefixMatch, PrefixSource, ReplicaView, RequestFeatures
 from dpserve.policies.bindings import SessionBindings
@@ -36,10 +37,13 @@ class FeatureBuilder:
         tokens: TokenCache | None = None,
         bindings: SessionBindings | None = None,
         chunk_tokens: ChunkTokens | None = None,
+        prefix_keys: PrefixKeys | None = None,
     ) -> None:
         """`needs`: what the policy reads (`Policy.needs`); the rest is never computed. `bindings`: where
         sessions last went (the session policy's, shared with peers). `chunk_tokens`: what a text chunk
-        is in tokens, as the answers taught it."""
+        is in tokens, as the answers taught it. `prefix_keys`: prompts' block keys, shared beginnings hashed
+        once."""
+        self._prefix_keys = prefix_keys or PrefixKeys()
         self._bindings = bindings
         self._chunk_tokens = chunk_tokens or ChunkTokens()
         self._needs = needs
@@ -104,7 +108,7 @@ class FeatureBuilder:
         )
         if tokens is None:
             return None
-        keys = block_keys(tokens, block_size, adapter)
+        keys = self._prefix_keys.keys(tokens, block_size, adapter)
         self._metrics.prompt_tokens.inc(len(tokens))
         # Matches are read at decision time (`selection.PrefixLookup.match`): requests tokenized side by side must see
         # each other's routing, so the index is not read here.
