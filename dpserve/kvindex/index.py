@@ -30,12 +30,21 @@ ROOT_KEY = 0
 
 
 def chain_key(parent: int, token_ids: Sequence[int], extra: object = None) -> int:
-    """The router's key of one block: 64 bits of blake2b over the parent's key, the tokens and any extras."""
+    """The router's key of one block: 64 bits of blake2b over the parent's key, the tokens (4 bytes each) and
+    the repr of any extras."""
+    return _chain_step(parent, array("I", token_ids).tobytes(), _extra_bytes(extra))
+
+
+def _chain_step(parent: int, block: bytes | memoryview, extra: bytes) -> int:
     digest = hashlib.blake2b(parent.to_bytes(8, "big"), digest_size=8)
-    digest.update(array("I", token_ids).tobytes())
-    if extra is not None:
-        digest.update(repr(extra).encode())
+    digest.update(block)
+    if extra:
+        digest.update(extra)
     return int.from_bytes(digest.digest(), "big")
+
+
+def _extra_bytes(extra: object) -> bytes:
+    return b"" if extra is None else repr(extra).encode()
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
@@ -57,15 +66,10 @@ def chained_keys(
 ) -> list[int]:
     """`block_keys` of the blocks from `first_block` on, the key of the block before it being `parent`."""
     step = block_size * 4
-    extra = repr((adapter,)).encode() if adapter is not None else b""
+    extra = _extra_bytes((adapter,) if adapter is not None else None)
     keys: list[int] = []
-    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
     for start in range(first_block * step, len(data) - step + 1, step):
-        digest = blake2b(parent.to_bytes(8, "big"), digest_size=8)
-        digest.update(data[start : start + step])
-        if extra:
-            digest.update(extra)
-        parent = from_bytes(digest.digest(), "big")
+        parent = _chain_step(parent, data[start : start + step], extra)
         keys.append(parent)
     return keys
 
@@ -136,13 +140,14 @@ class KvIndex:
                 self.stats.orphan_blocks += len(event.block_hashes)
                 return
             parent = parent_entry.key
-        size = event.block_size
+        step = event.block_size * 4
+        data = id_bytes(event.token_ids)
         for position, engine_hash in enumerate(event.block_hashes):
-            tokens = event.token_ids[position * size : (position + 1) * size]
-            if len(tokens) < size:
+            tokens = data[position * step : (position + 1) * step]
+            if len(tokens) < step:
                 break  # a malformed event: fewer tokens than its blocks need
             extra = event.extra_keys[position] if event.extra_keys and position < len(event.extra_keys) else None
-            key = chain_key(parent, tokens, extra)
+            key = _chain_step(parent, tokens, _extra_bytes(extra))
             self.stats.stored += 1
             entry = blocks.get(engine_hash)
             if entry is not None:
