@@ -13,6 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 from dpserve.kvindex.matching import deepest_holders
 
+REFRESH_SHARE = 0.05
+"""Of the TTL: how old a route of a block to a replica may be before routing it there again refreshes it."""
+
 
 class RecentRoutes:
     def __init__(
@@ -62,16 +65,24 @@ class RecentRoutes:
         if pending:
             self._log.append((now, replica, len(keys)))
             self._pending[replica] = self._pending.get(replica, 0) + len(keys)
+        # A block sent to the same replica within the last REFRESH_SHARE of the TTL is left as it is: a group's
+        # shared prefix is routed many times a second, and its entries need not move each time (they expire at
+        # most that share of the TTL early).
+        recent_enough = now - self.ttl_s * REFRESH_SHARE
+        entries = self._keys
         for key in keys:
-            holders = self._keys.get(key)
+            holders = entries.get(key)
             if holders is None:
-                self._keys[key] = {replica: now}
-            else:
-                if holders.get(replica, now) <= now:
-                    holders[replica] = now
-                self._keys.move_to_end(key)
-        while len(self._keys) > self.max_keys:
-            self._keys.popitem(last=False)
+                entries[key] = {replica: now}
+                continue
+            at = holders.get(replica)
+            if at is not None and at >= recent_enough:
+                continue
+            if at is None or at <= now:
+                holders[replica] = now
+            entries.move_to_end(key)
+        while len(entries) > self.max_keys:
+            entries.popitem(last=False)
 
     def match(self, keys: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         """Per replica, how many of `keys` (in prompt order) were sent there within the TTL, from the first

@@ -137,3 +137,21 @@ def test_recent_routes_match_counts_only_routes_within_the_ttl() -> None:
                 run += 1
             expected[rid] = run
         assert recent.match(keys, replicas) == expected
+
+
+def test_recent_routes_refresh_a_block_only_once_it_has_aged() -> None:
+    """A prefix routed again within 5% of the TTL keeps its first time (it expires that much early at most);
+    routed again later, its time moves on."""
+    now = [0.0]
+    recent = RecentRoutes(lambda: now[0], ttl_s=10.0)
+    recent.record([1, 2], "r0")
+    now[0] = 0.4
+    recent.record([1, 2], "r0")
+    now[0] = 10.2
+    assert recent.match([1, 2], ["r0"]) == {"r0": 0}  # 0.4's route did not refresh it
+    now[0] = 20.0
+    recent.record([1, 2], "r0")
+    now[0] = 20.6
+    recent.record([1, 2], "r0")
+    now[0] = 30.3
+    assert recent.match([1, 2], ["r0"]) == {"r0": 2}  # 20.6's did
