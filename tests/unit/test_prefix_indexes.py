@@ -119,8 +119,7 @@ def test_recent_routes_match_counts_only_routes_within_the_ttl() -> None:
     sent there within the TTL, from the first on."""
     rng = random.Random(5)
     for _ in range(300):
-        now = [100.0]
-        recent = RecentRoutes(lambda: now[0], ttl_s=10.0)
+        recent = RecentRoutes(lambda: 100.0, ttl_s=10.0)
         keys = list(range(rng.randrange(0, 10)))
         replicas = [f"r{i}" for i in range(rng.randrange(1, 4))]
         sent: dict[tuple[int, str], float] = {}
@@ -129,11 +128,11 @@ def test_recent_routes_match_counts_only_routes_within_the_ttl() -> None:
                 if rng.random() < 0.8:
                     age = rng.choice([0.0, 5.0, 15.0])  # fresh, fresh, expired
                     recent.learn([key], rid, age)
-                    sent[(key, rid)] = now[0] - age
+                    sent[(key, rid)] = 100.0 - age
         expected = {}
         for rid in replicas:
             run = 0
-            while run < len(keys) and sent.get((keys[run], rid), -1e9) >= now[0] - 10.0:
+            while run < len(keys) and sent.get((keys[run], rid), -1e9) >= 100.0 - 10.0:
                 run += 1
             expected[rid] = run
         assert recent.match(keys, replicas) == expected
