@@ -134,12 +134,14 @@ def target_command(target: Target, fleet: Fleet, port: int, tokenizer: Path, rev
     return command
 
 
-def target_env(target: Target, revs: dict[str, Path]) -> dict[str, str]:
-    """Another commit's router imports dpserve from its worktree."""
+def target_env(target: Target, revs: dict[str, Path]) -> tuple[dict[str, str], Path | None]:
+    """The environment and working directory of a target's router: another commit's imports dpserve from its
+    worktree (`python -m` looks in its working directory first, before the editable install of this one)."""
     env = dict(os.environ)
-    if target.rev:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(revs[target.rev]), env.get("PYTHONPATH")]))
-    return env
+    if not target.rev:
+        return env, None
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(revs[target.rev]), env.get("PYTHONPATH")]))
+    return env, revs[target.rev]
 
 
 async def measure(
@@ -156,7 +158,7 @@ async def measure(
     port = port_block(2, random.Random())
     command = target_command(target, fleet, port, args.tokenizer_dir, revs)
     log_path = args.out / f"{target.label.replace(':', '_').replace('@', '_')}-{round_index}.log"
-    process = spawn(command, log_path, target_env(target, revs))
+    process = spawn(command, log_path, *target_env(target, revs))
     url = f"http://127.0.0.1:{port}"
     try:
         await wait_ok(session, f"{url}/v1/models", START_TIMEOUT_S, process)

@@ -72,11 +72,14 @@ def port_block(count: int, rng: random.Random) -> int:
     raise RuntimeError("no block of free ports found")
 
 
-def spawn(command: list[str], log_path: Path | None, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def spawn(
+    command: list[str], log_path: Path | None, env: dict[str, str], cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """`cwd`: where `python -m` looks first for the package (another commit's worktree, say)."""
     if log_path is None:
-        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
     with open(log_path, "wb") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
 
 async def get_text(session: aiohttp.ClientSession, url: str) -> str | None:
