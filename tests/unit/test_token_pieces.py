@@ -4,6 +4,7 @@ encoded once, and a tokenizer for which pieces differ from the whole falls back 
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,19 @@ def test_prefix_keys_are_block_keys_and_reuse_shared_beginnings() -> None:
             assert memo.keys(token_ids(ids), block_size, adapter) == block_keys(ids, block_size, adapter)
             assert len(memo) <= max_entries
         assert memo.reused_blocks >= reuse * memo.hashed_blocks
+
+
+def test_encodes_from_several_threads_share_the_cache_safely(tokenizer: Tokenizer) -> None:
+    """The event loop and worker threads encode side by side (long new prompts go to a thread): with a cache
+    small enough to evict all the time, every thread still gets the tokenizer's own ids."""
+    encoder = PieceEncoder(tokenizer, max_pieces=4)
+    texts = [f"system {i % 6} " * 20 + "</s>" + f"question {i}" for i in range(60)]
+    expected = {text: tokenizer.encode(text, add_special_tokens=False).ids for text in texts}
+
+    def work(offset: int) -> list[bool]:
+        return [list(encoder.encode(text, False)) == expected[text] for text in texts[offset:] + texts[:offset]]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, range(0, 60, 15)))
+    assert all(all(found) for found in results)
+    assert encoder.mismatches == 0

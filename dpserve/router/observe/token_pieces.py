@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -39,6 +40,9 @@ class PieceEncoder:
         self._tokenizer = tokenizer
         self.max_pieces = max_pieces
         self._pieces: OrderedDict[str, array[int]] = OrderedDict()
+        self._lock = threading.Lock()
+        """Long new prompts are encoded in a worker thread (`LocalTokenizer.tokens`) while the event loop
+        encodes others: the cache's lookups and evictions must not interleave."""
         added = tokenizer.get_added_tokens_decoder()
         self._added_ids = {token.content: token_id for token_id, token in added.items()}
         # Leftmost, then longest: the order a tokenizer matches its added tokens in.
@@ -94,20 +98,24 @@ class PieceEncoder:
         # Short pieces too: one call into the encoder costs ~10 µs whatever the length, and the short ones
         # (the generation prompt's `<|assistant|>` turn) repeat in every request.
         pieces = self._pieces
-        found = pieces.get(piece)
-        if found is not None:
-            self.hits += 1
-            pieces.move_to_end(piece)
-            return found
-        found = pieces[piece] = array("I", self._tokenizer.encode(piece, add_special_tokens=False).ids)
-        if len(pieces) > self.max_pieces:
-            pieces.popitem(last=False)
+        with self._lock:
+            found = pieces.get(piece)
+            if found is not None:
+                self.hits += 1
+                pieces.move_to_end(piece)
+                return found
+        found = array("I", self._tokenizer.encode(piece, add_special_tokens=False).ids)
+        with self._lock:
+            pieces[piece] = found
+            if len(pieces) > self.max_pieces:
+                pieces.popitem(last=False)
         return found
 
     def _give_up(self, text: str) -> None:
         self.mismatches += 1
         self.whole_only = True
-        self._pieces.clear()
+        with self._lock:
+            self._pieces.clear()
         log.warning(
             "this tokenizer does not encode a prompt as its pieces between added tokens (a prompt of %d chars "
             "differed): the router encodes whole prompts from now on",
