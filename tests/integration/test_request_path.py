@@ -11,9 +11,11 @@ from benchmarks.request_path import trace_one_request
 
 pytestmark = pytest.mark.integration
 
-MOST_FILES = {"kv_aware": 28, "least_loaded": 23}
-"""The files one streamed chat request enters (`python -m benchmarks.request_path`), as written down in
-docs/architecture.md: a new file on the path must be worth it, and this number says so when it grows."""
+MOST_ROUTER_FILES = {"kv_aware": 19, "least_loaded": 18}
+"""The router's own files (its rooms, `dpserve/router/`) one streamed chat request enters (`python -m
+benchmarks.request_path`), as written down in docs/architecture.md: a new file on the path must be worth it,
+and this number says so when it grows. The pure libraries it calls below (`policies/`, `kvindex/`) and the
+registry's are not counted (issue [1/5]'s decision: what matters is each step entered once, checked above)."""
 
 
 @pytest.mark.parametrize("policy", ["least_loaded", "kv_aware"])
@@ -36,7 +38,8 @@ async def test_each_step_of_a_streamed_request_is_entered_only_from_the_step_bef
     ]
     assert callers["router/routing/dispatch.py"] == ["router/routing/proxied_endpoints.py"]
     assert callers["router/quality/receipts.py"] == ["router/routing/proxied_endpoints.py", "router/observe/life.py"]
-    assert len(visits.order) <= MOST_FILES[policy], visits.order
+    router_files = [name for name in visits.order if name.startswith("dpserve/router/")]
+    assert len(router_files) <= MOST_ROUTER_FILES[policy], router_files
     # The policy is asked by the selector alone.
     policy_file = f"policies/{policy}.py"
     assert callers[policy_file] == ["router/routing/selection.py"]
