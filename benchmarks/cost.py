@@ -120,9 +120,9 @@ class Row:
 # -- one measurement ---------------------------------------------------------------------------------
 
 
-def target_command(target: Target, fleet: Fleet, port: int, tokenizer: Path, revs: dict[str, Path]) -> list[str]:
+def target_command(target: Target, fleet: Fleet, port: int, tokenizer: Path) -> list[str]:
     """The target's router over the fleet, told of every replica's KV events (as an operator would)."""
-    command = router_command(
+    return router_command(
         target.router,
         target.policy,
         fleet.urls,
@@ -131,7 +131,6 @@ def target_command(target: Target, fleet: Fleet, port: int, tokenizer: Path, rev
         tokenizer=str(tokenizer) if target.tokenizer else None,
         block_size=fleet.block_size,
     )
-    return command
 
 
 def target_env(target: Target, revs: dict[str, Path]) -> tuple[dict[str, str], Path | None]:
@@ -156,7 +155,7 @@ async def measure(
     warm, work = workloads
     await reset_caches(session, fleet)
     port = port_block(2, random.Random())
-    command = target_command(target, fleet, port, args.tokenizer_dir, revs)
+    command = target_command(target, fleet, port, args.tokenizer_dir)
     log_path = args.out / f"{target.label.replace(':', '_').replace('@', '_')}-{round_index}.log"
     process = spawn(command, log_path, *target_env(target, revs))
     url = f"http://127.0.0.1:{port}"

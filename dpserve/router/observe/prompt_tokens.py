@@ -1,8 +1,9 @@
 """The token ids a replica will see for a request, computed on the router side (for the KV index).
 
 Two sources, chosen by measurement (`dpserve bench policies` prints both costs):
-- `LocalTokenizer`: the model's own `tokenizer.json` and chat template, loaded in the router. No network,
-  tens of microseconds per prompt; needs the model's files next to the router.
+- `LocalTokenizer`: the model's own `tokenizer.json` and chat template, loaded in the router. No network;
+  a prompt is encoded piece by piece (`token_pieces.py`), so what it shares with earlier prompts costs a
+  lookup; needs the model's files next to the router (found for it by `model_tokenizers.py`).
 - `RemoteTokenizer`: the replica's `/tokenize` endpoint (vLLM's, or the simulator's). Exact by
   construction, works for any model, costs a round trip to a busy replica.
 Both sit behind `TokenCache`, so a prompt sent again (a retry, a benchmark, the same system prompt in a
