@@ -25,6 +25,7 @@ from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.http.errors import CLIENT_CLOSED
 from dpserve.router.observe.life import RequestLife, Watch
 from dpserve.router.observe.prompt_tokens import TokenCache
+from dpserve.router.observe.tallies import Spread, Tally, TallyCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -39,6 +40,9 @@ class RouterMetrics:
         self._admission()
         self._routing()
         self.policy_name = policy_name
+        per_request = (self.requests, self.duration, self.first_byte, self.queue_wait)
+        routing = (self.decisions, self.decision_reasons, self.predicted_cached_tokens, self.prompt_tokens)
+        self.registry.register(TallyCollector((*per_request, *routing, self.tokenize_seconds)))
         self.registry.register(_ReplicaStateCollector(replicas))
         # The process's own: CPU, memory, open files, the interpreter and its garbage collector.
         ProcessCollector(registry=self.registry)
@@ -48,26 +52,23 @@ class RouterMetrics:
 
     def _answers(self) -> None:
         """What clients got: answers by status, their timing, who left, which streams broke."""
-        self.requests = Counter(
+        self.requests = Tally(
             "dpserve_requests",
             "Requests answered by the router, by endpoint, model (or adapter), replica and HTTP status.",
             ["endpoint", "model", "replica", "status"],
-            registry=self.registry,
         )
-        self.duration = Histogram(
+        self.duration = Spread(
             "dpserve_request_duration_seconds",
             "Time from request to the last byte relayed, by endpoint and whether it streamed.",
             ["endpoint", "stream"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            LATENCY_BUCKETS,
         )
-        self.first_byte = Histogram(
+        self.first_byte = Spread(
             "dpserve_time_to_first_byte_seconds",
             "Time from request to the replica's first response: its first event for streams (TTFT), "
             "its headers otherwise.",
             ["endpoint", "stream"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            LATENCY_BUCKETS,
         )
         self.client_disconnects = Counter(
             "dpserve_client_disconnects",
@@ -130,11 +131,10 @@ class RouterMetrics:
             "How long the request held longest in the admission queue has waited so far (0: none held).",
             registry=self.registry,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = Spread(
             "dpserve_queue_wait_seconds",
             "Time requests waited for admission (0 when a replica had room at once).",
             buckets=(0, *LATENCY_BUCKETS),
-            registry=self.registry,
         )
         self.admission_rejections = Counter(
             "dpserve_admission_rejections",
@@ -151,36 +151,29 @@ class RouterMetrics:
 
     def _routing(self) -> None:
         """The policy's decisions and what it predicted."""
-        self.decisions = Counter(
-            "dpserve_routing_decisions",
-            "Routing decisions, by policy and chosen replica.",
-            ["policy", "replica"],
-            registry=self.registry,
+        self.decisions = Tally(
+            "dpserve_routing_decisions", "Routing decisions, by policy and chosen replica.", ["policy", "replica"]
         )
-        self.decision_reasons = Counter(
+        self.decision_reasons = Tally(
             "dpserve_routing_decision_reasons",
             "Routing decisions, by policy and the reason for the choice (cache_hit, no_match, balance, ...).",
             ["policy", "reason"],
-            registry=self.registry,
         )
-        self.predicted_cached_tokens = Histogram(
+        self.predicted_cached_tokens = Spread(
             "dpserve_routing_predicted_cached_tokens",
             "Prompt tokens the chosen replica was predicted to hold in its prefix cache, per request.",
             ["source"],
-            buckets=TOKEN_BUCKETS,
-            registry=self.registry,
+            TOKEN_BUCKETS,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = Tally(
             "dpserve_routing_prompt_tokens",
             "Prompt tokens of requests routed on KV-cache matches (the denominator of the predicted hit rate).",
-            registry=self.registry,
         )
-        self.tokenize_seconds = Histogram(
+        self.tokenize_seconds = Spread(
             "dpserve_routing_tokenize_seconds",
             "Time to get a request's token ids for KV-aware routing (cache included), by tokenizer.",
             ["tokenizer"],
-            buckets=TOKENIZE_BUCKETS,
-            registry=self.registry,
+            TOKENIZE_BUCKETS,
         )
 
     def labeled(self, metric: MetricWrapperBase, *values: str) -> Any:
@@ -206,28 +199,26 @@ class RequestMetrics(Watch):
         self._life = life
 
     def admitted(self, waited_s: float) -> None:
-        self._metrics.queue_wait.observe(waited_s)
+        self._metrics.queue_wait.observe((), waited_s)
 
     def first_byte(self, replica_id: str, at: float) -> None:
-        life, metrics = self._life, self._metrics
-        stream = "true" if life.stream else "false"
-        metrics.labeled(metrics.first_byte, life.endpoint, stream).observe(at - life.started)
+        life = self._life
+        self._metrics.first_byte.observe((life.endpoint, "true" if life.stream else "false"), at - life.started)
 
     def finished(self, life: RequestLife) -> None:
         metrics, endpoint, status = self._metrics, life.endpoint, str(life.status)
         model = life.model or "none"
         if life.refused:
             metrics.rejected.labels(status).inc()
-            metrics.labeled(metrics.requests, endpoint, model, "none", status).inc()
+            metrics.requests.add((endpoint, model, "none", status))
             return
         if life.status == CLIENT_CLOSED:
             metrics.client_disconnects.labels(endpoint).inc()
         if life.replica_id is None:  # gone before any answer began
-            metrics.labeled(metrics.requests, endpoint, model, "none", status).inc()
+            metrics.requests.add((endpoint, model, "none", status))
             return
-        metrics.labeled(metrics.requests, endpoint, model, life.replica_id, status).inc()
-        stream = "true" if life.stream else "false"
-        metrics.labeled(metrics.duration, endpoint, stream).observe(life.ended_at - life.started)
+        metrics.requests.add((endpoint, model, life.replica_id, status))
+        metrics.duration.observe((endpoint, "true" if life.stream else "false"), life.ended_at - life.started)
 
 
 class _ReplicaStateCollector(Collector):

@@ -102,14 +102,12 @@ class FeatureBuilder:
         # An adapter tokenizes as its base model does, and that replica may not hold the adapter.
         base = (self._catalog.adapter_parent(adapter) or model) if adapter is not None else model
         tokens = await self._tokens.tokens(endpoint, payload, base, url)
-        metrics = self._metrics
-        metrics.labeled(metrics.tokenize_seconds, self._tokens.tokenizer.source(base)).observe(
-            time.perf_counter() - started
-        )
+        elapsed = time.perf_counter() - started
+        self._metrics.tokenize_seconds.observe((self._tokens.tokenizer.source(base),), elapsed)
         if tokens is None:
             return None
         keys = self._prefix_keys.keys(tokens, block_size, adapter)
-        self._metrics.prompt_tokens.inc(len(tokens))
+        self._metrics.prompt_tokens.add((), len(tokens))
         # Matches are read at decision time (`selection.PrefixLookup.match`): requests tokenized side by side must see
         # each other's routing, so the index is not read here.
         return PrefixMatch(PrefixSource.KV_EVENTS, len(keys), block_size, keys=tuple(keys), prompt_tokens=len(tokens))

@@ -109,8 +109,8 @@ class Selector:
                 features = replace(features, preferred=preferred)
         decision = policy.choose(features, candidates)
         metrics = self._metrics
-        metrics.labeled(metrics.decisions, policy.name, decision.id).inc()
-        metrics.labeled(metrics.decision_reasons, policy.name, decision.reason).inc()
+        metrics.decisions.add((policy.name, decision.id))
+        metrics.decision_reasons.add((policy.name, decision.reason))
         if prefixes is not None:
             prefixes.record(features, decision.id)
         if self._bindings is not None and features.session_key:
@@ -217,4 +217,4 @@ class PrefixLookup:
         elif prefix.source is PrefixSource.KV_EVENTS and self._recent is not None:
             self._recent.record(prefix.keys, replica_id)
         predicted = prefix.blocks(replica_id) * prefix.tokens_per_block
-        self._metrics.labeled(self._metrics.predicted_cached_tokens, prefix.source.value).observe(predicted)
+        self._metrics.predicted_cached_tokens.observe((prefix.source.value,), predicted)
