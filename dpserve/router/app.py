@@ -368,7 +368,7 @@ def create_app(
     rng: random.Random | None = None,
     nvml: Callable[[], Nvml] = load_nvml,
     keys: Keys | None = None,
-) -> FastAPI:
+) -> RouterApp:
     """`nvml` loads the NVML library (the `pynvml` module); tests pass a fake, as these hosts have no GPU.
     `keys`: API and admin keys, read from the settings when not given."""
     keys = keys if keys is not None else load_keys(settings)

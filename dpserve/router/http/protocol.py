@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+import httptools
+from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dpserve.router.http.errors import OpenAIError
+from dpserve.router.http.proxied_cycle import ProxiedCycle
+from dpserve.router.http.proxied_paths import is_proxied
 
 # Allowance for the request line (method, URL, version) on top of the headers' own limit.
 REQUEST_LINE_BYTES = 8 * 1024
@@ -41,6 +45,9 @@ class ClientLeft:
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     max_head_bytes = 32 * 1024 + REQUEST_LINE_BYTES
+    proxied_app: ASGIApp | None = None
+    """The app's middleware around the hot path (`RouterApp.proxied`): proxied paths go there in a
+    `ProxiedCycle`; every other path, and any request this does not handle, in uvicorn's own cycle."""
     _head_bytes = 0
     _in_head = True
     _refused = False
@@ -65,7 +72,35 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        super().on_headers_complete()
+        app = self.proxied_app
+        if app is None or self.root_path or self.limit_concurrency is not None or self.parser.should_upgrade():
+            super().on_headers_complete()
+            return
+        parsed = httptools.parse_url(self.url)
+        raw_path: bytes = parsed.path
+        path = raw_path.decode("ascii")
+        if "%" in path or not is_proxied(path):  # escaped paths are uvicorn's to decode
+            super().on_headers_complete()
+            return
+        parser, scope = self.parser, cast(dict[str, Any], self.scope)
+        scope["method"] = parser.get_method().decode("ascii")
+        version = parser.get_http_version()
+        if version != "1.1":
+            scope["http_version"] = version
+        scope["path"] = path
+        scope["raw_path"] = raw_path
+        scope["query_string"] = parsed.query or b""
+        keep_alive = version != "1.0" and parser.should_keep_alive()
+        defaults = self.server_state.default_headers
+        cycle = ProxiedCycle(
+            scope, self.transport, self.flow, defaults, self.expect_100_continue, keep_alive, self.on_response_complete
+        )
+        existing, self.cycle = self.cycle, cycle  # type: ignore[assignment]  # the same attributes as uvicorn's cycle
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(cycle, app)  # type: ignore[arg-type]
+        else:  # pipelined behind a request still being answered
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, app))  # type: ignore[arg-type]
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -140,10 +175,11 @@ class _HeadHoldingTransport:
         return getattr(self._transport, name)
 
 
-def bounded_protocol(max_header_bytes: int) -> type[BoundedHttpToolsProtocol]:
-    """The protocol class for uvicorn's `http=`, bounding heads at the headers' limit plus a request line."""
+def bounded_protocol(max_header_bytes: int, proxied_app: ASGIApp | None = None) -> type[BoundedHttpToolsProtocol]:
+    """The protocol class for uvicorn's `http=`, bounding heads at the headers' limit plus a request line;
+    `proxied_app`: where proxied paths go in the protocol's own cycle (None: every path in uvicorn's)."""
     return type(
         "BoundedHttpToolsProtocol",
         (BoundedHttpToolsProtocol,),
-        {"max_head_bytes": max_header_bytes + REQUEST_LINE_BYTES},
+        {"max_head_bytes": max_header_bytes + REQUEST_LINE_BYTES, "proxied_app": proxied_app},
     )

@@ -32,6 +32,16 @@ class HotPath:
         self.app = _not_serving
 
 
+class _HotPathCall:
+    """The hot path as it is at each request (the lifespan swaps it in and out)."""
+
+    def __init__(self, hot_path: HotPath) -> None:
+        self.hot_path = hot_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.hot_path.app(scope, receive, send)
+
+
 class ProxiedPaths:
     def __init__(self, app: ASGIApp, hot_path: HotPath) -> None:
         self.app = app
@@ -52,6 +62,17 @@ class RouterApp(FastAPI):
     def __init__(self, hot_path: HotPath, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.hot_path = hot_path
+        self._proxied: ASGIApp | None = None
+
+    def proxied(self) -> ASGIApp:
+        """What `ProxiedPaths` hands a proxied path to, for the router's protocol to call directly: the app's
+        middleware around the hot path (instances of their own, built once, after every middleware is added)."""
+        if self._proxied is None:
+            app: ASGIApp = _HotPathCall(self.hot_path)
+            for cls, args, kwargs in reversed(self.user_middleware):
+                app = cls(app, *args, **kwargs)
+            self._proxied = app
+        return self._proxied
 
     def build_middleware_stack(self) -> ASGIApp:
         user, self.user_middleware = self.user_middleware, []
