@@ -68,8 +68,9 @@ class Visits:
             self.callers[name].append(caller)
 
 
-REQUEST_TASKS = frozenset({"RequestResponseCycle.run_asgi", "_Exchange._watch_disconnect"})
-"""The tasks a request runs in: uvicorn's for its exchange, the router's watching for the client leaving."""
+REQUEST_TASKS = frozenset({"ProxiedCycle.run_asgi", "RequestResponseCycle.run_asgi", "_Exchange._watch_disconnect"})
+"""The tasks a request runs in: the router's protocol's for a proxied path (uvicorn's for the others), the
+router's watching for the client leaving."""
 
 
 def _on_the_request() -> bool:
@@ -115,9 +116,8 @@ async def trace_one_request(policy: str) -> Visits:
             probe_interval_s=60,
         )
         app = create_app(settings)
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=router_port, http=bounded_protocol(settings.max_header_bytes), log_level="error"
-        )
+        protocol = bounded_protocol(settings.max_header_bytes, app.proxied())  # as `dpserve router` serves
+        config = uvicorn.Config(app, host="127.0.0.1", port=router_port, http=protocol, log_level="error")
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
         while not server.started:

@@ -1,5 +1,5 @@
 """HTTP/1.1 as clients speak it to the router, on raw sockets: the proxied paths (served by the router's own
-cycle, `http/proxied_cycle.py`) and the control plane (uvicorn's) on one connection, pipelining, HTTP/1.0,
+cycle, `http/protocol.py`) and the control plane (uvicorn's) on one connection, pipelining, HTTP/1.0,
 `Expect: 100-continue`, chunked request bodies, HEAD, `connection: close`, a client gone mid-body. What a
 client reads is checked byte for byte where the framing is the point."""
 

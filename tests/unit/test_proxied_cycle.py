@@ -10,7 +10,7 @@ import pytest
 from starlette.types import Message
 from uvicorn.protocols.http.flow_control import FlowControl
 
-from dpserve.router.http.proxied_cycle import ProxiedCycle
+from dpserve.router.http.protocol import ProxiedCycle
 
 
 class Recorder:

@@ -8,8 +8,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from dpserve.router.observe.metrics import LATENCY_BUCKETS
-from dpserve.router.observe.tallies import Spread, Tally, TallyCollector
+from dpserve.router.observe.metrics import LATENCY_BUCKETS, Spread, Tally, TallyCollector
 
 
 def exposition(registry: CollectorRegistry) -> list[str]:
@@ -61,7 +60,8 @@ def test_a_value_on_a_bound_counts_in_that_bucket() -> None:
 
 def test_a_scrape_in_another_thread_while_series_are_added_reads_a_consistent_copy() -> None:
     """The event loop adds series while a scrape thread iterates: the copy is taken in one call, so a scrape
-    never meets a dict that changed size under it (iterating the dict itself fails here at once)."""
+    never meets a dict that changed size under it (iterating the dict itself fails here at once; a copy taken
+    once failed in one run of the whole suite, hence `_copy`'s retry)."""
     tally, spread = Tally("x_requests", "Requests.", ["k"]), Spread("x_seconds", "Seconds.", ["k"], (1,))
     registry = CollectorRegistry()
     registry.register(TallyCollector((tally, spread)))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -14,9 +15,10 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.text_prefix import TextPrefixIndex
@@ -25,11 +27,117 @@ from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.http.errors import CLIENT_CLOSED
 from dpserve.router.observe.life import RequestLife, Watch
 from dpserve.router.observe.prompt_tokens import TokenCache
-from dpserve.router.observe.tallies import Spread, Tally, TallyCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 TOKENIZE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+# The per-request series are kept as plain numbers and turned into Prometheus families only when scraped:
+# prometheus_client's `inc` and `observe` take a lock and walk its value objects on every call (about 35k
+# instructions a request for 6 series). Requests are counted on one event loop, so a dict of numbers does;
+# a scrape (in another thread) reads a copy, made under the GIL in one C call. The exposition is
+# prometheus_client's own families, as its Counter and Histogram print them (tests/unit/test_tallies.py).
+Labels = tuple[str, ...]
+_T = TypeVar("_T")
+
+
+class Tally:
+    """A counter family: a count per set of label values."""
+
+    __slots__ = ("doc", "labels", "name", "values")
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str] = ()) -> None:
+        self.name = name
+        self.doc = doc
+        self.labels = list(labels)
+        # A family without labels has its one series from the start, at 0, as prometheus_client's has.
+        self.values: dict[Labels, float] = {} if labels else {(): 0.0}
+
+    def add(self, key: Labels, amount: float = 1.0) -> None:
+        values = self.values
+        values[key] = values.get(key, 0.0) + amount
+
+    def value(self, key: Labels = ()) -> float:
+        return self.values.get(key, 0.0)
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, value in _copy(self.values):
+            family.add_metric(list(key), value)
+        return family
+
+
+def _copy(series: dict[Labels, _T]) -> list[tuple[Labels, _T]]:
+    """The series as they are, for a scrape in another thread than the one that adds them. One C call
+    copies them, but an allocation in it may start the garbage collector, whose finalizers run Python and
+    may let the adding thread in: the copy then fails (seen once in the whole suite) and is taken again."""
+    while True:
+        try:
+            return list(series.items())
+        except RuntimeError:  # changed size during the copy
+            continue
+
+
+class _Series:
+    """One histogram series: a count per bucket (not cumulative; the last is past every bound) and the sum."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * (buckets + 1)
+        self.total = 0.0
+
+
+class Spread:
+    """A histogram family: per set of label values, how many observations fell in each bucket, and their sum."""
+
+    __slots__ = ("_edges", "bounds", "doc", "labels", "name", "series")
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str] = (), buckets: Iterable[float] = ()) -> None:
+        self.name = name
+        self.doc = doc
+        self.labels = list(labels)
+        self.bounds = tuple(sorted(float(b) for b in buckets))
+        if not self.bounds:
+            raise ValueError(f"histogram {name} needs bucket bounds")
+        # `le` as prometheus_client writes it ("0.005", "1.0", "+Inf").
+        self._edges = [*(floatToGoString(b) for b in self.bounds), "+Inf"]  # type: ignore[no-untyped-call]  # unannotated upstream
+        self.series: dict[Labels, _Series] = {} if labels else {(): _Series(len(self.bounds))}
+
+    def observe(self, key: Labels, value: float) -> None:
+        series = self.series.get(key)
+        if series is None:
+            series = self.series[key] = _Series(len(self.bounds))
+        # A value equal to a bound belongs to that bucket (`le`): the first bound not below it.
+        series.counts[bisect_left(self.bounds, value)] += 1
+        series.total += value
+
+    def count(self, key: Labels = ()) -> int:
+        series = self.series.get(key)
+        return sum(series.counts) if series is not None else 0
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, series in _copy(self.series):
+            counts, total = list(series.counts), series.total
+            cumulative, buckets = 0, []
+            for edge, count in zip(self._edges, counts, strict=True):
+                cumulative += count
+                buckets.append((edge, float(cumulative)))
+            family.add_metric(list(key), buckets, sum_value=total)
+        return family
+
+
+class TallyCollector(Collector):
+    """Exports tallies and spreads at scrape time."""
+
+    def __init__(self, families: Sequence[Tally | Spread]) -> None:
+        self._families = tuple(families)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families:
+            yield family.family()
 
 
 class RouterMetrics:
