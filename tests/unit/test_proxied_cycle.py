@@ -4,6 +4,7 @@ wire itself: tests/integration/test_router_http.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -36,7 +37,7 @@ def cycle(method: str = "POST", keep_alive: bool = True, expect_100: bool = Fals
     transport = Recorder()
     wire: Any = transport  # what the cycle uses of a transport
     ended: list[int] = []
-    scope: dict[str, Any] = {"method": method, "path": "/v1/completions"}
+    scope: dict[str, Any] = {"type": "http", "method": method, "path": "/v1/completions"}
     made = ProxiedCycle(
         scope, wire, FlowControl(wire), [(b"server", b"x")], expect_100, keep_alive, lambda: ended.append(1)
     )
@@ -138,3 +139,14 @@ def test_a_body_in_pieces_is_handed_over_as_it_comes_after_a_100_continue() -> N
     pieces, written = asyncio.run(scenario())
     assert written == b"HTTP/1.1 100 Continue\r\n\r\n"
     assert [(p["body"], p["more_body"]) for p in pieces] == [(b"ab", True), (b"c", False)]
+
+
+def test_a_path_that_fails_before_answering_gets_an_openai_500_and_the_connection_closes() -> None:
+    async def failing(scope: Any, receive: Any, send: Any) -> None:
+        raise ValueError("a bug on the proxied path")
+
+    made, transport = cycle()
+    asyncio.run(made.run_asgi(failing))
+    head, _, body = transport.written.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 500 ") and b"connection: close" in head
+    assert json.loads(body)["error"]["code"] == "internal_error" and transport.closed

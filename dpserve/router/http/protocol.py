@@ -395,8 +395,4 @@ class ProxiedCycle:
 
     async def _internal_error(self) -> None:
         error = OpenAIError(500, "The router failed on this request.", type="internal_error", code="internal_error")
-        body = error.body()
-        self.keep_alive = False
-        head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        await self.send({"type": "http.response.start", "status": 500, "headers": head})
-        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        await error.to_response({"connection": "close"})(self.scope, self.receive, self.send)

@@ -31,15 +31,9 @@ class HotPath:
     def stop(self) -> None:
         self.app = _not_serving
 
-
-class _HotPathCall:
-    """The hot path as it is at each request (the lifespan swaps it in and out)."""
-
-    def __init__(self, hot_path: HotPath) -> None:
-        self.hot_path = hot_path
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.hot_path.app(scope, receive, send)
+        """The hot path as it is at this request (for `RouterApp.proxied`, below the app's middleware)."""
+        await self.app(scope, receive, send)
 
 
 class ProxiedPaths:
@@ -68,7 +62,7 @@ class RouterApp(FastAPI):
         """What `ProxiedPaths` hands a proxied path to, for the router's protocol to call directly: the app's
         middleware around the hot path (instances of their own, built once, after every middleware is added)."""
         if self._proxied is None:
-            app: ASGIApp = _HotPathCall(self.hot_path)
+            app: ASGIApp = self.hot_path
             for cls, args, kwargs in reversed(self.user_middleware):
                 app = cls(app, *args, **kwargs)
             self._proxied = app
