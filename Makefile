@@ -38,12 +38,20 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CHECKOV_VERSION := 3.3.30
 CHECKOV := $(VENV)/checkov/bin/checkov
 
-.PHONY: run test install lint format clean docker-engine compose-up compose-down
+.PHONY: run test install compiled pure wheel lint format clean docker-engine compose-up compose-down
 
 run: $(if $(wildcard $(STAMP)),$(STAMP),$(RUN_STAMP))
 	$(VENV)/bin/dpserve up $(ARGS)
 
-test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(WRK) $(PROMETHEUS) $(CHECKOV)
+# The hot path compiled with mypyc from the typed source (setup.py; the modules: pyproject.toml's [tool.dpserve]
+# compiled), built in place beside each .py, which it takes precedence over. `make test` runs the whole suite
+# on it; `make test PURE=1` on the interpreted source, the compiled files left where they are but not imported.
+COMPILED_SOURCES := $(shell sed -n '/^compiled = \[/,/^\]/p' pyproject.toml | grep -o 'dpserve/[^"]*')
+COMPILED := $(VENV)/.compiled
+PURE ?=
+export DPSERVE_PURE_PYTHON := $(if $(PURE),1,)
+
+test: $(STAMP) $(if $(PURE),,$(COMPILED)) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(WRK) $(PROMETHEUS) $(CHECKOV)
 	@# A Linux host is where the README's compose stack runs: an engine that cannot start there fails the run.
 	@tools/docker-engine.sh || { [ "$$(uname -s)" != Linux ] && echo "No Docker engine on $$(uname -s): the container tests will skip."; } || \
 	  { echo "make test: the Docker engine did not start (tools/docker-engine.sh says why above)" >&2; exit 1; }
@@ -52,6 +60,23 @@ test: $(STAMP) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(WRK) $(PROMETHEUS) $(CHECKOV)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
+
+compiled: $(COMPILED)
+
+$(COMPILED): $(STAMP) setup.py $(COMPILED_SOURCES)
+	DPSERVE_COMPILE=1 $(PY) setup.py -q build_ext --inplace --force -j $$(nproc) 2>&1 | grep -v '^copying ' || true
+	$(PY) -c 'import dpserve.version as v, sys; sys.exit(v.compiled_check())'
+	touch $@
+
+# Removes the compiled modules: the checkout is pure Python again (`make compiled` brings them back).
+pure:
+	find dpserve -name '*.so' -delete
+	rm -f $(COMPILED)
+
+# A wheel of the compiled build for this machine's Python and platform, into dist/ (the sdist: `python -m build
+# --sdist`, pure Python wherever it is built, unless DPSERVE_COMPILE=1 and a C compiler are there).
+wheel: $(STAMP)
+	DPSERVE_COMPILE=1 $(PY) -m build --wheel --no-isolation --outdir dist .
 
 # The floor is pyproject's requires-python (3.11: asyncio.timeout, Task.uncancel); CI runs on it.
 define install_venv
@@ -143,4 +168,5 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache build
+	find dpserve -name '*.so' -delete

@@ -13,6 +13,22 @@ from starlette.types import ASGIApp
 
 from benchmarks.fleet import first_ephemeral_port
 from dpserve.up.launcher import busy_ports
+from dpserve.version import compiled_check, compiled_sources
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A compiled module older than its source would test code the source no longer says.
+    built = [p for p in (s.parent for s in compiled_sources()) for p in p.glob("*.so")]
+    problem = compiled_check()
+    if built and problem and os.environ.get("DPSERVE_PURE_PYTHON") != "1":
+        raise pytest.UsageError(
+            f"the compiled build is out of date: {problem}, or DPSERVE_PURE_PYTHON=1 for the source"
+        )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    pure = os.environ.get("DPSERVE_PURE_PYTHON") == "1" or compiled_check() is not None
+    return "dpserve build: " + ("pure Python" if pure else f"compiled (mypyc, {len(compiled_sources())} modules)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

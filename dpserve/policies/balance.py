@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from dpserve.policies.base import ReplicaView
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class BalanceGuard:
     """A replica may be chosen for affinity while its load is at most `relative` times the lowest load +
     `absolute`. With 4 extra requests, bursts of a pinned group at 16 in flight over 8 replicas spilled

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from mypy_extensions import mypyc_attr
+
 
 class PrefixSource(enum.Enum):
     """Where a request's prefix match comes from."""
@@ -18,7 +20,7 @@ class PrefixSource(enum.Enum):
     """Text chunks the router itself sent each replica (approximate)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class PrefixMatch:
     """How much of the request's prompt each replica already holds, in blocks from the start."""
 
@@ -44,7 +46,7 @@ class PrefixMatch:
         return max(self.matched.values(), default=0)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RequestFeatures:
     endpoint: str
     model: str
@@ -123,7 +125,7 @@ class LoadFromCounts:
         return self.in_flight + self.peer_in_flight + max(0, self.running + self.waiting - self.in_flight_at_scrape)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ReplicaSnapshot(LoadFromCounts):
     """A replica's state at the moment of one routing decision (tests and tools build these)."""
 
@@ -139,7 +141,7 @@ class ReplicaSnapshot(LoadFromCounts):
     slow_refill: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Decision:
     id: str
     """The chosen replica."""
@@ -167,6 +169,7 @@ class Need(enum.Enum):
     SESSION = "session"
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a policy of one's own needs no compiler
 class Policy(Protocol):
     """What the router asks of a policy. Policies subclass it for the hooks' defaults; the router never
     looks at which policy it holds, only at these."""

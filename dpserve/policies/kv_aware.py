@@ -41,7 +41,7 @@ from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.base import Decision, Need, Policy, ReplicaView, RequestFeatures, Sampling
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class KvAwareWeights:
     load_weight: float = 0.05
     kv_weight: float = 0.2

@@ -5,7 +5,7 @@ its one loop and its one end (no sockets: a scripted upstream response)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
@@ -20,12 +20,13 @@ from dpserve.router.flow.tenants import Tenants
 from dpserve.router.flow.usage import UsageBook
 from dpserve.router.flow.usage_stream import UsageTap
 from dpserve.router.http.errors import CLIENT_CLOSED
-from dpserve.router.http.upstream_client import UpstreamError, UpstreamResponse
+from dpserve.router.http.upstream_client import Address, UpstreamPool
 from dpserve.router.observe.life import Choice, RequestLife, Usage, Watch
 from dpserve.router.observe.metrics import RouterMetrics
 from dpserve.router.quality.receipts import ReceiptBook
 from dpserve.router.quality.shadows import ShadowScorer
 from dpserve.router.routing.dispatch import SSE_DONE, OpenStreams, Streaming
+from tests.unit.test_upstream import Handler, read_request, serving
 
 FEATURES = RequestFeatures("chat_completions", "m", True)
 CANDIDATES = [ReplicaSnapshot("r0"), ReplicaSnapshot("r1", in_flight=2)]
@@ -165,46 +166,36 @@ def test_the_shadows_choice_for_a_failed_attempt_ends_when_the_next_decision_com
     assert scorer.shadows[0].in_flight == {}
 
 
-class ScriptedUpstream:
-    """An upstream response whose chunks are scripted; `None` breaks the connection there."""
+def chunked_stream(chunks: list[bytes | None]) -> Handler:
+    """A replica streaming `data: 1` and then `chunks` as separate chunked writes; `None` drops the connection
+    there (abruptly: no terminating chunk). Real sockets, not a stand-in: the compiled build takes only the
+    real classes (a fake UpstreamResponse or registry is refused by its type)."""
 
-    def __init__(self, chunks: list[bytes | None]) -> None:
-        self._chunks = chunks
-        self.released = self.closed = False
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for chunk in [b"data: 1\n\n", *chunks]:
+            if chunk is None:
+                writer.transport.abort()
+                return
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+            await asyncio.sleep(0.01)  # one read each, as a replica's tokens come
+        writer.write(b"0\r\n\r\n")
+        await reader.read()  # keep-alive until the router lets the connection go
 
-    async def readany(self) -> bytes:
-        chunk = self._chunks.pop(0) if self._chunks else b""
-        if chunk is None:
-            raise UpstreamError("connection reset")
-        return chunk
-
-    def release(self) -> None:
-        self.released = True
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class Slots:
-    """The registry's side of a stream: its slot returned once."""
-
-    def __init__(self) -> None:
-        self.released: list[str] = []
-        self.observed: list[str] = []
-
-    def release(self, replica_id: str) -> None:
-        self.released.append(replica_id)
-
-    def observe(self, replica_id: str, *_: object) -> None:
-        self.observed.append(replica_id)
+    return handle
 
 
-def stream(upstream: ScriptedUpstream, slots: Slots, streams: OpenStreams) -> Streaming:
-    metrics = RouterMetrics(ReplicaRegistry([]), "least_loaded")
-    response = cast(UpstreamResponse, upstream)
-    return Streaming(
-        "r0", 200, "text/event-stream", response, b"data: 1\n\n", cast(ReplicaRegistry, slots), metrics, streams
-    )
+async def stream(address: Address, pool: UpstreamPool, registry: ReplicaRegistry, streams: OpenStreams) -> Streaming:
+    """A stream from the replica at `address` whose first bytes are in, its slot taken, as the dispatcher
+    hands it to the exchange."""
+    metrics = RouterMetrics(registry, "least_loaded")
+    (replica,) = registry
+    registry.acquire(replica.id)
+    response = await pool.post(address, "/v1/completions", b"{}", {})
+    first = await response.readany()
+    return Streaming(replica.id, 200, "text/event-stream", response, first, registry, metrics, streams)
 
 
 async def relay(streaming: Streaming, leave_after: int | None = None) -> list[bytes]:
@@ -234,14 +225,18 @@ async def relay(streaming: Streaming, leave_after: int | None = None) -> list[by
 async def test_a_stream_relays_in_one_loop_and_ends_once_with_one_outcome(
     chunks: list[bytes | None], leave_after: int | None, outcome: int, upstream_end: str
 ) -> None:
-    upstream, slots, streams = ScriptedUpstream(chunks), Slots(), OpenStreams()
-    streaming = stream(upstream, slots, streams)
-    sent = await relay(streaming, leave_after)
-    assert streaming.outcome == outcome and slots.released == ["r0"]
-    assert (upstream.released, upstream.closed) == (upstream_end == "released", upstream_end == "closed")
-    assert streams.cut_all("gone") == 0  # it left the open streams
+    streams = OpenStreams()
+    async with serving(chunked_stream(chunks)) as (address, _):
+        registry, pool = ReplicaRegistry([f"http://{address.host_header}"]), UpstreamPool()
+        streaming = await stream(address, pool, registry, streams)
+        sent = await relay(streaming, leave_after)
+        (replica,) = registry
+        assert streaming.outcome == outcome and replica.in_flight == 0  # its slot given back once
+        # Whole, the connection went back to the pool; otherwise it was dropped (the replica aborts the request).
+        assert len(pool._idle.get(address, [])) == (upstream_end == "released")
+        assert streams.cut_all("gone") == 0  # it left the open streams
     if outcome == 200:
         assert b"".join(sent) == b"data: 1\n\ndata: 2\n\n" + SSE_DONE
     if outcome == 502:
         assert sent[-3].startswith(b'data: {"error"') and sent[-2] == SSE_DONE and sent[-1] == b""
-        assert slots.observed == ["r0"]  # the replica is blamed
+        assert (replica.last_error or "").startswith("stream broke")  # the replica is blamed

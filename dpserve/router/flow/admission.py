@@ -54,7 +54,7 @@ class Rejected(OpenAIError):
         self.reason = reason
 
 
-@dataclass(slots=True)
+@dataclass
 class Ticket:
     """One request's place in the flow: whose it is, what it is expected to cost, how long it waited."""
 

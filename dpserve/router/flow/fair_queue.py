@@ -13,15 +13,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
-
-
-@dataclass(slots=True)
-class _Backlog(Generic[T]):
-    items: deque[T] = field(default_factory=deque)
 
 
 class FairQueue(Generic[T]):
@@ -29,7 +23,7 @@ class FairQueue(Generic[T]):
         """`classes`: priority classes, 0 the most urgent. Counters of tenants with nothing waiting are
         kept for at most `max_idle_tenants` (past that the ones at or below the service floor go: for
         them forgetting and raising on return are the same)."""
-        self._classes: list[dict[str, _Backlog[T]]] = [{} for _ in range(classes)]
+        self._classes: list[dict[str, deque[T]]] = [{} for _ in range(classes)]
         self._where: dict[T, tuple[int, str]] = {}
         self._counters: dict[str, float] = {}
         self._waiting_per_tenant: dict[str, int] = {}
@@ -49,7 +43,7 @@ class FairQueue(Generic[T]):
 
     def depths(self) -> list[int]:
         """Waiters per class, most urgent first."""
-        return [sum(len(backlog.items) for backlog in backlogs.values()) for backlogs in self._classes]
+        return [sum(len(backlog) for backlog in backlogs.values()) for backlogs in self._classes]
 
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, self._floor)
@@ -61,8 +55,8 @@ class FairQueue(Generic[T]):
             self._trim()
         backlog = self._classes[priority].get(tenant)
         if backlog is None:
-            backlog = self._classes[priority][tenant] = _Backlog()
-        backlog.items.append(item)
+            backlog = self._classes[priority][tenant] = deque()
+        backlog.append(item)
         self._where[item] = (priority, tenant)
         self._waiting_per_tenant[tenant] = self._waiting_per_tenant.get(tenant, 0) + 1
 
@@ -74,8 +68,8 @@ class FairQueue(Generic[T]):
         priority, tenant = place
         backlogs = self._classes[priority]
         backlog = backlogs[tenant]
-        backlog.items.remove(item)
-        if not backlog.items:
+        backlog.remove(item)
+        if not backlog:
             del backlogs[tenant]
         left = self._waiting_per_tenant[tenant] - 1
         if left:
@@ -91,8 +85,8 @@ class FairQueue(Generic[T]):
                 # A tenant that joins is raised to the lowest waiting counter, so it often ties with a heavy
                 # tenant's backlog: the light one goes first. Then the tenant that began waiting first: dicts
                 # keep insertion order and min() keeps the first of equals.
-                tenant = min(backlogs, key=lambda name: (self.counter(name), len(backlogs[name].items)))
-                return backlogs[tenant].items[0]
+                tenant = min(backlogs, key=lambda name: (self.counter(name), len(backlogs[name])))
+                return backlogs[tenant][0]
         return None
 
     def goes_first(self, priority: int, tenant: str) -> bool:
@@ -104,7 +98,7 @@ class FairQueue(Generic[T]):
                     return False  # behind its own tenant's earlier requests
                 mine = max(self.counter(tenant), self._reference()) if tenant not in self._waiting_per_tenant else 0
                 # As `peek` would order it once pushed: by counter, then backlog (its own would be 1).
-                return all((mine, 1) < (self.counter(other), len(backlogs[other].items)) for other in backlogs)
+                return all((mine, 1) < (self.counter(other), len(backlogs[other])) for other in backlogs)
             if backlogs:
                 return False
         return True
@@ -116,7 +110,7 @@ class FairQueue(Generic[T]):
         if len(waiting) != 1 or tenant not in waiting:
             return False
         backlog = self._classes[priority].get(tenant)
-        return backlog is not None and len(backlog.items) == waiting[tenant]
+        return backlog is not None and len(backlog) == waiting[tenant]
 
     def newest_of_lowest_class(self, below: int) -> T | None:
         """The most recent waiter of the least urgent class less urgent than `below`: the one to shed."""
@@ -125,7 +119,7 @@ class FairQueue(Generic[T]):
             if backlogs:
                 # The tenant with the highest counter has had most; its newest request goes.
                 tenant = max(backlogs, key=self.counter)
-                return backlogs[tenant].items[-1]
+                return backlogs[tenant][-1]
         return None
 
     def charge(self, tenant: str, tokens: float, weight: float = 1.0) -> None:

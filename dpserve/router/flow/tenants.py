@@ -44,7 +44,7 @@ class Priority(IntEnum):
 PRIORITIES = {p.label: p for p in Priority}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class TenantRules:
     weight: float = 1.0
     """Share of the fleet against other tenants of the same class while it is saturated."""
@@ -57,7 +57,7 @@ class TenantRules:
     """Its key may name the tenant of each request (`x-dpserve-tenant`): a gateway in front, say."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Caller:
     """What the key check found: the key's tenant name, and whether it may name another."""
 
@@ -65,7 +65,7 @@ class Caller:
     trusted: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Tenant:
     """One request's tenant, rules and class."""
 

@@ -23,7 +23,7 @@ OTHER = "other"
 """The name that tenants past the bound are recorded under, and the metrics label of non-named tenants."""
 
 
-@dataclass(slots=True)
+@dataclass
 class UsageCounts:
     requests: int = 0
     errors: int = 0

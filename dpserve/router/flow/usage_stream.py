@@ -180,7 +180,7 @@ class UsageTap:
     nothing the tap acts on: the usage chunk comes after every token event (only [DONE] follows it), and
     a terminal chunk followed by a token event is let out as it came in any case."""
 
-    __slots__ = ("_held", "_ordinary_at", "_strip", "usage")
+    __slots__ = ("_held", "_ordinary_at", "_strip", "parsed", "usage")
 
     def __init__(self, strip: bool) -> None:
         self._strip = strip
@@ -188,6 +188,12 @@ class UsageTap:
         self.usage: Usage | None = None
         self._ordinary_at = 0
         """How far from a chunk's end an ordinary token event has `"finish_reason":null`; 0 until learned."""
+        self.parsed = 0
+        """JSON documents parsed: all the tap does besides searching bytes is these (one per stream with usage)."""
+
+    def _data(self, event: bytes) -> Any:
+        self.parsed += 1
+        return _data(event)
 
     def feed(self, chunk: bytes) -> bytes:
         at = self._ordinary_at
@@ -204,7 +210,7 @@ class UsageTap:
             if chunk.find(USAGE_KEY, start) >= 0:
                 for event in _events(chunk[start:] if start else chunk):
                     if USAGE_KEY in event:
-                        self._read(_data(event))
+                        self._read(self._data(event))
             return chunk
         if not self._held and chunk.find(USAGE_KEY, start) < 0 and chunk.find(FINISHED_KEY, start) < 0:
             return chunk
@@ -245,7 +251,7 @@ class UsageTap:
     def _stripped(self, event: bytes, out: list[bytes]) -> None:
         """Appends to `out` what the client gets for `event` (and for the chunks held before it)."""
         if USAGE_KEY in event:
-            parsed = _data(event)
+            parsed = self._data(event)
             self._read(parsed)
             if isinstance(parsed, dict) and parsed.get("choices") == [] and isinstance(parsed.get("usage"), dict):
                 # The usage chunk, there only because include_usage was asked for: dropped, and its

@@ -16,7 +16,7 @@ from dpserve.router.http.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, Endpoin
 from dpserve.router.http.errors import OpenAIError, bad_request
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ParsedBody:
     payload: dict[str, Any]
     raw: bytes

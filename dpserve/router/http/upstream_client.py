@@ -28,6 +28,7 @@ from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 from dpserve.replicas.access import ReplicaAccess, tls_refusal
 
@@ -42,14 +43,17 @@ _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
 
 
+@mypyc_attr(native_class=False)  # mypyc compiles no subclass of a built-in exception
 class UpstreamError(ConnectionError):
     """The replica's connection failed or closed before the answer was complete."""
 
 
+@mypyc_attr(native_class=False)  # mypyc compiles no subclass of a built-in exception
 class UpstreamConnectError(UpstreamError):
     """No connection to the replica could be made (nothing listening, or connecting timed out)."""
 
 
+@mypyc_attr(native_class=False)  # mypyc compiles no subclass of a built-in exception
 class UpstreamProtocolError(UpstreamError):
     """The replica broke HTTP/1.1 (bad framing, a second answer, bytes past the answer's end)."""
 
@@ -64,6 +68,7 @@ class ReplicaMisconfigured(Exception):
         self.cause = cause
 
 
+@mypyc_attr(native_class=False)  # mypyc compiles no subclass of a built-in exception
 class StaleConnection(UpstreamError):
     """A reused keep-alive connection closed before any byte of the answer: the replica had let it go."""
 
@@ -80,7 +85,7 @@ class InvalidHeader(ValueError):
     """A header name or value that cannot go on the wire as it is."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Deadlines:
     """How long each part of one exchange with a replica may take, in seconds."""
 
@@ -94,7 +99,7 @@ class Deadlines:
     """The whole exchange, from sending the request to the answer's last byte, streams included."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Address:
     """Where a replica listens, parsed once from its URL."""
 
@@ -377,6 +382,12 @@ class UpstreamResponse:
             await waiter
         finally:
             self._waiter = None
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        """The connection's failure, if it had one. A method of its own, not `if self._error ...` after the
+        await above: mypy keeps the narrowing of the check before it (to None) across the await, and mypyc
+        compiles that belief (a replica failing mid-wait became a TypeError)."""
         if self._error is not None:
             raise self._error
 
@@ -549,8 +560,8 @@ class UpstreamPool:
                 )
         except TimeoutError:
             raise UpstreamConnectError(f"connecting to {address.host_header} timed out") from None
-        except ssl.SSLError as exc:  # an OSError too, but no passing failure: the replica refused the router
-            raise ReplicaMisconfigured(tls_refusal(exc) or f"TLS with it failed ({exc})") from None
+        except ssl.SSLError as refused:  # an OSError too, but no passing failure: the replica refused the router
+            raise ReplicaMisconfigured(tls_refusal(refused) or f"TLS with it failed ({refused})") from None
         except OSError as exc:
             raise UpstreamConnectError(f"cannot connect to {address.host_header}: {exc.strerror or exc}") from None
         return conn

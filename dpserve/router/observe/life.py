@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from dpserve.policies.base import Decision, ReplicaView, RequestFeatures
 from dpserve.router.http.errors import CLIENT_CLOSED
 
@@ -24,7 +26,7 @@ NO_HEADERS: Mapping[str, str] = {}
 """Shared and never written: an untraced request allocates nothing for its trace context."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Usage:
     """What an answer took, as the replica reported it."""
 
@@ -34,7 +36,7 @@ class Usage:
     """usage.prompt_tokens_details.cached_tokens (input_tokens_details for the responses API); 0 when absent."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Choice:
     """One routing decision and the snapshot it was made from."""
 
@@ -47,6 +49,7 @@ class Choice:
     """The chosen replica's KV block in tokens (0: not known)."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the tracer, the log and the shadows are interpreted
 class Watch:
     """A feature following one request. Each event is a no-op unless a watch overrides it."""
 

@@ -148,8 +148,10 @@ class RouterMetrics:
         self._admission()
         self._routing()
         self.policy_name = policy_name
-        # Every plain-number family declared above, exported at scrape.
-        tallies = [family for family in vars(self).values() if isinstance(family, Tally | Spread)]
+        # Every plain-number family declared above, exported at scrape (by dir(), not vars(): a compiled
+        # instance has no __dict__).
+        families = (getattr(self, name, None) for name in dir(self) if not name.startswith("__"))
+        tallies = [family for family in families if isinstance(family, Tally | Spread)]
         self.registry.register(TallyCollector(tallies))
         self.registry.register(_ReplicaStateCollector(replicas))
         # The process's own: CPU, memory, open files, the interpreter and its garbage collector.

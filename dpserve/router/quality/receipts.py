@@ -54,7 +54,7 @@ def classify(predicted: int | None, best: int | None, realized: int | None, bloc
     return COLD if predicted == 0 else HIT
 
 
-@dataclass(slots=True)
+@dataclass
 class Receipt:
     """One request's routing, filled in twice: when the policy decides (again on a retry), and when the
     answer is done."""
@@ -188,7 +188,7 @@ class ReceiptWatch(Watch):
             )
 
 
-@dataclass(slots=True)
+@dataclass
 class _Tally:
     receipts: int = 0
     prompt_tokens: int = 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -61,7 +61,7 @@ class RetryRules:
         return rng.uniform(0.5, 1.0) * min(self.backoff_cap_s, self.backoff_s * 2.0 ** (attempt - 1))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Outbound:
     """What goes to a replica: the method, the path (with any query string), the body and headers."""
 
@@ -71,7 +71,7 @@ class Outbound:
     headers: dict[str, str]
 
 
-@dataclass(slots=True)
+@dataclass
 class Buffered:
     """A complete, non-streamed answer."""
 
@@ -129,6 +129,8 @@ class Streaming:
         self.first = first
         """The stream's first bytes, read before the router committed to this replica."""
         self.completed = False
+        self._done = False
+        """`[DONE]` reached the client: whatever happens after, it was served."""
         self.broken = False
         self.ending = False
         """The last message is on its way to the client: a disconnect from here on is the exchange's end."""
@@ -151,21 +153,16 @@ class Streaming:
     async def relay(self, send: Send, headers: list[tuple[bytes, bytes]], tap: UsageTap) -> None:
         """Relays the stream to the client as it comes, cut at event boundaries so a broken stream never
         ends mid-event, each event through `tap` (usage read, and taken out when the router asked for it)."""
-        done = False  # `[DONE]` reached the client: whatever happens after, it was served
         try:
             await send({"type": "http.response.start", "status": self.status, "headers": headers})
-            async for event in self._events():
-                out = tap.feed(event)
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                    done = out.endswith(SSE_DONE)
+            await self._relay_events(send, tap)
             held = tap.flush()  # a last event held back to see whether a usage chunk followed it
             if held:
                 await send({"type": "http.response.body", "body": held, "more_body": True})
             self.ending = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self._end(done)
+            self._end(self._done)
 
     def _end(self, done: bool) -> None:
         self._open.discard(self)
@@ -182,44 +179,55 @@ class Streaming:
         elif self.completed or done:
             self.outcome = self.status
 
-    async def _events(self) -> AsyncIterator[bytes]:
-        """The replica's chunks as they arrive, whole events only; on a break, an error event and [DONE]."""
+    async def _relay_events(self, send: Send, tap: UsageTap) -> None:
+        """The replica's chunks as they arrive, whole events only; on a break, an error event and [DONE].
+        A loop rather than an async generator: mypyc compiles this file and has none. Only the replica's
+        reads are in the `try`: the client's send failing is the client's end, not a broken stream."""
         pending = b""
         resp = self._resp
-        try:
-            chunk = self.first
-            while chunk:
-                if not pending and chunk.endswith(SSE_EVENT_END):
-                    yield chunk
+        chunk = self.first
+        while chunk:
+            if not pending and chunk.endswith(SSE_EVENT_END):
+                await self._forward(chunk, send, tap)
+            else:
+                data = pending + chunk
+                cut = data.rfind(SSE_EVENT_END)
+                if cut < 0:
+                    pending = data
                 else:
-                    data = pending + chunk
-                    cut = data.rfind(SSE_EVENT_END)
-                    if cut < 0:
-                        pending = data
-                    else:
-                        pending = data[cut + 2 :]
-                        yield data[: cut + 2]
+                    pending = data[cut + 2 :]
+                    await self._forward(data[: cut + 2], send, tap)
+            try:
                 chunk = await resp.readany()
-            if pending:
-                yield pending
-            self.completed = True
-        except RETRYABLE as exc:
-            # Bytes already reached the client, so no retry: end the stream cleanly with an error.
-            self.broken = True
-            if self._cut_reason is not None:
-                yield stream_error_event(self._cut_reason, "router_shutdown")
-                yield SSE_DONE
+            except RETRYABLE as exc:
+                # Bytes already reached the client, so no retry: end the stream cleanly with an error.
+                self.broken = True
+                await self._forward(self._break_event(type(exc).__name__), send, tap)
+                await self._forward(SSE_DONE, send, tap)
                 return
-            log.warning(
-                "stream from replica %s broke mid-response (%s)",
-                self.replica_id,
-                type(exc).__name__,
-                extra={"request_id": self._request_id, "replica": self.replica_id},
-            )
-            self._registry.observe(self.replica_id, Outcome.FAILED, f"stream broke: {type(exc).__name__}")
-            self._metrics.broken_streams.labels(self.replica_id).inc()
-            yield stream_error_event("The replica serving this stream failed mid-response.")
-            yield SSE_DONE
+        if pending:
+            await self._forward(pending, send, tap)
+        self.completed = True
+
+    async def _forward(self, event: bytes, send: Send, tap: UsageTap) -> None:
+        out = tap.feed(event)
+        if out:
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+            self._done = out.endswith(SSE_DONE)
+
+    def _break_event(self, error: str) -> bytes:
+        """The error event a broken stream ends with: the router's own reason when it cut the stream."""
+        if self._cut_reason is not None:
+            return stream_error_event(self._cut_reason, "router_shutdown")
+        log.warning(
+            "stream from replica %s broke mid-response (%s)",
+            self.replica_id,
+            error,
+            extra={"request_id": self._request_id, "replica": self.replica_id},
+        )
+        self._registry.observe(self.replica_id, Outcome.FAILED, f"stream broke: {error}")
+        self._metrics.broken_streams.labels(self.replica_id).inc()
+        return stream_error_event("The replica serving this stream failed mid-response.")
 
 
 class Dispatcher:
@@ -281,10 +289,10 @@ class Dispatcher:
                 if not is_last:
                     self._metrics.retries.labels("adapter_load").inc()
                 continue
-            except ReplicaMisconfigured as exc:
+            except ReplicaMisconfigured as misconfigured:  # not `exc`: mypyc types a reused name by its first clause
                 # Out of routing until a probe finds it usable; another replica may take the request.
-                self._registry.set_misconfigured(replica_id, exc.cause)
-                refusals.append((replica_id, exc.cause))
+                self._registry.set_misconfigured(replica_id, misconfigured.cause)
+                refusals.append((replica_id, misconfigured.cause))
                 if not is_last:
                     self._metrics.retries.labels("misconfigured").inc()
                 continue
@@ -380,9 +388,9 @@ class Dispatcher:
             if life is not None:
                 life.dispatched(replica_id)
             outcome = await self._attempt(replica_id, features, request, life)
-        except ReplicaMisconfigured as exc:
-            self._registry.set_misconfigured(replica_id, exc.cause)
-            raise replica_misconfigured([(replica_id, exc.cause)]) from None
+        except ReplicaMisconfigured as misconfigured:
+            self._registry.set_misconfigured(replica_id, misconfigured.cause)
+            raise replica_misconfigured([(replica_id, misconfigured.cause)]) from None
         except RETRYABLE as exc:
             refused = isinstance(exc, UpstreamConnectError)
             self._registry.observe(replica_id, Outcome.REFUSED if refused else Outcome.FAILED, type(exc).__name__)

@@ -100,7 +100,7 @@ MAX_REQUEST_ID_CHARS = 128
 NO_BODY_STATUSES = frozenset({204, 304})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Relaying:
     """What an exchange needs, all of it there from the start."""
 
@@ -150,7 +150,7 @@ class ProxiedEndpoints:
         await exchange.run()
 
 
-@dataclass(slots=True)
+@dataclass
 class _Prepared:
     """A request ready for a replica."""
 
