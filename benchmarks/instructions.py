@@ -11,7 +11,10 @@ keep-alive connection, and the counters dumped (`callgrind_control -d`). The rou
 counted: the event loop, uvicorn, the upstream client, the app. Each checkout is measured `--repeat`
 times (each a fresh router) and the spread is printed, to show what varies.
 
-    python -m benchmarks.instructions [--mode json|sse] [--requests 400] [--against REV] [--out DIR]
+    python -m benchmarks.instructions [--mode json|sse] [--requests 400] [--against REV] [--pure] [--out DIR]
+
+This checkout runs as built: compiled where `make compiled` built it (the first line says), and `--pure`
+counts it interpreted as well (DPSERVE_PURE_PYTHON=1); other commits run interpreted.
 
 Prints instructions per request per checkout and mode, and the ratio against the first checkout; writes
 instructions.csv under --out.
@@ -31,7 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +42,7 @@ import aiohttp
 
 from benchmarks.fleet import CHECKOUT, port_block, stop_all, wait_ok
 from benchmarks.overhead import checkouts, request_body, start_backends
+from dpserve.version import compiled_check
 
 READY_TIMEOUT_S = 300.0  # a router's start under valgrind: about 40 s here
 SLOW_PROBES = ("--probe-interval", "--quiet-probe-interval", "--linked-quiet-probe-interval")
@@ -87,7 +91,13 @@ def backends(work: Path) -> Iterator[list[str]]:
 
 
 def count_router(
-    checkout: Path, label: str, urls: Sequence[str], body: bytes, args: argparse.Namespace, work: Path
+    checkout: Path,
+    label: str,
+    urls: Sequence[str],
+    body: bytes,
+    args: argparse.Namespace,
+    work: Path,
+    build_env: Mapping[str, str],
 ) -> int:
     """The router's instructions over `args.requests` requests, after a warm-up."""
     port = port_block(1, random.Random())
@@ -98,7 +108,7 @@ def count_router(
         sys.executable, "-m", "dpserve", "router", *replicas, "--port", str(port), "--policy", args.policy,
         "--gpu-interval", "0", *slow_probes(checkout), *args.router_arg,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    env = {**os.environ, "PYTHONPATH": str(checkout), **build_env}
     # In the checkout's own folder: `python -m` puts the working directory first on the path.
     with (work / f"router-{label}.log").open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=checkout)
@@ -146,6 +156,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--stream-chunks", type=int, default=16, help="SSE events per streamed answer (16)")
     parser.add_argument("--policy", default="least_loaded")
     parser.add_argument("--against", default="", help="comma list of other commits to count as well")
+    parser.add_argument(
+        "--pure", action="store_true", help="count this checkout's interpreted build too (here-pure), beside here"
+    )
     parser.add_argument("--router-arg", action="append", default=[], help="one more router flag (--x=y)")
     parser.add_argument("--out", type=Path, default=None, help="where instructions.csv goes")
     args = parser.parse_args(argv)
@@ -166,13 +179,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dpserve-instructions-") as tmp:
         work = Path(tmp)
         with checkouts(revs, work) as others, backends(work) as urls:
-            trees = {"here": CHECKOUT, **others}
+            pure = {"DPSERVE_PURE_PYTHON": "1"}
+            # Other commits' worktrees hold no compiled files: they run interpreted.
+            trees = {"here": (CHECKOUT, {}), **({"here-pure": (CHECKOUT, pure)} if args.pure else {})}
+            trees |= {label: (tree, pure) for label, tree in others.items()}
+            print(f"here: {compiled_check() or 'compiled'}", flush=True)
             for mode in args.mode:
                 body = request_body(mode, args.stream_chunks)
                 for repeat in range(args.repeat):
                     order = list(trees.items()) if repeat % 2 == 0 else list(trees.items())[::-1]
-                    for label, tree in order:
-                        total = count_router(tree, f"{label}-{mode}", urls, body, args, work)
+                    for label, (tree, build_env) in order:
+                        total = count_router(tree, f"{label}-{mode}", urls, body, args, work, build_env)
                         count = Count(label, mode, args.requests, total)
                         counts.append(count)
                         print(f"{label:>12} {mode:4} {count.per_request / 1e3:8.1f}k instructions/request", flush=True)
