@@ -25,10 +25,11 @@ uvicorn's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import httptools
 from starlette.types import ASGIApp, Message
@@ -57,14 +58,30 @@ class ClientLeft:
         self.callback: Callable[[], None] | None = None
 
 
+class _Url(Protocol):
+    """httptools' parsed URL as it is: its stubs say bytes, but a part the URL lacks is None (mypyc checks)."""
+
+    path: bytes | None
+    query: bytes | None
+
+
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    max_head_bytes = 32 * 1024 + REQUEST_LINE_BYTES
-    proxied_app: ASGIApp | None = None
-    """The app's middleware around the hot path (`RouterApp.proxied`): proxied paths go there in a
-    `ProxiedCycle`; every other path, and any request this does not handle, in uvicorn's own cycle."""
-    _head_bytes = 0
-    _in_head = True
-    _refused = False
+    def __init__(
+        self,
+        *args: Any,
+        max_head_bytes: int = 32 * 1024 + REQUEST_LINE_BYTES,
+        proxied_app: ASGIApp | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """uvicorn's arguments, and: `max_head_bytes`, the most a request line and headers may take;
+        `proxied_app`, the app's middleware around the hot path (`RouterApp.proxied`): proxied paths go there
+        in a `ProxiedCycle`; every other path, and any request this does not handle, in uvicorn's own cycle."""
+        super().__init__(*args, **kwargs)
+        self.max_head_bytes = max_head_bytes
+        self.proxied_app = proxied_app
+        self._head_bytes = 0
+        self._in_head = True
+        self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn narrows the base type
         super().connection_made(transport)
@@ -90,12 +107,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if app is None or self.root_path or self.limit_concurrency is not None or self.parser.should_upgrade():
             super().on_headers_complete()
             return
-        parsed = httptools.parse_url(self.url)
-        raw_path: bytes = parsed.path
-        path = raw_path.decode("ascii")
+        parsed = cast(_Url, httptools.parse_url(self.url))
+        raw_path = parsed.path
+        path = raw_path.decode("ascii") if raw_path is not None else ""
         # `proxied_paths.is_proxied`, read here as data: the request enters that file once, for the hot path.
         # Escaped paths are uvicorn's to decode.
-        if "%" in path or not (path in PROXIED_PATHS or path.startswith(RESPONSE_BY_ID)):
+        if raw_path is None or "%" in path or not (path in PROXIED_PATHS or path.startswith(RESPONSE_BY_ID)):
             super().on_headers_complete()
             return
         parser, scope = self.parser, cast(dict[str, Any], self.scope)
@@ -194,11 +211,12 @@ class _HeadHoldingTransport:
 def bounded_protocol(max_header_bytes: int, proxied_app: ASGIApp | None = None) -> type[BoundedHttpToolsProtocol]:
     """The protocol class for uvicorn's `http=`, bounding heads at the headers' limit plus a request line;
     `proxied_app`: where proxied paths go in the protocol's own cycle (None: every path in uvicorn's)."""
-    return type(
-        "BoundedHttpToolsProtocol",
-        (BoundedHttpToolsProtocol,),
-        {"max_head_bytes": max_header_bytes + REQUEST_LINE_BYTES, "proxied_app": proxied_app},
+    # A factory, not a subclass made with type(): a compiled class takes no interpreted subclass. uvicorn
+    # calls what it is given with keywords.
+    made = functools.partial(
+        BoundedHttpToolsProtocol, max_head_bytes=max_header_bytes + REQUEST_LINE_BYTES, proxied_app=proxied_app
     )
+    return cast(type[BoundedHttpToolsProtocol], made)
 
 
 _CONTROL = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
