@@ -554,13 +554,15 @@ def test_the_in_flight_cap_holds_across_three_peered_routers() -> None:
     """`--max-in-flight 2` on 3 routers, each with more clients than that: the replica's own count of
     requests (running + waiting) over time, against the cap. Each router's count reaches the others
     within `--peer-interval`, so three routers may each take a freed slot before hearing of the others:
-    the mean stays near the cap; the control without peers runs 3 caps. Answers take 0.4 s (16 tokens of
-    25 ms), long beside that lag even where a loaded machine stretches it (CI once saw 2.57 with 10 ms tokens)."""
-    with running_sim("--decode-ms-per-token", "25") as sim:
+    the mean stays near the cap; the control without peers runs 3 caps. Answers take 1 s (16 tokens of
+    60 ms), long beside that lag even where a loaded machine stretches it: the overshoot is about the lag over
+    an answer's time (CI once saw a mean of 2.57 with 0.16 s answers, a loaded run here 2.76 with 0.4 s ones,
+    1.96 alone)."""
+    with running_sim("--decode-ms-per-token", "60") as sim:
         means = {}
         for peered in (True, False):
             with routers([[sim.url]] * 3, "least_loaded", "--max-in-flight", "2", peered=peered) as started:
-                means[peered], peak = asyncio.run(in_flight_at(sim.url, [r.url for r in started], 4.0))
+                means[peered], peak = asyncio.run(in_flight_at(sim.url, [r.url for r in started], 6.0))
                 boards = [router_status(r.url).get("peers", {}) for r in started]
             print(f"peered={peered}: the replica ran {means[peered]:.2f} on average, {peak} at most; cap 2")
             if peered:  # a forgotten peer counts nothing: the first thing to look at if the mean is high
