@@ -191,7 +191,7 @@ class UsageTap:
         self.parsed = 0
         """JSON documents parsed: all the tap does besides searching bytes is these (one per stream with usage)."""
 
-    def _data(self, event: bytes) -> Any:
+    def _parse(self, event: bytes) -> Any:
         self.parsed += 1
         return _data(event)
 
@@ -210,7 +210,7 @@ class UsageTap:
             if chunk.find(USAGE_KEY, start) >= 0:
                 for event in _events(chunk[start:] if start else chunk):
                     if USAGE_KEY in event:
-                        self._read(self._data(event))
+                        self._read(self._parse(event))
             return chunk
         if not self._held and chunk.find(USAGE_KEY, start) < 0 and chunk.find(FINISHED_KEY, start) < 0:
             return chunk
@@ -251,7 +251,7 @@ class UsageTap:
     def _stripped(self, event: bytes, out: list[bytes]) -> None:
         """Appends to `out` what the client gets for `event` (and for the chunks held before it)."""
         if USAGE_KEY in event:
-            parsed = self._data(event)
+            parsed = self._parse(event)
             self._read(parsed)
             if isinstance(parsed, dict) and parsed.get("choices") == [] and isinstance(parsed.get("usage"), dict):
                 # The usage chunk, there only because include_usage was asked for: dropped, and its
