@@ -47,9 +47,12 @@ run: $(if $(wildcard $(STAMP)),$(STAMP),$(RUN_STAMP))
 # compiled), built in place beside each .py, which it takes precedence over. `make test` runs the whole suite
 # on it; `make test PURE=1` on the interpreted source, the compiled files left where they are but not imported.
 COMPILED_SOURCES := $(shell sed -n '/^compiled = \[/,/^\]/p' pyproject.toml | grep -o 'dpserve/[^"]*')
-COMPILED := $(VENV)/.compiled
+# The target is the shared library itself, not a stamp: a checkout whose compiled files were removed builds
+# them again. DPSERVE_BUILD tells the suite which build it must be running (it fails, not skips, otherwise).
+COMPILED := dpserve/_compiled__mypyc$(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 PURE ?=
 export DPSERVE_PURE_PYTHON := $(if $(PURE),1,)
+export DPSERVE_BUILD := $(if $(PURE),pure,compiled)
 
 test: $(STAMP) $(if $(PURE),,$(COMPILED)) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(WRK) $(PROMETHEUS) $(CHECKOV)
 	@# A Linux host is where the README's compose stack runs: an engine that cannot start there fails the run.
@@ -71,7 +74,6 @@ $(COMPILED): $(STAMP) setup.py $(COMPILED_SOURCES)
 # Removes the compiled modules: the checkout is pure Python again (`make compiled` brings them back).
 pure:
 	find dpserve -name '*.so' -delete
-	rm -f $(COMPILED)
 
 # A wheel of the compiled build for this machine's Python and platform, into dist/ (the sdist: `python -m build
 # --sdist`, pure Python wherever it is built, unless DPSERVE_COMPILE=1 and a C compiler are there).
