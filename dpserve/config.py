@@ -879,9 +879,20 @@ def environment_names() -> dict[str, str]:
     return names
 
 
-NOT_SETTINGS = frozenset({"DPSERVE_FAKE_NVML_FILE", "DPSERVE_SAVE_MULTI_HOST_STATUS", "DPSERVE_GPU_STATUS_OUT"})
-"""`DPSERVE_` variables the project's tests read, which are no settings (tests/fake_nvml.py, tests/gpu/,
-tests/integration/test_multi_host.py)."""
+NOT_SETTINGS = frozenset(
+    {
+        "DPSERVE_FAKE_NVML_FILE",
+        "DPSERVE_SAVE_MULTI_HOST_STATUS",
+        "DPSERVE_GPU_STATUS_OUT",
+        "DPSERVE_PURE_PYTHON",
+        "DPSERVE_COMPILE",
+        "DPSERVE_BUILD",
+    }
+)
+"""`DPSERVE_` variables that are no settings: the tests' own (tests/fake_nvml.py, tests/gpu/,
+tests/integration/test_multi_host.py) and the build's, which `make test` exports to every process it starts
+(DPSERVE_PURE_PYTHON is read on import by dpserve/__init__.py, DPSERVE_COMPILE by setup.py, DPSERVE_BUILD by
+the suite)."""
 
 
 def unknown_variables(env: Mapping[str, str]) -> list[str]:

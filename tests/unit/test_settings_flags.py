@@ -120,6 +120,8 @@ def test_the_cli_warns_of_an_unknown_variable_at_start(
 def test_the_variables_the_project_sets_are_known() -> None:
     # compose files, Kubernetes manifests and `dpserve up` hand keys to the router through these.
     assert unknown_variables({"DPSERVE_API_KEYS": "k", "DPSERVE_ADMIN_KEYS": "a"}) == []
+    # `make test` exports the build's variables to every process the suite starts (empty ones too).
+    assert unknown_variables({"DPSERVE_PURE_PYTHON": "", "DPSERVE_BUILD": "compiled", "DPSERVE_COMPILE": "1"}) == []
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
