@@ -12,6 +12,7 @@ counted: the event loop, uvicorn, the upstream client, the app. Each checkout is
 times (each a fresh router) and the spread is printed, to show what varies.
 
     python -m benchmarks.instructions [--mode json|sse] [--requests 400] [--against REV] [--pure] [--out DIR]
+                                      [--keep-dumps DIR]
 
 This checkout runs as built: compiled where `make compiled` built it (the first line says), and `--pure`
 counts it interpreted as well (DPSERVE_PURE_PYTHON=1); other commits run interpreted.
@@ -128,6 +129,9 @@ def count_router(
     match = re.search(rb"^summary: (\d+)$", dumps[-1].read_bytes(), re.MULTILINE)
     if match is None:
         raise SystemExit(f"{label}: no summary line in {dumps[-1]}")
+    if args.keep_dumps is not None:  # for callgrind_annotate: where the instructions went
+        args.keep_dumps.mkdir(parents=True, exist_ok=True)
+        shutil.copy(dumps[-1], args.keep_dumps / f"callgrind.{label}.out")
     for dump in work.glob(prefix + "*"):
         dump.unlink()
     return int(match.group(1))
@@ -161,6 +165,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--router-arg", action="append", default=[], help="one more router flag (--x=y)")
     parser.add_argument("--out", type=Path, default=None, help="where instructions.csv goes")
+    parser.add_argument(
+        "--keep-dumps", type=Path, default=None, help="copy each run's callgrind dump here (for callgrind_annotate)"
+    )
     args = parser.parse_args(argv)
     if args.requests < 50 or args.warmup < 1 or args.repeat < 1:
         parser.error("--requests ≥ 50, --warmup ≥ 1, --repeat ≥ 1")

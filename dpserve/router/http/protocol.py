@@ -25,6 +25,7 @@ uvicorn's.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import re
@@ -33,8 +34,9 @@ from typing import Any, Protocol, cast
 
 import httptools
 from starlette.types import ASGIApp, Message
-from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn._types import ASGI3Application
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from dpserve.router.http.endpoints import PROXIED_PATHS, RESPONSE_BY_ID
 from dpserve.router.http.errors import OpenAIError
@@ -66,6 +68,9 @@ class _Url(Protocol):
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    url: bytes
+    """uvicorn's, set per request (declared here: mypyc needs the attributes it compiles access to)."""
+
     def __init__(
         self,
         *args: Any,
@@ -82,21 +87,109 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._in_head = True
         self._refused = False
+        self._idle_since: float | None = None
+        """When the last answer on this connection completed; None while a request is being read or answered."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn narrows the base type
         super().connection_made(transport)
         self.transport = _HeadHoldingTransport(transport, self.loop)  # type: ignore[assignment]  # a wrapper that quacks
 
+    # uvicorn's parser callbacks and keep-alive handling, here so that they run compiled: per request, they
+    # are what is left of uvicorn's interpreted code on the proxied path. Same state, same behaviour.
+
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        self.url = b""
+        self.expect_100_continue = False
+        headers: list[tuple[bytes, bytes]] = []
+        self.headers = headers
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": headers,
+            "state": self.app_state.copy(),
+            CLIENT_LEFT: ClientLeft(),  # an extension key of ours
+        }
+        self.scope = cast(Any, scope)  # uvicorn's HTTPScope, with our key
         self._head_bytes = 0
         self._in_head = True
-        self.scope[CLIENT_LEFT] = ClientLeft()  # type: ignore[literal-required]  # an extension key of ours
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.message_event.set()
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
+            return
+        cycle.more_body = False
+        cycle.message_event.set()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        if self.config.reset_contextvars:  # uvicorn's opt-in: each request in a fresh context
+            task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
+        else:
+            task = self.loop.create_task(cycle.run_asgi(app))
+        tasks = self.tasks
+        task.add_done_callback(tasks.discard)
+        tasks.add(task)
+
+    def on_response_complete(self) -> None:
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        # uvicorn arms a timer here and cancels it when the next request's bytes arrive: a timer made and
+        # cancelled per request. This notes the time and keeps one timer, which looks again when it fires.
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
+
+    def _unset_keepalive_if_required(self) -> None:
+        # Bytes arrived (or uvicorn is done with the connection): not idle; the timer finds that when it fires.
+        self._idle_since = None
+
+    def _keep_alive_due(self) -> None:
+        self.timeout_keep_alive_task = None
+        since = self._idle_since
+        if since is None:  # busy: the answer's completion arms the timer again
+            return
+        left = since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
+        else:
+            self.timeout_keep_alive_handler()
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self.cycle
         # uvicorn marks the current request disconnected here, when its answer is not complete.
         gone = cycle.scope.get(CLIENT_LEFT) if cycle is not None and not cycle.response_complete else None
+        timer = self.timeout_keep_alive_task
+        if timer is not None:
+            timer.cancel()
+            self.timeout_keep_alive_task = None
         super().connection_lost(exc)
         if isinstance(gone, ClientLeft) and gone.callback is not None:
             gone.callback()
@@ -141,7 +234,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         counting = self._in_head
         if counting:
             self._head_bytes += len(data)
-        super().data_received(data)
+        self._idle_since = None
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
         # Judged after parsing: one read may hold a whole head and the start of a large body.
         if counting and self._in_head and self._head_bytes > self.max_head_bytes:
             self._refuse()
