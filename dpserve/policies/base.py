@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from mypy_extensions import mypyc_attr
@@ -20,7 +20,7 @@ class PrefixSource(enum.Enum):
     """Text chunks the router itself sent each replica (approximate)."""
 
 
-@dataclass(frozen=True)
+@dataclass(init=False)
 class PrefixMatch:
     """How much of the request's prompt each replica already holds, in blocks from the start."""
 
@@ -28,15 +28,34 @@ class PrefixMatch:
     total_blocks: int
     """Full blocks (KV blocks, or text chunks) in the prompt."""
     tokens_per_block: int
-    matched: Mapping[str, int] = field(default_factory=dict)
+    matched: Mapping[str, int]
     """Replica id -> leading blocks it holds (absent = 0)."""
-    keys: tuple[int, ...] = ()
+    keys: tuple[int, ...]
     """The blocks' chained keys, for recording where the prompt went."""
-    held: Mapping[str, int] = field(default_factory=dict)
+    held: Mapping[str, int]
     """Replica id -> blocks it holds in all (from the index): how much of the fleet's cached prefixes it
     already owns, so a new prefix can go where there is least."""
-    prompt_tokens: int = 0
+    prompt_tokens: int
     """Tokens in the prompt (0 where not counted: routed text)."""
+
+    def __init__(
+        self,
+        source: PrefixSource,
+        total_blocks: int,
+        tokens_per_block: int,
+        matched: Mapping[str, int] | None = None,
+        keys: tuple[int, ...] = (),
+        held: Mapping[str, int] | None = None,
+        prompt_tokens: int = 0,
+    ) -> None:
+        # Written out: dataclass's __init__ is interpreted even when compiled (see RequestFeatures).
+        self.source = source
+        self.total_blocks = total_blocks
+        self.tokens_per_block = tokens_per_block
+        self.matched = {} if matched is None else matched
+        self.keys = keys
+        self.held = {} if held is None else held
+        self.prompt_tokens = prompt_tokens
 
     def blocks(self, replica_id: str) -> int:
         return self.matched.get(replica_id, 0)
@@ -46,25 +65,51 @@ class PrefixMatch:
         return max(self.matched.values(), default=0)
 
 
-@dataclass(frozen=True)
+@dataclass(init=False)
 class RequestFeatures:
+    """A request as a policy sees it. Not changed once made (`dataclasses.replace` makes another)."""
+
     endpoint: str
     model: str
     stream: bool
-    prefix: PrefixMatch | None = None
+    prefix: PrefixMatch | None
     """Filled only for policies that use it (see `Policy.needs`)."""
-    session_key: str | None = None
+    session_key: str | None
     """`x-session-id` header, else the body's `user`; filled only for policies that use it."""
-    preferred: tuple[str, ...] = ()
+    preferred: tuple[str, ...]
     """What the policy itself prefers over the whole fleet (`Policy.preferred`), filled when it chooses
     among a sample of a larger fleet (a session's ring cannot be read off a sample)."""
-    bound: str | None = None
+    bound: str | None
     """The replica the session's requests last went to, through this router or a peer (session policy)."""
-    priority: int = 1
+    priority: int
     """0 critical, 1 standard, 2 batch (`router/flow/tenants.py`): how much of a full replica it may take."""
-    adapter: str | None = None
+    adapter: str | None
     """The LoRA adapter `model` names, if it names one: it goes where the adapter is, or is loaded
     (`policies/adapters.py`)."""
+
+    # Fields, eq and repr from dataclass; __init__ written out, because the one dataclass makes is
+    # interpreted even where the class is compiled (mypyc), and this is made per request.
+    def __init__(
+        self,
+        endpoint: str,
+        model: str,
+        stream: bool,
+        prefix: PrefixMatch | None = None,
+        session_key: str | None = None,
+        preferred: tuple[str, ...] = (),
+        bound: str | None = None,
+        priority: int = 1,
+        adapter: str | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self.stream = stream
+        self.prefix = prefix
+        self.session_key = session_key
+        self.preferred = preferred
+        self.bound = bound
+        self.priority = priority
+        self.adapter = adapter
 
 
 class ReplicaView(Protocol):
@@ -141,12 +186,17 @@ class ReplicaSnapshot(LoadFromCounts):
     slow_refill: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(init=False)
 class Decision:
     id: str
     """The chosen replica."""
     reason: str
     """Why, for the `dpserve_routing_decisions_total{policy,reason}` metric (a small fixed set per policy)."""
+
+    def __init__(self, id: str, reason: str) -> None:
+        # Written out: dataclass's __init__ is interpreted even when compiled (see RequestFeatures).
+        self.id = id
+        self.reason = reason
 
 
 class Sampling(enum.Enum):

@@ -54,17 +54,27 @@ class Rejected(OpenAIError):
         self.reason = reason
 
 
-@dataclass
+@dataclass(init=False)
 class Ticket:
     """One request's place in the flow: whose it is, what it is expected to cost, how long it waited."""
 
-    tenant: str = ""
-    weight: float = 1.0
-    cost: float = 0.0
+    tenant: str
+    weight: float
+    cost: float
     """Tokens to charge the tenant when it is admitted (once, retries included)."""
-    charged: float = 0.0
+    charged: float
     """What was charged: corrected by what the answer took (`Admission.settle`)."""
-    queue_s: float = 0.0
+    queue_s: float
+
+    def __init__(
+        self, tenant: str = "", weight: float = 1.0, cost: float = 0.0, charged: float = 0.0, queue_s: float = 0.0
+    ) -> None:
+        # Written out: dataclass's __init__ is interpreted even when compiled (see policies.base.RequestFeatures).
+        self.tenant = tenant
+        self.weight = weight
+        self.cost = cost
+        self.charged = charged
+        self.queue_s = queue_s
 
 
 class _Waiter:

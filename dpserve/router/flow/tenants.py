@@ -57,12 +57,17 @@ class TenantRules:
     """Its key may name the tenant of each request (`x-dpserve-tenant`): a gateway in front, say."""
 
 
-@dataclass(frozen=True)
+@dataclass(init=False)
 class Caller:
     """What the key check found: the key's tenant name, and whether it may name another."""
 
     tenant: str
     trusted: bool
+
+    def __init__(self, tenant: str, trusted: bool) -> None:
+        # Written out: dataclass's __init__ is interpreted even when compiled (see policies.base.RequestFeatures).
+        self.tenant = tenant
+        self.trusted = trusted
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,19 @@ from dpserve.router.http.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, Endpoin
 from dpserve.router.http.errors import OpenAIError, bad_request
 
 
-@dataclass(frozen=True)
+@dataclass(init=False)
 class ParsedBody:
     payload: dict[str, Any]
     raw: bytes
     model: str | None
     stream: bool
+
+    def __init__(self, payload: dict[str, Any], raw: bytes, model: str | None, stream: bool) -> None:
+        # Written out: dataclass's __init__ is interpreted even when compiled (see policies.base.RequestFeatures).
+        self.payload = payload
+        self.raw = raw
+        self.model = model
+        self.stream = stream
 
 
 async def receive_limited(headers: Mapping[str, str], receive: Receive, limit: int) -> bytes:

@@ -26,7 +26,7 @@ NO_HEADERS: Mapping[str, str] = {}
 """Shared and never written: an untraced request allocates nothing for its trace context."""
 
 
-@dataclass(frozen=True)
+@dataclass(init=False)
 class Usage:
     """What an answer took, as the replica reported it."""
 
@@ -35,8 +35,14 @@ class Usage:
     cached_tokens: int
     """usage.prompt_tokens_details.cached_tokens (input_tokens_details for the responses API); 0 when absent."""
 
+    def __init__(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        # Written out: dataclass's __init__ is interpreted even when compiled (see policies.base.RequestFeatures).
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        self.cached_tokens = cached_tokens
 
-@dataclass(frozen=True)
+
+@dataclass(init=False)
 class Choice:
     """One routing decision and the snapshot it was made from."""
 
@@ -47,6 +53,21 @@ class Choice:
     candidates: Sequence[ReplicaView]
     engine_block: int
     """The chosen replica's KV block in tokens (0: not known)."""
+
+    def __init__(
+        self,
+        policy: str,
+        decision: Decision,
+        features: RequestFeatures,
+        candidates: Sequence[ReplicaView],
+        engine_block: int,
+    ) -> None:
+        # Written out: dataclass's __init__ is interpreted even when compiled (see policies.base.RequestFeatures).
+        self.policy = policy
+        self.decision = decision
+        self.features = features
+        self.candidates = candidates
+        self.engine_block = engine_block
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # the tracer, the log and the shadows are interpreted

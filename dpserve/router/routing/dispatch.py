@@ -61,7 +61,7 @@ class RetryRules:
         return rng.uniform(0.5, 1.0) * min(self.backoff_cap_s, self.backoff_s * 2.0 ** (attempt - 1))
 
 
-@dataclass(frozen=True)
+@dataclass(init=False)
 class Outbound:
     """What goes to a replica: the method, the path (with any query string), the body and headers."""
 
@@ -70,8 +70,15 @@ class Outbound:
     body: bytes
     headers: dict[str, str]
 
+    def __init__(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> None:
+        # Written out: dataclass's __init__ is interpreted even when compiled (see policies.base.RequestFeatures).
+        self.method = method
+        self.path = path
+        self.body = body
+        self.headers = headers
 
-@dataclass
+
+@dataclass(init=False)
 class Buffered:
     """A complete, non-streamed answer."""
 
@@ -79,8 +86,18 @@ class Buffered:
     status: int
     content_type: str
     body: bytes
-    retry_after: str | None = None
+    retry_after: str | None
     """The replica's Retry-After, relayed on 429 and 503."""
+
+    def __init__(
+        self, replica_id: str, status: int, content_type: str, body: bytes, retry_after: str | None = None
+    ) -> None:
+        # Written out: dataclass's __init__ is interpreted even when compiled (see policies.base.RequestFeatures).
+        self.replica_id = replica_id
+        self.status = status
+        self.content_type = content_type
+        self.body = body
+        self.retry_after = retry_after
 
 
 class OpenStreams:

@@ -150,17 +150,32 @@ class ProxiedEndpoints:
         await exchange.run()
 
 
-@dataclass
+@dataclass(init=False)
 class _Prepared:
     """A request ready for a replica."""
 
     features: RequestFeatures
     request: Outbound
-    response_id: str | None = None
+    response_id: str | None
     """The stored response it must reach (by id, or `previous_response_id`), None for any replica."""
-    payload: dict[str, Any] | None = None
-    strip_usage: bool = False
+    payload: dict[str, Any] | None
+    strip_usage: bool
     """The router asked for the stream's usage: its usage chunk is taken out before the client sees it."""
+
+    def __init__(
+        self,
+        features: RequestFeatures,
+        request: Outbound,
+        response_id: str | None = None,
+        payload: dict[str, Any] | None = None,
+        strip_usage: bool = False,
+    ) -> None:
+        # Written out: dataclass's __init__ is interpreted even when compiled (see policies.base.RequestFeatures).
+        self.features = features
+        self.request = request
+        self.response_id = response_id
+        self.payload = payload
+        self.strip_usage = strip_usage
 
 
 class _Exchange:
