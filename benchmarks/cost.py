@@ -156,6 +156,10 @@ async def measure(
     await reset_caches(session, fleet)
     port = port_block(2, random.Random())
     command = target_command(target, fleet, port, args.tokenizer_dir)
+    counted = args.callgrind is not None and target.router == "dpserve"
+    if counted:
+        dump = args.callgrind / f"callgrind.{target.label.replace(':', '_').replace('+', '_')}-{round_index}.%p"
+        command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={dump}", *command]
     log_path = args.out / f"{target.label.replace(':', '_').replace('@', '_')}-{round_index}.log"
     process = spawn(command, log_path, *target_env(target, revs))
     url = f"http://127.0.0.1:{port}"
@@ -165,7 +169,11 @@ async def measure(
         await asyncio.sleep(args.settle_s)  # start-up work (first scrapes, subscriptions) out of the window
         tree = psutil.Process(process.pid)
         before, cpu_before = await replica_counters(session, fleet), tree_times(tree)
+        if counted:
+            callgrind_control("-z", process.pid)
         outcomes, seconds = await drive(url, work, args.concurrency, args.max_tokens)
+        if counted:
+            callgrind_control("-d", process.pid)
         user, system = (after - was for after, was in zip(tree_times(tree), cpu_before, strict=True))
         hits, queries, _ = counter_deltas(before, await replica_counters(session, fleet))
         sources = await token_sources(session, url) if target.router == "dpserve" else ""
@@ -175,6 +183,13 @@ async def measure(
     row.tokens_from = sources
     row.system_share = round(system / (user + system), 2) if user + system else 0.0
     return row
+
+
+def callgrind_control(flag: str, pid: int) -> None:
+    """Zero (-z) or dump (-d) the counts of a router run under callgrind (`--callgrind`)."""
+    done = subprocess.run(["callgrind_control", flag, str(pid)], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0 or "OK" not in done.stdout:
+        raise SystemExit(f"callgrind_control {flag} {pid} failed: {done.stdout}{done.stderr}")
 
 
 def tree_times(process: psutil.Process) -> tuple[float, float]:
@@ -342,7 +357,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--settle-s", type=float, default=5.0, help="seconds between warm-up and measuring")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
     parser.add_argument("--out", type=Path, default=None, help="where cost.csv and the logs go (default: a temp dir)")
+    parser.add_argument(
+        "--callgrind",
+        type=Path,
+        default=None,
+        help="run dpserve's routers under valgrind's callgrind and dump the measured window's counts into this "
+        "folder (for callgrind_annotate: where a realistic request's instructions go); CPU figures are then "
+        "valgrind's, not comparable",
+    )
     args = parser.parse_args(argv)
+    if args.callgrind is not None:
+        args.callgrind.mkdir(parents=True, exist_ok=True)
     args.targets = [Target.parse(t) for t in args.targets.split(",") if t]
     if args.rounds < 1 or args.prompts < 1 or args.groups < 1:
         parser.error("--rounds, --groups and --prompts must be at least 1")
