@@ -3,7 +3,7 @@
 The workload is shaped like real traffic, not like a microbenchmark: G groups of ~1k-token shared system
 prompts, each request with a question of its own, streamed answers of --max-tokens tokens, --concurrency in
 flight, over 2 `dpserve sim --speed 0` replicas publishing KV events (so every router is the busy part). Each
-target is started fresh over prefix caches just emptied, warmed with three requests per group, then measured:
+target is started fresh over prefix caches just emptied, warmed with eight requests per group, then measured:
 the CPU seconds its process tree used over the run (probes, scrapes and KV events included) divided by the
 requests it served, and the fleet's prefix-cache hit rate from the replicas' own counters.
 
@@ -65,8 +65,12 @@ TARGETS = (
     "sglang-router:cache_aware",
 )
 REPLICAS = 2
-WARM_ROUNDS = 3
-"""Requests per group before measuring: the router's start-up work (tokenizer checks, first scrapes) is done."""
+WARM_ROUNDS = 8
+"""Requests per group before measuring (128 with 16 groups, for every target): the router's start-up work is done
+by then. dpserve's start-up work is its tokenizer's: the replicas tokenize prompts until the model's own
+tokenizer is loaded in the router (~45 requests here) and agrees with them on 8, then the router's encoder holds
+its first 32 prompts against a whole encode; with 3 rounds (48 requests), that last part (~1.2 ms a prompt) fell
+in the measured window."""
 START_TIMEOUT_S = 120.0
 # The issue's goals: dpserve's CPU per request over the Rust router's, (ours, theirs, at most).
 GOALS = (

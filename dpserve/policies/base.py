@@ -57,6 +57,13 @@ class PrefixMatch:
         self.held = {} if held is None else held
         self.prompt_tokens = prompt_tokens
 
+    def with_matches(self, matched: Mapping[str, int], held: Mapping[str, int] | None = None) -> PrefixMatch:
+        """A copy with these matches (and holdings, where given): `dataclasses.replace`, compiled."""
+        held = self.held if held is None else held
+        return PrefixMatch(
+            self.source, self.total_blocks, self.tokens_per_block, matched, self.keys, held, self.prompt_tokens
+        )
+
     def blocks(self, replica_id: str) -> int:
         return self.matched.get(replica_id, 0)
 
@@ -110,6 +117,35 @@ class RequestFeatures:
         self.bound = bound
         self.priority = priority
         self.adapter = adapter
+
+    # Copies with one field changed: `dataclasses.replace`, which runs interpreted, costs ~20k instructions.
+    def with_prefix(self, prefix: PrefixMatch | None) -> RequestFeatures:
+        made = self._copy()
+        made.prefix = prefix
+        return made
+
+    def with_preferred(self, preferred: tuple[str, ...]) -> RequestFeatures:
+        made = self._copy()
+        made.preferred = preferred
+        return made
+
+    def with_priority(self, priority: int) -> RequestFeatures:
+        made = self._copy()
+        made.priority = priority
+        return made
+
+    def _copy(self) -> RequestFeatures:
+        return RequestFeatures(
+            self.endpoint,
+            self.model,
+            self.stream,
+            self.prefix,
+            self.session_key,
+            self.preferred,
+            self.bound,
+            self.priority,
+            self.adapter,
+        )
 
 
 class ReplicaView(Protocol):

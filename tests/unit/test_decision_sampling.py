@@ -3,6 +3,7 @@ policies, the next in turn for round robin, and the whole fleet whenever the sam
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 from dpserve.kvindex.events import BlockStored
@@ -115,3 +116,16 @@ def test_a_session_keeps_its_replica_on_the_whole_fleets_ring_while_deciding_amo
     # Other keys spread over the fleet.
     keys = {router.decide(RequestFeatures("chat", MODEL, False, session_key=f"k{i}")).id for i in range(200)}
     assert len(keys) > 30
+
+
+def test_the_features_copies_are_dataclass_replace() -> None:
+    # The hot path copies with compiled methods instead of `dataclasses.replace`: the same copies (the
+    # dataclass's eq compares every field, so a field forgotten in `_copy` fails here).
+    prefix = PrefixMatch(PrefixSource.KV_EVENTS, 4, 16, {"a": 1}, (1, 2, 3, 4), {"a": 9}, 64)
+    features = RequestFeatures("chat", "m", True, prefix, "s", ("a",), "b", 0, "lora")
+    assert features.with_prefix(None) == dataclasses.replace(features, prefix=None)
+    assert features.with_preferred(("x",)) == dataclasses.replace(features, preferred=("x",))
+    assert features.with_priority(2) == dataclasses.replace(features, priority=2)
+    assert prefix.with_matches({"b": 2}) == dataclasses.replace(prefix, matched={"b": 2})
+    assert prefix.with_matches({"b": 2}, {"b": 3}) == dataclasses.replace(prefix, matched={"b": 2}, held={"b": 3})
+    assert features.with_priority(2) is not features and features.priority == 0

@@ -16,7 +16,7 @@ import itertools
 import logging
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
@@ -331,7 +331,7 @@ class _Exchange:
         self.life.model = model  # one the router serves: a bounded label, whatever clients send
         features = await state.features.build(endpoint, model, parsed.stream, parsed.payload, headers)
         if tenant.priority is not Priority.STANDARD:
-            features = replace(features, priority=int(tenant.priority))
+            features = features.with_priority(int(tenant.priority))
         body, strip_usage = raw, False
         if endpoint.body is BodyKind.JSON:
             fields = state.flow.upstream_fields(tenant)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import replace
 
 from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
@@ -106,7 +105,7 @@ class Selector:
         if len(candidates) < len(fleet):  # a sample, or some tried or full: the policy's own view of the fleet
             preferred = policy.preferred(features, fleet)
             if preferred:
-                features = replace(features, preferred=preferred)
+                features = features.with_preferred(preferred)
         decision = policy.choose(features, candidates)
         metrics = self._metrics
         metrics.decisions.add((policy.name, decision.id))
@@ -183,7 +182,7 @@ class PrefixLookup:
             if self._text_index is None:
                 return features
             matched = self._text_index.match(prefix.keys, ids)
-            return replace(features, prefix=replace(prefix, matched=matched))
+            return features.with_prefix(prefix.with_matches(matched))
         if self._kv_index is None:
             return features
         matched = self._kv_index.match(prefix.keys, ids)
@@ -193,7 +192,7 @@ class PrefixLookup:
             pending = self._recent.match(prefix.keys, ids)
             matched = {rid: max(blocks, pending[rid]) for rid, blocks in matched.items()}
             held = {rid: blocks + self._recent.pending_blocks(rid) for rid, blocks in held.items()}
-        return replace(features, prefix=replace(prefix, matched=matched, held=held))
+        return features.with_prefix(prefix.with_matches(matched, held))
 
     def likely_best(self, features: RequestFeatures, limit: int) -> list[str]:
         """Replicas likely to hold the longest run of the prompt."""
