@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import socket
 import subprocess
@@ -57,6 +58,10 @@ class Visits:
             return
         name = _dpserve_file(frame)
         if name is None or not _on_the_request():
+            return
+        if frame.f_code.co_name == "__init__" and dataclasses.is_dataclass(frame.f_locals.get("self")):
+            # Making a value object is not a step into its file: the __init__ the dataclass decorator makes
+            # never showed here (its code is `<string>`'s); the per-request ones now write theirs out.
             return
         if name not in self.functions:
             self.order.append(name)
