@@ -46,6 +46,7 @@ from benchmarks.fleet import (
     stop_all,
     wait_ok,
 )
+from benchmarks.instructions import callgrind_control
 from benchmarks.overhead import checkouts
 from benchmarks.policies import Fleet, Outcome, counter_deltas, drive, replica_counters, reset_caches
 from benchmarks.policy_workloads import Workload, shared_prefix
@@ -187,13 +188,6 @@ async def measure(
     row.tokens_from = sources
     row.system_share = round(system / (user + system), 2) if user + system else 0.0
     return row
-
-
-def callgrind_control(flag: str, pid: int) -> None:
-    """Zero (-z) or dump (-d) the counts of a router run under callgrind (`--callgrind`)."""
-    done = subprocess.run(["callgrind_control", flag, str(pid)], capture_output=True, text=True, timeout=120)
-    if done.returncode != 0 or "OK" not in done.stdout:
-        raise SystemExit(f"callgrind_control {flag} {pid} failed: {done.stdout}{done.stderr}")
 
 
 def tree_times(process: psutil.Process) -> tuple[float, float]:

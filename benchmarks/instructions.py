@@ -117,9 +117,9 @@ def count_router(
         wait_ready(f"http://127.0.0.1:{port}/health", READY_TIMEOUT_S, process)
         send(port, body, args.warmup)
         # valgrind execs its tool in the process it was started as: that pid is the counted one.
-        _control("-z", process.pid)
+        callgrind_control("-z", process.pid)
         send(port, body, args.requests)
-        _control("-d", process.pid)
+        callgrind_control("-d", process.pid)
     finally:
         stop_all([process], 60)
     prefix = out.name.replace(".%p", ".")
@@ -145,8 +145,9 @@ def slow_probes(checkout: Path) -> list[str]:
     return [part for flag in SLOW_PROBES if flag in usage.split() for part in (flag, "3600")]
 
 
-def _control(flag: str, pid: int) -> None:
-    done = subprocess.run(["callgrind_control", flag, str(pid)], capture_output=True, text=True, timeout=60)
+def callgrind_control(flag: str, pid: int) -> None:
+    """Zero (-z) or dump (-d) the counts of a process run under callgrind."""
+    done = subprocess.run(["callgrind_control", flag, str(pid)], capture_output=True, text=True, timeout=120)
     if done.returncode != 0 or "OK" not in done.stdout:
         raise SystemExit(f"callgrind_control {flag} {pid} failed: {done.stdout}{done.stderr}")
 
