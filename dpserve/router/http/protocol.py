@@ -234,7 +234,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         counting = self._in_head
         if counting:
             self._head_bytes += len(data)
-        self._idle_since = None
+        self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
