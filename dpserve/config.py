@@ -261,7 +261,8 @@ class RouterSettings:
     )
     kv_events: tuple[str, ...] = setting(
         (),
-        "subscribe to a replica's KV-cache events (ZMQ), e.g. http://127.0.0.1:8100=tcp://127.0.0.1:5557; repeatable",
+        "subscribe to a replica's KV-cache events (ZMQ), e.g. http://127.0.0.1:8100=tcp://127.0.0.1:5557; repeatable "
+        "(a policy that reads no blocks only watches the stream's link)",
         REPLICAS,
         form=Form.REPEAT,
         metavar="REPLICA_URL=tcp://HOST:PORT",

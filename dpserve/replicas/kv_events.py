@@ -128,11 +128,12 @@ class SubscriberStats:
 
 
 class KvEventSubscriber:
-    """One replica's event stream, applied to the shared index on the event loop (no locks needed)."""
+    """One replica's event stream, applied to the shared index on the event loop (no locks needed). With no
+    index (a policy that reads no blocks), only the stream's link is watched: no batch is sent to it."""
 
     def __init__(
         self,
-        index: KvIndex,
+        index: KvIndex | None,
         replica_id: str,
         endpoint: str,
         context: zmq.asyncio.Context,
@@ -176,14 +177,16 @@ class KvEventSubscriber:
                 check.value,
                 batch.sequence,
             )
-            self._index.clear(self.replica_id)
+            if self._index is not None:
+                self._index.clear(self.replica_id)
         self.stats.batches += 1
         self.stats.events += len(batch.events)
         for event in batch.events:
             name = type(event).__name__
             self.stats.by_type[name] = self.stats.by_type.get(name, 0) + 1
         self.stats.last_event_at = self._clock()
-        self._index.apply(self.replica_id, batch.events)
+        if self._index is not None:
+            self._index.apply(self.replica_id, batch.events)
         if self._watcher is not None:
             self._watcher.events_seen(self.replica_id)
 
@@ -199,7 +202,9 @@ class KvEventSubscriber:
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
         socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        if self._index is not None:
+            # Without a subscription the publisher sends nothing (ZMQ filters at its end); the link still is.
+            socket.setsockopt(zmq.SUBSCRIBE, b"")
         links = socket.get_monitor_socket(LINK_EVENTS) if self._watcher is not None else None
         watching = asyncio.create_task(self._watch_link(links)) if links is not None else None
         socket.connect(self.endpoint)

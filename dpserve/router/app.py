@@ -160,7 +160,7 @@ class Router:
     def _indexes(self) -> None:
         """What the router knows of where prompts are cached: the KV events' index, what it routed in the
         last seconds, the routed text; and the session bindings."""
-        settings, needs, policy_needs = self.settings, self.needs, self.policy.needs
+        settings, needs, policy_needs, policy = self.settings, self.needs, self.policy.needs, self.policy.name
         self.kv_endpoints = kv_event_endpoints(settings, self.registry)
         # With peers, this router's own routes and session bindings are also kept for them.
         outbox = MAX_ROUTES if settings.peering else 0
@@ -168,13 +168,17 @@ class Router:
         if Need.KV_PREFIX in policy_needs:
             self.recent = RecentRoutes(time.monotonic, settings.recent_route_ttl_s, max_outbox=outbox)
         self.kv_index: KvIndex | None = None
-        if self.kv_endpoints or Need.KV_PREFIX in needs:
+        if Need.KV_PREFIX in needs:
             # Found by routing receipts: a prompt sent to a replica that then evicted it was still predicted
             # cached there for the routes' whole ttl (classed `evicted`), though the events had said so.
             forget = self.recent.forget if self.recent is not None else None
             self.kv_index = KvIndex(settings.kv_index_max_entries, on_removed=forget)
             if not self.kv_endpoints:
                 log.warning("policy %s has no --kv-events to learn from: it routes on load only", self.policy.name)
+        elif self.kv_endpoints:
+            # Ingesting a stream costs ~250 µs of router CPU a request (docs/benchmarks/cost.md); the link alone
+            # still tells a dead replica within seconds.
+            log.info("policy %s reads no KV blocks: the --kv-events streams are watched for liveness only", policy)
         text = Need.TEXT_PREFIX in policy_needs
         self.text_index = TextPrefixIndex(settings.prefix_index_max_chunks) if text else None
         self.local_tokenizer = local_tokenizer(settings)
@@ -300,11 +304,10 @@ class Router:
         zmq_context = events_context(max(len(self.registry), len(self.kv_endpoints)))
         stack.callback(zmq_context.destroy, linger=0)
         subscribers = self.state.subscribers
-        if self.kv_index is not None:
-            subscribers.extend(
-                KvEventSubscriber(self.kv_index, rid, endpoint, zmq_context, time.monotonic, monitor)
-                for rid, endpoint in self.kv_endpoints.items()
-            )
+        subscribers.extend(
+            KvEventSubscriber(self.kv_index, rid, endpoint, zmq_context, time.monotonic, monitor)
+            for rid, endpoint in self.kv_endpoints.items()
+        )
         self.metrics.registry.register(RoutingStateCollector(self.kv_index, subscribers, self.text_index, tokens))
 
         async def stop_subscribers() -> None:  # those added at run time too

@@ -4,12 +4,16 @@ before its lifespan the hot path answers 503 itself)."""
 
 from __future__ import annotations
 
+import logging
+
 import httpx
+import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dpserve.config import RouterSettings
-from dpserve.router.app import create_app
-from dpserve.router.flow.access import Guard, Keys
+from dpserve.gpu.nvml import load_nvml
+from dpserve.router.app import Router, create_app
+from dpserve.router.flow.access import Guard, Keys, load_keys
 
 USER_KEY = "user-key-0001"
 
@@ -44,3 +48,17 @@ async def test_later_middleware_and_access_control_wrap_the_proxied_paths_too() 
         assert proxied.headers["x-stamp"] == "1"
         health = await client.get("/health")
         assert health.status_code == 200 and health.headers["x-stamp"] == "1"
+
+
+def test_the_kv_index_is_kept_only_for_a_policy_that_reads_blocks(caplog: pytest.LogCaptureFixture) -> None:
+    """--kv-events given to every router (as `dpserve up` does): kv_aware indexes them; least_loaded keeps no
+    index (its streams only watched for liveness), and says so."""
+    replica, events = "http://127.0.0.1:9", "tcp://127.0.0.1:5557"
+    for policy, indexed in (("kv_aware", True), ("least_loaded", False)):
+        settings = RouterSettings(replicas=(replica,), kv_events=(f"{replica}={events}",), policy=policy)
+        with caplog.at_level(logging.INFO, logger="dpserve.router"):
+            router = Router(settings, None, None, load_nvml, load_keys(settings))
+        assert (router.kv_index is not None) is indexed and router.state.kv_index is router.kv_index
+        assert list(router.kv_endpoints.values()) == [events]
+        assert ("watched for liveness only" in caplog.text) is not indexed, caplog.text
+        caplog.clear()

@@ -127,3 +127,29 @@ async def test_the_watcher_hears_of_events_and_of_the_stream_connecting_and_drop
     finally:
         await sub.stop()
         context.destroy(linger=0)
+
+
+async def test_a_subscriber_without_an_index_watches_the_link_and_is_sent_no_batch() -> None:
+    """A policy that reads no blocks: the stream's link is still watched, but its batches are never sent (the
+    subscriber asks for none), while a subscriber with an index on the same publisher gets them."""
+    port = free_port()
+    publisher = KvEventPublisher(f"tcp://127.0.0.1:{port}")
+    context = zmq.asyncio.Context()
+    watcher, index = Watcher(), KvIndex()
+    linked_only = KvEventSubscriber(None, "r0", f"tcp://127.0.0.1:{port}", context, time.monotonic, watcher)
+    indexing = KvEventSubscriber(index, "r1", f"tcp://127.0.0.1:{port}", context, time.monotonic)
+    linked_only.start()
+    indexing.start()
+    try:
+        deadline = time.monotonic() + 10
+        while indexing.stats.batches < 3 or not linked_only.linked:
+            assert time.monotonic() < deadline, "no event arrived"
+            publisher.publish([BlockStored((1,), None, (1, 2, 3, 4), 4)])
+            await asyncio.sleep(0.05)
+        assert watcher.links == [("r0", True)] and not watcher.seen
+        assert linked_only.stats.batches == 0 and linked_only.stats.last_event_at is None
+    finally:
+        await linked_only.stop()
+        await indexing.stop()
+        publisher.close()
+        context.destroy(linger=0)
