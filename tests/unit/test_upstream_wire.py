@@ -257,6 +257,26 @@ async def test_an_idle_connection_the_replica_closed_is_not_used() -> None:
         pool.close()
 
 
+async def test_a_connection_idle_for_less_than_the_check_is_reused_unpolled_and_a_close_is_retried() -> None:
+    """Under load a connection idles for milliseconds: no poll before reuse (a system call per request). One the
+    replica closed all the same (a replica stopping) fails as stale and the request goes out again."""
+
+    async def answer_then_close(writer: asyncio.StreamWriter) -> None:
+        writer.write(ok(b"fine"))
+        await writer.drain()
+        writer.close()
+
+    now = [100.0]
+    async with serving(answers(answer_then_close)) as (address, connections):
+        pool = UpstreamPool(FAST, clock=lambda: now[0])
+        assert await fetch(pool, address) == b"fine"
+        time.sleep(0.2)  # noqa: ASYNC251 (the loop must not run): the close is in the socket, not yet seen
+        now[0] += upstream.IDLE_CHECK_AFTER_S / 2  # idle, by the pool's clock, for less than the check
+        assert await fetch(pool, address) == b"fine"
+        assert len(connections) == 2 and pool.stale_retries == 1  # sent, found closed, sent again
+        pool.close()
+
+
 async def test_a_reused_connection_closed_as_the_request_arrives_is_retried_once_on_a_fresh_one() -> None:
     async def close_without_answer(writer: asyncio.StreamWriter) -> None:
         writer.close()

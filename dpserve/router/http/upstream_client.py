@@ -34,6 +34,10 @@ from dpserve.replicas.access import ReplicaAccess, tls_refusal
 
 READ_BUFFER_HIGH = 256 * 1024  # a stream read piecemeal: stop reading from the replica past this much unread
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+IDLE_CHECK_AFTER_S = 0.05
+"""An idle connection is polled for the replica's close before reuse only past this idle time: a replica's
+keep-alive timer takes seconds, and one closed sooner (a replica stopping) is a stale connection, retried.
+Under load a connection idles for milliseconds, and the poll was a system call per request."""
 STALE_WINDOW_S = 1.0
 """A reused connection that closes this soon after the request went out, before any byte of the answer,
 was closed by the replica's keep-alive timer as the request crossed it: the replica never began the
@@ -534,10 +538,12 @@ class UpstreamPool:
         idle = self._idle.get(key)
         if not idle:
             return None
-        oldest_usable = self._clock() - self._keepalive_s
+        now = self._clock()
+        oldest_usable, unchecked = now - self._keepalive_s, now - IDLE_CHECK_AFTER_S
         while idle:
             conn = idle.pop()  # the most recently used: the likeliest to be alive and warm
-            if not conn.closed and conn.idle_since >= oldest_usable and not conn.readable_while_idle():
+            since = conn.idle_since
+            if not conn.closed and since >= oldest_usable and (since > unchecked or not conn.readable_while_idle()):
                 conn.reused = True
                 return conn
             conn.close()
