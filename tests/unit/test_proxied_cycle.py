@@ -87,7 +87,14 @@ def test_a_head_request_gets_no_body() -> None:
     assert transport.written.endswith(b"content-length: 5\r\n\r\n") and made.response_complete
 
 
-@pytest.mark.parametrize("value", [b"a\r\nx-injected: 1", b"a\x00b", b"\x7f"])
+@pytest.mark.parametrize("value", [b"a\tb", b"caf\xe9", b"\xa0\x85", b"plain text"])
+def test_a_tab_or_obs_text_in_a_header_value_is_written(value: bytes) -> None:
+    made, transport = cycle()
+    asyncio.run(answer(made, start(200, (b"x-note", value), (b"content-length", b"0")), body(b"")))
+    assert b"x-note: " + value + b"\r\n" in transport.written
+
+
+@pytest.mark.parametrize("value", [b"a\r\nx-injected: 1", b"a\x00b", b"\x7f", b"\xe9\x1b", b"a\nb"])
 def test_a_control_character_in_a_header_value_is_refused_before_anything_is_written(value: bytes) -> None:
     made, transport = cycle()
     with pytest.raises(RuntimeError, match="control character"):

@@ -3,6 +3,7 @@ vLLM 0.32.0 replica (tests/unit/fixtures/usage_stream/) and against the simulato
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,6 +184,29 @@ def test_usage_of_shapes(usage: dict[str, Any], expected: Usage) -> None:
     assert usage_of_answer(orjson.dumps({"id": "x", "usage": usage})) == expected
 
 
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 5}},
+        {"prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": None, "completion_tokens_details": {}},
+        {"input_tokens": 9, "output_tokens": 4, "input_tokens_details": {"cached_tokens": 8}},
+    ],
+)
+def test_a_compact_answer_gives_the_usage_a_whole_parse_gives(usage: dict[str, Any]) -> None:
+    """Only the usage object of a compact answer is parsed: the answer's text may hold anything, a usage-like
+    key and braces included, and a usage nested in another field before it is not the answer's."""
+    text = 'Say {"usage":{"prompt_tokens":1}} and } or {{ "usage":{ done'
+    answer = {
+        "id": "x",
+        "choices": [{"index": 0, "message": {"content": text}, "extra": {"usage": {"prompt_tokens": 99}}}],
+        "usage": usage,
+        "kv_transfer_params": None,
+    }
+    body = orjson.dumps(answer)
+    assert usage_of_answer(body) == usage_of(usage) is not None
+    assert usage_of_answer(json.dumps(answer, indent=1).encode()) == usage_of(usage)  # not compact: parsed whole
+
+
 GARBAGE: list[bytes] = [
     b"",
     b"{",
@@ -202,6 +226,9 @@ GARBAGE: list[bytes] = [
     b'{"usage": {"prompt_tokens": 3, "completion_tokens": "1"}}',
     b'{"usage": {"prompt_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": "2"}}}',
     b'{"usage": {"input_tokens": 3, "output_tokens": false}}',
+    b'{"usage":{"prompt_tokens":3,"completion_tokens":1',
+    b'{"usage":{"prompt_tokens":3,"completion_tokens":"1"}}',
+    b'{"usage":{}}',
     b'{"error": {"message": "bad", "type": "BadRequestError", "code": 400}}',
 ]
 

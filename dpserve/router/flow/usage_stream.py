@@ -72,12 +72,39 @@ def usage_of(obj: Any) -> Usage | None:
 
 def usage_of_answer(body: bytes) -> Usage | None:
     """The usage of a non-streamed JSON answer (chat/completions, completions, responses); None for a body
-    that is not JSON, has no usage, or has one of another shape. Never raises."""
+    that is not JSON, has no usage, or has one of another shape. Never raises.
+
+    In compact JSON (vLLM's) only the usage object is parsed, found as the last `"usage":{` (see USAGE_KEY; the
+    answer's own comes after its choices): a long answer's text is not parsed a second time. Any other body is
+    parsed whole."""
+    start = body.rfind(USAGE_KEY)
+    if start >= 0:
+        start += len(USAGE_KEY) - 1
+        end = _object_end(body, start)
+        if end > 0:
+            try:
+                return usage_of(orjson.loads(body[start:end]))
+            except orjson.JSONDecodeError:
+                pass
     try:
         parsed = orjson.loads(body)
     except (orjson.JSONDecodeError, TypeError):
         return None
     return usage_of(parsed.get("usage")) if isinstance(parsed, dict) else None
+
+
+def _object_end(body: bytes, start: int) -> int:
+    """Where the object opening at `start` ends (past its `}`), for objects whose strings hold no braces (a
+    usage's: numbers, nulls and objects of them); -1 when it does not. Anything else fails to parse after."""
+    depth, at = 0, start
+    while True:
+        close = body.find(b"}", at)
+        if close < 0:
+            return -1
+        depth += body.count(b"{", at, close) - 1
+        at = close + 1
+        if depth <= 0:
+            return at
 
 
 _FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
