@@ -558,6 +558,18 @@ def rps_ratios(runs: Sequence[Run], ours: Target, theirs: Target, mode: str, con
     return ratios
 
 
+def cpu_ratios(runs: Sequence[Run], ours: Target, theirs: Target, mode: str, connections: int) -> list[float]:
+    """Ours over theirs in router CPU per request (cores over req/s), one per round that measured both: what the
+    rates cannot show when the backends and load generators, not the routers, fill the machine."""
+    ratios = []
+    for round_ in sorted({run.round for run in runs}):
+        a, b = find(runs, ours, mode, connections, round_), find(runs, theirs, mode, connections, round_)
+        if a is None or b is None or not (a.router_cpu and b.router_cpu and a.req_s > 0 and b.req_s > 0):
+            continue
+        ratios.append((a.router_cpu / a.req_s) / (b.router_cpu / b.req_s))
+    return ratios
+
+
 def _ratio_text(ratios: Sequence[float]) -> str:
     return f"{statistics.median(ratios):.2f}x (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
 
@@ -592,6 +604,10 @@ def ratio_lines(runs: Sequence[Run], args: argparse.Namespace) -> list[tuple[str
                 met = statistics.median(ratios) >= goals[mode]
                 line += f": goal >= {goals[mode]:g}x {'PASS' if met else 'FAIL'}"
             lines.append((line, met))
+            cpu = cpu_ratios(runs, ours, theirs, mode, args.connections)
+            if cpu:
+                text = f"{ours.label}/{theirs.label} router CPU per request = {_ratio_text(cpu)}  ({where})"
+                lines.append((text, None))
     return lines
 
 

@@ -161,3 +161,30 @@ def test_bench_overheads_loadgens_share_the_connections_with_every_url_reached_f
     assert len(overhead.load_commands(ctx, URLS[:1], "json", 1, 2.0)) == 1
     with pytest.raises(SystemExit):
         overhead.parse_args(["--loadgens", "0"])
+
+
+def test_bench_overhead_reports_router_cpu_per_request_beside_the_rates() -> None:
+    """On a machine the backends and load generators fill, the rates understate a leaner router: the report
+    also gives its CPU per request against the other's, round by round (a round missing either is skipped)."""
+    from benchmarks import overhead
+
+    ours, theirs = overhead.Target("dpserve", "least_loaded"), overhead.Target("vllm-router", "round_robin")
+
+    def run(target: overhead.Target, round_: int, req_s: float, router_cpu: float | None) -> overhead.Run:
+        return overhead.Run(
+            target, "sse", 32, 64, 100, req_s, 1.0, 2.0, 0, "wrk", 0.2, 0.2, router_cpu, 0.9, 0.5, round_
+        )
+
+    runs = [
+        run(ours, 0, 1000.0, 0.75),
+        run(theirs, 0, 700.0, 0.98),  # 0.75 ms against 1.4 ms a stream
+        run(ours, 1, 900.0, 0.9),
+        run(theirs, 1, 600.0, 0.9),  # 1.0 ms against 1.5 ms
+        run(ours, 2, 900.0, None),  # no CPU figure: no ratio
+        run(theirs, 2, 600.0, 0.9),
+    ]
+    ratios = overhead.cpu_ratios(runs, ours, theirs, "sse", 32)
+    assert ratios == pytest.approx([0.75 / 1.4, 1.0 / 1.5])
+    args = overhead.parse_args(["--targets", "dpserve,vllm-router", "--dpserve-policies", "least_loaded"])
+    lines = [line for line, _ in overhead.ratio_lines(runs, args)]
+    assert any("router CPU per request = 0.60x (rounds: 0.54, 0.67)" in line for line in lines), lines
