@@ -64,7 +64,7 @@ class PieceEncoder:
         self.encoded += 1
         whole = self.whole_only or self._splitter is None or (add_special_tokens and self._frame is None)
         if whole:
-            return array("I", self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+            return fast_ids(self._tokenizer, text, add_special_tokens)
         ids = self._by_pieces(text)
         if add_special_tokens:
             assert self._frame is not None
@@ -104,7 +104,7 @@ class PieceEncoder:
                 self.hits += 1
                 pieces.move_to_end(piece)
                 return found
-        found = array("I", self._tokenizer.encode(piece, add_special_tokens=False).ids)
+        found = fast_ids(self._tokenizer, piece, False)
         with self._lock:
             pieces[piece] = found
             if len(pieces) > self.max_pieces:
@@ -121,6 +121,12 @@ class PieceEncoder:
             "differed): the router encodes whole prompts from now on",
             len(text),
         )
+
+
+def fast_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> array[int]:
+    """`tokenizer.encode(text, ...)`'s ids without the character offsets it also works out (a quarter of a short
+    piece's encode, measured: 64 against 84 µs for a 16-word question); the checks above hold them to `encode`."""
+    return array("I", tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 def special_frame(tokenizer: Tokenizer) -> Callable[[array[int]], array[int]]:
