@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -548,26 +548,38 @@ def save_runs(runs: Sequence[Run], path: Path) -> None:
     write_csv(path, table_rows(runs), COLUMNS)
 
 
-def rps_ratios(runs: Sequence[Run], ours: Target, theirs: Target, mode: str, connections: int) -> list[float]:
-    """Ours over theirs in req/s, one ratio per round that measured both (same round: same conditions)."""
+Figure = Callable[[Run], float | None]
+"""A figure of one run, None where it has none."""
+
+
+def round_ratios(
+    runs: Sequence[Run], ours: Target, theirs: Target, mode: str, connections: int, figure: Figure
+) -> list[float]:
+    """Ours over theirs in `figure`, one ratio per round that measured both (same round: same conditions)."""
     ratios = []
     for round_ in sorted({run.round for run in runs}):
         a, b = find(runs, ours, mode, connections, round_), find(runs, theirs, mode, connections, round_)
-        if a is not None and b is not None and b.req_s > 0:
-            ratios.append(a.req_s / b.req_s)
+        if a is None or b is None:
+            continue
+        mine, other = figure(a), figure(b)
+        if mine is not None and other:
+            ratios.append(mine / other)
     return ratios
+
+
+def rps_ratios(runs: Sequence[Run], ours: Target, theirs: Target, mode: str, connections: int) -> list[float]:
+    return round_ratios(runs, ours, theirs, mode, connections, lambda run: run.req_s)
+
+
+def cpu_per_request(run: Run) -> float | None:
+    """The router's cores over its req/s; None without both."""
+    return run.router_cpu / run.req_s if run.router_cpu and run.req_s > 0 else None
 
 
 def cpu_ratios(runs: Sequence[Run], ours: Target, theirs: Target, mode: str, connections: int) -> list[float]:
-    """Ours over theirs in router CPU per request (cores over req/s), one per round that measured both: what the
-    rates cannot show when the backends and load generators, not the routers, fill the machine."""
-    ratios = []
-    for round_ in sorted({run.round for run in runs}):
-        a, b = find(runs, ours, mode, connections, round_), find(runs, theirs, mode, connections, round_)
-        if a is None or b is None or not (a.router_cpu and b.router_cpu and a.req_s > 0 and b.req_s > 0):
-            continue
-        ratios.append((a.router_cpu / a.req_s) / (b.router_cpu / b.req_s))
-    return ratios
+    """Router CPU per request, ours over theirs: what the rates cannot show when the backends and load
+    generators, not the routers, fill the machine."""
+    return round_ratios(runs, ours, theirs, mode, connections, cpu_per_request)
 
 
 def _ratio_text(ratios: Sequence[float]) -> str:
