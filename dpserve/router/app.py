@@ -160,7 +160,7 @@ class Router:
     def _indexes(self) -> None:
         """What the router knows of where prompts are cached: the KV events' index, what it routed in the
         last seconds, the routed text; and the session bindings."""
-        settings, needs, policy_needs, policy = self.settings, self.needs, self.policy.needs, self.policy.name
+        settings, needs, policy_needs = self.settings, self.needs, self.policy.needs
         self.kv_endpoints = kv_event_endpoints(settings, self.registry)
         # With peers, this router's own routes and session bindings are also kept for them.
         outbox = MAX_ROUTES if settings.peering else 0
@@ -178,7 +178,9 @@ class Router:
         elif self.kv_endpoints:
             # Ingesting a stream costs ~250 µs of router CPU a request (docs/benchmarks/cost.md); the link alone
             # still tells a dead replica within seconds.
-            log.info("policy %s reads no KV blocks: the --kv-events streams are watched for liveness only", policy)
+            log.info(
+                "policy %s reads no KV blocks: the --kv-events streams are watched for liveness only", self.policy.name
+            )
         text = Need.TEXT_PREFIX in policy_needs
         self.text_index = TextPrefixIndex(settings.prefix_index_max_chunks) if text else None
         self.local_tokenizer = local_tokenizer(settings)
