@@ -106,4 +106,6 @@ class GpuSampler:
                 self.on_sample()
             except Exception:  # sample_once catches NVML's errors; anything else must not end sampling
                 log.exception("GPU sampling failed")
-            await asyncio.sleep(self._interval_s)
+            # Without NVML nothing changes before it is opened again: no wake-up (and rebuild) each interval.
+            wait = self._retry_at - self._clock() if self._reader is None else 0.0
+            await asyncio.sleep(max(self._interval_s, wait))

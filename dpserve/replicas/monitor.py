@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-import aiohttp
 import orjson
-from yarl import URL
 
 from dpserve.background import cancel_and_wait
-from dpserve.replicas.access import KEY_REFUSED, tls_refusal
+from dpserve.replicas.access import KEY_REFUSED
 from dpserve.replicas.adapters import LORA_INFO, lora_info
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.prometheus_text import parse_samples
@@ -34,29 +31,53 @@ SLICES = 20
 """A probe cycle is cut into this many slices (fewer with fewer replicas): each replica is probed in its own."""
 CONFIRM_GAP_S = 0.1
 """Between the probes in a row that confirm a replica whose KV-event stream dropped."""
+QUIET_MODELS_EVERY = 10
+"""A quiet replica whose KV-event stream is connected has its /v1/models read every this many of its visits: a
+model loaded on it straight (not through the router) shows within minutes; a restart drops the stream."""
+
+
+class ReplicaReads(Protocol):
+    """How the monitor reads a replica: GET `path` of the replica at `base_url`, (status, body) once the whole
+    answer is in. ReadFailed when no answer came, in time or at all; Misconfigured when the replica refused
+    the router's TLS."""
+
+    async def get(self, base_url: str, path: str) -> tuple[int, bytes]: ...
+
+
+@dataclass(frozen=True)
+class Visit:
+    """What one visit reads of a replica besides /health."""
+
+    metrics: bool
+    models: bool | None = None
+    """Whether /v1/models is read; None: every `models_refresh_s` (a linked quiet replica has its own)."""
+
+
+FULL = Visit(metrics=True)
+HEALTH_ONLY = Visit(metrics=False)
 
 
 class ReplicaMonitor:
     """Probes every replica each `interval_s`: /health, then /metrics, and /v1/models when needed. Health and
-    load go to the registry, models and adapter slots to the catalog. `session` is the replicas' own
-    (`ReplicaAccess.client_session`: their key and TLS); a replica that refuses it is marked misconfigured,
-    and read again each probe (/v1/models, which vLLM's key guards, included) until it accepts it.
+    load go to the registry, models and adapter slots to the catalog. `reads` send the replicas' key and TLS;
+    a replica that refuses them is marked misconfigured, and read again each probe (/v1/models, which vLLM's
+    key guards, included) until it accepts them.
 
     The probes are spread over the interval (`SLICES` slices, each replica in one), not sent all at once.
     A quiet replica (`quiet`: healthy, nothing running or waiting at its last read, no request of this
     router's or its peers' on it, no KV event since that read) is read only every `quiet_interval_s`: its
     /metrics would say nothing new. While its KV-event stream is connected (`events_link`), its /health and
-    /metrics only every `linked_quiet_interval_s`: a replica that dies drops that connection and is probed at
-    once, `confirm_probes` times in a row (as many as ejecting takes), and work on it that stores a block, from
-    any client, shows as events. Anything that stirs it brings it back to every interval."""
+    /health alone every `linked_quiet_interval_s` (its /v1/models every QUIET_MODELS_EVERY of those visits): a
+    replica that dies drops that connection and is probed at once, `confirm_probes` times in a row (as many as
+    ejecting takes), and work on it that stores a block, from any client, shows as events, so its /metrics
+    would say nothing new. Anything that stirs it brings it back to every interval."""
 
     def __init__(
         self,
         registry: ReplicaRegistry,
         catalog: ModelCatalog,
-        session: aiohttp.ClientSession,
+        reads: ReplicaReads,
         interval_s: float,
-        timeout_s: float,
         models_refresh_s: float = 30.0,
         held: Callable[[], bool] = lambda: False,
         held_interval_s: float = 0.1,
@@ -72,9 +93,8 @@ class ReplicaMonitor:
         self._held = held
         self._held_interval_s = held_interval_s
         self._held_task: asyncio.Task[None] | None = None
-        self._session = session
+        self._reads = reads
         self._interval_s = interval_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._models_every = max(1, round(models_refresh_s / interval_s))
         self._quiet_every = max(1, round(quiet_interval_s / interval_s)) if interval_s > 0 else 1
         linked_every = round(linked_quiet_interval_s / interval_s) if interval_s > 0 else 1
@@ -163,7 +183,7 @@ class ReplicaMonitor:
     async def _rescrape(self, replica: Replica) -> None:
         try:
             await self._scrape(replica, scheduled=False)
-        except (aiohttp.ClientError, TimeoutError, ProbeFailed, ValueError) as exc:
+        except (ReadFailed, ProbeFailed, Misconfigured, ValueError) as exc:
             # Health is the scheduled probe's to judge; this read only refreshes the load.
             log.debug("reading /metrics of held-up replica %s failed: %s", replica.id, _describe(exc))
 
@@ -200,69 +220,67 @@ class ReplicaMonitor:
         if due:
             self._spawn(self._probe_some(due, cycle), "replica-probes")
 
-    def _due(self, replica: Replica, cycle: int) -> bool | None:
-        """What this cycle reads of the replica: None nothing, False /health alone, True /health and /metrics."""
+    def _due(self, replica: Replica, cycle: int) -> Visit | None:
+        """What this cycle reads of the replica (None: nothing)."""
         every = self._quiet_every
         if every <= 1 or not quiet(replica):
-            return True
-        if replica.events_linked:  # its events would show work, its stream's drop a death: both read seldom
+            return FULL
+        rid = replica.id
+        if replica.events_linked:  # its events would show work, its stream's drop a death: /health, seldom
             every = self._linked_quiet_every
-        scrape = cycle - self._scraped.get(replica.id, 0) >= every
-        if scrape or not replica.events_linked:
-            return scrape
-        return False if cycle - self._probed.get(replica.id, 0) >= every else None
+            if cycle - self._probed.get(rid, 0) < every:
+                return None
+            return Visit(False, models=cycle - self._models_read.get(rid, 0) >= every * QUIET_MODELS_EVERY)
+        return FULL if cycle - self._scraped.get(rid, 0) >= every else HEALTH_ONLY
 
-    async def _probe_some(self, due: list[tuple[Replica, bool]], cycle: int) -> None:
+    async def _probe_some(self, due: list[tuple[Replica, Visit]], cycle: int) -> None:
         ids = [replica.id for replica, _ in due]
         self._probing.update(ids)
         try:
-            await asyncio.gather(*(self._probe(replica, cycle, scrape) for replica, scrape in due))
+            await asyncio.gather(*(self._probe(replica, cycle, visit) for replica, visit in due))
         finally:
             self._probing.difference_update(ids)
 
-    async def _probe(self, replica: Replica, cycle: int, scrape: bool = True) -> None:
+    async def _probe(self, replica: Replica, cycle: int, visit: Visit = FULL) -> None:
         """`cycle` 0: outside the schedule (at start, a replica added or suspected): read in full."""
-        self._probed[replica.id] = cycle
+        rid = replica.id
+        self._probed[rid] = cycle
         self.stats.probes += 1
         try:
-            async with self._session.get(_url(replica.url, "/health"), timeout=self._timeout) as resp:
-                _check(resp, "/health")
+            _check(await self._reads.get(replica.url, "/health"), "/health")
             # A replica coming back may have been restarted with another model: re-read its models.
             stale = not replica.healthy or not replica.models or replica.misconfigured is not None
-            if stale or not cycle or cycle - self._models_read.get(replica.id, 0) >= self._models_every:
-                self._models_read[replica.id] = cycle
-                self._catalog.set_model_cards(replica.id, await self._model_cards(replica))
-            if scrape or stale:
-                self._scraped[replica.id] = cycle
+            models = visit.models
+            if models is None:
+                models = cycle - self._models_read.get(rid, 0) >= self._models_every
+            if stale or not cycle or models:
+                self._models_read[rid] = cycle
+                self._catalog.set_model_cards(rid, await self._model_cards(replica))
+            if visit.metrics or stale:
+                self._scraped[rid] = cycle
                 await self._scrape(replica)
         except EnginesFound as found:
             assert self._engines_found is not None
             await self._engines_found(replica, found.ranks)
             return
         except Misconfigured as exc:
-            self._registry.set_misconfigured(replica.id, exc.cause)
+            self._registry.set_misconfigured(rid, exc.cause)
             return
-        except (aiohttp.ClientError, TimeoutError, ProbeFailed, ValueError) as exc:
-            cause = tls_refusal(exc)
-            if cause is not None:
-                self._registry.set_misconfigured(replica.id, cause)
-                return
-            refused = isinstance(exc, aiohttp.ClientConnectorError)  # as the request path counts UpstreamConnectError
-            self._registry.probe_failed(replica.id, _describe(exc), refused)
+        except (ReadFailed, ProbeFailed, ValueError) as exc:
+            refused = isinstance(exc, ReadFailed) and exc.refused  # as the request path counts a refused connect
+            self._registry.probe_failed(rid, _describe(exc), refused)
             return
         except Exception as exc:
             # Whatever a replica answers, the probe loop must live on: it is what re-admits replicas.
-            log.exception("probing replica %s failed unexpectedly", replica.id)
-            self._registry.probe_failed(replica.id, _describe(exc))
+            log.exception("probing replica %s failed unexpectedly", rid)
+            self._registry.probe_failed(rid, _describe(exc))
             return
-        self._registry.set_misconfigured(replica.id, None)
-        self._registry.probe_succeeded(replica.id)
+        self._registry.set_misconfigured(rid, None)
+        self._registry.probe_succeeded(rid)
 
     async def _model_cards(self, replica: Replica) -> tuple[dict[str, Any], ...]:
         self.stats.models += 1
-        async with self._session.get(_url(replica.url, "/v1/models"), timeout=self._timeout) as resp:
-            _check(resp, "/v1/models")
-            payload = orjson.loads(await resp.read())
+        payload = orjson.loads(_check(await self._reads.get(replica.url, "/v1/models"), "/v1/models"))
         data = payload.get("data") if isinstance(payload, dict) else None
         cards = tuple(card for card in data or () if isinstance(card, dict) and card.get("id"))
         if not cards:
@@ -271,9 +289,7 @@ class ReplicaMonitor:
 
     async def _scrape(self, replica: Replica, scheduled: bool = True) -> None:
         self.stats.scrapes += 1
-        async with self._session.get(_url(replica.url, "/metrics"), timeout=self._timeout) as resp:
-            _check(resp, "/metrics")
-            text = await resp.text()
+        text = _check(await self._reads.get(replica.url, "/metrics"), "/metrics").decode()
         samples = parse_samples(text, SCRAPED_METRICS)
         if replica.rank is not None:
             samples = samples.of_engine(replica.rank)
@@ -326,12 +342,6 @@ class ProbeStats:
     skipped: int = 0
 
 
-@functools.lru_cache(maxsize=16384)
-def _url(base: str, path: str) -> URL:
-    """A replica's endpoint, parsed once (yarl's parse was a tenth of a probe's cost at 256 replicas)."""
-    return URL(base + path)
-
-
 def _full_of_others(replica: Replica) -> bool:
     """At its learned capacity only because of load that is not the routers': the routers' own requests
     alone leave room, so only a fresh read can tell when the rest ends."""
@@ -343,6 +353,14 @@ def _full_of_others(replica: Replica) -> bool:
 
 class ProbeFailed(Exception):
     pass
+
+
+class ReadFailed(Exception):
+    """No answer from the replica; `refused`: nothing listens where it should (a refused connection)."""
+
+    def __init__(self, cause: str, refused: bool = False) -> None:
+        super().__init__(cause)
+        self.refused = refused
 
 
 class EnginesFound(ProbeFailed):
@@ -362,11 +380,14 @@ class Misconfigured(Exception):
         self.cause = cause
 
 
-def _check(resp: aiohttp.ClientResponse, path: str) -> None:
-    if resp.status == 401:
+def _check(answer: tuple[int, bytes], path: str) -> bytes:
+    """The body of a 200 answer to `path`."""
+    status, body = answer
+    if status == 401:
         raise Misconfigured(KEY_REFUSED)
-    if resp.status != 200:
-        raise ProbeFailed(f"{path} answered {resp.status}")
+    if status != 200:
+        raise ProbeFailed(f"{path} answered {status}")
+    return body
 
 
 def _describe(exc: BaseException) -> str:

@@ -37,6 +37,7 @@ from dpserve.router.flow.usage import UsageCollector
 from dpserve.router.http.endpoints import PROXIED_ENDPOINTS
 from dpserve.router.http.error_handlers import install_error_handlers
 from dpserve.router.http.proxied_paths import HotPath, RouterApp
+from dpserve.router.http.replica_reads import PooledReads
 from dpserve.router.http.stored_responses import ResponseOwners
 from dpserve.router.http.upstream_client import UpstreamPool
 from dpserve.router.observe.metrics import RouterMetrics, RoutingStateCollector
@@ -234,12 +235,13 @@ class Router:
                 upstream_deadlines(settings), max_response_bytes=settings.max_response_bytes, access=self.access
             )
             stack.callback(hot.close)
+            reads = PooledReads(self.access, self.settings.probe_timeout_s)
+            stack.callback(reads.close)
             monitor = ReplicaMonitor(
                 self.registry,
                 self.catalog,
-                replicas,
+                reads,
                 self.settings.probe_interval_s,
-                self.settings.probe_timeout_s,
                 held=lambda: self.admission.depth > 0,
                 held_interval_s=self.settings.held_probe_interval_s,
                 quiet_interval_s=self.settings.quiet_probe_interval_s,

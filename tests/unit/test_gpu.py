@@ -194,6 +194,25 @@ async def test_sampling_runs_off_the_event_loop() -> None:
     assert nvml.shutdowns == 1
 
 
+async def test_without_nvml_the_sampler_wakes_only_to_open_it_again() -> None:
+    """No GPU on the host: nothing to read until NVML is opened again (every `reopen_after_s`), so no wake-up
+    and no rebuild of the router's GPU view every interval (at 1024 replicas a rebuild walks them all)."""
+    opened, rebuilt = [0], [0]
+
+    def no_nvml() -> FakeNvml:
+        opened[0] += 1
+        raise NvmlUnavailable("no NVIDIA GPU found: NVML Shared Library Not Found")
+
+    sampler = GpuSampler(no_nvml, 0.01, reopen_after_s=0.5)
+    sampler.on_sample = lambda: rebuilt.__setitem__(0, rebuilt[0] + 1)
+    sampler.start()
+    await asyncio.sleep(0.3)
+    assert opened == [1] and rebuilt == [1], (opened, rebuilt)  # every interval: about 30 of each
+    await until(lambda: opened[0] == 2, timeout_s=2.0)
+    await sampler.stop()
+    assert sampler.snapshot.unavailable.startswith("no NVIDIA GPU found")
+
+
 async def test_sampler_task_survives_gpu_loss_and_driver_failure() -> None:
     nvml = two_gpus()
     sampler = GpuSampler(lambda: nvml, 0.01, reopen_after_s=0.02)

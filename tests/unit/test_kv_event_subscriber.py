@@ -16,6 +16,7 @@ from dpserve.replicas.kv_events import (
     SequenceCheck,
     SequenceTracker,
     parse_kv_event_source,
+    subscriber_socket,
 )
 from dpserve.sim.cache import BlockStored
 from dpserve.sim.kv_publisher import KvEventPublisher, encode_batch
@@ -153,3 +154,22 @@ async def test_a_subscriber_without_an_index_watches_the_link_and_is_sent_no_bat
         await indexing.stop()
         publisher.close()
         context.destroy(linger=0)
+
+
+def test_a_streams_liveness_is_kept_by_tcp_keepalives_not_zmtp_heartbeats() -> None:
+    """A silent host (no FIN, no RST) shows as a dropped stream within about 4 s, through keepalives the
+    kernel sends; ZMTP heartbeats would cost libzmq a scan of every stream's timers per beat (6% of a core
+    idle at 1024 streams, docs/benchmarks/scale.md)."""
+    context = zmq.asyncio.Context()
+    for subscribe in (True, False):
+        socket = subscriber_socket(context, subscribe)
+        try:
+            assert socket.getsockopt(zmq.TCP_KEEPALIVE) == 1
+            found_within = socket.getsockopt(zmq.TCP_KEEPALIVE_IDLE) + socket.getsockopt(
+                zmq.TCP_KEEPALIVE_INTVL
+            ) * socket.getsockopt(zmq.TCP_KEEPALIVE_CNT)
+            assert 0 < found_within <= 5
+            assert socket.getsockopt(zmq.HEARTBEAT_IVL) == 0
+        finally:
+            socket.close(linger=0)
+    context.term()

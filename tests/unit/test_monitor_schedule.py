@@ -7,50 +7,31 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
 
-import aiohttp
 import orjson
 
 from dpserve.replicas.catalog import ModelCatalog
-from dpserve.replicas.monitor import ReplicaMonitor, quiet
+from dpserve.replicas.monitor import QUIET_MODELS_EVERY, ReadFailed, ReplicaMonitor, quiet
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 
 METRICS = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
 
 
-class Answer:
-    def __init__(self, status: int, body: bytes) -> None:
-        self.status = status
-        self._body = body
-
-    async def read(self) -> bytes:
-        return self._body
-
-    async def text(self) -> str:
-        return self._body.decode()
-
-
 class ScriptedReplicas:
-    """`get(url)` as aiohttp's session: counts each path read; `down` replicas' reads fail."""
+    """`ReplicaReads` that counts each path read (health, metrics, models); `down` replicas' reads fail."""
 
     def __init__(self) -> None:
         self.reads: Counter[tuple[str, str]] = Counter()
         self.down: set[str] = set()
 
-    @asynccontextmanager
-    async def get(self, url: Any, **options: Any) -> AsyncIterator[Answer]:
-        text = str(url)
-        base, path = text.rsplit("/", 1) if not text.endswith("/v1/models") else (text[: -len("/v1/models")], "models")
-        self.reads[(base, path)] += 1
-        if base in self.down:
-            raise aiohttp.ServerDisconnectedError()
-        if path == "models":
-            yield Answer(200, orjson.dumps({"data": [{"id": "m"}]}))
-        else:
-            yield Answer(200, METRICS.encode() if path == "metrics" else b"")
+    async def get(self, base_url: str, path: str) -> tuple[int, bytes]:
+        name = "models" if path == "/v1/models" else path.lstrip("/")
+        self.reads[(base_url, name)] += 1
+        if base_url in self.down:
+            raise ReadFailed("connection refused", refused=True)
+        if name == "models":
+            return 200, orjson.dumps({"data": [{"id": "m"}]})
+        return 200, METRICS.encode() if name == "metrics" else b""
 
 
 def fleet(
@@ -58,10 +39,9 @@ def fleet(
 ) -> tuple[ReplicaRegistry, ScriptedReplicas, ReplicaMonitor]:
     registry = ReplicaRegistry([f"http://10.0.0.{i}:8000" for i in range(count)])
     replicas = ScriptedReplicas()
-    session: Any = replicas
     catalog = ModelCatalog(registry)
     monitor = ReplicaMonitor(
-        registry, catalog, session, interval_s, 1.0, quiet_interval_s=quiet_s, linked_quiet_interval_s=linked_quiet_s
+        registry, catalog, replicas, interval_s, quiet_interval_s=quiet_s, linked_quiet_interval_s=linked_quiet_s
     )
     return registry, replicas, monitor
 
@@ -101,8 +81,8 @@ async def test_quiet_replicas_are_read_every_quiet_interval_and_busy_ones_every_
     assert replicas.reads[(busy.url, "health")] == 10 and replicas.reads[(busy.url, "metrics")] == 10
     # No KV-event stream to say it died: its /health every cycle, its /metrics every 5th.
     assert replicas.reads[(unlinked.url, "health")] == 10 and replicas.reads[(unlinked.url, "metrics")] == 2
-    # Its stream would tell: both every 5th cycle.
-    assert replicas.reads[(linked.url, "health")] == 2 and replicas.reads[(linked.url, "metrics")] == 2
+    # Its stream would tell of a death, its events of work: /health alone every 5th cycle.
+    assert replicas.reads[(linked.url, "health")] == 2 and replicas.reads[(linked.url, "metrics")] == 0
     assert monitor.stats.skipped == 8
 
 
@@ -115,7 +95,7 @@ async def test_a_quiet_replica_with_its_kv_events_connected_is_read_every_linked
     for cycle in range(1, 21):
         monitor._visit(list(registry), cycle)
         await settle(monitor)
-    assert replicas.reads[(linked.url, "health")] == 2 and replicas.reads[(linked.url, "metrics")] == 2
+    assert replicas.reads[(linked.url, "health")] == 2 and replicas.reads[(linked.url, "metrics")] == 0
     assert replicas.reads[(unlinked.url, "health")] == 20 and replicas.reads[(unlinked.url, "metrics")] == 4
     linked.events_linked = False  # its stream dropped: back to the quiet interval, /health every cycle
     replicas.reads.clear()
@@ -123,6 +103,22 @@ async def test_a_quiet_replica_with_its_kv_events_connected_is_read_every_linked
         monitor._visit(list(registry), cycle)
         await settle(monitor)
     assert replicas.reads[(linked.url, "health")] == 10 and replicas.reads[(linked.url, "metrics")] == 2
+
+
+async def test_a_linked_quiet_replica_has_its_models_read_on_a_longer_schedule() -> None:
+    registry, replicas, monitor = fleet(2, quiet_s=5.0, linked_quiet_s=10.0)  # models every 30 cycles
+    await monitor.probe_all()
+    linked, busy = list(registry)
+    linked.events_linked = True
+    busy.in_flight = 1
+    replicas.reads.clear()
+    cycles = 10 * QUIET_MODELS_EVERY
+    for cycle in range(1, cycles + 1):
+        monitor._visit(list(registry), cycle)
+        await settle(monitor)
+    assert replicas.reads[(linked.url, "health")] == QUIET_MODELS_EVERY
+    assert replicas.reads[(linked.url, "models")] == 1  # its 10th visit
+    assert replicas.reads[(busy.url, "models")] == cycles // 30
 
 
 async def test_anything_that_stirs_a_quiet_replica_brings_it_back_to_every_cycle() -> None:
