@@ -65,6 +65,40 @@ async def test_kv_matches_are_read_at_decision_time() -> None:
     assert policy.choose(later, candidates).id == "r1"
 
 
+class AskedWhere(WordIds):
+    """Records which replica each prompt's tokens were asked of (`source`: remote, or local)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.asked: list[str] = []
+
+    async def tokens(self, endpoint: str, payload: dict[str, Any], model: str, replica_url: str) -> TokenIds | None:
+        self.asked.append(replica_url)
+        return await super().tokens(endpoint, payload, model, replica_url)
+
+
+async def test_remote_tokens_come_from_the_least_busy_replica_that_is_not_backing_off() -> None:
+    registry, catalog = fleet()
+    policy = make_policy("kv_aware")
+    body = {"prompt": "a bb ccc"}
+    remote = AskedWhere("remote")
+    builder = FeatureBuilder(
+        policy.needs, registry, catalog, RouterMetrics(registry, policy.name), KvIndex(), tokens=TokenCache(remote)
+    )
+    registry.get("r0").in_flight = 3
+    await builder.build(COMPLETIONS, "m", False, body, {})
+    registry.get("r0").in_flight, registry.get("r1").in_flight = 0, 1
+    registry.get("r0").health.backoff_until = float("inf")  # a 429/503 from it: asked only if none other is left
+    await builder.build(COMPLETIONS, "m", False, {"prompt": "dd ee"}, {})
+    assert remote.asked == ["http://b", "http://b"]
+    local = AskedWhere("local")  # the router's own tokenizer: the URL is not read, whichever it is
+    builder = FeatureBuilder(
+        policy.needs, registry, catalog, RouterMetrics(registry, policy.name), KvIndex(), tokens=TokenCache(local)
+    )
+    features = await builder.build(COMPLETIONS, "m", False, body, {})
+    assert features.prefix is not None and features.prefix.total_blocks == 1 and len(local.asked) == 1
+
+
 async def test_text_prefix_and_session_features() -> None:
     registry, catalog = fleet()
     policy = make_policy("prefix")

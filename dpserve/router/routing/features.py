@@ -14,10 +14,10 @@ from typing import Any
 from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.prefix_keys import PrefixKeys
 from dpserve.kvindex.text_prefix import ChunkTokens, TextPrefixIndex, text_keys
-from dpserve.policies.base import Need, PrefixMatch, PrefixSource, ReplicaView, RequestFeatures
+from dpserve.policies.base import Need, PrefixMatch, PrefixSource, RequestFeatures
 from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.catalog import ModelCatalog
-from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.http.endpoints import Endpoint, Prompt
 from dpserve.router.observe.metrics import RouterMetrics
 from dpserve.router.observe.prompt_tokens import TokenCache, prompt_text
@@ -90,17 +90,19 @@ class FeatureBuilder:
     ) -> PrefixMatch | None:
         if self._kv_index is None or self._tokens is None:
             return None
-        candidates = self._catalog.candidates(model)
-        if not candidates:
+        serving = self._catalog.routable(model)
+        if not serving:
             return None
-        block_size = self._block_size(candidates)
+        block_size = self._block_size(serving)
         if block_size is None:
             return None  # no replica has reported its block size yet: route on load
         started = time.perf_counter()
-        # Tokenize on the least busy replica when the tokens come from a replica.
-        url = self._registry.get(min(candidates, key=lambda c: c.in_flight).id).url
         # An adapter tokenizes as its base model does, and that replica may not hold the adapter.
         base = (self._catalog.adapter_parent(adapter) or model) if adapter is not None else model
+        url = serving[0].url  # not read by a local tokenizer: no walk over the fleet for it
+        if self._tokens.tokenizer.source(base) == "remote":  # tokens from a replica: the least busy one
+            candidates = self._catalog.candidates(model) or serving
+            url = self._registry.get(min(candidates, key=lambda c: c.in_flight).id).url
         tokens = await self._tokens.tokens(endpoint, payload, base, url)
         elapsed = time.perf_counter() - started
         self._metrics.tokenize_seconds.observe((self._tokens.tokenizer.source(base),), elapsed)
@@ -122,10 +124,11 @@ class FeatureBuilder:
         per_chunk = self._chunk_tokens.per_chunk(model)
         return PrefixMatch(PrefixSource.ROUTED_TEXT, len(keys), per_chunk, keys=tuple(keys))
 
-    def _block_size(self, candidates: Sequence[ReplicaView]) -> int | None:
+    def _block_size(self, serving: Sequence[Replica]) -> int | None:
+        """The first that is known (the first replica's, but before its first read)."""
         assert self._kv_index is not None
-        for candidate in candidates:
-            size = self._registry.get(candidate.id).block_size or self._kv_index.block_size(candidate.id)
+        for replica in serving:
+            size = replica.block_size or self._kv_index.block_size(replica.id)
             if size:
                 return size
         return None
