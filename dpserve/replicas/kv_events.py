@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from dpserve.background import cancel_and_wait
+from dpserve.background import CpuMeter, cancel_and_wait
 from dpserve.kvindex.events import EventDecodeError, decode_message
 from dpserve.kvindex.index import KvIndex
 
@@ -158,7 +158,9 @@ class KvEventSubscriber:
         context: zmq.asyncio.Context,
         clock: Callable[[], float],
         watcher: EventWatcher | None = None,
+        cpu: CpuMeter | None = None,
     ) -> None:
+        """`cpu`: what reading and applying the events costs (all the router's subscribers share one)."""
         self.replica_id = replica_id
         self.linked = False
         self.endpoint = endpoint
@@ -168,6 +170,7 @@ class KvEventSubscriber:
         self._clock = clock
         self._tracker = SequenceTracker()
         self._watcher = watcher
+        self._cpu = cpu or CpuMeter()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -224,7 +227,7 @@ class KvEventSubscriber:
         plain: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
         descriptor = int(plain.getsockopt(zmq.FD))
         loop = asyncio.get_running_loop()
-        loop.add_reader(descriptor, self._drain, plain)
+        loop.add_reader(descriptor, self._drain_metered, plain)
         try:
             self._drain(plain)  # what came before the reader was added
             await loop.create_future()  # until cancelled
@@ -235,6 +238,10 @@ class KvEventSubscriber:
                 socket.disable_monitor()
                 links.close(linger=0)
             socket.close(linger=0)
+
+    def _drain_metered(self, plain: zmq.Socket[bytes]) -> None:
+        with self._cpu.measuring():
+            self._drain(plain)
 
     def _drain(self, plain: zmq.Socket[bytes]) -> None:
         """Every message waiting. The descriptor signals edges only: reading until none is left (EVENTS says

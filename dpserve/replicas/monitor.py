@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from dpserve.background import cancel_and_wait
+from dpserve.background import CpuMeter, cancel_and_wait
 from dpserve.replicas.access import KEY_REFUSED
 from dpserve.replicas.adapters import LORA_INFO, lora_info
 from dpserve.replicas.catalog import ModelCatalog
@@ -84,6 +84,8 @@ class ReplicaMonitor:
         quiet_interval_s: float = 0.0,
         confirm_probes: int = 2,
         linked_quiet_interval_s: float = 0.0,
+        probes_cpu: CpuMeter | None = None,
+        scrapes_cpu: CpuMeter | None = None,
     ) -> None:
         """`held`: whether the router holds requests now; while it does, replicas full only because of load
         that is not the routers' are read again every `held_interval_s` (`_watch_held`). `quiet_interval_s`
@@ -109,6 +111,9 @@ class ReplicaMonitor:
         self._task: asyncio.Task[None] | None = None
         self._engines_found: Callable[[Replica, list[int]], Awaitable[None]] | None = None
         self.stats = ProbeStats()
+        self.probes_cpu = probes_cpu or CpuMeter()
+        """The schedule and the visits, but for their reads of /metrics: those are `scrapes_cpu`'s."""
+        self.scrapes_cpu = scrapes_cpu or CpuMeter()
 
     def on_engines(self, handler: Callable[[Replica, list[int]], Awaitable[None]]) -> None:
         """`handler(replica, ranks)`: the replica's metrics name several engines: it is a vLLM
@@ -117,11 +122,14 @@ class ReplicaMonitor:
 
     async def probe_all(self) -> None:
         """Every replica at once, in full (before serving: the fleet routable from the first request)."""
-        await asyncio.gather(*(self._probe(replica, 0) for replica in self._registry))
+        await self._probe_each(list(self._registry))
 
     async def probe_now(self, replica: Replica) -> None:
         """One probe outside the schedule: a replica added at run time is routable at once if up."""
-        await self._probe(replica, 0)
+        await self.probes_cpu.run(self._probe(replica, 0))
+
+    async def _probe_each(self, replicas: list[Replica]) -> None:
+        await asyncio.gather(*(self.probes_cpu.run(self._probe(replica, 0)) for replica in replicas))
 
     def events_seen(self, replica_id: str) -> None:
         """A KV-event batch came from the replica: it is not quiet until read again."""
@@ -151,9 +159,10 @@ class ReplicaMonitor:
                 return  # it answered: the stream only reconnects
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="replica-monitor")
+        self._task = asyncio.create_task(self.probes_cpu.run(self._run()), name="replica-monitor")
         if self._held_interval_s > 0:
-            self._held_task = asyncio.create_task(self._watch_held(), name="replica-monitor-held")
+            watch = self.scrapes_cpu.run(self._watch_held())
+            self._held_task = asyncio.create_task(watch, name="replica-monitor-held")
 
     async def stop(self) -> None:
         await cancel_and_wait(self._held_task)
@@ -162,7 +171,7 @@ class ReplicaMonitor:
             await cancel_and_wait(task)
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(work, name=name)
+        task = asyncio.create_task(self.probes_cpu.run(work), name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -178,7 +187,7 @@ class ReplicaMonitor:
                 continue
             busy = [replica for replica in self._registry if replica.routable and _full_of_others(replica)]
             if busy:
-                await asyncio.gather(*(self._rescrape(replica) for replica in busy))
+                await asyncio.gather(*(self.scrapes_cpu.run(self._rescrape(replica)) for replica in busy))
 
     async def _rescrape(self, replica: Replica) -> None:
         try:
@@ -237,7 +246,8 @@ class ReplicaMonitor:
         ids = [replica.id for replica, _ in due]
         self._probing.update(ids)
         try:
-            await asyncio.gather(*(self._probe(replica, cycle, visit) for replica, visit in due))
+            meter = self.probes_cpu
+            await asyncio.gather(*(meter.run(self._probe(replica, cycle, visit)) for replica, visit in due))
         finally:
             self._probing.difference_update(ids)
 
@@ -258,7 +268,7 @@ class ReplicaMonitor:
                 self._catalog.set_model_cards(rid, await self._model_cards(replica))
             if visit.metrics or stale:
                 self._scraped[rid] = cycle
-                await self._scrape(replica)
+                await self.scrapes_cpu.run(self._scrape(replica))
         except EnginesFound as found:
             assert self._engines_found is not None
             await self._engines_found(replica, found.ranks)

@@ -40,6 +40,7 @@ from dpserve.router.http.proxied_paths import HotPath, RouterApp
 from dpserve.router.http.replica_reads import PooledReads
 from dpserve.router.http.stored_responses import ResponseOwners
 from dpserve.router.http.upstream_client import UpstreamPool
+from dpserve.router.observe.control_cpu import ControlCpu, ControlCpuCollector
 from dpserve.router.observe.metrics import RouterMetrics, RoutingStateCollector
 from dpserve.router.observe.model_tokenizers import ModelTokenizers
 from dpserve.router.observe.prompt_tokens import PromptTokenizer, RemoteTokenizer, TokenCache
@@ -124,6 +125,7 @@ class Router:
         self._peers()
         self.open_streams = OpenStreams()
         self.shutdown = Shutdown(self.open_streams, on_drain=(self.peers.drain,) if self.peers.enabled else ())
+        self.control_cpu = ControlCpu(peers=self.peers.cpu)
         self.state = RouterState(
             registry=registry,
             catalog=self.catalog,
@@ -140,6 +142,7 @@ class Router:
             receipts=self.receipts,
             shadows=self.shadows,
             siblings=settings.peer_siblings,
+            control_cpu=self.control_cpu,
         )
         self._collectors()
         self.hot_path = HotPath()
@@ -207,6 +210,7 @@ class Router:
         registry = self.metrics.registry
         registry.register(UsageCollector(self.flow.usage))
         registry.register(ReceiptCollector(self.receipts))
+        registry.register(ControlCpuCollector(self.control_cpu))
         if self.shadows is not None:
             registry.register(ShadowCollector(self.shadows))
         if self.gpus.enabled:
@@ -247,6 +251,8 @@ class Router:
                 quiet_interval_s=self.settings.quiet_probe_interval_s,
                 confirm_probes=self.settings.fail_threshold,
                 linked_quiet_interval_s=self.settings.linked_quiet_probe_interval_s,
+                probes_cpu=self.control_cpu.probes,
+                scrapes_cpu=self.control_cpu.scrapes,
             )
             tokens = self._token_cache(replicas)
             relaying = self._relaying(hot, replicas, tokens)
@@ -308,8 +314,9 @@ class Router:
         zmq_context = events_context(max(len(self.registry), len(self.kv_endpoints)))
         stack.callback(zmq_context.destroy, linger=0)
         subscribers = self.state.subscribers
+        cpu = self.control_cpu.kv_events
         subscribers.extend(
-            KvEventSubscriber(self.kv_index, rid, endpoint, zmq_context, time.monotonic, monitor)
+            KvEventSubscriber(self.kv_index, rid, endpoint, zmq_context, time.monotonic, monitor, cpu)
             for rid, endpoint in self.kv_endpoints.items()
         )
         self.metrics.registry.register(RoutingStateCollector(self.kv_index, subscribers, self.text_index, tokens))
@@ -321,7 +328,7 @@ class Router:
         stack.push_async_callback(stop_subscribers)
         for subscriber in subscribers:
             subscriber.start()
-        return FleetControl(self.registry, monitor, subscribers, self.kv_index, zmq_context, replicas)
+        return FleetControl(self.registry, monitor, subscribers, self.kv_index, zmq_context, replicas, cpu)
 
     async def _watch(
         self,

@@ -24,6 +24,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 
+from dpserve.background import CpuMeter
 from dpserve.kvindex.index import KvIndex
 from dpserve.replicas.kv_events import KvEventSubscriber, engine_endpoint, parse_kv_event_source
 from dpserve.replicas.monitor import ReplicaMonitor
@@ -50,8 +51,10 @@ class FleetControl:
         kv_index: KvIndex | None,
         zmq_context: zmq.asyncio.Context,
         session: aiohttp.ClientSession,
+        kv_events_cpu: CpuMeter | None = None,
     ) -> None:
         self.session = session
+        self.kv_events_cpu = kv_events_cpu
         self.registry = registry
         self.monitor = monitor
         self.subscribers = subscribers
@@ -81,7 +84,7 @@ class FleetControl:
     def _subscribe(self, replica: Replica, endpoint: str) -> None:
         assert self.kv_index is not None
         subscriber = KvEventSubscriber(
-            self.kv_index, replica.id, endpoint, self.zmq_context, time.monotonic, self.monitor
+            self.kv_index, replica.id, endpoint, self.zmq_context, time.monotonic, self.monitor, self.kv_events_cpu
         )
         self.subscribers.append(subscriber)
         subscriber.start()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -24,6 +25,7 @@ from dpserve.router.control.worker_status import WorkerStatus
 from dpserve.router.fleet.gpus import GpuFleet
 from dpserve.router.flow.gate import Flow
 from dpserve.router.http.errors import OpenAIError
+from dpserve.router.observe.control_cpu import ControlCpu
 from dpserve.router.observe.metrics import RouterMetrics
 from dpserve.router.observe.worker_metrics import WorkerMetrics
 from dpserve.router.peers.links import PeerLinks
@@ -56,6 +58,7 @@ class RouterState:
     shadows: ShadowScorer | None
     siblings: tuple[str, ...] = ()
     """With `--workers`: the other workers' private URLs (one scrape, one /status answers for all of them)."""
+    control_cpu: ControlCpu = field(default_factory=ControlCpu)
 
 
 def add_status_routes(app: FastAPI, state: RouterState) -> None:
@@ -119,8 +122,9 @@ def _status(state: RouterState) -> dict[str, Any]:
     gpus = state.gpus.status()
     combined = state.gpus.replica_gpus()
     replicas = []
+    streams = {subscriber.replica_id: subscriber for subscriber in state.subscribers}
     for replica in state.registry:
-        entry = replica_status(replica, state)
+        entry = replica_status(replica, state, streams)
         entry["gpus"] = [gpu for gpu in gpus["devices"] if gpu["replica"] == replica.id]
         # Its GPUs as one (a tensor-parallel replica has several): utilization the busiest, memory summed.
         entry["gpu"] = combined[replica.id].to_dict() if replica.id in combined else None
@@ -135,14 +139,21 @@ def _status(state: RouterState) -> dict[str, Any]:
         **({"peers": state.peers.status()} if state.peers.enabled else {}),
         "flow": state.flow.status(),
         "routing_quality": state.receipts.summary(),
+        # CPU seconds since start by background part, and the whole process's (`dpserve bench scale` splits).
+        "control_plane_cpu_s": {part: round(s, 3) for part, s in state.control_cpu.seconds().items()},
         **({"shadows": state.shadows.status()} if state.shadows is not None else {}),
     }
 
 
-def replica_status(replica: Replica, state: RouterState) -> dict[str, Any]:
+def replica_status(
+    replica: Replica, state: RouterState, streams: Mapping[str, KvEventSubscriber] | None = None
+) -> dict[str, Any]:
+    """`streams`: the subscribers by replica, when every replica is asked for (else each looks its own up)."""
     hit_rate = replica.prefix_cache_hits / replica.prefix_cache_queries if replica.prefix_cache_queries else None
     kv_events = None
-    subscriber = next((s for s in state.subscribers if s.replica_id == replica.id), None)
+    if streams is None:
+        streams = {s.replica_id: s for s in state.subscribers if s.replica_id == replica.id}
+    subscriber = streams.get(replica.id)
     if subscriber is not None and state.kv_index is not None:
         stats = subscriber.stats
         kv_events = {

@@ -62,6 +62,10 @@ def combine(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict
         merged["routing_quality"] = _receipts(
             own["routing_quality"], [other["routing_quality"] for other in others if "routing_quality" in other]
         )
+    if "control_plane_cpu_s" in own:  # each worker's own CPU: the router's is their sum
+        merged["control_plane_cpu_s"] = _add_maps(
+            [own["control_plane_cpu_s"], *(other.get("control_plane_cpu_s", {}) for other in others)]
+        )
     if "shadows" in own:
         merged["shadows"] = _shadows(own["shadows"], [other["shadows"] for other in others if "shadows" in other])
     return merged

@@ -31,7 +31,7 @@ import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dpserve.background import cancel_and_wait
+from dpserve.background import CpuMeter, cancel_and_wait
 from dpserve.replicas.discovery import DiscoveryError, DiscoverySource, DnsResolver
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import ReplicaRegistry
@@ -148,6 +148,8 @@ class PeerLinks:
         self.warm_start: dict[str, Any] | None = None
         self.frames_sent = 0
         self.followers_cut = 0
+        self.cpu = CpuMeter()
+        """Publishing this router's updates, following the peers' (the streams served to them are requests)."""
 
     @property
     def enabled(self) -> bool:
@@ -206,11 +208,11 @@ class PeerLinks:
 
     def start(self) -> None:
         self._started = True
-        self._tasks.append(asyncio.create_task(self._publish(), name="peer-updates"))
+        self._tasks.append(asyncio.create_task(self.cpu.run(self._publish()), name="peer-updates"))
         for link in self._links.values():
             self._start_link(link)
         if self._sources and self._resolver is not None:
-            self._tasks.append(asyncio.create_task(self._discover(), name="peer-discovery"))
+            self._tasks.append(asyncio.create_task(self.cpu.run(self._discover()), name="peer-discovery"))
 
     async def stop(self) -> None:
         """Says goodbye to followers (they forget this router at once), then stops following."""
@@ -267,7 +269,7 @@ class PeerLinks:
     # -- following peers -----------------------------------------------------------------------------
 
     def _start_link(self, link: Link) -> None:
-        link.task = asyncio.create_task(self._follow(link), name=f"peer-{link.url}")
+        link.task = asyncio.create_task(self.cpu.run(self._follow(link)), name=f"peer-{link.url}")
 
     async def _follow(self, link: Link) -> None:
         delay = RETRY_MIN_S
