@@ -363,9 +363,10 @@ class RouterSettings:
     )
     linked_quiet_probe_interval_s: float = setting(
         30.0,
-        "seconds between reads of a quiet replica whose KV-event stream is connected: its events show any work "
-        "that stores a KV block, from this router or not, and bring it back to every --probe-interval; one that "
-        "dies drops the stream and is probed at once. Below --quiet-probe-interval: that interval",
+        "seconds between reads of /health (only) of a quiet replica whose KV-event stream is connected: its events "
+        "show any work that stores a KV block, from this router or not, and bring it back to every "
+        "--probe-interval; one that dies drops the stream and is probed at once. Below --quiet-probe-interval: "
+        "that interval",
         HEALTH,
     )
     held_probe_interval_s: float = setting(
