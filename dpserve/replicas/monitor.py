@@ -66,8 +66,8 @@ class ReplicaMonitor:
     The probes are spread over the interval (`SLICES` slices, each replica in one), not sent all at once.
     A quiet replica (`quiet`: healthy, nothing running or waiting at its last read, no request of this
     router's or its peers' on it, no KV event since that read) is read only every `quiet_interval_s`: its
-    /metrics would say nothing new. While its KV-event stream is connected (`events_link`), its /health and
-    /health alone every `linked_quiet_interval_s` (its /v1/models every QUIET_MODELS_EVERY of those visits): a
+    /metrics would say nothing new. While its KV-event stream is connected (`events_link`), it is read less
+    still: its /health alone every `linked_quiet_interval_s` (/v1/models every QUIET_MODELS_EVERY visits): a
     replica that dies drops that connection and is probed at once, `confirm_probes` times in a row (as many as
     ejecting takes), and work on it that stores a block, from any client, shows as events, so its /metrics
     would say nothing new. Anything that stirs it brings it back to every interval."""
@@ -122,14 +122,11 @@ class ReplicaMonitor:
 
     async def probe_all(self) -> None:
         """Every replica at once, in full (before serving: the fleet routable from the first request)."""
-        await self._probe_each(list(self._registry))
+        await asyncio.gather(*(self.probes_cpu.run(self._probe(replica, 0)) for replica in self._registry))
 
     async def probe_now(self, replica: Replica) -> None:
         """One probe outside the schedule: a replica added at run time is routable at once if up."""
         await self.probes_cpu.run(self._probe(replica, 0))
-
-    async def _probe_each(self, replicas: list[Replica]) -> None:
-        await asyncio.gather(*(self.probes_cpu.run(self._probe(replica, 0)) for replica in replicas))
 
     def events_seen(self, replica_id: str) -> None:
         """A KV-event batch came from the replica: it is not quiet until read again."""
