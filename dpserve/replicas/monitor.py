@@ -38,7 +38,7 @@ model loaded on it straight (not through the router) shows within minutes; a res
 
 class ReplicaReads(Protocol):
     """How the monitor reads a replica: GET `path` of the replica at `base_url`, (status, body) once the whole
-    answer is in. ReadFailed when no answer came, in time or at all; Misconfigured when the replica refused
+    answer is in. ProbeFailed when no answer came, in time or at all; Misconfigured when the replica refused
     the router's TLS."""
 
     async def get(self, base_url: str, path: str) -> tuple[int, bytes]: ...
@@ -189,7 +189,7 @@ class ReplicaMonitor:
     async def _rescrape(self, replica: Replica) -> None:
         try:
             await self._scrape(replica, scheduled=False)
-        except (ReadFailed, ProbeFailed, Misconfigured, ValueError) as exc:
+        except (ProbeFailed, Misconfigured, ValueError) as exc:
             # Health is the scheduled probe's to judge; this read only refreshes the load.
             log.debug("reading /metrics of held-up replica %s failed: %s", replica.id, _describe(exc))
 
@@ -273,8 +273,8 @@ class ReplicaMonitor:
         except Misconfigured as exc:
             self._registry.set_misconfigured(rid, exc.cause)
             return
-        except (ReadFailed, ProbeFailed, ValueError) as exc:
-            refused = isinstance(exc, ReadFailed) and exc.refused  # as the request path counts a refused connect
+        except (ProbeFailed, ValueError) as exc:
+            refused = isinstance(exc, ProbeFailed) and exc.refused  # as the request path counts a refused connect
             self._registry.probe_failed(rid, _describe(exc), refused)
             return
         except Exception as exc:
@@ -359,11 +359,8 @@ def _full_of_others(replica: Replica) -> bool:
 
 
 class ProbeFailed(Exception):
-    pass
-
-
-class ReadFailed(Exception):
-    """No answer from the replica; `refused`: nothing listens where it should (a refused connection)."""
+    """A read got no answer, or not the one wanted; `refused`: nothing listens where it should (a refused
+    connection)."""
 
     def __init__(self, cause: str, refused: bool = False) -> None:
         super().__init__(cause)

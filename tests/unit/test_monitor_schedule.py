@@ -11,7 +11,7 @@ from collections import Counter
 import orjson
 
 from dpserve.replicas.catalog import ModelCatalog
-from dpserve.replicas.monitor import QUIET_MODELS_EVERY, ReadFailed, ReplicaMonitor, quiet
+from dpserve.replicas.monitor import QUIET_MODELS_EVERY, ProbeFailed, ReplicaMonitor, quiet
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 
 METRICS = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
@@ -28,7 +28,7 @@ class ScriptedReplicas:
         name = "models" if path == "/v1/models" else path.lstrip("/")
         self.reads[(base_url, name)] += 1
         if base_url in self.down:
-            raise ReadFailed("connection refused", refused=True)
+            raise ProbeFailed("connection refused", refused=True)
         if name == "models":
             return 200, orjson.dumps({"data": [{"id": "m"}]})
         return 200, METRICS.encode() if name == "metrics" else b""

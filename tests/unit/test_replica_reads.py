@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from dpserve.replicas.access import ReplicaAccess
-from dpserve.replicas.monitor import ReadFailed
+from dpserve.replicas.monitor import ProbeFailed
 from dpserve.router.http.replica_reads import PooledReads
 from tests.unit.test_upstream import serving
 
@@ -47,7 +47,7 @@ async def test_reads_come_whole_over_one_kept_connection_with_the_key() -> None:
 
 async def test_nothing_listening_is_a_refused_read() -> None:
     reads = PooledReads(ReplicaAccess(), timeout_s=2.0)
-    with pytest.raises(ReadFailed) as failed:
+    with pytest.raises(ProbeFailed) as failed:
         await reads.get(f"http://127.0.0.1:{free_port()}", "/health")
     assert failed.value.refused
 
@@ -59,7 +59,7 @@ async def test_a_replica_that_never_answers_fails_the_read_at_the_timeout() -> N
     reads = PooledReads(ReplicaAccess(), timeout_s=0.2)
     async with serving(silent) as (address, _):
         started = asyncio.get_running_loop().time()
-        with pytest.raises(ReadFailed) as failed:
+        with pytest.raises(ProbeFailed) as failed:
             await reads.get(f"http://{address.host}:{address.port}", "/health")
         waited = asyncio.get_running_loop().time() - started
     reads.close()
@@ -83,7 +83,7 @@ async def test_a_broken_answer_fails_the_read_and_the_next_read_connects_afresh(
     reads = PooledReads(ReplicaAccess(), timeout_s=2.0)
     async with serving(replica) as (address, connections):
         url = f"http://{address.host}:{address.port}"
-        with pytest.raises(ReadFailed):
+        with pytest.raises(ProbeFailed):
             await reads.get(url, "/metrics")
         assert await reads.get(url, "/health") == (200, b"ok")
     reads.close()

@@ -151,9 +151,10 @@ def replica_status(
     """`streams`: the subscribers by replica, when every replica is asked for (else each looks its own up)."""
     hit_rate = replica.prefix_cache_hits / replica.prefix_cache_queries if replica.prefix_cache_queries else None
     kv_events = None
-    if streams is None:
-        streams = {s.replica_id: s for s in state.subscribers if s.replica_id == replica.id}
-    subscriber = streams.get(replica.id)
+    if streams is not None:
+        subscriber = streams.get(replica.id)
+    else:
+        subscriber = next((s for s in state.subscribers if s.replica_id == replica.id), None)
     if subscriber is not None and state.kv_index is not None:
         stats = subscriber.stats
         kv_events = {

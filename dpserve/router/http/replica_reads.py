@@ -12,7 +12,7 @@ import asyncio
 import functools
 
 from dpserve.replicas.access import ReplicaAccess
-from dpserve.replicas.monitor import Misconfigured, ReadFailed
+from dpserve.replicas.monitor import Misconfigured, ProbeFailed
 from dpserve.router.http.upstream_client import (
     Address,
     Deadlines,
@@ -46,11 +46,11 @@ class PooledReads:
         except ReplicaMisconfigured as refused:
             raise Misconfigured(refused.cause) from None
         except UpstreamConnectError as exc:
-            raise ReadFailed(str(exc), refused=True) from None  # as the request path counts it
+            raise ProbeFailed(str(exc), refused=True) from None  # as the request path counts it
         except TimeoutError:
-            raise ReadFailed(f"{path} took over {self._timeout_s:g} s") from None
+            raise ProbeFailed(f"{path} took over {self._timeout_s:g} s") from None
         except (UpstreamError, ResponseTooLarge) as exc:
-            raise ReadFailed(f"{path}: {exc}") from None
+            raise ProbeFailed(f"{path}: {exc}") from None
 
     def close(self) -> None:
         self._pool.close()

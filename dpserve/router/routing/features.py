@@ -101,7 +101,7 @@ class FeatureBuilder:
         base = (self._catalog.adapter_parent(adapter) or model) if adapter is not None else model
         url = serving[0].url  # not read by a local tokenizer: no walk over the fleet for it
         if self._tokens.tokenizer.source(base) == "remote":  # tokens from a replica: the least busy one
-            candidates = self._catalog.candidates(model) or serving
+            candidates = self._catalog.candidates(model)  # never empty here: backing-off ones when none other
             url = self._registry.get(min(candidates, key=lambda c: c.in_flight).id).url
         tokens = await self._tokens.tokens(endpoint, payload, base, url)
         elapsed = time.perf_counter() - started
