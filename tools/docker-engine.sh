@@ -1,29 +1,31 @@
 #!/usr/bin/env bash
 # A Docker engine with Compose v2 and buildx, answering here: Debian's docker.io where no engine is installed,
 # Compose and buildx from Debian's next release (trixie) where the installed CLI has neither (bookworm packages
-# only Compose v1, which reads neither `!reset` nor `start_interval`), and dockerd started where none runs.
+# only Compose v1, which reads neither `!reset` nor `start_interval`; each checked against trixie's signed index
+# before it is installed), and dockerd started where none runs.
 # Exits non-zero, saying why, where no engine can run (then the compose tests skip and say so).
 set -euo pipefail
 SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 LOG=${DOCKERD_LOG:-/tmp/dpserve-dockerd.log}
+HERE=$(dirname "$(realpath "$0")")
 
 apt_install() {
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
-# A package of trixie's, by name: its file found in trixie's index, so a point release that renames it is no matter.
+# A package of trixie's, by name (so a point release that renames its file is no matter), installed only once
+# tools/debian-deb.sh has checked it against trixie's signed index.
 trixie_package() {
-    local arch index file
-    arch=$(dpkg --print-architecture)
-    index=$(mktemp)
-    curl -fsS "$MIRROR/dists/trixie/main/binary-$arch/Packages.xz" | xz -dc >"$index"
-    file=$(awk -v pkg="$1" '$1 == "Package:" { hit = ($2 == pkg) } hit && $1 == "Filename:" { print $2; exit }' "$index")
-    rm -f "$index"
-    [ -n "$file" ] || { echo "no $1 in trixie's index" >&2; return 1; }
-    curl -fsS "$MIRROR/$file" -o "/tmp/$(basename "$file")"
-    $SUDO dpkg -i "/tmp/$(basename "$file")" >/dev/null
+    local dir deb
+    # What checks it: gpgv and the archive's keys (both on any Debian; Ubuntu has the keyring to install).
+    command -v gpgv >/dev/null && [ -r /usr/share/keyrings/debian-archive-keyring.gpg ] ||
+        apt_install gpgv debian-archive-keyring
+    dir=$(mktemp -d)
+    deb=$(DEBIAN_MIRROR=$MIRROR DEBIAN_SUITE=trixie "$HERE/debian-deb.sh" "$1" "$dir") || { rm -rf "$dir"; return 1; }
+    $SUDO dpkg -i "$deb" >/dev/null
+    rm -rf "$dir"
 }
 
 command -v dockerd >/dev/null || apt_install docker.io iptables xz-utils curl debootstrap
