@@ -1,9 +1,9 @@
 """`dpserve sim --count N`: N independent simulator replicas in one process, one event loop and one uvicorn
-server listening on N sockets (--port + I for replica I), each connection handed to its replica by the local
-port it arrived on. Each replica has its own engines, caches, metrics registry, KV-event publishers (on one
-ZMQ context) and seeds; the tokenizer, which holds no state, is shared. Nothing runs per replica while idle:
-an engine only waits while it has requests, gauges are read at scrape, and uvicorn's once-a-tick
-housekeeping is one task for all (one server per port would be N of them).
+server (dpserve.sim.server runs it) listening on N sockets (--port + I for replica I), each connection handed to
+its replica by the local port it arrived on. Each replica has its own engines, caches, metrics registry, KV-event
+publishers (on one ZMQ context) and seeds; the tokenizer, which holds no state, is shared. Nothing runs per
+replica while idle: an engine only waits while it has requests, gauges are read at scrape, and uvicorn's
+once-a-tick housekeeping is one task for all (one server per port would be N of them).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import zmq
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dpserve.config import SimSettings
-from dpserve.sim.server import Simulator, build_simulator
+from dpserve.sim.replica import Simulator, build_simulator
 from dpserve.sim.tokenizer import make_tokenizer
 
 SPARE_FDS = 256

@@ -10,7 +10,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from dpserve.config import SimSettings
-from dpserve.sim.server import build_simulator
+from dpserve.sim.replica import build_simulator
 from dpserve.sim.tokenizer import FastTokenizer, TinyTokenizer
 
 

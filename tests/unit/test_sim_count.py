@@ -15,7 +15,7 @@ from dpserve.config import SimSettings
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.sim.fleet import Fleet, FleetError, bind_ports, build_fleet, ensure_fds, port_span
 from dpserve.sim.kv_publisher import KvEventBindError
-from dpserve.sim.server import build_simulator
+from dpserve.sim.replica import build_simulator
 from tests.conftest import free_port_range
 
 PROMPT = " ".join(f"word{i}" for i in range(80))

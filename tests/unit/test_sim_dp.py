@@ -21,7 +21,7 @@ from dpserve.sim.cache import PrefixCache
 from dpserve.sim.dp import EngineGroup, RankOutOfRange, header_rank
 from dpserve.sim.engine import GenerationRequest, LatencyModel, RequestStats, SimEngine
 from dpserve.sim.kv_publisher import offset_endpoint
-from dpserve.sim.server import Simulator, build_simulator
+from dpserve.sim.replica import Simulator, build_simulator
 from tests.conftest import free_port_range
 
 RANK = "X-data-parallel-rank"

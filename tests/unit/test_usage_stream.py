@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 
 from dpserve.config import SimSettings
 from dpserve.router.flow.usage_stream import Usage, UsageTap, ask_for_usage, usage_of, usage_of_answer
-from dpserve.sim.server import build_simulator
+from dpserve.sim.replica import build_simulator
 
 FIXTURES = Path(__file__).parent / "fixtures" / "usage_stream"
 VLLM = "vllm-0.32.0"
