@@ -152,7 +152,9 @@ class Router:
             settings, registry, self.catalog, self.policy, self.admission, self.metrics,
             self.kv_index, self.text_index, self.recent, rng, self.bindings,
         )  # fmt: skip
-        self.retry = RetryRules(settings.retries, settings.retry_backoff_s)
+        # A back-off asked for longer than the default cap is honoured (one retry, then the cap).
+        cap = max(RetryRules.backoff_cap_s, settings.retry_backoff_s)
+        self.retry = RetryRules(settings.retries, settings.retry_backoff_s, cap)
 
     def _metrics(self) -> RouterMetrics:
         metrics = RouterMetrics(self.registry, self.policy.name)

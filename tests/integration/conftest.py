@@ -333,3 +333,21 @@ def torch_index(wheel: Path, directory: Path) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(10)
+
+
+ONE_SEQ_MODEL = "tiny-one-seq"
+
+
+@pytest.fixture(scope="session")
+def one_seq_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real vLLM replica that runs one sequence at a time (`--max-num-seqs 1`), so a second request waits in
+    vLLM's own scheduler; priority scheduling (equal classes are first come, first served) and no prefix cache,
+    so every prompt token it computes shows in `vllm:prompt_tokens_total`."""
+    from dpserve.tiny_model import ensure_tiny_model
+
+    work = tmp_path_factory.mktemp("one-seq")
+    model = ensure_tiny_model(work / "cache")
+    args = ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--no-enable-prefix-caching")
+    with vllm_replica(model, ONE_SEQ_MODEL, work / "vllm.log", *args, "--max-model-len", "2048") as url:
+        wait_until(lambda: answers(f"{url}/health"), 300, what=f"vllm (log: {work / 'vllm.log'})")
+        yield url

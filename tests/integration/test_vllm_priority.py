@@ -10,30 +10,23 @@ ends last. The router's own queue is off (`--flow-control off`): the order is vL
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from dpserve.replicas.prometheus_text import parse_samples
-from dpserve.tiny_model import ensure_tiny_model
-from tests.integration.conftest import answers, start_router, stop_router, vllm_replica, wait_until
+from tests.integration.conftest import ONE_SEQ_MODEL, start_router, stop_router, wait_until
 
 pytestmark = pytest.mark.integration
 
-MODEL = "tiny-priority"
+MODEL = ONE_SEQ_MODEL
 BATCH_REQUESTS = 3
 WATCHED = {"vllm:num_requests_waiting", "vllm:num_requests_running"}
 
 
 @pytest.fixture(scope="module")
-def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    work = tmp_path_factory.mktemp("priority")
-    model = ensure_tiny_model(work / "cache")
-    args = ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--no-enable-prefix-caching")
-    with vllm_replica(model, MODEL, work / "vllm.log", *args) as url:
-        wait_until(lambda: answers(f"{url}/health"), 300, what=f"vllm (log: {work / 'vllm.log'})")
-        yield url
+def replica(one_seq_replica: str) -> str:
+    return one_seq_replica
 
 
 def waiting_and_running(url: str) -> tuple[float, float]:

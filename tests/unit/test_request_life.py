@@ -113,10 +113,44 @@ def test_the_metrics_watch_counts_an_answer_a_refusal_and_a_client_gone_by_their
         metric(metrics, 'dpserve_requests_total{endpoint="completions",model="none",replica="none",status="499"}') == 1
     )
     assert metric(metrics, "process_cpu_seconds_total") > 0  # the process's own metrics, beside the router's
-    assert metric(metrics, 'dpserve_client_disconnects_total{endpoint="completions"}') == 1
+    assert metric(metrics, 'dpserve_client_disconnects_total{endpoint="completions",stage="received"}') == 1
     assert metric(metrics, 'dpserve_time_to_first_byte_seconds_count{endpoint="chat_completions",stream="true"}') == 1
     assert metric(metrics, 'dpserve_request_duration_seconds_count{endpoint="chat_completions",stream="true"}') == 1
     assert metric(metrics, "dpserve_queue_wait_seconds_count") == 1
+
+
+def test_a_client_that_leaves_is_counted_by_where_its_request_was() -> None:
+    """Each stage a request passes on the path, and the label its client's leaving gets there."""
+    metrics = RouterMetrics(ReplicaRegistry([]), "least_loaded")
+
+    def gone_at(request_id: str, *steps: str) -> RequestLife:
+        life = RequestLife(request_id, "completions")
+        life.watch(metrics.watch(life))
+        for step in steps:
+            if step == "checked":
+                life.checked()
+            elif step == "backing_off":
+                life.backing_off()
+            elif step == "dispatched":
+                life.dispatched("r0")
+            else:
+                life.first_byte("r0", True)
+        life.finish(CLIENT_CLOSED)
+        return life
+
+    lives = [
+        gone_at("reading"),
+        gone_at("in-queue", "checked"),
+        gone_at("at-replica", "checked", "dispatched"),
+        gone_at("between-attempts", "checked", "dispatched", "backing_off"),
+        gone_at("retried", "checked", "dispatched", "backing_off", "dispatched"),
+        gone_at("streaming", "checked", "dispatched", "first_byte"),
+    ]
+    assert [life.stage for life in lives] == ["received", "queued", "replica", "backoff", "replica", "answering"]
+    gone = 'dpserve_client_disconnects_total{endpoint="completions",stage='
+    counts = {stage: metric(metrics, f'{gone}"{stage}"}}') for stage in ("received", "queued", "backoff", "replica")}
+    assert counts == {"received": 1, "queued": 1, "backoff": 1, "replica": 2}
+    assert metric(metrics, f'{gone}"answering"}}') == 1
 
 
 def test_flow_controls_pass_charges_once_across_retries_and_counts_what_the_answer_took() -> None:

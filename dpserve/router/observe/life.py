@@ -25,6 +25,18 @@ from dpserve.router.http.errors import CLIENT_CLOSED
 NO_HEADERS: Mapping[str, str] = {}
 """Shared and never written: an untraced request allocates nothing for its trace context."""
 
+# Where a request is, as the router sees it: what a client that leaves is counted by.
+RECEIVED = "received"
+"""Its body being read and checked."""
+QUEUED = "queued"
+"""Checked, not yet sent: deciding, or waiting in the router's admission queue."""
+BACKOFF = "backoff"
+"""An attempt failed before its first byte; the retry waits its back-off."""
+AT_REPLICA = "replica"
+"""Sent, no answer yet: waiting in the replica's queue or computing its first token there."""
+ANSWERING = "answering"
+"""The answer began (its headers; a stream's first event)."""
+
 
 @dataclass(init=False)
 class Usage:
@@ -105,6 +117,7 @@ class RequestLife:
         "refused",
         "replica_id",
         "request_id",
+        "stage",
         "started",
         "status",
         "stream",
@@ -121,6 +134,8 @@ class RequestLife:
         self.stream = False
         """The answer streams: known at its first byte."""
         self.started = self._clock()
+        self.stage = RECEIVED
+        """Where it is now (RECEIVED, QUEUED, BACKOFF, AT_REPLICA, ANSWERING)."""
         self._watches: list[Watch] = []
         self.replica_id: str | None = None
         """The replica whose answer the client got (or is getting); None before one began."""
@@ -152,7 +167,16 @@ class RequestLife:
         for watch in self._watches:
             watch.decided(choice)
 
+    def checked(self) -> None:
+        """Read and checked: on its way to a replica (through the admission queue, if it must wait)."""
+        self.stage = QUEUED
+
+    def backing_off(self) -> None:
+        """An attempt failed before its first byte; the next one waits its back-off first."""
+        self.stage = BACKOFF
+
     def dispatched(self, replica_id: str) -> None:
+        self.stage = AT_REPLICA
         at = self._clock()
         for watch in self._watches:
             watch.dispatched(replica_id, at)
@@ -160,6 +184,7 @@ class RequestLife:
     def first_byte(self, replica_id: str, stream: bool) -> None:
         """`stream`: the answer streams (a stream asked for can come back as one JSON error)."""
         at = self._clock()
+        self.stage = ANSWERING
         self.replica_id, self.stream = replica_id, stream
         for watch in self._watches:
             watch.first_byte(replica_id, at)

@@ -182,8 +182,10 @@ class RouterMetrics:
         )
         self.client_disconnects = Counter(
             "dpserve_client_disconnects",
-            "Requests whose client left before the answer was complete (the replica's request is aborted).",
-            ["endpoint"],
+            "Requests whose client left before the answer was complete, by where the request was then: received "
+            "(its body being read), queued (in the router, never sent), backoff (between attempts, not sent "
+            "again), replica (sent, no answer yet: its connection closed, so vLLM aborts it), answering.",
+            ["endpoint", "stage"],
             registry=self.registry,
         )
         self.broken_streams = Counter(
@@ -323,7 +325,7 @@ class RequestMetrics(Watch):
             metrics.requests.add((endpoint, model, "none", status))
             return
         if life.status == CLIENT_CLOSED:
-            metrics.client_disconnects.labels(endpoint).inc()
+            metrics.client_disconnects.labels(endpoint, life.stage).inc()
         if life.replica_id is None:  # gone before any answer began
             metrics.requests.add((endpoint, model, "none", status))
             return

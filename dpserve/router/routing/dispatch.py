@@ -285,6 +285,7 @@ class Dispatcher:
         retries = self._retry.retries
         for attempt in range(retries + 1):
             if attempt:
+                life.backing_off()
                 await asyncio.sleep(self._retry.pause(attempt, self._rng))
             candidates = await self._admitted(features, tried, ticket, life)
             if not candidates:

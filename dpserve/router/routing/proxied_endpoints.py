@@ -255,6 +255,7 @@ class _Exchange:
                 self.tenant, prepared.features, prepared.payload or {}, len(prepared.request.body)
             )
             self.life.watch(self.flow_pass)
+            self.life.checked()
         except OpenAIError as err:
             await self._refuse(err)
             return

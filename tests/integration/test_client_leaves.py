@@ -1,0 +1,146 @@
+"""A client that leaves costs the fleet nothing more, wherever its request was: in the router's queue (never
+sent), waiting in vLLM's scheduler behind load the router did not send (its connection closed, so vLLM drops
+it before computing its prompt), or in a retry's back-off (never sent again). Real vLLM runs one sequence at
+a time (`--max-num-seqs 1`); what it computed is read from its own `vllm:prompt_tokens_total`, and the router
+counts each client gone by where its request was (`dpserve_client_disconnects_total{stage}`).
+
+Each leaver's prompt is ~800 tokens and a holder's is a few: a leaver prefilled for nobody would show at once."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from dpserve.replicas.prometheus_text import parse_samples
+from tests.integration.conftest import ONE_SEQ_MODEL, RouterProcess, start_router, stop_router, wait_until
+from tests.integration.raw_replica import RawReplica, json_answer
+
+pytestmark = pytest.mark.integration
+
+LONG_PROMPT = "word " * 800
+SHORT_PROMPTS = 50
+"""More than the holder's and the marker's prompts together (a few tokens each), far less than a leaver's."""
+HOLDER_TOKENS = 1500
+"""Long enough to hold vLLM's one slot for the whole case; its client leaves once the case is decided."""
+
+
+def replica_counts(url: str) -> tuple[float, float, float]:
+    """(prompt tokens computed so far, requests waiting, requests running), from the replica's own /metrics."""
+    names = {"vllm:prompt_tokens_total", "vllm:num_requests_waiting", "vllm:num_requests_running"}
+    samples = parse_samples(httpx.get(f"{url}/metrics", timeout=10).text, names)
+    return (
+        samples.total("vllm:prompt_tokens_total") or 0.0,
+        samples.total("vllm:num_requests_waiting") or 0.0,
+        samples.total("vllm:num_requests_running") or 0.0,
+    )
+
+
+def gone_by_stage(router: str, stage: str) -> float:
+    text = httpx.get(f"{router}/metrics", timeout=10).text
+    samples = parse_samples(text, {"dpserve_client_disconnects_total"})
+    series = samples.by_name.get("dpserve_client_disconnects_total", [])
+    return sum(value for labels, value in series if labels.get("stage") == stage)
+
+
+class Client:
+    """A request sent whole on its own connection, answered or not; `leave()` closes the connection, as a client
+    that gives up does."""
+
+    def __init__(self, base: str, body: dict[str, object], path: str = "/v1/completions") -> None:
+        parts = urlsplit(base)
+        self.connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=300)
+        self.connection.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+
+    def leave(self) -> None:
+        sock = self.connection.sock
+        if sock is not None:
+            sock.close()
+        self.connection.close()
+
+
+def completion(prompt: str, max_tokens: int, stream: bool) -> dict[str, object]:
+    return {"model": ONE_SEQ_MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+
+
+def settled_prompt_tokens(replica: str) -> float:
+    """The replica's prompt tokens once everything before a marker request has run: with one slot and first
+    come first served, a leaver still in its queue would be computed before the marker's answer comes."""
+    answer = httpx.post(f"{replica}/v1/completions", json=completion("marker", 1, False), timeout=120)
+    assert answer.status_code == 200, answer.text
+    return replica_counts(replica)[0]
+
+
+@pytest.fixture(scope="module")
+def router(one_seq_replica: str) -> Iterator[RouterProcess]:
+    tokens = httpx.post(f"{one_seq_replica}/tokenize", json={"model": ONE_SEQ_MODEL, "prompt": LONG_PROMPT}).json()
+    assert tokens["count"] > 10 * SHORT_PROMPTS  # a leaver computed for nobody could not hide under the bound
+    # One request per replica at a time past which the router holds the rest in its own queue.
+    made = start_router([one_seq_replica], "kv_aware", "--max-in-flight", "1")
+    try:
+        yield made
+    finally:
+        stop_router(made)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_leaves_while_queued_in_the_router_is_never_sent(
+    one_seq_replica: str, router: RouterProcess, stream: bool
+) -> None:
+    replica = one_seq_replica
+    before = settled_prompt_tokens(replica)
+    gone_before = gone_by_stage(router.url, "queued")
+    holder = Client(router.url, completion("hold", HOLDER_TOKENS, True))
+    wait_until(lambda: replica_counts(replica)[2] == 1, 60, 0.02, what="the holder running")
+    leaver = Client(router.url, completion(LONG_PROMPT, 8, stream))
+    wait_until(lambda: httpx.get(f"{router.url}/status").json()["flow"]["queued"] == 1, 30, 0.02, what="queued")
+    leaver.leave()
+    wait_until(lambda: gone_by_stage(router.url, "queued") == gone_before + 1, 10, 0.02, what="counted gone")
+    wait_until(lambda: httpx.get(f"{router.url}/status").json()["flow"]["queued"] == 0, 10, 0.02, what="dropped")
+    holder.leave()
+    wait_until(lambda: replica_counts(replica)[2] == 0, 30, 0.02, what="the holder aborted")
+    assert settled_prompt_tokens(replica) - before < SHORT_PROMPTS, "the leaver was computed"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_leaves_while_waiting_in_vllm_behind_outside_load_costs_no_prefill(
+    one_seq_replica: str, router: RouterProcess, stream: bool
+) -> None:
+    replica = one_seq_replica
+    before = settled_prompt_tokens(replica)
+    gone_before = gone_by_stage(router.url, "replica")
+    holder = Client(replica, completion("hold", HOLDER_TOKENS, True))  # straight at the replica: unseen
+    wait_until(lambda: replica_counts(replica)[2] == 1, 60, 0.02, what="the holder running")
+    leaver = Client(router.url, completion(LONG_PROMPT, 8, stream))
+    wait_until(lambda: replica_counts(replica)[1] == 1, 30, 0.02, what="the leaver waiting in vLLM")
+    leaver.leave()
+    wait_until(lambda: gone_by_stage(router.url, "replica") == gone_before + 1, 10, 0.02, what="counted gone")
+    wait_until(lambda: replica_counts(replica)[1] == 0, 10, 0.02, what="vLLM dropped it")
+    holder.leave()
+    wait_until(lambda: replica_counts(replica)[2] == 0, 30, 0.02, what="the holder aborted")
+    assert settled_prompt_tokens(replica) - before < SHORT_PROMPTS, "the leaver was computed"
+
+
+def test_a_client_that_leaves_during_a_retrys_back_off_is_not_sent_again() -> None:
+    """Two stand-in replicas that answer 503 (a real vLLM cannot be made to): the first attempt fails, the
+    client leaves while the retry waits its back-off (1.5-3 s with `--retry-backoff 3`), and no second attempt
+    reaches either replica."""
+    busy = {"/v1/completions": lambda seen: json_answer({"error": {"message": "busy"}}, 503)}
+    with RawReplica(dict(busy)) as first, RawReplica(dict(busy)) as second:
+        router = start_router([first.url, second.url], "least_loaded", "--retries", "1", "--retry-backoff", "3")
+        try:
+            sent = lambda: len(first.requests("/v1/completions")) + len(second.requests("/v1/completions"))  # noqa: E731
+            leaver = Client(router.url, {"model": "m", "prompt": "hi", "max_tokens": 1})
+            wait_until(lambda: sent() == 1, 10, 0.01, what="the first attempt")
+            time.sleep(0.2)  # into the back-off, which lasts 1.5 s at least
+            leaver.leave()
+            wait_until(lambda: gone_by_stage(router.url, "backoff") == 1, 5, 0.02, what="counted gone in back-off")
+            time.sleep(3.2)  # past the longest back-off: a retry that was still coming would have come
+            assert sent() == 1
+        finally:
+            stop_router(router)
