@@ -20,34 +20,52 @@ replicas' key from the Secret `dpserve-replica-key`, both made by hand with kube
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from dpserve.config import (
-    DEFAULT_MAX_LORA_RANK,
-    DEFAULT_MAX_LORAS,
-    RouterSettings,
-    check_lora_engine,
-    check_tensor_parallel_size,
-    lora_adapters,
-)
+from dpserve.config import RouterSettings
 from dpserve.deploy.compose import (
     ADAPTERS_DIR,
-    DEFAULT_MODEL,
-    DEFAULT_VLLM_IMAGE,
     HF_CACHE_DIR,
     KV_EVENTS_PORT,
     REPLICA_PORT,
     ROUTER_ENTRYPOINT,
-    router_image,
+)
+from dpserve.deploy.kube_network import network_policies
+from dpserve.deploy.kube_options import (
+    AGENT_NAME,
+    AGENT_PORT,
+    ROUTER_CPU,
+    ROUTER_MEMORY_GIB,
+    ROUTER_NAME,
+    ROUTER_PEERS_NAME,
+    ROUTER_PORT,
+    ROUTER_SERVICE_PORT,
+    VLLM_CPU_PER_GPU,
+    VLLM_MEMORY_GIB_PER_GPU,
+    VLLM_NAME,
+    KubeOptions,
+    labels,
+    metadata,
+)
+from dpserve.deploy.kube_tls import (
+    ROUTER_TLS_DIR,
+    ROUTER_TLS_SECRET,
+    VLLM_TLS_DIR,
+    VLLM_TLS_SECRET,
+    certificates,
+    https_probe,
+    replica_targets,
+    tls_commands,
+    tls_mount,
+    tls_volume,
+    vllm_tls_flags,
+    with_router_tls,
 )
 from dpserve.deploy.yaml_text import dump
 from dpserve.up.plan import LORA_RUNTIME_ENV, router_flags, vllm_engine_flags
 
-DEFAULT_NAMESPACE = "dpserve"
-DEFAULT_ROUTER_REPLICAS = 2
-DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
-DEFAULT_KEYS_SECRET = "dpserve-keys"
+__all__ = ["KubeOptions", "documents", "render"]
+
 GPU_TAINT = "nvidia.com/gpu"
 """The taint GPU nodes usually carry (NVIDIA's GPU Operator, the managed clouds): tolerated by what runs there."""
 GPU_NODE_LABEL = "nvidia.com/gpu.present"
@@ -58,128 +76,23 @@ ADMIN_KEYS_ENTRY = "admin-keys"
 REPLICA_KEY_SECRET = "dpserve-replica-key"
 REPLICA_KEY_ENTRY = "key"
 """The key vLLM requires on /v1 (VLLM_API_KEY) and the routers send it (DPSERVE_REPLICA_API_KEY)."""
-DEFAULT_PROMETHEUS_NAMESPACE = "monitoring"
-PROMETHEUS_POD_LABELS = {"app.kubernetes.io/name": "prometheus"}
-"""How the Prometheus Operator (and kube-prometheus-stack) labels Prometheus' pods: allowed to scrape."""
-AGENT_NAMESPACE_SUFFIX = "-gpu-agent"
 PRE_STOP_S = {"router": 5, "vllm": 10}
 """How long a pod keeps serving after it is told to stop, before SIGTERM: for the Service's endpoints (the
 router) or the routers' DNS discovery, re-read every 5 s (a replica), to drop it first."""
-
-VLLM_NAME = "vllm"
-ROUTER_NAME = "dpserve-router"
-ROUTER_PEERS_NAME = "dpserve-router-peers"
-AGENT_NAME = "dpserve-agent"
 ADAPTERS_VOLUME = "lora-adapters"
-ROUTER_PORT = 8080
-ROUTER_SERVICE_PORT = 80
-AGENT_PORT = 9400
-MAX_MODEL_LEN = 8192
-"""compose.yaml's default context length."""
 STARTUP_PERIOD_S = 10
 STARTUP_FAILURES = 180
 """10 s x 180: half an hour for the first start, which downloads the weights and compiles."""
 ROUTER_USER = 65534
 """router/Dockerfile's USER (nobody)."""
-ROUTER_CPU = 1
-"""Cores requested per router process (`--router-workers` multiplies it)."""
-ROUTER_MEMORY_GIB = (1, 3)
 AGENT_CAPABILITIES = ("SYS_PTRACE", "DAC_READ_SEARCH")
 """What the agent adds to nothing (agent_security_context says why each)."""
-"""Memory request and limit per router process: each holds its own KV index, about 1 GB at its default bound."""
 
 
-@dataclass(frozen=True)
-class KubeOptions:
-    replicas: int
-    model: str = DEFAULT_MODEL
-    namespace: str = DEFAULT_NAMESPACE
-    router_replicas: int = DEFAULT_ROUTER_REPLICAS
-    router_workers: int = 1
-    """Router processes per router pod (`--workers`) behind its one port: resources scale with them."""
-    image: str = DEFAULT_VLLM_IMAGE
-    router_image: str = router_image()
-    """Runs `dpserve` (router and agent): router/Dockerfile's image tagged with this package's version, pushed
-    where the cluster can pull it."""
-    gpu_resource: str = DEFAULT_GPU_RESOURCE
-    service_monitor: bool = False
-    model_cache_pvc: str | None = None
-    """An existing ReadWriteMany claim shared by every replica; none: each pod downloads into an emptyDir."""
-    keys_secret: str = DEFAULT_KEYS_SECRET
-    lora: tuple[str, ...] = ()
-    """`NAME=PATH` adapters for the routers to load, PATH as the replica pods see it."""
-    lora_pvc: str | None = None
-    """An existing claim holding the adapters (one subfolder each), mounted read-only at ADAPTERS_DIR in the
-    replica and router pods: ReadOnlyMany or ReadWriteMany, as the pods are on several nodes."""
-    lora_affinity: bool = True
-    enable_lora: bool = False
-    """LoRA in the replicas without adapters given here (implied by `lora` and `lora_pvc`)."""
-    max_loras: int = DEFAULT_MAX_LORAS
-    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
-    otlp_traces_endpoint: str | None = None
-    """Where the routers and the vLLM pods export traces (OTLP): vLLM's spans nest under the router's."""
-    prometheus_namespace: str = DEFAULT_PROMETHEUS_NAMESPACE
-    """Where Prometheus runs: its pods (PROMETHEUS_POD_LABELS) may scrape the replicas and the agents."""
-    tensor_parallel_size: int = 1
-    """GPUs per vLLM pod (vLLM's flag): the pod asks for that many of `gpu_resource`, on one node."""
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"--replicas {self.replicas}: at least one vLLM replica")
-        if self.router_replicas < 1:
-            raise ValueError(f"--router-replicas {self.router_replicas}: at least one router")
-        if self.router_workers < 1:
-            raise ValueError(f"--router-workers {self.router_workers}: at least one worker")
-        for flag, value in (
-            ("--model", self.model),
-            ("--namespace", self.namespace),
-            ("--image", self.image),
-            ("--router-image", self.router_image),
-            ("--gpu-resource", self.gpu_resource),
-            ("--model-cache-pvc", self.model_cache_pvc),
-            ("--lora-pvc", self.lora_pvc),
-            ("--prometheus-namespace", self.prometheus_namespace),
-        ):
-            if value is not None and not value.strip():
-                raise ValueError(f"{flag} must not be empty")
-        lora_adapters(self.lora)
-        check_lora_engine(self.max_loras, self.max_lora_rank)
-        check_tensor_parallel_size(self.tensor_parallel_size)
-
-    @property
-    def lora_enabled(self) -> bool:
-        return self.enable_lora or bool(self.lora or self.lora_pvc)
-
-    def flags(self) -> str:
-        """The command line that writes these manifests, as their header says (defaults left out but these)."""
-        flags = f"--replicas {self.replicas} --model {self.model}"
-        size = self.tensor_parallel_size
-        return flags + (f" --tensor-parallel-size {size}" if size != 1 else "")
-
-    def dns_name(self, service: str, namespace: str | None = None) -> str:
-        return f"{service}.{namespace or self.namespace}.svc.cluster.local"
-
-    @property
-    def agent_namespace(self) -> str:
-        return self.namespace + AGENT_NAMESPACE_SUFFIX
-
-    @property
-    def router_peers(self) -> bool:
-        """Whether the routers look for each other (`--discover-peers`): only when there is more than one."""
-        return self.router_replicas > 1
-
-
-def _labels(component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": component, "app.kubernetes.io/part-of": "dpserve"}
-
-
-def _metadata(options: KubeOptions, name: str, component: str, namespace: str | None = None) -> dict[str, Any]:
-    return {"name": name, "namespace": namespace or options.namespace, "labels": _labels(component)}
-
-
-def _scrape(port: int) -> dict[str, str]:
+def _scrape(port: int, tls: bool = False) -> dict[str, str]:
     # For Prometheus set up to scrape annotated pods (the common kubernetes-pods job).
-    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+    scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+    return {**scrape, "prometheus.io/scheme": "https"} if tls else scrape
 
 
 def _http_probe(path: str, port: int, period_s: int, failures: int) -> dict[str, Any]:
@@ -207,8 +120,8 @@ def _pod_security(level: str) -> dict[str, str]:
 
 def namespace(options: KubeOptions) -> dict[str, Any]:
     # Baseline, not restricted: vLLM's image runs as root (see vllm_statefulset). The routers meet restricted.
-    labels = {"app.kubernetes.io/part-of": "dpserve", **_pod_security("baseline")}
-    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": options.namespace, "labels": labels}}
+    ns_labels = {"app.kubernetes.io/part-of": "dpserve", **_pod_security("baseline")}
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": options.namespace, "labels": ns_labels}}
 
 
 def agent_namespace(options: KubeOptions) -> dict[str, Any]:
@@ -235,20 +148,67 @@ def _pre_stop(seconds: int) -> dict[str, Any]:
 
 
 def vllm_command(options: KubeOptions) -> list[str]:
+    """The vLLM container's command: what the manifests depend on. The flags given after `--` are its `args`."""
     command = ["vllm", "serve", options.model, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
-    command += ["--gpu-memory-utilization", "0.90"]
+    command += ["--gpu-memory-utilization", f"{options.gpu_memory_utilization:g}"]
+    command += vllm_tls_flags() if options.tls else []
     # The same engine flags as `dpserve up` and compose: prefix caching, KV events on tcp://*:5557 (which the
-    # router subscribes to at each discovered pod's address), cached-token counts; LoRA when asked for.
-    return command + vllm_engine_flags(
+    # router subscribes to at each pod's address), cached-token counts; LoRA when asked for. Those given after
+    # `--` win (as on `dpserve up`): they are the container's args, and check_vllm_args refused those the
+    # manifests depend on.
+    flags = vllm_engine_flags(
         None,
         KV_EVENTS_PORT,
-        MAX_MODEL_LEN,
+        options.max_model_len,
+        options.vllm_args,
         enable_lora=options.lora_enabled,
         max_loras=options.max_loras,
         max_lora_rank=options.max_lora_rank,
         otlp_traces_endpoint=options.otlp_traces_endpoint,
         tensor_parallel_size=options.tensor_parallel_size,
     )
+    return command + flags[: len(flags) - len(options.vllm_args)]
+
+
+def vllm_resources(options: KubeOptions) -> dict[str, Any]:
+    """One GPU per pod, or K (--tensor-parallel-size): the pod is the unit of data parallelism, and the device
+    plugin pins its GPUs, all on one node. CPU and memory grow with its ranks (one process each) unless given.
+    No CPU limit, and no memory limit unless given (the scan's waivers say why)."""
+    size = options.tensor_parallel_size
+    gpu = {options.gpu_resource: size}
+    cpu = options.vllm_cpu or str(VLLM_CPU_PER_GPU * size)
+    memory = options.vllm_memory or f"{VLLM_MEMORY_GIB_PER_GPU * size}Gi"
+    limits = {"memory": options.vllm_memory_limit} if options.vllm_memory_limit else {}
+    return {"requests": {"cpu": cpu, "memory": memory, **gpu}, "limits": {**limits, **gpu}}
+
+
+def _vllm_volumes(options: KubeOptions) -> list[dict[str, Any]]:
+    cache: dict[str, Any] = (
+        {"persistentVolumeClaim": {"claimName": options.model_cache_pvc}}
+        if options.model_cache_pvc
+        else {"emptyDir": {"sizeLimit": options.hf_cache_size}}  # past it the kubelet evicts the pod
+    )
+    return [
+        # PyTorch shares tensors between vLLM's processes through /dev/shm (compose: ipc host).
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+        {"name": "hf-cache", **cache},
+        *_adapters_volumes(options),
+        # Read by root only (vLLM's user).
+        *([tls_volume(VLLM_TLS_SECRET, 0o400)] if options.tls else []),
+    ]
+
+
+def _probes(options: KubeOptions, port: int, ready: tuple[str, int], live_failures: int) -> dict[str, Any]:
+    """Readiness (`ready`: its path and failures), liveness on /health every 10 s, and for vLLM a start-up
+    probe; over HTTPS with --tls."""
+    path, ready_failures = ready
+    probes = {
+        "readinessProbe": _http_probe(path, port, 5, ready_failures),
+        "livenessProbe": _http_probe("/health", port, 10, live_failures),
+    }
+    if port == REPLICA_PORT:
+        probes = {"startupProbe": _http_probe("/health", port, STARTUP_PERIOD_S, STARTUP_FAILURES), **probes}
+    return {name: https_probe(probe) for name, probe in probes.items()} if options.tls else probes
 
 
 def _adapters_mounts(options: KubeOptions) -> list[dict[str, Any]]:
@@ -262,17 +222,11 @@ def _adapters_volumes(options: KubeOptions) -> list[dict[str, Any]]:
 
 
 def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
-    size = options.tensor_parallel_size
-    gpu = {options.gpu_resource: size}
-    cache: dict[str, Any] = (
-        {"persistentVolumeClaim": {"claimName": options.model_cache_pvc}}
-        if options.model_cache_pvc
-        else {"emptyDir": {}}
-    )
     container = {
         "name": "vllm",
         "image": options.image,
         "command": vllm_command(options),
+        **({"args": list(options.vllm_args)} if options.vllm_args else {}),
         "ports": [
             {"name": "http", "containerPort": REPLICA_PORT},
             {"name": "kv-events", "containerPort": KV_EVENTS_PORT},
@@ -285,12 +239,8 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
             # With LoRA, the router loads adapters at run time (POST /v1/load_lora_adapter).
             *({"name": name, "value": value} for name, value in LORA_RUNTIME_ENV.items() if options.lora_enabled),
         ],
-        # One GPU per pod, or K (--tensor-parallel-size): the pod is the unit of data parallelism, and the device
-        # plugin pins its GPUs, all on one node. CPU and memory grow with its ranks (one process each).
-        "resources": {"requests": {"cpu": str(4 * size), "memory": f"{24 * size}Gi", **gpu}, "limits": dict(gpu)},
-        "startupProbe": _http_probe("/health", REPLICA_PORT, STARTUP_PERIOD_S, STARTUP_FAILURES),
-        "readinessProbe": _http_probe("/health", REPLICA_PORT, 5, 3),
-        "livenessProbe": _http_probe("/health", REPLICA_PORT, 10, 6),
+        "resources": vllm_resources(options),
+        **_probes(options, REPLICA_PORT, ("/health", 3), 6),
         "lifecycle": _pre_stop(PRE_STOP_S["vllm"]),
         # Baseline and a little more. Not restricted: vllm/vllm-openai runs as root (its one user; its caches
         # are under /root) and writes to its root filesystem (compile caches), so neither runAsNonRoot nor
@@ -304,21 +254,22 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "hf-cache", "mountPath": HF_CACHE_DIR},
             *_adapters_mounts(options),
+            *([tls_mount(VLLM_TLS_DIR)] if options.tls else []),
         ],
     }
-    labels = _labels(VLLM_NAME)
+    pod_labels = labels(VLLM_NAME)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _metadata(options, VLLM_NAME, VLLM_NAME),
+        "metadata": metadata(options, VLLM_NAME, VLLM_NAME),
         "spec": {
             "replicas": options.replicas,
             "serviceName": VLLM_NAME,
             # Replicas are independent: start and replace them all at once, not one after another.
             "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": labels},
+            "selector": {"matchLabels": pod_labels},
             "template": {
-                "metadata": {"labels": labels, "annotations": _scrape(REPLICA_PORT)},
+                "metadata": {"labels": pod_labels, "annotations": _scrape(REPLICA_PORT, options.tls)},
                 "spec": {
                     # The preStop sleep, then vLLM's own shutdown.
                     "terminationGracePeriodSeconds": 60,
@@ -327,12 +278,7 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
                     "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                     "tolerations": _gpu_tolerations(),
                     "containers": [container],
-                    "volumes": [
-                        # PyTorch shares tensors between vLLM's processes through /dev/shm (compose: ipc host).
-                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
-                        {"name": "hf-cache", **cache},
-                        *_adapters_volumes(options),
-                    ],
+                    "volumes": _vllm_volumes(options),
                 },
             },
         },
@@ -344,11 +290,11 @@ def vllm_service(options: KubeOptions) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(options, VLLM_NAME, VLLM_NAME),
+        "metadata": metadata(options, VLLM_NAME, VLLM_NAME),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": False,
-            "selector": _labels(VLLM_NAME),
+            "selector": labels(VLLM_NAME),
             "ports": [
                 {"name": "http", "port": REPLICA_PORT, "targetPort": REPLICA_PORT},
                 {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": KV_EVENTS_PORT},
@@ -371,16 +317,21 @@ def router_command(options: KubeOptions) -> list[str]:
         lora_affinity=options.lora_affinity,
         otlp_traces_endpoint=options.otlp_traces_endpoint,
     )
-    command = [*ROUTER_ENTRYPOINT, *router_flags(settings, [])]
-    command += ["--discover", f"dns:{options.dns_name(VLLM_NAME)}:{REPLICA_PORT}"]
-    command += ["--discover-kv-port", str(KV_EVENTS_PORT)]
+    if options.tls:
+        settings = with_router_tls(settings)
+        # Each pod by its name, which its certificate covers (kube_tls.replica_targets says why not --discover).
+        command = [*ROUTER_ENTRYPOINT, *router_flags(settings, replica_targets(options))]
+    else:
+        command = [*ROUTER_ENTRYPOINT, *router_flags(settings, [])]
+        command += ["--discover", f"dns:{options.dns_name(VLLM_NAME)}:{REPLICA_PORT}"]
+        command += ["--discover-kv-port", str(KV_EVENTS_PORT)]
     # GPUs are read from the agents: the router's pods have none.
     command += ["--discover-agents", f"dns:{options.dns_name(AGENT_NAME, options.agent_namespace)}:{AGENT_PORT}"]
     return command
 
 
 def router_deployment(options: KubeOptions) -> dict[str, Any]:
-    labels = _labels(ROUTER_NAME)
+    pod_labels = labels(ROUTER_NAME)
     container = {
         "name": "router",
         "image": options.router_image,
@@ -399,8 +350,7 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
         ],
         "resources": router_resources(options),
         # /ready answers 503 until a replica is healthy: a router with nothing behind it takes no traffic.
-        "readinessProbe": _http_probe("/ready", ROUTER_PORT, 5, 2),
-        "livenessProbe": _http_probe("/health", ROUTER_PORT, 10, 3),
+        **_probes(options, ROUTER_PORT, ("/ready", 2), 3),
         "lifecycle": _pre_stop(PRE_STOP_S["router"]),
         # Pod Security `restricted`, and a read-only root filesystem.
         "securityContext": {
@@ -413,23 +363,27 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         # The root filesystem is read-only; whatever a library spools to a temporary file goes here.
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *_adapters_mounts(options)],
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            *_adapters_mounts(options),
+            *([tls_mount(ROUTER_TLS_DIR)] if options.tls else []),
+        ],
     }
     spread = {
         "weight": 100,
-        "podAffinityTerm": {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"},
+        "podAffinityTerm": {"labelSelector": {"matchLabels": pod_labels}, "topologyKey": "kubernetes.io/hostname"},
     }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(options, ROUTER_NAME, ROUTER_NAME),
+        "metadata": metadata(options, ROUTER_NAME, ROUTER_NAME),
         "spec": {
             "replicas": options.router_replicas,
             # A new router is ready before an old one is told to stop: a rolling restart never runs short.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "selector": {"matchLabels": labels},
+            "selector": {"matchLabels": pod_labels},
             "template": {
-                "metadata": {"labels": labels, "annotations": _scrape(ROUTER_PORT)},
+                "metadata": {"labels": pod_labels, "annotations": _scrape(ROUTER_PORT, options.tls)},
                 "spec": {
                     # Routers on different nodes where there are nodes enough: one node's loss leaves one.
                     "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [spread]}},
@@ -445,7 +399,12 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "containers": [container],
-                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, *_adapters_volumes(options)],
+                    "volumes": [
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+                        *_adapters_volumes(options),
+                        # Read by the router's group (fsGroup) only.
+                        *([tls_volume(ROUTER_TLS_SECRET, 0o440)] if options.tls else []),
+                    ],
                 },
             },
         },
@@ -453,20 +412,22 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
 
 
 def router_resources(options: KubeOptions) -> dict[str, Any]:
-    """One router process's share, times its workers: each is a process of its own, with its own KV index
-    (up to about 1 GB at its default bound of 2M blocks). No CPU limit: a throttled router adds latency to
-    every request it relays."""
+    """One router process's share, times its workers, unless given: each is a process of its own, with its own
+    KV index (up to about 1 GB at its default bound of 2M blocks). No CPU limit: a throttled router adds latency
+    to every request it relays."""
     workers = options.router_workers
     request, limit = (f"{gib * workers}Gi" for gib in ROUTER_MEMORY_GIB)
-    return {"requests": {"cpu": str(ROUTER_CPU * workers), "memory": request}, "limits": {"memory": limit}}
+    cpu = options.router_cpu or str(ROUTER_CPU * workers)
+    memory = {"cpu": cpu, "memory": options.router_memory or request}
+    return {"requests": memory, "limits": {"memory": options.router_memory_limit or limit}}
 
 
 def router_disruption_budget(options: KubeOptions) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(options, ROUTER_NAME, ROUTER_NAME),
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": _labels(ROUTER_NAME)}},
+        "metadata": metadata(options, ROUTER_NAME, ROUTER_NAME),
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": labels(ROUTER_NAME)}},
     }
 
 
@@ -475,8 +436,8 @@ def vllm_disruption_budget(options: KubeOptions) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(options, VLLM_NAME, VLLM_NAME),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(VLLM_NAME)}},
+        "metadata": metadata(options, VLLM_NAME, VLLM_NAME),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels(VLLM_NAME)}},
     }
 
 
@@ -484,10 +445,10 @@ def router_service(options: KubeOptions) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(options, ROUTER_NAME, ROUTER_NAME),
+        "metadata": metadata(options, ROUTER_NAME, ROUTER_NAME),
         "spec": {
             "type": "ClusterIP",
-            "selector": _labels(ROUTER_NAME),
+            "selector": labels(ROUTER_NAME),
             "ports": [{"name": "http", "port": ROUTER_SERVICE_PORT, "targetPort": "http"}],
         },
     }
@@ -500,11 +461,11 @@ def router_peers_service(options: KubeOptions) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(options, ROUTER_PEERS_NAME, ROUTER_PEERS_NAME),
+        "metadata": metadata(options, ROUTER_PEERS_NAME, ROUTER_PEERS_NAME),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": _labels(ROUTER_NAME),
+            "selector": labels(ROUTER_NAME),
             "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": ROUTER_PORT}],
         },
     }
@@ -516,7 +477,7 @@ def agent_command() -> list[str]:
 
 
 def agent_daemonset(options: KubeOptions) -> dict[str, Any]:
-    labels = _labels(AGENT_NAME)
+    pod_labels = labels(AGENT_NAME)
     container = {
         "name": "agent",
         "image": options.router_image,
@@ -538,11 +499,11 @@ def agent_daemonset(options: KubeOptions) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
-        "metadata": _metadata(options, AGENT_NAME, AGENT_NAME, options.agent_namespace),
+        "metadata": metadata(options, AGENT_NAME, AGENT_NAME, options.agent_namespace),
         "spec": {
-            "selector": {"matchLabels": labels},
+            "selector": {"matchLabels": pod_labels},
             "template": {
-                "metadata": {"labels": labels, "annotations": _scrape(AGENT_PORT)},
+                "metadata": {"labels": pod_labels, "annotations": _scrape(AGENT_PORT)},
                 "spec": {
                     # The host's process table: NVML reports host PIDs, mapped here to pods and listening ports.
                     # No way around it short of the kubelet's pod-resources socket, a hostPath (as privileged).
@@ -577,68 +538,13 @@ def agent_service(options: KubeOptions) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(options, AGENT_NAME, AGENT_NAME, options.agent_namespace),
+        "metadata": metadata(options, AGENT_NAME, AGENT_NAME, options.agent_namespace),
         "spec": {
             "clusterIP": "None",
-            "selector": _labels(AGENT_NAME),
+            "selector": labels(AGENT_NAME),
             "ports": [{"name": "http", "port": AGENT_PORT, "targetPort": AGENT_PORT}],
         },
     }
-
-
-def _network_policy(options: KubeOptions, name: str, namespace: str, ingress: list[dict[str, Any]]) -> dict[str, Any]:
-    """Ingress to `name`'s pods only as `ingress` says (egress is not limited: vLLM downloads weights)."""
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _metadata(options, name, name, namespace),
-        "spec": {"podSelector": {"matchLabels": _labels(name)}, "policyTypes": ["Ingress"], "ingress": ingress},
-    }
-
-
-def _ports(*ports: int) -> list[dict[str, Any]]:
-    return [{"protocol": "TCP", "port": port} for port in ports]
-
-
-def _prometheus_pods(options: KubeOptions) -> dict[str, Any]:
-    namespace_labels = {"kubernetes.io/metadata.name": options.prometheus_namespace}
-    return {
-        "namespaceSelector": {"matchLabels": namespace_labels},
-        "podSelector": {"matchLabels": PROMETHEUS_POD_LABELS},
-    }
-
-
-def _router_pods(options: KubeOptions) -> dict[str, Any]:
-    namespace_labels = {"kubernetes.io/metadata.name": options.namespace}
-    return {
-        "namespaceSelector": {"matchLabels": namespace_labels},
-        "podSelector": {"matchLabels": _labels(ROUTER_NAME)},
-    }
-
-
-def network_policies(options: KubeOptions) -> list[dict[str, Any]]:
-    """The replicas' API (which has no key of the client's) and KV events only from the routers, their
-    /metrics from Prometheus; the agents' readings to the routers and Prometheus; the routers' one port to
-    any client. The agents read /proc, not the replicas' ports, so they need no way in. Probes come from
-    the kubelet, on the node, which network policies do not stop."""
-    return [
-        _network_policy(
-            options,
-            VLLM_NAME,
-            options.namespace,
-            [
-                {"from": [_router_pods(options)], "ports": _ports(REPLICA_PORT, KV_EVENTS_PORT)},
-                {"from": [_prometheus_pods(options)], "ports": _ports(REPLICA_PORT)},
-            ],
-        ),
-        _network_policy(options, ROUTER_NAME, options.namespace, [{"ports": _ports(ROUTER_PORT)}]),
-        _network_policy(
-            options,
-            AGENT_NAME,
-            options.agent_namespace,
-            [{"from": [_router_pods(options), _prometheus_pods(options)], "ports": _ports(AGENT_PORT)}],
-        ),
-    ]
 
 
 def service_monitor(options: KubeOptions, name: str) -> dict[str, Any]:
@@ -647,13 +553,24 @@ def service_monitor(options: KubeOptions, name: str) -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(options, name, name, namespace),
+        "metadata": metadata(options, name, name, namespace),
         "spec": {
-            "selector": {"matchLabels": _labels(name)},
+            "selector": {"matchLabels": labels(name)},
             "namespaceSelector": {"matchNames": [namespace]},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+            "endpoints": [_scrape_endpoint(options, name)],
         },
     }
+
+
+def _scrape_endpoint(options: KubeOptions, name: str) -> dict[str, Any]:
+    """With --tls, the routers and vLLM serve HTTPS: scraped over it, their certificate checked against the
+    CA in their Secret (which the Prometheus Operator reads from the ServiceMonitor's namespace)."""
+    endpoint: dict[str, Any] = {"port": "http", "path": "/metrics", "interval": "15s"}
+    if not options.tls or name == AGENT_NAME:
+        return endpoint
+    secret = ROUTER_TLS_SECRET if name == ROUTER_NAME else VLLM_TLS_SECRET
+    ca = {"secret": {"name": secret, "key": "ca.crt"}}
+    return {**endpoint, "scheme": "https", "tlsConfig": {"ca": ca, "serverName": options.dns_name(name)}}
 
 
 def documents(options: KubeOptions) -> list[dict[str, Any]]:
@@ -673,7 +590,32 @@ def documents(options: KubeOptions) -> list[dict[str, Any]]:
     ]
     if options.service_monitor:
         docs += [service_monitor(options, name) for name in (ROUTER_NAME, AGENT_NAME, VLLM_NAME)]
+    if options.issuer:
+        docs += certificates(options)
     return docs
+
+
+def _tls_header(options: KubeOptions) -> str:
+    if not options.tls:
+        return ""
+    if options.issuer:
+        return f"TLS: cert-manager makes {ROUTER_TLS_SECRET} and {VLLM_TLS_SECRET} (the Certificates below).\n"
+    commands = "".join(f"  {line}\n" for line in tls_commands(options))
+    return (
+        f"TLS: the Secrets {ROUTER_TLS_SECRET} and {VLLM_TLS_SECRET} (tls.crt, tls.key, ca.crt), from a CA of\n"
+        "your own, in an empty folder (or pass --cert-manager-issuer NAME and let cert-manager make them):\n"
+        + commands
+        + f"Clients verify the routers against ca.crt, for {options.dns_name(ROUTER_NAME)}.\n"
+    )
+
+
+def _egress_header(options: KubeOptions) -> str:
+    if options.model_cache_pvc or options.vllm_egress:
+        return ""
+    return (
+        "The vLLM pods reach nothing but DNS: to download the weights, pass --vllm-egress 0.0.0.0/0:443\n"
+        "(or a narrower block), or fill a claim with them and pass --model-cache-pvc.\n"
+    )
 
 
 def render(options: KubeOptions) -> str:
@@ -687,8 +629,7 @@ def render(options: KubeOptions) -> str:
         f"  kubectl -n {ns} create secret generic {REPLICA_KEY_SECRET} "
         f"--from-literal={REPLICA_KEY_ENTRY}=$(openssl rand -hex 32)  # vLLM's key, which only the routers send\n"
         f"  kubectl -n {ns} create secret generic {HF_TOKEN_SECRET} --from-literal=token=hf_...  "
-        "# gated models only\n"
-        "then: kubectl apply -f THIS_FILE\n"
+        "# gated models only\n" + _tls_header(options) + _egress_header(options) + "then: kubectl apply -f THIS_FILE\n"
         f"Router and agent run {options.router_image} (router/Dockerfile): push it where the cluster pulls from\n"
         "and pass --router-image REGISTRY/dpserve-router:TAG, or load it into each node (kind load, ctr import)."
     )

@@ -1,17 +1,96 @@
-"""`dpserve kube`: write the Kubernetes manifests (one multi-document YAML) for N GPU replicas."""
+"""`dpserve kube`: write the Kubernetes manifests (one multi-document YAML) for N GPU replicas.
+
+Light on imports: the flags are added whenever the `dpserve` parser is built (any command); the manifests'
+modules are imported only to write them."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dpserve.deploy.kube import KubeOptions, render
+if TYPE_CHECKING:
+    from dpserve.deploy.kube_options import KubeOptions
+
+RESOURCE_FLAGS = {
+    "vllm_cpu": "a vLLM pod's CPU request (default 4 per GPU; never a limit)",
+    "vllm_memory": "a vLLM pod's memory request (default 24Gi per GPU)",
+    "vllm_memory_limit": "a vLLM pod's memory limit (default none: the model decides what loading takes)",
+    "router_cpu": "a router pod's CPU request (default 1 per worker; never a limit)",
+    "router_memory": "a router pod's memory request (default 1Gi per worker)",
+    "router_memory_limit": "a router pod's memory limit (default 3Gi per worker)",
+}
+"""Pod resources, as Kubernetes quantities (8, 500m, 32Gi)."""
+HARDENING_OPTIONS = (
+    "max_model_len",
+    "gpu_memory_utilization",
+    *RESOURCE_FLAGS,
+    "hf_cache_size",
+    "router_clients",
+    "vllm_egress",
+    "tls",
+    "cert_manager_issuer",
+)
+"""KubeOptions' fields that add_kube_flags adds flags of, by their names."""
+
+
+def add_kube_flags(kube: argparse.ArgumentParser) -> None:
+    """vLLM's engine sizes, the pods' resources, the NetworkPolicies' and TLS's flags."""
+    engine = kube.add_argument_group("vLLM engine (vLLM's flags; any other goes after `--`)")
+    engine.add_argument("--max-model-len", type=int, metavar="N", help="context length (default 8192)")
+    engine.add_argument(
+        "--gpu-memory-utilization", type=float, metavar="FRACTION", help="of each GPU's memory (default 0.9)"
+    )
+    resources = kube.add_argument_group("pod resources")
+    for name, text in RESOURCE_FLAGS.items():
+        resources.add_argument("--" + name.replace("_", "-"), metavar="QUANTITY", help=text)
+    resources.add_argument(
+        "--hf-cache-size",
+        metavar="QUANTITY",
+        help="sizeLimit of the emptyDir each vLLM pod downloads weights into (default 100Gi; not with "
+        "--model-cache-pvc)",
+    )
+    network = kube.add_argument_group("network")
+    network.add_argument(
+        "--router-clients",
+        action="append",
+        metavar="NAMESPACE[:KEY=VALUE,...]",
+        help="pods that may reach the routers: every pod of NAMESPACE, or those with these labels; '*': any "
+        "source; repeatable (default: the routers' own namespace; peers and Prometheus always)",
+    )
+    network.add_argument(
+        "--vllm-egress",
+        action="append",
+        metavar="CIDR[:PORT]",
+        help="where else the vLLM pods may connect (default: DNS and the tracing endpoint only), e.g. "
+        "0.0.0.0/0:443 to download weights; repeatable",
+    )
+    network.add_argument(
+        "--tls",
+        action="store_true",
+        default=None,
+        help="HTTPS on every hop: clients to routers, routers to vLLM, router to router; certificates from "
+        "the Secrets dpserve-router-tls and dpserve-vllm-tls (the file's header says how to make them)",
+    )
+    network.add_argument(
+        "--cert-manager-issuer",
+        metavar="[ClusterIssuer/]NAME",
+        help="with --tls: also write cert-manager Certificates that make (and renew) those Secrets",
+    )
+
+
+def kube_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The values of add_kube_flags' flags, by KubeOptions' field names (lists as tuples; None: not given)."""
+    values = {name: getattr(args, name, None) for name in HARDENING_OPTIONS}
+    return {name: tuple(value) if isinstance(value, list) else value for name, value in values.items()}
 
 
 def kube_options(replicas: int, **given: Any) -> KubeOptions:
     """Flags left out (None) keep KubeOptions' defaults; a ValueError names the bad flag."""
+    from dpserve.deploy.kube_options import KubeOptions
+
     names = {f.name for f in dataclasses.fields(KubeOptions)}
     unknown = set(given) - names
     if unknown:
@@ -20,6 +99,8 @@ def kube_options(replicas: int, **given: Any) -> KubeOptions:
 
 
 def run_kube(replicas: int, output: Path | None, **given: Any) -> int:
+    from dpserve.deploy.kube import render
+
     try:
         options = kube_options(replicas, **given)
     except ValueError as exc:
@@ -30,10 +111,11 @@ def run_kube(replicas: int, output: Path | None, **given: Any) -> int:
         sys.stdout.write(text)
         return 0
     output.write_text(text)
+    tls = ", the TLS Secrets (the file's header says how)" if options.tls and not options.issuer else ""
     print(
         f"dpserve kube: wrote {output} ({options.replicas} replica(s) of {options.model}, "
         f"{options.tensor_parallel_size} GPU(s) each, namespace "
-        f"{options.namespace}); create the Secret {options.keys_secret} first, then kubectl apply -f {output}",
+        f"{options.namespace}); create the Secret {options.keys_secret}{tls} first, then kubectl apply -f {output}",
         file=sys.stderr,
     )
     return 0

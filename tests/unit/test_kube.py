@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import ipaddress
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -220,7 +221,7 @@ def test_vllm_serves_the_model_with_kv_events_where_the_router_subscribes() -> N
 
 
 @pytest.mark.parametrize("pvc", [None, "hf-models"])
-def test_the_model_cache_is_the_given_claim_or_an_empty_dir(pvc: str | None) -> None:
+def test_the_model_cache_is_the_given_claim_or_a_bounded_empty_dir(pvc: str | None) -> None:
     (statefulset,) = only(documents(KubeOptions(replicas=2, model_cache_pvc=pvc)), "StatefulSet")
     spec = statefulset["spec"]["template"]["spec"]
     mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
@@ -229,7 +230,7 @@ def test_the_model_cache_is_the_given_claim_or_an_empty_dir(pvc: str | None) -> 
     if pvc:
         assert cache["persistentVolumeClaim"] == {"claimName": pvc}
     else:
-        assert cache["emptyDir"] == {}
+        assert cache["emptyDir"] == {"sizeLimit": "100Gi"}
     shm = volumes[mounts["/dev/shm"]]["emptyDir"]
     assert shm["medium"] == "Memory" and shm["sizeLimit"]
 
@@ -684,52 +685,180 @@ def test_the_pod_security_checks_refuse_what_each_level_forbids() -> None:
         violations(spec, "strict")
 
 
-def _admits(policy: dict[str, Any], namespace_labels: dict[str, str], pod_labels: dict[str, str], port: int) -> bool:
-    """A NetworkPolicy's ingress rules, for a connection from a pod (its namespace's labels, its labels)."""
-    for rule in policy["spec"]["ingress"]:
-        if not any(p["port"] == port and p["protocol"] == "TCP" for p in rule.get("ports", [{"port": port}])):
+Peer = tuple[dict[str, str], dict[str, str]] | str
+"""A connection's other end: a pod (its namespace's labels, its labels), or an address outside the cluster."""
+
+
+def _matches(selector: dict[str, Any], peer: Peer) -> bool:
+    """One `from`/`to` entry, as Kubernetes reads it: an address block, or pods (an empty selector: all)."""
+    if "ipBlock" in selector:
+        block = selector["ipBlock"]
+        if not isinstance(peer, str) or ipaddress.ip_address(peer) not in ipaddress.ip_network(block["cidr"]):
+            return False
+        return not any(ipaddress.ip_address(peer) in ipaddress.ip_network(cidr) for cidr in block.get("except", []))
+    if isinstance(peer, str):
+        return False
+    namespace_labels, pod_labels = peer
+    wanted = (selector["namespaceSelector"]["matchLabels"], selector["podSelector"]["matchLabels"])
+    return all(
+        all(labels.get(key) == value for key, value in selector_labels.items())
+        for selector_labels, labels in zip(wanted, (namespace_labels, pod_labels), strict=True)
+    )
+
+
+def _allows(policy: dict[str, Any], direction: str, peer: Peer, port: int, protocol: str = "TCP") -> bool:
+    """Whether `policy` lets a connection in (Ingress, from `peer`) or out (Egress, to `peer`) on `port`."""
+    if direction not in policy["spec"]["policyTypes"]:
+        return True
+    key, side = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    for rule in policy["spec"].get(key, []):
+        if "ports" in rule and not any(p["port"] == port and p["protocol"] == protocol for p in rule["ports"]):
             continue
-        if "from" not in rule:
+        if side not in rule or any(_matches(selector, peer) for selector in rule[side]):
             return True
-        for peer in rule["from"]:
-            ns_ok = selects(peer["namespaceSelector"]["matchLabels"], namespace_labels)
-            if ns_ok and selects(peer["podSelector"]["matchLabels"], pod_labels):
-                return True
     return False
+
+
+def _admits(policy: dict[str, Any], namespace_labels: dict[str, str], pod_labels: dict[str, str], port: int) -> bool:
+    return _allows(policy, "Ingress", (namespace_labels, pod_labels), port)
+
+
+def _policies(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The one policy guarding each workload's pods, by the workload's name."""
+    policies = only(docs, "NetworkPolicy")
+    guarding = {}
+    for workload, _ in pod_specs(docs):
+        found = [
+            p
+            for p in policies
+            if selects(p["spec"]["podSelector"]["matchLabels"], template_labels(workload))
+            and p["metadata"]["namespace"] == workload["metadata"]["namespace"]
+        ]
+        assert len(found) == 1, f"{workload['metadata']['name']} is behind exactly one policy"
+        guarding[workload["metadata"]["name"]] = found[0]
+    return guarding
+
+
+def _ns(name: str) -> dict[str, str]:
+    return {"kubernetes.io/metadata.name": name}
+
+
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
+DNS = (_ns("kube-system"), {"k8s-app": "kube-dns", "pod-template-hash": "x"})
 
 
 def test_network_policies_let_only_the_routers_reach_the_replicas_and_prometheus_scrape() -> None:
     options = KubeOptions(replicas=2, namespace="llm", prometheus_namespace="obs")
     docs = documents(options)
-    policies = only(docs, "NetworkPolicy")
+    guarding = _policies(docs)
+    vllm, router, agent = guarding["vllm"], guarding["dpserve-router"], guarding["dpserve-agent"]
     deployment, daemonset = router_and_agent(docs)
     (statefulset,) = only(docs, "StatefulSet")
-    guarding = {
-        workload["metadata"]["name"]: [p for p in policies if selects(p["spec"]["podSelector"]["matchLabels"],
-                                                                    template_labels(workload))]
-        for workload in (statefulset, deployment, daemonset)
-    }  # fmt: skip
-    assert all(len(found) == 1 for found in guarding.values()), "every pod is behind exactly one policy"
-    (vllm,), (router,), (agent,) = guarding["vllm"], guarding["dpserve-router"], guarding["dpserve-agent"]
-    assert vllm["spec"]["policyTypes"] == ["Ingress"] and vllm["metadata"]["namespace"] == "llm"
-    llm, obs = {"kubernetes.io/metadata.name": "llm"}, {"kubernetes.io/metadata.name": "obs"}
-    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    assert vllm["metadata"]["namespace"] == "llm"
+    llm, obs = _ns("llm"), _ns("obs")
     router_pod, agent_pod, vllm_pod = (template_labels(w) for w in (deployment, daemonset, statefulset))
     for port in (8000, 5557):
         assert _admits(vllm, llm, router_pod, port)
         assert not _admits(vllm, llm, agent_pod, port) and not _admits(vllm, llm, vllm_pod, port)
         assert not _admits(vllm, llm, {"app": "anything"}, port) and not _admits(vllm, llm, {}, port)
-        assert not _admits(vllm, {"kubernetes.io/metadata.name": "other"}, router_pod, port), "routers elsewhere"
-    assert _admits(vllm, obs, prometheus, 8000) and not _admits(vllm, obs, prometheus, 5557)
-    assert not _admits(vllm, llm, prometheus, 8000), "Prometheus in its own namespace only"
+        assert not _admits(vllm, _ns("other"), router_pod, port), "routers elsewhere"
+    assert _admits(vllm, obs, PROMETHEUS, 8000) and not _admits(vllm, obs, PROMETHEUS, 5557)
+    assert not _admits(vllm, llm, PROMETHEUS, 8000), "Prometheus in its own namespace only"
     assert not _admits(vllm, llm, router_pod, 8080), "only the replicas' two ports"
-    # The routers take any client on their one port; the agents answer routers and Prometheus only.
-    assert _admits(router, {}, {}, 8080) and not _admits(router, {}, {}, 9000)
+    # The routers take their own namespace's pods (the default), each other and Prometheus, on their one port.
+    assert _admits(router, llm, {"app": "chat"}, 8080) and not _admits(router, llm, {"app": "chat"}, 9000)
+    assert _admits(router, llm, router_pod, 8080) and _admits(router, obs, PROMETHEUS, 8080)
+    assert not _admits(router, _ns("other"), {"app": "chat"}, 8080), "pods of other namespaces"
+    assert not _allows(router, "Ingress", "203.0.113.9", 8080), "nothing from outside the cluster"
+    # The agents answer routers and Prometheus only.
     assert agent["metadata"]["namespace"] == "llm-gpu-agent"
-    assert _admits(agent, llm, router_pod, 9400) and _admits(agent, obs, prometheus, 9400)
+    assert _admits(agent, llm, router_pod, 9400) and _admits(agent, obs, PROMETHEUS, 9400)
     assert not _admits(agent, llm, vllm_pod, 9400)
     ports = {p["containerPort"] for p in statefulset["spec"]["template"]["spec"]["containers"][0]["ports"]}
     assert ports == {8000, 5557}
+
+
+def test_egress_replicas_reach_dns_only_routers_their_fleet_and_agents_nothing() -> None:
+    options = KubeOptions(replicas=2, namespace="llm", router_replicas=2)
+    docs = documents(options)
+    guarding = _policies(docs)
+    vllm, router, agent = guarding["vllm"], guarding["dpserve-router"], guarding["dpserve-agent"]
+    assert all(p["spec"]["policyTypes"] == ["Ingress", "Egress"] for p in guarding.values())
+    deployment, daemonset = router_and_agent(docs)
+    (statefulset,) = only(docs, "StatefulSet")
+    llm, agents_ns = _ns("llm"), _ns("llm-gpu-agent")
+    router_pod, agent_pod, vllm_pod = (template_labels(w) for w in (deployment, daemonset, statefulset))
+    for protocol in ("UDP", "TCP"):
+        assert _allows(vllm, "Egress", DNS, 53, protocol) and _allows(router, "Egress", DNS, 53, protocol)
+        assert not _allows(agent, "Egress", DNS, 53, protocol), "the agents look nothing up"
+    for address, port in (("203.0.113.9", 443), ("10.0.0.1", 53), ("1.1.1.1", 53)):
+        for policy in (vllm, router, agent):
+            assert not _allows(policy, "Egress", address, port), (policy["metadata"]["name"], address, port)
+    assert not _allows(vllm, "Egress", (llm, router_pod), 8080), "a replica calls no router"
+    assert not _allows(vllm, "Egress", (llm, vllm_pod), 8000), "nor another replica"
+    # The routers: the replicas' two ports, the peers' port, the agents' readings; nothing else.
+    assert _allows(router, "Egress", (llm, vllm_pod), 8000) and _allows(router, "Egress", (llm, vllm_pod), 5557)
+    assert _allows(router, "Egress", (llm, router_pod), 8080)
+    assert _allows(router, "Egress", (agents_ns, agent_pod), 9400)
+    assert not _allows(router, "Egress", (llm, vllm_pod), 22) and not _allows(router, "Egress", (llm, {}), 8000)
+    # The policy the router's own peers pass: each router may reach, and be reached by, the others.
+    assert _admits(router, llm, router_pod, 8080)
+
+
+def test_egress_as_told_and_to_the_tracing_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--vllm-egress", "0.0.0.0/0:443", "--vllm-egress", "10.20.0.0/16"]
+    flags += ["--otlp-traces-endpoint", "http://otel-collector.observability:4317"]
+    assert main(["kube", "--replicas", "2", "--namespace", "llm", *flags]) == 0
+    docs = [doc for doc in yaml.safe_load_all(capsys.readouterr().out) if doc]
+    guarding = _policies(docs)
+    vllm, router = guarding["vllm"], guarding["dpserve-router"]
+    assert _allows(vllm, "Egress", "203.0.113.9", 443) and not _allows(vllm, "Egress", "203.0.113.9", 80)
+    assert _allows(vllm, "Egress", "10.20.3.4", 80) and not _allows(vllm, "Egress", "10.21.3.4", 80)
+    assert not _allows(router, "Egress", "203.0.113.9", 443), "only the replicas were told"
+    collector = (_ns("observability"), {"app": "otel-collector"})
+    for policy in (vllm, router):
+        assert _allows(policy, "Egress", collector, 4317) and not _allows(policy, "Egress", collector, 4318)
+    address = KubeOptions(replicas=1, otlp_traces_endpoint="http://10.9.8.7:4318")
+    (vllm_policy, *_) = only(documents(address), "NetworkPolicy")
+    assert _allows(vllm_policy, "Egress", "10.9.8.7", 4318) and not _allows(vllm_policy, "Egress", "10.9.8.8", 4318)
+    for bad in ("example.com:443", "10.0.0.0/8:0", "10.0.0.0/33"):
+        assert main(["kube", "--replicas", "1", "--vllm-egress", bad]) == 2
+        assert capsys.readouterr().err.startswith(f"dpserve kube: --vllm-egress {bad!r}")
+
+
+@pytest.mark.parametrize(
+    ("clients", "admitted", "refused"),
+    [
+        (["ingress-nginx"], [(_ns("ingress-nginx"), {"app": "x"})], [(_ns("llm"), {"app": "chat"}), "203.0.113.9"]),
+        (
+            ["apps:app=chat,tier=web"],
+            [(_ns("apps"), {"app": "chat", "tier": "web", "more": "x"})],
+            [(_ns("apps"), {"app": "chat"}), (_ns("llm"), {"app": "chat", "tier": "web"})],
+        ),
+        (["*"], [(_ns("any"), {}), "203.0.113.9"], []),
+    ],
+)
+def test_router_clients_as_told_and_always_their_peers_and_prometheus(
+    clients: list[str], admitted: list[Peer], refused: list[Peer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = [arg for text in clients for arg in ("--router-clients", text)]
+    assert main(["kube", "--replicas", "2", "--namespace", "llm", *flags]) == 0
+    docs = [doc for doc in yaml.safe_load_all(capsys.readouterr().out) if doc]
+    router = _policies(docs)["dpserve-router"]
+    deployment, _ = router_and_agent(docs)
+    for peer in [*admitted, (_ns("llm"), template_labels(deployment)), (_ns("monitoring"), PROMETHEUS)]:
+        assert _allows(router, "Ingress", peer, 8080), peer
+    for peer in refused:
+        assert not _allows(router, "Ingress", peer, 8080), peer
+    for port in (8000, 9400):
+        assert not _allows(router, "Ingress", (_ns("any"), {}), port)
+
+
+@pytest.mark.parametrize("bad", ["", "Bad_NS", "apps:", "apps:app", "apps:app=a b", "apps:=x"])
+def test_a_bad_router_clients_selector_is_refused_by_name(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["kube", "--replicas", "1", "--router-clients", bad]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dpserve kube: --router-clients {bad!r}") and len(err.splitlines()) == 1
 
 
 def test_routers_roll_and_stop_without_dropping_a_request_and_drains_take_one_replica_at_a_time() -> None:
@@ -771,7 +900,8 @@ def test_the_cli_passes_the_prometheus_namespace(capsys: pytest.CaptureFixture[s
     scrapers = [
         peer for peer in peers if peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
     ]
-    assert len(scrapers) == 2 and all(
+    # The replicas, the routers and the agents let it scrape them.
+    assert len(scrapers) == 3 and all(
         peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "obs"} for peer in scrapers
     )
 
