@@ -7,6 +7,7 @@ import os
 import random
 import secrets
 import socket
+import ssl
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +45,7 @@ from dpserve.router.http.upstream_client import Deadlines
 from dpserve.router.observe.metrics import RouterMetrics
 from dpserve.router.observe.prompt_tokens import LocalTokenizer
 from dpserve.router.peers.board import PeerBoard
-from dpserve.router.peers.links import PeerLinks
+from dpserve.router.peers.links import PeerLinks, peer_tls
 from dpserve.router.quality.shadows import ShadowScorer
 from dpserve.router.routing.selection import PrefixLookup, Selector
 
@@ -264,7 +265,16 @@ def peer_links(
         discover_interval_s=settings.discover_interval_s,
         admin_key=keys.admins[0] if keys.admins else None,
         max_snapshot_blocks=settings.kv_index_max_entries,
+        tls=_peer_tls(settings),
     )
+
+
+def _peer_tls(settings: RouterSettings) -> ssl.SSLContext | None:
+    """A router serving HTTPS reaches its peers over it, verified against its --ssl-ca-certs (links.py)."""
+    try:
+        return peer_tls(settings.ssl_ca_certs, settings.ssl_certfile, settings.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"TLS to peers (--ssl-certfile, --ssl-keyfile, --ssl-ca-certs): {exc}") from None
 
 
 def replica_access(settings: RouterSettings) -> ReplicaAccess:

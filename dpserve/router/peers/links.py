@@ -13,6 +13,11 @@ Workers of one host (`--workers`) follow each other on private loopback ports. A
 that follows this host's shared port reaches one worker, chosen by the kernel; that worker relays its
 siblings' updates to it (`relay=1`), so every worker of every host is heard through one link per router.
 
+A router serving HTTPS (`--ssl-certfile`) follows the peers it discovers over HTTPS: found by address, each is
+checked for the name it was found by (the peers' Service: their certificate names it, as it cannot name a pod's
+address), against the router's `--ssl-ca-certs` (else the system's CAs), and shown the router's own certificate
+should it ask for one. A `--peer https://...` is checked for its URL's host, against the same CAs.
+
 A starting router loads a peer's snapshot (`GET /admin/peer/snapshot`: its KV index and recent routes)
 before it serves, so a restart does not scatter prefixes that its peers are keeping together.
 """
@@ -22,9 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -101,6 +108,8 @@ class Link:
     errors: dict[str, int] = field(default_factory=dict)
     last_error: str | None = None
     task: asyncio.Task[None] | None = None
+    server_name: str | None = None
+    """The name its certificate is checked for when not its URL's host: the DNS name it was found by."""
 
     def failed(self, kind: str, detail: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -122,8 +131,12 @@ class PeerLinks:
         admin_key: bytes | None = None,
         on_suspect: Callable[[str], None] = lambda rid: None,
         max_snapshot_blocks: int = 2_000_000,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """`tls`: this router serves HTTPS (peer_tls): discovered peers are followed over HTTPS, and every
+        https:// peer is verified with it."""
         self.board = board
+        self._tls = tls
         self._session: aiohttp.ClientSession | None = None
         self._draining = False
         self._news = asyncio.Event()
@@ -279,7 +292,11 @@ class PeerLinks:
         while True:
             try:
                 async with self._session.get(
-                    link.url + STREAM_PATH, params=params, headers=self._headers, timeout=timeout
+                    link.url + STREAM_PATH,
+                    params=params,
+                    headers=self._headers,
+                    timeout=timeout,
+                    **self._tls_options(link.url, link.server_name),
                 ) as resp:
                     if resp.status == 409:
                         link.state = "self"
@@ -316,35 +333,52 @@ class PeerLinks:
     async def _discover(self) -> None:
         assert self._resolver is not None
         while True:
-            found: set[str] = set()
+            found: dict[str, str] = {}
             for source in self._sources:
                 try:
-                    found |= await self._resolver.replica_urls(source)
+                    found |= await self._discovered(source)
                 except DiscoveryError as exc:
                     log.warning("peer discovery %s: %s", source, exc)
-                    found |= {url for url, link in self._links.items() if not link.static}  # keep what we had
-            for url in found - set(self._links):
-                link = self._links[url] = Link(url, sibling=False, static=False)
+                    # Keep what we had.
+                    found |= {url: link.server_name or "" for url, link in self._links.items() if not link.static}
+            for url in found.keys() - set(self._links):
+                link = self._links[url] = Link(url, sibling=False, static=False, server_name=found[url] or None)
                 self._start_link(link)
             for url in [u for u, link in self._links.items() if not link.static and u not in found]:
                 link = self._links.pop(url)
                 await cancel_and_wait(link.task)
             await asyncio.sleep(self._discover_interval_s)
 
+    async def _discovered(self, source: DiscoverySource) -> dict[str, str]:
+        """The peers `source` names now, by URL, each with the name its certificate is checked for: over
+        HTTPS when this router serves it (its peers, run alike, do too)."""
+        assert self._resolver is not None
+        urls = await self._resolver.replica_urls(source)
+        if self._tls is None:
+            return dict.fromkeys(urls, "")
+        return {"https://" + url.removeprefix("http://"): source.name for url in urls}
+
+    def _tls_options(self, url: str, server_name: str | None) -> dict[str, Any]:
+        """aiohttp's options for a request to a peer: this router's context for an https:// one, checked
+        for `server_name` where given."""
+        if self._tls is None or not url.startswith("https://"):
+            return {}
+        return {"ssl": self._tls, **({"server_hostname": server_name} if server_name else {})}
+
     # -- warm start ----------------------------------------------------------------------------------
 
     async def load_from_a_peer(self, timeout_s: float) -> dict[str, Any] | None:
         """Before serving: the first peer's snapshot that arrives in time is loaded. None when no peer
         answered (this router is the first, or alone): it starts cold, as a router without peers does."""
-        urls = list(self._links)
+        urls = {url: link.server_name for url, link in self._links.items()}
         for source in self._sources:
             if self._resolver is not None:
                 with contextlib.suppress(DiscoveryError):
-                    urls += [url for url in await self._resolver.replica_urls(source) if url not in urls]
+                    urls = {**await self._discovered(source), **urls}
         if not urls:
             return None
         started = time.monotonic()
-        tries = [asyncio.create_task(self._fetch_snapshot(url, timeout_s)) for url in urls]
+        tries = [asyncio.create_task(self._fetch_snapshot(url, name, timeout_s)) for url, name in urls.items()]
         try:
             for next_done in asyncio.as_completed(tries, timeout=timeout_s):
                 with contextlib.suppress(Exception):
@@ -366,12 +400,13 @@ class PeerLinks:
                 task.cancel()
         return None
 
-    async def _fetch_snapshot(self, url: str, timeout_s: float) -> tuple[str, bytes]:
+    async def _fetch_snapshot(self, url: str, server_name: str | None, timeout_s: float) -> tuple[str, bytes]:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         params = {"origin": self.board.origin}
+        tls = self._tls_options(url, server_name)
         async with self._session.get(
-            url + SNAPSHOT_PATH, params=params, headers=self._headers, timeout=timeout
+            url + SNAPSHOT_PATH, params=params, headers=self._headers, timeout=timeout, **tls
         ) as resp:
             if resp.status != 200:
                 raise PeerWireError(f"{SNAPSHOT_PATH} answered {resp.status}")
@@ -475,6 +510,16 @@ class PeerCollector(Collector):
         sent = CounterMetricFamily("dpserve_peer_frames_sent", "Updates this router sent to its followers")
         sent.add_metric([], links.frames_sent)
         yield sent
+
+
+def peer_tls(ca_certs: Path | None, certfile: Path | None, keyfile: Path | None) -> ssl.SSLContext | None:
+    """How a router serving HTTPS (`certfile`) reaches its peers: their certificates verified against
+    `ca_certs` (else the system's CAs), its own shown to a peer that asks for one. None without `certfile`."""
+    if certfile is None:
+        return None
+    context = ssl.create_default_context(cafile=str(ca_certs) if ca_certs else None)
+    context.load_cert_chain(certfile, keyfile)
+    return context
 
 
 def _describe(exc: BaseException) -> str:
