@@ -66,7 +66,11 @@ def run_compose(
             f"instead of {options.lora_dir}; change it there too",
             file=sys.stderr,
         )
-    text = render(options, overlay)
+    try:
+        text = render(options, overlay)
+    except ValueError as exc:  # an override that cannot take what was given (vLLM flags for sim replicas)
+        print(f"dpserve compose: {exc}", file=sys.stderr)
+        return 2
     if output is None:
         sys.stdout.write(text)
         return 0

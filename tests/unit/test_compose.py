@@ -27,8 +27,10 @@ from dpserve.deploy.compose import (
     CPU_SERVED_NAME,
     DEFAULT_MODEL,
     OVERLAYS,
+    REPLICA_DRAIN_S,
     REPLICA_KEY,
     ROUTER_DOCKERFILE,
+    ROUTER_DRAIN_S,
     ROUTER_ENTRYPOINT,
     SECRET_VARIABLES,
     ComposeOptions,
@@ -151,14 +153,21 @@ def test_docker_compose_itself_resolves_both_files_with_every_profile(gpus: int,
     }
     device_ids = [gpu_stack["services"][name]["deploy"]["resources"]["reservations"]["devices"] for name in names]
     assert [devices[0]["device_ids"] for devices in device_ids] == [[str(index)] for index in range(gpus)]
-    assert gpu_stack["services"]["vllm-0"]["ipc"] == "host"
+    # A /dev/shm of its own, sized, not the host's IPC namespace.
+    assert (
+        gpu_stack["services"]["vllm-0"]["shm_size"] == str(2 * 1024**3) and "ipc" not in gpu_stack["services"]["vllm-0"]
+    )
     assert not any("devices" in json.dumps(service.get("deploy", {})) for service in cpu_stack["services"].values())
+    # No GPU, no agent: `!reset` and profiles read as the tests' merge assumes.
+    assert set(cpu_stack["services"]) == set(gpu_stack["services"]) - {"gpu-agent"}
+    assert "gpu-agent" not in cpu_stack["services"]["router"]["depends_on"]
     ours_gpu = interpolate(load(base.read_text()), ENV)["services"]
     ours_cpu = interpolate(merge(load(base.read_text()), load(override.read_text())), ENV)["services"]
     for name in gpu_stack["services"]:
         assert gpu_stack["services"][name].get("command") == ours_gpu[name].get("command"), name
-        assert cpu_stack["services"][name].get("command") == ours_cpu[name].get("command"), name
-        assert cpu_stack["services"][name]["image"] == ours_cpu[name]["image"], name
+        if name in cpu_stack["services"]:
+            assert cpu_stack["services"][name].get("command") == ours_cpu[name].get("command"), name
+            assert cpu_stack["services"][name]["image"] == ours_cpu[name]["image"], name
     assert cpu_stack["services"]["vllm-0"]["healthcheck"]["start_period"] == "10m0s"
 
 
@@ -211,7 +220,7 @@ def test_vllm_services_are_configured_for_routing(gpus: int) -> None:
     document = interpolate(load(render(ComposeOptions(gpus=gpus))), ENV)
     for service in _vllm_services(document).values():
         assert service["image"] == ENV["VLLM_IMAGE"]
-        assert service["ipc"] == "host"
+        assert "ipc" not in service and service["shm_size"] == "2gb"
         assert service["volumes"] == ["hf-cache:/root/.cache/huggingface"]
         assert "HF_TOKEN" in service["environment"]
         health = service["healthcheck"]
@@ -255,7 +264,9 @@ def test_router_finds_every_replica_by_service_name_and_waits_for_them(gpus: int
     assert router["depends_on"] == {**replicas_ready, "gpu-agent": {"condition": "service_started"}}
     assert router["ports"] == ["${PUBLISH_ADDRESS:-127.0.0.1}:${ROUTER_PORT:-8000}:8000"]
     # GPUs are the host agent's to read: the router asks it, and reserves no GPU device of its own.
-    assert args.gpu_agents == ["http://gpu-agent:9400"] and "deploy" not in router
+    assert (
+        args.gpu_agents == ["http://gpu-agent:9400"] and "devices" not in router["deploy"]["resources"]["reservations"]
+    )
 
 
 @pytest.mark.parametrize("scaled", [False, True])
@@ -273,9 +284,14 @@ def test_one_gpu_agent_reads_every_gpu_of_the_host_without_computing(scaled: boo
     prometheus = load(compose_document(options)["configs"]["prometheus"]["content"])
     jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
     assert jobs["gpu-agent"]["static_configs"] == [{"targets": ["gpu-agent:9400"]}]
-    for overlay in OVERLAYS:  # no GPU there: the agent runs without a device and says so
+    for overlay in OVERLAYS:  # no GPU there: no agent started, none asked or scraped
         merged = merge(compose_document(options), load(render(options, overlay)))
-        assert "deploy" not in merged["services"]["gpu-agent"]
+        agent = merged["services"]["gpu-agent"]
+        assert agent["profiles"] == ["gpu"] and "devices" not in agent["deploy"]["resources"]["reservations"]
+        for router in _router_services(merged).values():
+            assert "gpu-agent" not in router["depends_on"] and "--gpu-agent" not in router["command"]
+        jobs = load(merged["configs"]["prometheus"]["content"])["scrape_configs"]
+        assert "gpu-agent" not in {job["job_name"] for job in jobs}
 
 
 @pytest.mark.parametrize("gpus", GPU_COUNTS)
@@ -355,9 +371,7 @@ def test_cpu_override_runs_the_same_replicas_on_vllm_cpu_without_gpus() -> None:
     options = ComposeOptions(gpus=3)
     merged = interpolate(merge(compose_document(options), cpu_override_document(options)), ENV)
     assert [name for name in merged["services"] if name.startswith("vllm-")] == ["vllm-0", "vllm-1", "vllm-2"]
-    assert "deploy" not in json.dumps(
-        {name: service for name, service in merged["services"].items() if name != "locust-worker"}
-    )
+    assert "devices" not in json.dumps(merged["services"])
     for service in _vllm_services(merged).values():
         assert service["build"]["dockerfile"] == "replicas/Dockerfile.cpu"
         assert service["build"]["args"] == {"BASE_IMAGE": "python:3.11-slim", "TORCH_INDEX": ENV["TORCH_INDEX"]}
@@ -366,10 +380,9 @@ def test_cpu_override_runs_the_same_replicas_on_vllm_cpu_without_gpus() -> None:
         assert _flag_values(command, "--served-model-name") == [CPU_SERVED_NAME]
         assert "--enable-prefix-caching" in command and "--gpu-memory-utilization" not in command
         assert service["healthcheck"]["start_period"] == "10m" and service["healthcheck"]["test"][0] == "CMD"
-    # The router's command is the GPU file's: replicas found by the same names.
-    assert (
-        merged["services"]["router"]["command"]
-        == interpolate(compose_document(options), ENV)["services"]["router"]["command"]
+    # The router's command is the GPU file's but the agent: replicas found by the same names.
+    assert merged["services"]["router"]["command"] == _without_agent(
+        interpolate(compose_document(options), ENV)["services"]["router"]["command"]
     )
     for name in ("locust-master", "locust-worker"):
         assert _flag_values(merged["services"][name]["command"], "--model") == [CPU_SERVED_NAME]
@@ -513,13 +526,15 @@ def test_sim_override_runs_dpserve_sim_from_the_routers_image_with_kv_events() -
     for service in _vllm_services(merged).values():
         assert service["image"] == merged["services"]["router"]["image"] == f"dpserve-router:{package_version()}"
         assert service["build"] == merged["services"]["router"]["build"]
-        assert service["entrypoint"] == ["dpserve", "sim"] and "deploy" not in service
+        assert service["entrypoint"] == ["dpserve", "sim"] and "devices" not in json.dumps(service["deploy"])
         args = build_parser().parse_args(["sim", *service["command"]])
         assert (args.host, args.port, args.model) == ("0.0.0.0", 8000, CPU_SERVED_NAME)
         assert args.sim_kv_events == "tcp://*:5557"
         assert service["healthcheck"]["interval"] == "2s"
-    # The router is the GPU file's, replicas and KV events by service name.
-    assert router_command == interpolate(compose_document(options), ENV)["services"]["router"]["command"]
+    # The router is the GPU file's but the agent, replicas and KV events by service name.
+    assert router_command == _without_agent(
+        interpolate(compose_document(options), ENV)["services"]["router"]["command"]
+    )
 
 
 @pytest.mark.parametrize("overlay", [None, *OVERLAYS])
@@ -537,10 +552,8 @@ def test_scaled_stack_is_one_replica_service_the_router_discovers_by_dns(overlay
     args = build_parser().parse_args(["router", *services["router"]["command"]])
     assert args.replicas in (None, []) and args.kv_events in (None, [])
     assert args.discover == ["dns:vllm:8000"] and args.discover_kv_port == 5557
-    assert services["router"]["depends_on"] == {
-        "vllm": {"condition": "service_healthy"},
-        "gpu-agent": {"condition": "service_started"},
-    }
+    agent = {"gpu-agent": {"condition": "service_started"}} if overlay is None else {}
+    assert services["router"]["depends_on"] == {"vllm": {"condition": "service_healthy"}, **agent}
     prometheus = load(compose_document(options)["configs"]["prometheus"]["content"])
     (job,) = [job for job in prometheus["scrape_configs"] if job["job_name"] == "vllm"]
     assert job["dns_sd_configs"] == [{"names": ["vllm"], "type": "A", "port": 8000}]
@@ -796,7 +809,10 @@ def test_replicas_are_on_an_internal_network_only_the_routers_and_prometheus_joi
         assert all(set(services[s]["networks"]) <= {"replicas", "replica-egress"} for s in replicas), name
         # Published ports need a network with a way out: the router's and Prometheus' are on `default` too.
         assert {s for s, service in services.items() if service.get("ports")} <= on["default"], name
-        assert "gpu-agent" in on["default"] and "gpu-agent" not in on["replicas"], name
+        if name in ("compose.yaml", "compose.scaled.yaml"):
+            assert "gpu-agent" in on["default"] and "gpu-agent" not in on["replicas"], name
+        else:
+            assert "gpu-agent" not in services, name
 
 
 def test_replicas_require_the_generated_key_and_every_router_sends_it() -> None:
@@ -857,15 +873,24 @@ def test_grafana_needs_a_password_and_lets_no_one_in_anonymously_unless_asked() 
 
 def test_no_container_keeps_a_capability_it_does_not_need() -> None:
     for name, stack in _stacks().items():
+        gpu = name in ("compose.yaml", "compose.scaled.yaml")
         for service_name, service in stack["services"].items():
-            if service_name.startswith(("locust", "prometheus", "grafana")):
-                continue  # upstream images, run as their own non-root users
             assert service["cap_drop"] == ["ALL"], (name, service_name)
             assert "no-new-privileges:true" in service["security_opt"], (name, service_name)
             wanted = ["SYS_PTRACE", "DAC_READ_SEARCH"] if service_name == "gpu-agent" else []
             assert sorted(service.get("cap_add", [])) == sorted(wanted), (name, service_name)
-        for service_name in ("router", "gpu-agent"):
-            assert stack["services"][service_name]["read_only"] is True, (name, service_name)
+        for service_name in ("router", "prometheus", *(["gpu-agent"] if gpu else ["vllm"])):
+            for found, service in stack["services"].items():
+                if found.startswith(service_name):
+                    assert service["read_only"] is True, (name, found)
+        # Root only where the image has no other user (vllm/vllm-openai) and for the agent's capabilities.
+        replicas = [service for found, service in stack["services"].items() if found.startswith("vllm")]
+        assert all(service.get("user") == (None if gpu else "65534:65534") for service in replicas) or ".sim." in name
+
+
+def _without_agent(command: list[str]) -> list[str]:
+    index = command.index("--gpu-agent")
+    return command[:index] + command[index + 2 :]
 
 
 def test_the_images_built_here_are_tagged_with_the_package_version() -> None:
@@ -1014,3 +1039,95 @@ def test_compose_command_tensor_parallel_flag(tmp_path: Path, capsys: pytest.Cap
     assert "--tensor-parallel-size 4 does not divide --gpus 6" in capsys.readouterr().err
     assert main(["compose", "--env-file", "/nonexistent", "--tensor-parallel-size", "0"]) == 2
     assert "at least 1 GPU per replica" in capsys.readouterr().err
+
+
+# Stops that finish answers, resources, vLLM's own flags
+
+
+def _seconds(duration: str) -> float:
+    """Compose's resolved durations: `1m0s`, `45s`."""
+    match = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert match and duration, duration
+    return int(match[1] or 0) * 60 + int(match[2] or 0)
+
+
+def test_every_service_outlasts_the_drains_and_the_routers_stop_before_the_replicas() -> None:
+    assert ROUTER_DRAIN_S == RouterSettings.__dataclass_fields__["shutdown_grace_s"].default == 30
+    assert REPLICA_DRAIN_S >= ROUTER_DRAIN_S  # a replica stopped alone waits as long as a router would
+    for name, stack in _stacks().items():
+        services = stack["services"]
+        for service_name, service in services.items():
+            # Docker's 10 s default would kill the router mid-drain; every service waits past the drains.
+            assert _seconds(service["stop_grace_period"]) > ROUTER_DRAIN_S, (name, service_name)
+        replicas = {found: service for found, service in services.items() if found.startswith("vllm")}
+        for service_name, service in _router_services(stack).items():
+            # Compose stops dependents first: each router drains while every replica still serves.
+            assert set(replicas) <= set(service["depends_on"]), (name, service_name)
+            assert _seconds(service["stop_grace_period"]) >= ROUTER_DRAIN_S + 10, (name, service_name)
+        for service_name, service in replicas.items():
+            assert _seconds(service["stop_grace_period"]) >= REPLICA_DRAIN_S + 20, (name, service_name)
+            if ".sim." not in name:  # vLLM drains on SIGTERM only when told how long (0 aborts everything)
+                assert _flag_values(service["command"], "--shutdown-timeout") == [str(REPLICA_DRAIN_S)]
+
+
+def test_every_service_has_memory_limits_and_reservations_and_vllm_memory_comes_from_the_options() -> None:
+    for name, stack in _stacks().items():
+        for service_name, service in stack["services"].items():
+            resources = service["deploy"]["resources"]
+            limit, reserved = int(resources["limits"]["memory"]), int(resources["reservations"]["memory"])
+            assert 0 < reserved <= limit, (name, service_name)
+            if service_name.startswith(("router", "vllm")):
+                assert "cpus" not in resources["limits"], (name, service_name)  # throttling stalls answers
+                assert float(resources["reservations"]["cpus"]) >= 0.25, (name, service_name)
+    stack = compose_config(ROOT / "compose.yaml")
+    assert int(stack["services"]["vllm-0"]["deploy"]["resources"]["limits"]["memory"]) == 32 * 1024**3
+    options = ComposeOptions(gpus=4, tensor_parallel_size=2, replica_memory_gib=48, router_workers=2)
+    document = load(render(options))
+    vllm = document["services"]["vllm-0"]["deploy"]["resources"]
+    assert vllm["limits"]["memory"] == vllm["reservations"]["memory"] == "${REPLICA_MEMORY:-96g}"
+    assert vllm["reservations"]["cpus"] == "8"
+    router = document["services"]["router"]["deploy"]["resources"]
+    assert (router["reservations"], router["limits"]) == ({"memory": "2g", "cpus": "2"}, {"memory": "6g"})
+    assert interpolate(vllm, {"REPLICA_MEMORY": "80g"})["limits"]["memory"] == "80g"  # .env wins
+    with pytest.raises(ValueError, match="at least 1 GiB"):
+        ComposeOptions(replica_memory_gib=0)
+
+
+def test_vllm_flags_after_a_double_dash_reach_every_vllm_replica(capsys: pytest.CaptureFixture[str]) -> None:
+    for scaled in ((), ("--scaled",)):
+        text = _generated(*scaled, "--", "--dtype", "half", "--max-num-seqs", "8", capsys=capsys)
+        document = load(text)
+        replicas = {name: s for name, s in document["services"].items() if name.startswith("vllm")}
+        assert replicas and all(
+            s["command"][-4:] == ["--dtype", "half", "--max-num-seqs", "8"] for s in replicas.values()
+        )
+        assert f"--model {DEFAULT_MODEL} -- --dtype half --max-num-seqs 8`" in text.splitlines()[0]
+        cpu = load(_generated(*scaled, "--cpu", "--", "--dtype", "half", capsys=capsys))
+        merged = merge(document, cpu)
+        for name in replicas:
+            assert merged["services"][name]["command"][-2:] == ["--dtype", "half"], name
+            assert _flag_values(merged["services"][name]["command"], "--model") == [CPU_MODEL_DIR]
+        # No `--` flag reaches anything but vLLM.
+        assert "--dtype" not in json.dumps({k: v for k, v in document["services"].items() if k not in replicas})
+    # Without `--`, the files as before.
+    assert _generated(capsys=capsys) == render(ComposeOptions())
+    # What the stack writes itself, or a sim, is refused, saying where to set it.
+    refused = {
+        ("--", "--max_model_len=9000"): "MAX_MODEL_LEN in .env",
+        ("--", "--port", "9000"): "the routers reach port 8000",
+        ("--", "-tp", "2"): "dpserve compose --tensor-parallel-size",
+        ("--sim", "--", "--dtype", "half"): "takes no vLLM flags",
+    }
+    for args, error in refused.items():
+        assert main(["compose", "--env-file", "/nonexistent", *args]) == 2
+        assert error in capsys.readouterr().err, args
+
+
+@pytest.mark.parametrize("command", [["sim"], ["router", "--replica", "http://127.0.0.1:1"], ["agent"], ["gpus"]])
+def test_a_command_that_passes_nothing_to_vllm_refuses_a_double_dash(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--", "--dtype", "half"])
+    assert exit_.value.code == 2
+    assert f"{command[0]}: takes nothing after `--`" in capsys.readouterr().err
