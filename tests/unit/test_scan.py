@@ -38,6 +38,19 @@ KUBE_VARIANTS = {
         lora_pvc="adapters",
         otlp_traces_endpoint="http://otel-collector.monitoring:4317",
     ),
+    # The issue's `dpserve kube --tls --replicas 2 -- --dtype half`, and TLS with everything else.
+    "kube-tls.yaml": KubeOptions(replicas=2, tls=True, vllm_args=("--dtype", "half")),
+    "kube-tls-everything.yaml": KubeOptions(
+        replicas=4,
+        router_replicas=3,
+        tls=True,
+        cert_manager_issuer="ClusterIssuer/ca",
+        service_monitor=True,
+        vllm_egress=("0.0.0.0/0:443",),
+        router_clients=("ingress-nginx",),
+        vllm_memory_limit="64Gi",
+        otlp_traces_endpoint="http://otel-collector.monitoring:4317",
+    ),
 }
 FRAMEWORKS = ("dockerfile", "kubernetes", "secrets")
 
