@@ -8,16 +8,18 @@ import os
 import sys
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dpserve.config import (
     ENGINE_LORA,
     AgentSettings,
+    ConfigFile,
     Form,
     RouterSettings,
     Setting,
     SimSettings,
     UpSettings,
+    check_setting,
     default_cache_dir,
     load_settings,
     parse_lora,
@@ -30,6 +32,8 @@ from dpserve.version import package_version
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+
+Settings = TypeVar("Settings", bound="DataclassInstance")
 
 
 def _lora_spec(text: str) -> str:
@@ -66,15 +70,19 @@ FLAG_CHECKS: dict[str, Callable[[str], Any]] = {
 FLAG_CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICY_NAMES}
 
 
-def _value_type(hint: Any) -> Callable[[str], Any]:
-    text = str(hint)
-    if "int" in text and "float" not in text:
-        return int
-    if "float" in text:
-        return float
-    if "Path" in text:
-        return Path
-    return str
+def _value_type(group: type[DataclassInstance], name: str, bounded: bool = True) -> Callable[[str], Any]:
+    """A flag's value as its setting takes it (type, bounds, choices), checked as the environment's and a config
+    file's are; argparse names the flag before the problem (`argument --port: '-5' must be at least 0`).
+    `bounded=False`: its type alone (`dpserve compose` and `kube` check the bounds of what they write)."""
+
+    def checked(text: str) -> Any:
+        try:
+            return check_setting(group, name, text, "", FLAG_CHOICES.get(name), bounded=bounded)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(": ")) from None
+
+    checked.__name__ = name  # what argparse calls the type in its own errors
+    return checked
 
 
 def _shown_default(found: Setting, default: Any) -> str | None:
@@ -102,7 +110,7 @@ def flag_help(found: Setting, default: Any, env_in_help: bool = True) -> str:
     return text.replace("%", "%%")
 
 
-def _argument(name: str, found: Setting, hint: Any) -> dict[str, Any]:
+def _argument(group: type[DataclassInstance], name: str, found: Setting, bounded: bool) -> dict[str, Any]:
     """add_argument's keywords for a setting's flag (its dest and help aside). Every default is None: a flag
     not given leaves the setting to the environment and the declared default (`load_settings`)."""
     check = FLAG_CHECKS.get(name)
@@ -117,7 +125,11 @@ def _argument(name: str, found: Setting, hint: Any) -> dict[str, Any]:
     if found.form is Form.ON_OFF:
         return {"type": _on_off, "metavar": "on|off"}
     choices = FLAG_CHOICES.get(name, found.choices)
-    return {"type": check or _value_type(hint), "metavar": found.metavar or _metavar(name, found), "choices": choices}
+    return {
+        "type": check or _value_type(group, name, bounded),
+        "metavar": found.metavar or _metavar(name, found),
+        "choices": choices,
+    }
 
 
 def _metavar(name: str, found: Setting) -> str | None:
@@ -137,10 +149,11 @@ def add_setting_flags(
     only: Collection[str] | None = None,
     env_in_help: bool = True,
     help_for: Mapping[str, str] | None = None,
+    bounded: bool = True,
 ) -> None:
     """`group`'s flags, generated from its declarations, in one help section per declared group (`only`: these
-    settings alone; `router_only`: with the flags only `dpserve router` takes)."""
-    hints = get_type_hints(group)
+    settings alone; `router_only`: with the flags only `dpserve router` takes; `bounded`: each value's bounds
+    checked, not only its type)."""
     defaults = {f.name: f.default for f in dataclasses.fields(group)}
     sections: dict[str, argparse._ArgumentGroup] = {}
     for name, found in settings_of(group):
@@ -151,7 +164,8 @@ def add_setting_flags(
         own_help = (help_for or {}).get(name)
         shown = dataclasses.replace(found, help=own_help) if own_help else found
         text = argparse.SUPPRESS if found.hidden else flag_help(shown, defaults[name], env_in_help)
-        sections[found.group].add_argument(found.flag, dest=name, help=text, **_argument(name, found, hints[name]))
+        flags = (found.flag, *found.old_flags)
+        sections[found.group].add_argument(*flags, dest=name, help=text, **_argument(group, name, found, bounded))
 
 
 ROUTER_LORA = ("lora", "lora_dir", "lora_affinity", "lora_slots")
@@ -162,6 +176,36 @@ ENVIRONMENT_NOTE = (
     "Every setting can also be given in the environment, as the variable each flag's help names; flags win. "
     "Defaults are shown in parentheses."
 )
+CONFIG_NOTE = (
+    "Every setting can also be given in a YAML file (--config FILE), keyed by its flag's name less the dashes in "
+    "front (max-model-len: 8192, or max_model_len), a repeated flag's values as a list (api-key: [k1, k2]), a "
+    "switch as true or false (access-log: true), relative paths from the file's folder; flags win over the file, "
+    "the file over the environment."
+)
+
+
+def _add_config_flag(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"settings from a YAML file, keyed by the flags' names, e.g. `{example}`; flags win over it, it wins "
+        "over the environment",
+    )
+
+
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least `least`, else an error that says so."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at least {least}")
+        return value
+
+    return count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,8 +233,9 @@ def _add_router_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
     router = commands.add_parser(
         "router",
         help="run the OpenAI-compatible router in front of replicas",
-        description="The OpenAI-compatible router in front of vLLM replicas. " + ENVIRONMENT_NOTE,
+        description="The OpenAI-compatible router in front of vLLM replicas. " + ENVIRONMENT_NOTE + " " + CONFIG_NOTE,
     )
+    _add_config_flag(router, "read-timeout: 120")
     add_setting_flags(router, RouterSettings)
 
 
@@ -200,8 +245,12 @@ def _add_up_command(commands: argparse._SubParsersAction[argparse.ArgumentParser
         help="launch one vLLM replica per GPU (or CPU replicas) and the router",
         description="Everything after `--` is passed to every `vllm serve` replica unchanged. The router flags "
         "are `dpserve router`'s (the replicas, their KV events and the peers are set by `dpserve up`). "
-        + ENVIRONMENT_NOTE,
+        + ENVIRONMENT_NOTE
+        + " "
+        + CONFIG_NOTE
+        + " vLLM's own flags go in it as `vllm-args: [--dtype, half]`.",
     )
+    _add_config_flag(up, "max-model-len: 8192")
     add_setting_flags(up, UpSettings)
     add_setting_flags(up, RouterSettings, router_only=False)
 
@@ -210,8 +259,12 @@ def _add_sim_command(commands: argparse._SubParsersAction[argparse.ArgumentParse
     sim = commands.add_parser(
         "sim",
         help="run one simulated vLLM replica (same API, metrics and KV events; no model)",
-        description="A vLLM-compatible simulator replica for scale tests and router benchmarks. " + ENVIRONMENT_NOTE,
+        description="A vLLM-compatible simulator replica for scale tests and router benchmarks. "
+        + ENVIRONMENT_NOTE
+        + " "
+        + CONFIG_NOTE,
     )
+    _add_config_flag(sim, "max-num-seqs: 64")
     add_setting_flags(sim, SimSettings)
 
 
@@ -232,7 +285,14 @@ def _add_compose_command(commands: argparse._SubParsersAction[argparse.ArgumentP
         description="Writes compose.yaml for N GPUs (to stdout unless -o). GPUS and MODEL default to the "
         "values in .env, which docker compose also reads for the model, images and ports.",
     )
-    compose.add_argument("--gpus", type=int, help="GPUs, so vLLM services (default: GPUS in .env, else 2)")
+    count = compose.add_mutually_exclusive_group()
+    count.add_argument(
+        "--replicas",
+        type=_count(1),
+        metavar="N",
+        help="vLLM services, K GPUs each with --tensor-parallel-size K (the count `dpserve up` and `kube` take)",
+    )
+    count.add_argument("--gpus", type=int, help="GPUs, so vLLM services (default: GPUS in .env, else 2)")
     compose.add_argument("--model", help="model served (default: MODEL in .env, else Qwen/Qwen2.5-1.5B-Instruct)")
     overlay = compose.add_mutually_exclusive_group()
     overlay.add_argument(
@@ -291,14 +351,20 @@ def _add_lora_flags(parser: argparse.ArgumentParser, router: Collection[str], he
         only=(*router, "otlp_traces_endpoint"),
         env_in_help=False,
         help_for={**help_for, **tracing},
+        bounded=False,
     )
-    add_setting_flags(parser, UpSettings, only=ENGINE_LORA_SETTINGS, env_in_help=False)
+    add_setting_flags(parser, UpSettings, only=ENGINE_LORA_SETTINGS, env_in_help=False, bounded=False)
 
 
 def _add_tensor_parallel_flag(parser: argparse.ArgumentParser, text: str) -> None:
     """`dpserve up`'s --tensor-parallel-size, for a command that writes it into files."""
     add_setting_flags(
-        parser, UpSettings, only=("tensor_parallel_size",), env_in_help=False, help_for={"tensor_parallel_size": text}
+        parser,
+        UpSettings,
+        only=("tensor_parallel_size",),
+        env_in_help=False,
+        help_for={"tensor_parallel_size": text},
+        bounded=False,
     )
 
 
@@ -315,9 +381,11 @@ def _add_kube_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     kube.add_argument("--model", help="model served (default Qwen/Qwen2.5-1.5B-Instruct)")
     kube.add_argument("--namespace", help="namespace for everything (default dpserve)")
     kube.add_argument(
-        "--router-replicas",
+        "--routers",
+        "--router-replicas",  # its first name
         type=int,
         dest="router_replicas",
+        metavar="N",
         help="router pods (default 2); with more than one, each finds the others by DNS to share routing state",
     )
     kube.add_argument(
@@ -372,14 +440,14 @@ def _add_model_command(commands: argparse._SubParsersAction[argparse.ArgumentPar
     model_kinds = model.add_subparsers(dest="kind", required=True)
     tiny = model_kinds.add_parser("tiny", help="build the deterministic tiny Llama that vLLM's CPU backend serves")
     tiny.add_argument("dir", type=Path)
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=_count(0), default=0)
     tiny_lora = model_kinds.add_parser(
         "tiny-lora", help="build deterministic LoRA adapters (DIR/tiny-lora-0, ...) for the tiny model"
     )
     tiny_lora.add_argument("dir", type=Path)
-    tiny_lora.add_argument("--count", type=int, required=True, help="how many adapters")
-    tiny_lora.add_argument("--seed", type=int, default=0, help="seeds the adapters' weights (with each index)")
-    tiny_lora.add_argument("--rank", type=int, default=8, help="LoRA rank (vLLM: --max-lora-rank at least this)")
+    tiny_lora.add_argument("--count", type=_count(0), required=True, help="how many adapters")
+    tiny_lora.add_argument("--seed", type=_count(0), default=0, help="seeds the adapters' weights (with each index)")
+    tiny_lora.add_argument("--rank", type=_count(1), default=8, help="LoRA rank (vLLM: --max-lora-rank at least this)")
     tiny_lora.add_argument(
         "--base",
         type=Path,
@@ -438,6 +506,13 @@ def _deploy_options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: overrides[name] for name in DEPLOY_OPTIONS if overrides.get(name) is not None}
 
 
+def _compose_gpus(args: argparse.Namespace) -> int | None:
+    """`dpserve compose --replicas N` as the GPUs the services take (K each with --tensor-parallel-size K)."""
+    if args.replicas is None:
+        return args.gpus  # type: ignore[no-any-return]  # argparse's Namespace is untyped
+    return args.replicas * (args.tensor_parallel_size or 1)  # type: ignore[no-any-return]
+
+
 def _build_model(args: argparse.Namespace) -> int:
     """`dpserve model tiny|tiny-lora DIR`."""
     from dpserve.tiny_model import build_tiny_model, ensure_tiny_model
@@ -455,6 +530,16 @@ def _build_model(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except OSError as exc:  # a file named on the command line that cannot be read or written
+        if exc.filename is None:
+            raise
+        print(f"dpserve: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+
+
+def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_args: list[str] = []
     if "--" in argv:
@@ -471,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         from dpserve.deploy.command import run_compose
 
         return run_compose(
-            args.gpus,
+            _compose_gpus(args),
             args.model,
             args.overlay,
             args.output,
@@ -515,33 +600,51 @@ def main(argv: list[str] | None = None) -> int:
     for line in unknown_variables(os.environ):
         print(f"dpserve: warning: {line}", file=sys.stderr)
     overrides = _overrides(args)
-    if args.command == "sim":
+    if args.command == "up":
+        overrides["vllm_args"] = tuple(vllm_args) or None  # none after `--`: DPSERVE_VLLM_ARGS, if set
+    try:
+        settings = _load_settings(SETTINGS_OF[args.command], getattr(args, "config", None), overrides)
+    except ValueError as exc:  # a flag, variable or config file entry its setting cannot take
+        parser.error(f"{args.command}: {exc}")
+    return _serve(parser, args.command, settings)
+
+
+SETTINGS_OF: dict[str, type[Any]] = {
+    "router": RouterSettings,
+    "up": UpSettings,
+    "sim": SimSettings,
+    "agent": AgentSettings,
+}
+
+
+def _load_settings(group: type[Settings], config: str | None, overrides: dict[str, Any]) -> Settings:
+    """`group` from the flags given, over `--config FILE` (its keys checked), over the environment."""
+    read = None
+    if config is not None:
+        read = ConfigFile.read(config)
+        read.check_keys(group)
+    return load_settings(group, overrides, config=read, choices=FLAG_CHOICES)
+
+
+def _serve(parser: argparse.ArgumentParser, command: str, settings: Any) -> int:
+    """`dpserve router|up|sim|agent` with its settings, loaded and checked: nothing is bound before this."""
+    if command == "sim":
         from dpserve.sim.server import serve_sim
 
-        serve_sim(load_settings(SimSettings, overrides))
+        serve_sim(settings)
         return 0
-    if args.command == "agent":
+    if command == "agent":
         from dpserve.agent.serve import serve_agent
 
-        return serve_agent(load_settings(AgentSettings, overrides))
-    if args.command == "router":
+        return serve_agent(settings)
+    if command == "router":
         from dpserve.router.serve import serve_router
 
-        try:
-            router_settings = load_settings(RouterSettings, overrides)
-        except ValueError as exc:
-            parser.error(f"router: {exc}")
-        if not router_settings.replicas and not router_settings.discover:
+        if not settings.replicas and not settings.discover:
             parser.error("router: give replicas, with --replica URL or --discover dns:NAME:PORT")
-        return serve_router(router_settings)
-
-    overrides["vllm_args"] = tuple(vllm_args) or None  # none after `--`: DPSERVE_VLLM_ARGS, if set
+        return serve_router(settings)
     from dpserve.up.launcher import run_launcher
 
-    try:
-        settings = load_settings(UpSettings, overrides)
-    except ValueError as exc:
-        parser.error(f"up: {exc}")
     return run_launcher(settings, settings.routers)
 
 

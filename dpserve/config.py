@@ -1,13 +1,16 @@
 """Settings, one group per command (`dpserve router`, `dpserve up`, `dpserve sim`, `dpserve agent`), each setting
 declared once (`setting`: its default, help, flag, environment variable and help group), and the one loader that
-fills any group: defaults < environment (`DPSERVE_<FLAG>`) < flags. The flags are generated from the same
-declarations (`dpserve/cli.py`), as is `dpserve up`'s command line for its router (`settings_argv`)."""
+fills any group: defaults < environment (`DPSERVE_<FLAG>`) < a config file (`--config FILE`, YAML keyed by the
+flags' names) < flags, every value checked by pydantic against its field's type hint and bounds. The flags are
+generated from the same declarations (`dpserve/cli.py`), as is `dpserve up`'s command line for its router
+(`settings_argv`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import functools
+import json
 import logging
 import os
 import ssl
@@ -15,7 +18,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, get_type_hints
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    ClassVar,
+    Literal,
+    Optional,
+    TypeVar,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -60,6 +74,12 @@ class Setting:
     hidden: bool
     separator: str
     """What separates a list's items in the environment, besides whitespace."""
+    minimum: float | None
+    """The least a number may be (none: 0; a port 0 too)."""
+    maximum: float | None
+    """The most a number may be (none: a port's 65535, else LARGEST_INT or LARGEST_FLOAT)."""
+    old_flags: tuple[str, ...]
+    """Older names of `flag`, still taken."""
 
 
 SETTING = "dpserve.setting"
@@ -79,6 +99,9 @@ def setting(
     secret: bool = False,
     hidden: bool = False,
     separator: str = ",",
+    minimum: float | None = None,
+    maximum: float | None = None,
+    old_flags: tuple[str, ...] = (),
 ) -> Any:
     """A dataclass field declaring a setting. `flag` and `env` left out are derived from the field's name when the
     class is declared (`declared`): `--read-timeout` for `read_timeout_s`, `DPSERVE_READ_TIMEOUT` for that flag."""
@@ -96,6 +119,9 @@ def setting(
         "secret": secret,
         "hidden": hidden,
         "separator": separator,
+        "minimum": minimum,
+        "maximum": maximum,
+        "old_flags": old_flags,
     }
     if callable(default):
         return field(default_factory=default, repr=not secret, metadata={SETTING: declaration})
@@ -217,13 +243,19 @@ class RouterSettings:
     host: str = setting("127.0.0.1", "address the router binds", SERVING)
     port: int = setting(8000, "router port", SERVING)
     workers: int = setting(
-        1, "router processes on this host behind the one port (SO_REUSEPORT), sharing state as peers do", SERVING
+        1,
+        "router processes on this host behind the one port (SO_REUSEPORT), sharing state as peers do",
+        SERVING,
+        minimum=1,
     )
     # vLLM takes audio uploads of up to VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (25 MiB by default, its largest upload
     # limit): the router's bound leaves room for one of those and the form's other fields.
-    max_body_bytes: int = setting(32 * 1024 * 1024, "largest request body accepted", SERVING)
+    max_body_bytes: int = setting(32 * 1024 * 1024, "largest request body accepted", SERVING, minimum=1)
     max_header_bytes: int = setting(
-        32 * 1024, "largest total of request headers, names and values (the request line excluded)", SERVING
+        32 * 1024,
+        "largest total of request headers, names and values (the request line excluded)",
+        SERVING,
+        minimum=1,
     )
     shutdown_grace_s: float = setting(
         30.0, "on SIGTERM, seconds requests in flight (streams included) get to finish", SERVING
@@ -283,7 +315,9 @@ class RouterSettings:
     kv_temperature: float = setting(0.0, "kv_aware: softmax temperature (0: the best replica always)", ROUTING)
     balance_abs: int = setting(8, "affinity guard: extra requests a preferred replica may have", ROUTING)
     balance_rel: float = setting(1.5, "affinity guard: load ratio a preferred replica may have", ROUTING)
-    prefix_min_match: float = setting(0.5, "prefix: the share of a prompt that must match to follow it", ROUTING)
+    prefix_min_match: float = setting(
+        0.5, "prefix: the share of a prompt that must match to follow it", ROUTING, maximum=1
+    )
     session_load_factor: float = setting(
         1.25, "session: load ratio past which a session moves off its replica", ROUTING
     )
@@ -318,7 +352,11 @@ class RouterSettings:
         UPSTREAM,
     )
     retries: int = setting(2, "other replicas tried before the answer's first byte", UPSTREAM)
-    retry_backoff_s: float = setting(0.025, "seconds before a retry", UPSTREAM)
+    retry_backoff_s: float = setting(
+        0.025,
+        "seconds before the first retry, doubled for each later one up to 0.5 s (or this, if longer); jittered",
+        UPSTREAM,
+    )
     # What the router shows its replicas (replicas/access.py, built by parts.replica_access): a key and TLS.
     replica_api_key: str | None = setting(
         None,
@@ -375,8 +413,10 @@ class RouterSettings:
         "is not the routers' (other clients, routers without peers): nothing else tells when that load ends",
         HEALTH,
     )
-    fail_threshold: int = setting(2, "health probes failed in a row that eject a replica", HEALTH)
-    rise_threshold: int = setting(2, "health probes passed in a row that re-admit an ejected replica", HEALTH)
+    fail_threshold: int = setting(2, "health probes failed in a row that eject a replica", HEALTH, minimum=1)
+    rise_threshold: int = setting(
+        2, "health probes passed in a row that re-admit an ejected replica", HEALTH, minimum=1
+    )
     passive_fail_threshold: int = setting(
         3, "requests failed in a row (timeouts, dropped connections, 5xx) that eject a replica", HEALTH
     )
@@ -400,7 +440,10 @@ class RouterSettings:
         form=Form.ON_OFF,
     )
     batch_reserve: float = setting(
-        0.1, "the share of each replica's slots that `batch` requests leave free for more urgent ones", FLOW
+        0.1,
+        "the share of each replica's slots that `batch` requests leave free for more urgent ones",
+        FLOW,
+        maximum=1,
     )
     engine_queue: int = setting(
         1,
@@ -429,6 +472,7 @@ class RouterSettings:
         "share of requests given a routing receipt, 0 to 1 (predicted vs realized cached tokens; a request with "
         "`x-dpserve-receipt: 1` always gets one; /admin/receipts, dpserve_receipts_total)",
         RECEIPTS,
+        maximum=1,
     )
     receipts_keep: int = setting(1024, "routing receipts kept for /admin/receipts (the newest)", RECEIPTS)
     receipts_log: str | None = setting(
@@ -488,6 +532,16 @@ class RouterSettings:
         secret=True,
     )
     admin_key_file: Path | None = setting(None, "file of admin keys, one per line", SECURITY)
+    tenant_file: Path | None = setting(
+        None, "file of tenant rules, one per line as --tenant takes them (# comments), besides any --tenant", SECURITY
+    )
+    secret_check_interval_s: float = setting(
+        1.0,
+        "seconds between looks at the files secrets come from (--api-key-file, --admin-key-file, --tenant-file, "
+        "--replica-api-key-file, the TLS files): a changed one is read again and in force for the next request, "
+        "without a restart (a wrong one keeps the one in force); 0: read once at start",
+        SECURITY,
+    )
     insecure: bool = setting(False, "allow serving without API keys on an address other than loopback", SECURITY)
     # TLS on the router's own port, with vLLM's flags (and uvicorn's: the router hands them to it). Only
     # `dpserve router` takes them: `dpserve up` would have to reach its routers over HTTPS itself (their
@@ -572,6 +626,7 @@ class RouterSettings:
         "utilization from which a PCIe generation below the maximum counts",
         GPU_HEALTH,
         flag="--gpu-pcie-busy",
+        maximum=1,
     )
     peers: tuple[str, ...] = setting(
         (),
@@ -671,6 +726,7 @@ class UpSettings:
         UP,
         flag="--replicas",
         env="DPSERVE_NUM_REPLICAS",  # DPSERVE_REPLICAS is the router's list of URLs
+        minimum=1,
     )
     model: str | None = setting(None, "model path or name (none: the built-in tiny model, built on first use)", UP)
     served_model_name: str | None = setting(None, "name clients use for the model", UP)
@@ -681,7 +737,7 @@ class UpSettings:
     replica_start_timeout_s: float = setting(
         900.0, "seconds to wait for each replica to start", UP, flag="--start-timeout"
     )
-    cpu_kv_cache_gib: int = setting(1, "KV-cache GiB of each CPU replica (VLLM_CPU_KVCACHE_SPACE)", UP)
+    cpu_kv_cache_gib: int = setting(1, "KV-cache GiB of each CPU replica (VLLM_CPU_KVCACHE_SPACE)", UP, minimum=1)
     tensor_parallel_size: int = setting(
         1,
         "GPUs per replica, vLLM's flag of the same name: the GPUs are grouped K at a time, each group as close as "
@@ -689,9 +745,10 @@ class UpSettings:
         "ranks per replica, a core set each",
         UP,
         metavar="K",
+        minimum=1,
     )
     max_model_len: int | None = setting(
-        None, "context length of every replica (none: the model's own, as `vllm serve` chooses)", UP
+        None, "context length of every replica (none: the model's own, as `vllm serve` chooses)", UP, minimum=1
     )
     vllm_args: tuple[str, ...] = setting(
         (), "flags for every `vllm serve` replica, given after `--`", UP, flag=None, env="DPSERVE_VLLM_ARGS"
@@ -705,7 +762,11 @@ class UpSettings:
         metavar="N",
     )
     routers: int = setting(
-        1, "routers on --port, --port+1, ..., each a --peer of the others, sharing routing state", UP, metavar="N"
+        1,
+        "routers on --port, --port+1, ..., each a --peer of the others, sharing routing state",
+        UP,
+        metavar="N",
+        minimum=1,
     )
     engine_dp: bool = setting(
         False,
@@ -727,8 +788,8 @@ class UpSettings:
         "start replicas with LoRA (implied by --lora or --lora-dir); adapters are loaded at run time",
         ENGINE_LORA,
     )
-    max_loras: int = setting(DEFAULT_MAX_LORAS, "adapters per batch per replica", ENGINE_LORA)
-    max_lora_rank: int = setting(DEFAULT_MAX_LORA_RANK, "highest adapter rank replicas accept", ENGINE_LORA)
+    max_loras: int = setting(DEFAULT_MAX_LORAS, "adapters per batch per replica", ENGINE_LORA, minimum=1)
+    max_lora_rank: int = setting(DEFAULT_MAX_LORA_RANK, "highest adapter rank replicas accept", ENGINE_LORA, minimum=1)
 
     def __post_init__(self) -> None:
         check_lora_engine(self.max_loras, self.max_lora_rank)
@@ -754,7 +815,7 @@ class SimSettings:
     port: int = setting(8000, "port", SIM)
     model: str | None = setting(None, "served model name (none: dpserve-tiny)", SIM)
     served_model_name: str | None = setting(None, "name clients use for the model (none: --model)", SIM)
-    max_model_len: int = setting(4096, "context length", SIM)
+    max_model_len: int = setting(4096, "context length", SIM, minimum=1)
     access_log: bool = setting(False, "log every request", SIM)
     log_level: str = setting("info", "log level", SIM, choices=LOG_LEVELS)
     # Read from VLLM_API_KEY as vLLM reads it: a compose file gives a sim replica what it gives vLLM's.
@@ -766,9 +827,9 @@ class SimSettings:
         metavar="KEY",
         secret=True,
     )
-    sim_block_size: int = setting(16, "tokens per KV block", SIM_MODEL)
-    sim_num_blocks: int = setting(8192, "KV-cache capacity in blocks", SIM_MODEL)
-    sim_max_num_seqs: int = setting(256, "batch limit", SIM_MODEL)
+    sim_block_size: int = setting(16, "tokens per KV block", SIM_MODEL, minimum=1)
+    sim_num_blocks: int = setting(8192, "KV-cache capacity in blocks", SIM_MODEL, minimum=1)
+    sim_max_num_seqs: int = setting(256, "batch limit", SIM_MODEL, minimum=1)
     sim_prefill_ms_per_token: float = setting(0.1, "milliseconds per uncached prompt token", SIM_MODEL)
     sim_decode_ms_per_token: float = setting(10.0, "milliseconds per output token", SIM_MODEL)
     sim_batch_slowdown: float = setting(0.02, "extra time per other running request, as a fraction", SIM_MODEL)
@@ -788,6 +849,7 @@ class SimSettings:
         "(--num-blocks each) and metrics; requests pinned by the X-data-parallel-rank header, else to the least loaded",
         SIM_MODEL,
         metavar="N",
+        minimum=1,
     )
 
     sim_count: int = setting(
@@ -796,7 +858,12 @@ class SimSettings:
         "events: replica I on --port + I, its KV events on the --kv-events port + I x --data-parallel-size, its "
         "seed + I x --data-parallel-size (port 0: the OS picks each)",
         SIM,
+        # A count of replicas is --replicas in every command; --count is its first name, still taken.
+        flag="--replicas",
+        env="DPSERVE_SIM_COUNT",  # DPSERVE_SIM_REPLICAS is `dpserve up --sim`'s
         metavar="N",
+        minimum=1,
+        old_flags=("--count",),
     )
 
     def __post_init__(self) -> None:
@@ -834,28 +901,292 @@ class AgentSettings:
     log_level: str = setting("info", "log level", AGENT, choices=LOG_LEVELS)
 
 
+class SettingError(ValueError):
+    """A value a setting cannot take, or a config file that cannot be read: its text names where the value
+    came from (the flag, the variable, the file and its key) and what is wrong with it."""
+
+
+LARGEST_INT = 2**63 - 1
+"""The most an integer setting may be unless it says otherwise: what C code below Python takes."""
+LARGEST_FLOAT = 1e9
+"""The most a number with a fraction may be unless it says otherwise: a billion seconds (31 years) is past any
+wait, and below threading's TIMEOUT_MAX, which a longer wait overflows."""
+LARGEST_PORT = 65535
+
+# Each pydantic error type as the words that follow the value in a message.
+PROBLEMS = {
+    "int_parsing": "is not a whole number",
+    "int_type": "is not a whole number",
+    "int_from_float": "is not a whole number",
+    "float_parsing": "is not a number",
+    "float_type": "is not a number",
+    "finite_number": "is not a finite number",
+    "bool_parsing": "is not true or false (true, false, yes, no, on, off, 1, 0)",
+    "bool_type": "is not true or false (true, false, yes, no, on, off, 1, 0)",
+    "string_type": "is not text",
+    "string_too_short": "is empty",
+    "tuple_type": "is not a list",
+    "path_type": "is not a path",
+    "greater_than_equal": "must be at least {ge}",
+    "less_than_equal": "must be at most {le}",
+    "literal_error": "is not one of {expected}",
+}
+
+
+def _bounds(name: str, found: Setting, kind: type) -> tuple[float, float]:
+    """The least and the most a number setting may be: its declared ones, else from 0 (no count, size, time
+    or weight is negative) to a port's largest, or LARGEST_INT or LARGEST_FLOAT."""
+    port = name == "port" or name.endswith("_port")
+    least = found.minimum if found.minimum is not None else 0
+    most = LARGEST_PORT if port else LARGEST_INT if kind is int else LARGEST_FLOAT
+    return least, found.maximum if found.maximum is not None else most
+
+
+@functools.cache
+def type_hints(group: type[DataclassInstance]) -> dict[str, Any]:
+    """`group`'s fields' type hints (evaluated once: a check reads them for each value)."""
+    return get_type_hints(group)
+
+
+def _optional(hint: Any) -> tuple[Any, bool]:
+    """(the type, whether None is allowed too): `int | None` -> (int, True)."""
+    args = get_args(hint)
+    if type(None) in args:
+        (inner,) = (arg for arg in args if arg is not type(None))
+        return inner, True
+    return hint, False
+
+
+@functools.cache
+def _validator(group: type[DataclassInstance], name: str, choices: tuple[str, ...] | None, bounded: bool) -> Any:
+    """A pydantic TypeAdapter for setting `name` of `group`: its field's type hint, with its choices, and (when
+    `bounded`) its bounds and no empty text. Imported here: only a command that loads settings pays for
+    pydantic."""
+    from pydantic import ConfigDict, Field, TypeAdapter
+
+    found = dict(settings_of(group))[name]
+    inner, optional = _optional(type_hints(group)[name])
+    checked: Any = inner
+    if inner in (int, float) and bounded:
+        least, most = _bounds(name, found, inner)
+        # No NaN or infinity for a float (an int has neither; the option is only a float's).
+        finite = False if inner is float else None
+        checked = Annotated[inner, Field(ge=least, le=most, allow_inf_nan=finite)]
+    elif inner is str:
+        allowed = choices or found.choices
+        text = Annotated[str, Field(min_length=1)] if bounded else str
+        checked = Literal[allowed] if allowed else text
+    elif get_origin(inner) is tuple and bounded:
+        checked = tuple[Annotated[str, Field(min_length=1)], ...]
+    if optional:
+        checked = Optional[checked]  # noqa: UP045  # a type built at run time: `X | None` needs a class
+    # YAML reads `api-key: 12345` as a number and `gpu-ignored-xids: [13]` as numbers: text settings take them.
+    return TypeAdapter(checked, config=ConfigDict(coerce_numbers_to_str=True))
+
+
+def check_setting(
+    group: type[DataclassInstance],
+    name: str,
+    value: Any,
+    where: str,
+    choices: tuple[str, ...] | None = None,
+    *,
+    bounded: bool = True,
+) -> Any:
+    """`value` as setting `name` of `group` holds it (text parsed: `'8000'` -> 8000); a SettingError
+    `WHERE: VALUE PROBLEM` when it cannot be (`DPSERVE_PORT: 'abc' is not a whole number`)."""
+    from pydantic import ValidationError
+
+    inner, _ = _optional(type_hints(group)[name])
+    if isinstance(value, bool) and inner in (int, float):  # pydantic reads true as 1
+        raise SettingError(f"{where}: {value!r} is not a number")
+    if bounded and inner is Path and isinstance(value, str) and not value.strip():  # pydantic reads "" as "."
+        raise SettingError(f"{where}: {value!r} is empty")
+    try:
+        return _validator(group, name, choices, bounded).validate_python(value)
+    except ValidationError as exc:
+        raise SettingError(f"{where}: {_problem(value, exc.errors()[0])}") from None
+
+
+def _problem(value: Any, error: Any) -> str:
+    """A pydantic error in words: the value (a list's item where it is the item) and what is wrong with it."""
+    location = [step for step in error["loc"] if isinstance(step, int)]
+    if location and isinstance(value, (list, tuple)):
+        return f"item {location[0] + 1}, " + _problem(value[location[0]], {**error, "loc": ()})
+    context = dict(error.get("ctx") or {})
+    words = PROBLEMS.get(error["type"])
+    if words is None:
+        return f"{value!r}: {error['msg']}"
+    shown = {key: int(item) if isinstance(item, float) and item.is_integer() else item for key, item in context.items()}
+    return f"{value!r} {words.format(**shown)}"
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """`--config FILE`: settings in YAML, keyed by their flags' names (`max-model-len: 8192`, or
+    `max_model_len`), a repeated flag's items as a list; relative paths are read from the file's folder."""
+
+    path: Path
+    entries: Mapping[str, tuple[str, Any]]
+    """{key as written, dashes for underscores: (key as written, value)}."""
+
+    @classmethod
+    def read(cls, path: Path | str) -> ConfigFile:
+        """The file's entries; a SettingError naming the file when it cannot be read or is no YAML mapping."""
+        import yaml
+
+        path = Path(path)
+        where = f"--config {path}"
+        try:
+            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_keys_loader())  # a SafeLoader
+        except OSError as exc:
+            raise SettingError(f"{where}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise SettingError(f"{where}: not text (UTF-8)") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise SettingError(f"{where}: not valid YAML{at}: {problem}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise SettingError(
+                f"{where}: expected flag names and their values (max-model-len: 8192), not a {type(loaded).__name__}"
+            )
+        entries: dict[str, tuple[str, Any]] = {}
+        for key, value in loaded.items():
+            written = key if isinstance(key, str) else json.dumps(key, default=str)  # `null`, as YAML wrote it
+            spelled = written.replace("_", "-")
+            if spelled in entries:
+                raise SettingError(f"{where}: {written} and {entries[spelled][0]} are the same setting, given twice")
+            entries[spelled] = (written, value)
+        return cls(path, entries)
+
+    def check_keys(self, group: type[DataclassInstance]) -> None:
+        """A SettingError for a key `group`'s command does not take, with the closest one it does."""
+        taken = file_keys(group)
+        for spelled, (written, _) in self.entries.items():
+            if spelled in taken:
+                continue
+            if spelled in file_keys(group, router_only=True):
+                raise SettingError(f"--config {self.path}: {written} is `dpserve router`'s only (this command sets it)")
+            close = difflib.get_close_matches(spelled, list(taken), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise SettingError(f"--config {self.path}: {written} is no setting of this command{hint}")
+
+    def value(self, group: type[DataclassInstance], name: str, choices: tuple[str, ...] | None) -> tuple[bool, Any]:
+        """(whether the file gives setting `name` of `group`, its value, checked)."""
+        found = dict(settings_of(group))[name]
+        for spelled in _keys_of(name, found):
+            if spelled not in self.entries:
+                continue
+            written, raw = self.entries[spelled]
+            where = f"--config {self.path}: {written}"
+            if found.form in (Form.REPEAT, Form.LIST) and isinstance(raw, str):
+                raw = split_list(raw) if found.form is Form.LIST else (raw,)  # as the flag given once
+            checked = check_setting(group, name, raw, where, choices)
+            if found.form is Form.OFF_SWITCH:
+                checked = not checked  # `no-gpu-health: true`, as the flag
+            if isinstance(checked, Path) and not checked.is_absolute():
+                checked = self.path.parent / checked
+            return True, checked
+        return False, None
+
+
+@functools.cache
+def _unique_keys_loader() -> Any:
+    """YAML's safe loader, refusing a key given twice (which it would else read as the last one given)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):  # type: ignore[misc]  # yaml ships no types
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    given = key in seen
+                except TypeError:  # a list or a mapping as a key: the loader says so below
+                    continue
+                if given:
+                    raise yaml.constructor.ConstructorError(None, None, f"{key} is given twice", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeys
+
+
+def _keys_of(name: str, found: Setting) -> tuple[str, ...]:
+    """A setting's keys in a config file: its flag's names less `--` (its field's name, dashed, where it has no
+    flag: `vllm-args`)."""
+    if found.flag is None:
+        return (name.replace("_", "-"),)
+    return tuple(flag.removeprefix("--") for flag in (found.flag, *found.old_flags))
+
+
+@functools.cache
+def file_keys(group: type[DataclassInstance], router_only: bool = False) -> dict[str, str]:
+    """{config file key: field name} of `group`'s command, groups within it included (`dpserve up`: its own
+    and the router's, less those only `dpserve router` takes; `router_only`: those alone)."""
+    keys: dict[str, str] = {}
+    hints = type_hints(group)
+    for f in fields(group):
+        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
+            keys.update(_nested_keys(hints[f.name], router_only))
+    for name, found in settings_of(group):
+        if not router_only:
+            keys.update(dict.fromkeys(_keys_of(name, found), name))
+    return keys
+
+
+def _nested_keys(group: type[DataclassInstance], router_only: bool) -> dict[str, str]:
+    return {
+        key: name
+        for name, found in settings_of(group)
+        if found.router_only == router_only
+        for key in _keys_of(name, found)
+    }
+
+
 def load_settings(
-    group: type[S], overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    group: type[S],
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config: ConfigFile | None = None,
+    choices: Mapping[str, tuple[str, ...]] | None = None,
 ) -> S:
-    """`group` from environment variables and explicit overrides (flags, by field name; `None` is unset
-    and names of other groups are ignored). A group inside a group (`UpSettings.router`) is loaded from
-    the same environment and flags."""
+    """`group` from flags (`overrides`, by field name; `None` is unset and names of other groups are
+    ignored) over a config file over environment variables over the defaults, each value checked against its
+    setting's type and bounds (`choices`: more, by field name, from modules above this one). A group inside a
+    group (`UpSettings.router`) is loaded from the same flags, file and environment. A SettingError (a
+    ValueError) names the flag, variable or file key whose value is wrong; the group's own checks raise
+    ValueErrors too."""
     env = os.environ if env is None else env
     overrides = overrides or {}
-    hints = get_type_hints(group)
+    choices = choices or {}
+    hints = type_hints(group)
     declared = dict(settings_of(group))
     values: dict[str, Any] = {}
     for f in fields(group):
         hint = hints[f.name]
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            values[f.name] = load_settings(hint, overrides, env)
+            values[f.name] = load_settings(hint, overrides, env, config, choices)
             continue
         found = declared.get(f.name)
-        variable, raw = _from_environment(found, env) if found is not None else (None, None)
-        if variable is not None and raw is not None and found is not None:
-            values[f.name] = _coerce(variable, hint, found.separator, raw)
+        if found is None:  # no user setting (`peer_siblings`)
+            if overrides.get(f.name) is not None:
+                values[f.name] = overrides[f.name]
+            continue
+        allowed = choices.get(f.name)
+        variable, raw = _from_environment(found, env)
+        if variable is not None and raw is not None:
+            text = tuple(raw.replace(found.separator, " ").split()) if get_origin(hint) is tuple else raw
+            values[f.name] = check_setting(group, f.name, text, variable, allowed)
+        given, value = config.value(group, f.name, allowed) if config is not None else (False, None)
+        if given:
+            values[f.name] = value
         if overrides.get(f.name) is not None:
-            values[f.name] = overrides[f.name]
+            values[f.name] = check_setting(group, f.name, overrides[f.name], found.flag or f.name, allowed)
     return group(**values)
 
 
@@ -919,30 +1250,7 @@ def split_list(text: str) -> tuple[str, ...]:
 
 
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
-"""What a setting in the environment, or a yes-or-no request header, reads as true."""
-FALSE_WORDS = frozenset({"0", "false", "no", "off"})
-
-
-def _coerce(variable: str, hint: Any, separator: str, raw: str) -> Any:
-    text = str(hint)
-    try:
-        if "tuple" in text:
-            return tuple(raw.replace(separator, " ").split())
-        if "bool" in text:
-            if raw.lower() in TRUE_WORDS:
-                return True
-            if raw.lower() in FALSE_WORDS:
-                return False
-            raise ValueError(raw)
-        if "int" in text and "float" not in text:
-            return int(raw)
-        if "float" in text:
-            return float(raw)
-        if "Path" in text:
-            return Path(raw)
-    except ValueError:
-        raise ValueError(f"{variable}={raw!r} is not a valid value") from None
-    return raw
+"""What a yes-or-no request header reads as true."""
 
 
 def settings_argv(settings: DataclassInstance, skip: frozenset[str] = frozenset()) -> list[str]:

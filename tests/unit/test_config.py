@@ -86,9 +86,9 @@ def test_lora_names_are_unique_and_limits_positive() -> None:
         RouterSettings(lora=("a=/x", "a=/y"))
     with pytest.raises(ValueError, match="--lora-dir must name a folder"):
         RouterSettings(lora_dir=" ")
-    with pytest.raises(ValueError, match="--max-loras 0: must be at least 1"):
+    with pytest.raises(ValueError, match="--max-loras: 0 must be at least 1"):
         load_settings(UpSettings, {"max_loras": 0}, env={})
-    with pytest.raises(ValueError, match="--max-lora-rank -1: must be at least 1"):
+    with pytest.raises(ValueError, match="DPSERVE_MAX_LORA_RANK: '-1' must be at least 1"):
         load_settings(UpSettings, env={"DPSERVE_MAX_LORA_RANK": "-1"})
 
 
