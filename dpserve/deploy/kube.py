@@ -14,12 +14,14 @@ Pod Security Standards: the namespace enforces `baseline`; the routers meet `res
 host's process table, which no level short of `privileged` allows: they run in a namespace of their own
 (`<namespace>-gpu-agent`) that says so, so the main namespace's level holds for everything in it.
 
-Keys never appear here: the router reads them from the Secret `dpserve-keys`, the routers and vLLM the
-replicas' key from the Secret `dpserve-replica-key`, both made by hand with kubectl.
+Keys never appear here: the routers read theirs as files from the Secret `dpserve-keys`, and the replicas' key
+from the Secret `dpserve-replica-key`, which vLLM reads from its environment (its only way but the command line);
+both made by hand with kubectl. With `--tls` the certificates come from Secrets too (kube_tls.py).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from dpserve.config import RouterSettings
@@ -75,7 +77,11 @@ API_KEYS_ENTRY = "api-keys"
 ADMIN_KEYS_ENTRY = "admin-keys"
 REPLICA_KEY_SECRET = "dpserve-replica-key"
 REPLICA_KEY_ENTRY = "key"
-"""The key vLLM requires on /v1 (VLLM_API_KEY) and the routers send it (DPSERVE_REPLICA_API_KEY)."""
+"""The key vLLM requires on /v1 (VLLM_API_KEY) and the routers send it (--replica-api-key-file)."""
+KEYS_DIR = "/etc/dpserve/keys"
+REPLICA_KEY_DIR = "/etc/dpserve/replica-key"
+"""Where a router reads its keys: the Secrets' entries as files (whole-directory mounts, so a Secret changed
+with kubectl reaches them within a minute), never in its environment."""
 PRE_STOP_S = {"router": 5, "vllm": 10}
 """How long a pod keeps serving after it is told to stop, before SIGTERM: for the Service's endpoints (the
 router) or the routers' DNS discovery, re-read every 5 s (a replica), to drop it first."""
@@ -110,6 +116,12 @@ def _gpu_tolerations() -> list[dict[str, str]]:
 
 def _secret_env(name: str, secret: str, key: str, optional: bool) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": optional}}}
+
+
+def _secret_volume(name: str, secret: str, entries: tuple[str, ...]) -> dict[str, Any]:
+    """These entries of `secret` as files, read by the router's group (fsGroup) only; a missing one stops the pod."""
+    items = [{"key": entry, "path": entry} for entry in entries]
+    return {"name": name, "secret": {"secretName": secret, "items": items, "defaultMode": 0o440}}
 
 
 def _pod_security(level: str) -> dict[str, str]:
@@ -316,6 +328,9 @@ def router_command(options: KubeOptions) -> list[str]:
         lora_dir=ADAPTERS_DIR if options.lora_pvc else None,
         lora_affinity=options.lora_affinity,
         otlp_traces_endpoint=options.otlp_traces_endpoint,
+        api_key_file=Path(KEYS_DIR, API_KEYS_ENTRY),
+        admin_key_file=Path(KEYS_DIR, ADMIN_KEYS_ENTRY),
+        replica_api_key_file=Path(REPLICA_KEY_DIR, REPLICA_KEY_ENTRY),
     )
     if options.tls:
         settings = with_router_tls(settings)
@@ -340,14 +355,6 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
         "imagePullPolicy": "IfNotPresent",
         "command": router_command(options),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
-        # Bound to 0.0.0.0, the router refuses to start without API keys: the Secret must exist.
-        "env": [
-            _secret_env("DPSERVE_API_KEYS", options.keys_secret, API_KEYS_ENTRY, optional=False),
-            # Routers follow each other with the admin key: with peers it must be there.
-            _secret_env("DPSERVE_ADMIN_KEYS", options.keys_secret, ADMIN_KEYS_ENTRY, optional=not options.router_peers),
-            # The key the vLLM pods require, sent with every request to them.
-            _secret_env("DPSERVE_REPLICA_API_KEY", REPLICA_KEY_SECRET, REPLICA_KEY_ENTRY, optional=False),
-        ],
         "resources": router_resources(options),
         # /ready answers 503 until a replica is healthy: a router with nothing behind it takes no traffic.
         **_probes(options, ROUTER_PORT, ("/ready", 2), 3),
@@ -365,6 +372,8 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
         # The root filesystem is read-only; whatever a library spools to a temporary file goes here.
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "keys", "mountPath": KEYS_DIR, "readOnly": True},
+            {"name": "replica-key", "mountPath": REPLICA_KEY_DIR, "readOnly": True},
             *_adapters_mounts(options),
             *([tls_mount(ROUTER_TLS_DIR)] if options.tls else []),
         ],
@@ -401,6 +410,10 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
                     "containers": [container],
                     "volumes": [
                         {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+                        # Bound to 0.0.0.0, the router refuses to start without API keys; routers follow each
+                        # other with the admin key; the vLLM pods require theirs: the pod waits for both Secrets.
+                        _secret_volume("keys", options.keys_secret, (API_KEYS_ENTRY, ADMIN_KEYS_ENTRY)),
+                        _secret_volume("replica-key", REPLICA_KEY_SECRET, (REPLICA_KEY_ENTRY,)),
                         *_adapters_volumes(options),
                         # Read by the router's group (fsGroup) only.
                         *([tls_volume(ROUTER_TLS_SECRET, 0o440)] if options.tls else []),
@@ -624,8 +637,8 @@ def render(options: KubeOptions) -> str:
         f"Generated by `dpserve kube {options.flags()}`; regenerate rather than edit.\n"
         "Create the Secrets first (they are never written here):\n"
         f"  kubectl create namespace {ns}\n"
-        f"  kubectl -n {ns} create secret generic {options.keys_secret} "
-        f'--from-literal={API_KEYS_ENTRY}="$API_KEYS" --from-literal={ADMIN_KEYS_ENTRY}="$ADMIN_KEYS"  # key1,key2\n'
+        f"  kubectl -n {ns} create secret generic {options.keys_secret} --from-file={API_KEYS_ENTRY}=api-keys.txt "
+        f"--from-file={ADMIN_KEYS_ENTRY}=admin-keys.txt  # a [NAME:]KEY a line\n"
         f"  kubectl -n {ns} create secret generic {REPLICA_KEY_SECRET} "
         f"--from-literal={REPLICA_KEY_ENTRY}=$(openssl rand -hex 32)  # vLLM's key, which only the routers send\n"
         f"  kubectl -n {ns} create secret generic {HF_TOKEN_SECRET} --from-literal=token=hf_...  "

@@ -6,6 +6,7 @@ the pods' commands accepted by dpserve's own parser."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import ipaddress
 import re
@@ -21,6 +22,7 @@ from dpserve.cli import _overrides, build_parser, main
 from dpserve.config import AgentSettings, RouterSettings, load_settings
 from dpserve.deploy.kube import KubeOptions, render
 from dpserve.replicas.discovery import parse_discovery_source
+from dpserve.router.flow.access import load_keys
 from dpserve.version import package_version
 from tests.pod_security import violations
 
@@ -343,25 +345,43 @@ def test_no_secret_object_and_no_key_in_the_manifest(
                 assert set(env["valueFrom"]) == {"secretKeyRef"}
 
 
-def test_the_router_reads_its_keys_from_the_secret_the_header_says_to_create() -> None:
+def _mounted_file(pod_spec: dict[str, Any], path: str) -> tuple[str, str]:
+    """The Secret and its entry a file in the pod's one container comes from."""
+    folder, _, name = path.rpartition("/")
+    (container,) = pod_spec["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+    assert mount["readOnly"] is True and "subPath" not in mount, "a changed Secret reaches the file"
+    (volume,) = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
+    items = {item["path"]: item["key"] for item in volume["secret"].get("items", [])}
+    return volume["secret"]["secretName"], items.get(name, name)
+
+
+def test_the_router_reads_its_keys_from_files_of_the_secret_the_header_says_to_create(tmp_path: Path) -> None:
     options = KubeOptions(replicas=2)
     text = render(options)
     create = next(line for line in text.splitlines() if f"create secret generic {options.keys_secret}" in line)
     assert create.startswith("#")
-    literals = set(re.findall(r"--from-literal=([a-z-]+)=", create))
+    entries = dict(re.findall(r"--from-file=([a-z-]+)=(\S+)", create))
     deployment, _ = router_and_agent(documents(options))
-    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
-    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "secretKeyRef" in e.get("valueFrom", {})}
-    refs = {name: ref for name, ref in refs.items() if name != "DPSERVE_REPLICA_API_KEY"}  # the next test's
-    assert {ref["name"] for ref in refs.values()} == {options.keys_secret}
-    assert {ref["key"] for ref in refs.values()} == literals
-    # What the Secret holds, as the kubelet would set it, is what the router loads as its keys.
-    values = {"api-keys": "k1,k2", "admin-keys": "a1"}
-    settings = load_settings(RouterSettings, env={name: values[ref["key"]] for name, ref in refs.items()})
-    assert settings.api_keys == ("k1", "k2")
-    assert settings.admin_keys == ("a1",)
-    api = next(ref for name, ref in refs.items() if ref["key"] == "api-keys")
-    assert api["optional"] is False, "a router on 0.0.0.0 without keys would not start: wait for the Secret"
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert not [e for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})], "files only"
+    settings = load_settings(RouterSettings, _overrides(parse_pod_command(container["command"])), env={})
+    files = {"api_key_file": settings.api_key_file, "admin_key_file": settings.admin_key_file}
+    found = {name: _mounted_file(spec, str(path)) for name, path in files.items()}
+    assert {secret for secret, _ in found.values()} == {options.keys_secret}
+    assert {entry for _, entry in found.values()} == set(entries)
+    # A missing Secret (or entry) holds the pod back: a router on 0.0.0.0 without keys would not start.
+    volumes = [v["secret"] for v in spec["volumes"] if "secret" in v]
+    assert all(not volume.get("optional", False) and volume["defaultMode"] == 0o440 for volume in volumes)
+    # What the header's files hold, as the kubelet mounts them, is what the router loads as its keys.
+    (tmp_path / "api-keys").write_text("team-a:key-one-1234\nkey-two-5678\n")
+    (tmp_path / "admin-keys").write_text("admin-key-1234\n")
+    local = dataclasses.replace(
+        settings, api_key_file=tmp_path / "api-keys", admin_key_file=tmp_path / "admin-keys", replica_api_key_file=None
+    )
+    keys = load_keys(local)
+    assert keys.admins == (b"admin-key-1234",) and "team-a" in keys.user_names
 
 
 def test_vllm_requires_the_replica_key_the_header_says_to_create_and_every_router_sends_it() -> None:
@@ -373,18 +393,19 @@ def test_vllm_requires_the_replica_key_the_header_says_to_create_and_every_route
     docs = documents(options)
     deployment, _ = router_and_agent(docs)
     (statefulset,) = only(docs, "StatefulSet")
-    wanted = {"name": "dpserve-replica-key", "key": literal, "optional": False}
-    for workload, variable in ((statefulset, "VLLM_API_KEY"), (deployment, "DPSERVE_REPLICA_API_KEY")):
-        (container,) = workload["spec"]["template"]["spec"]["containers"]
-        (env,) = [e for e in container["env"] if e["name"] == variable]
-        assert env["valueFrom"]["secretKeyRef"] == wanted
+    (vllm,) = statefulset["spec"]["template"]["spec"]["containers"]
+    (env,) = [e for e in vllm["env"] if e["name"] == "VLLM_API_KEY"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "dpserve-replica-key", "key": literal, "optional": False}
+    # The routers read it from a file of the same Secret's entry.
+    spec = deployment["spec"]["template"]["spec"]
+    settings = load_settings(RouterSettings, _overrides(parse_pod_command(spec["containers"][0]["command"])), env={})
+    assert _mounted_file(spec, str(settings.replica_api_key_file)) == ("dpserve-replica-key", literal)
     # VLLM_API_KEY is what vLLM reads when no --api-key is given (its source says so; importing vLLM takes
     # seconds): the key stays off its command line.
-    (vllm,) = statefulset["spec"]["template"]["spec"]["containers"]
     assert "--api-key" not in vllm["command"]
-    spec = importlib.util.find_spec("vllm")
-    assert spec and spec.origin
-    register = Path(spec.origin).parent / "entrypoints" / "serve" / "middleware" / "register.py"
+    spec_ = importlib.util.find_spec("vllm")
+    assert spec_ and spec_.origin
+    register = Path(spec_.origin).parent / "entrypoints" / "serve" / "middleware" / "register.py"
     assert "args.api_key or [envs.VLLM_API_KEY]" in register.read_text()
 
 

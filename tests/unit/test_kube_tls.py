@@ -223,7 +223,7 @@ def test_tls_on_every_hop(capsys: pytest.CaptureFixture[str]) -> None:
         v["secret"]["secretName"]: v["secret"]["defaultMode"]
         for spec in (vllm_spec, router_spec)
         for v in spec["volumes"]
-        if "secret" in v
+        if v["name"] == "tls"
     }
     assert modes == {"dpserve-vllm-tls": 0o400, "dpserve-router-tls": 0o440}
     assert not only(docs, "Secret") and "PRIVATE KEY" not in str(docs)
@@ -247,7 +247,7 @@ def test_cert_manager_certificates_make_the_secrets_the_pods_mount(capsys: pytes
     )
     certificates = {c["spec"]["secretName"]: c for c in only(docs, "Certificate")}
     mounted = {
-        v["secret"]["secretName"] for _, spec in pod_specs(docs) for v in spec.get("volumes", []) if "secret" in v
+        v["secret"]["secretName"] for _, spec in pod_specs(docs) for v in spec.get("volumes", []) if v["name"] == "tls"
     }
     assert set(certificates) == mounted == {"dpserve-router-tls", "dpserve-vllm-tls"}
     assert certificates["dpserve-router-tls"]["spec"]["dnsNames"] == router_names(options)
