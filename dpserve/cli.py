@@ -27,6 +27,7 @@ from dpserve.config import (
     split_list,
     unknown_variables,
 )
+from dpserve.deploy.kube_command import add_kube_flags, kube_flag_values
 from dpserve.policies import POLICY_NAMES
 from dpserve.version import package_version
 
@@ -432,6 +433,7 @@ def _add_kube_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         dest="service_monitor",
         help="also write Prometheus Operator ServiceMonitors",
     )
+    add_kube_flags(kube)
     kube.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
 
 
@@ -529,6 +531,10 @@ def _build_model(args: argparse.Namespace) -> int:
     return 0
 
 
+VLLM_ARGS_COMMANDS = ("up", "compose", "kube")
+"""The commands that pass what follows `--` on to vLLM; every other one refuses it."""
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _run(argv)
@@ -549,6 +555,8 @@ def _run(argv: list[str] | None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in ("bench", "tune"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if vllm_args and args.command not in VLLM_ARGS_COMMANDS:
+        parser.error(f"{args.command}: takes nothing after `--` (vLLM's flags go to up, compose or kube)")
 
     if args.command == "model":
         return _build_model(args)
@@ -564,6 +572,7 @@ def _run(argv: list[str] | None) -> int:
             args.scaled,
             args.routers,
             args.router_workers,
+            vllm_args=tuple(vllm_args),
             **_deploy_options(args),
         )
     if args.command == "kube":
@@ -582,7 +591,9 @@ def _run(argv: list[str] | None) -> int:
             model_cache_pvc=args.model_cache_pvc,
             service_monitor=args.service_monitor,
             prometheus_namespace=args.prometheus_namespace,
+            vllm_args=tuple(vllm_args),  # the vLLM container's args
             **_deploy_options(args),
+            **kube_flag_values(args),
         )
     if args.command == "gpus":
         from dpserve.gpu.table import print_gpus
