@@ -1,0 +1,274 @@
+"""Bad input to every command, generated from the settings' declarations: each flag, environment variable and
+config file entry given values its setting cannot take (wrong types, negatives, empty, huge numbers, unknown
+choices), and files that cannot be read (missing, not YAML, not a mapping, unknown keys). Each case must stop
+with exit 2 (1 for a file that cannot be written), no traceback, and an error naming the flag, variable or key,
+before anything is served: `_serve`, which binds the ports, fails the case if reached."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, get_origin, get_type_hints
+
+import pytest
+import yaml
+
+from dpserve import cli
+from dpserve.cli import build_parser, main
+from dpserve.config import (
+    LARGEST_FLOAT,
+    LARGEST_INT,
+    AgentSettings,
+    Form,
+    RouterSettings,
+    Setting,
+    SimSettings,
+    UpSettings,
+    environment_names,
+    settings_of,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+WITH_CONFIG = ("router", "up", "sim")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    command: str
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    file: str | None = None
+    """A config file's text, given as --config."""
+    named: str = ""
+    """What the error must name: the flag, the variable, the key."""
+    code: int = 2
+
+    @property
+    def id(self) -> str:
+        where = self.file if self.file is not None else " ".join(f"{k}={v}" for k, v in self.env)
+        return f"{self.command} {' '.join(self.argv)} {where}"[:120]
+
+
+def command_settings() -> Iterator[tuple[str, type[Any], str, Setting]]:
+    """(command, group, field name, declaration) of every setting each command takes by flag."""
+    groups = {"router": [RouterSettings], "up": [UpSettings, RouterSettings], "sim": [SimSettings]}
+    groups["agent"] = [AgentSettings]
+    for command, of_command in groups.items():
+        for group in of_command:
+            own = group is not RouterSettings or command == "router"
+            for name, found in settings_of(group):
+                if found.router_only and not own:
+                    continue  # `dpserve up` sets these itself
+                yield command, group, name, found
+
+
+def _kind(group: type[Any], name: str) -> Any:
+    """The setting's type, less `| None`."""
+    hint = get_type_hints(group)[name]
+    args = getattr(hint, "__args__", ())
+    return next(arg for arg in args if arg is not type(None)) if type(None) in args else hint
+
+
+def out_of_range(group: type[Any], name: str, found: Setting) -> list[float]:
+    """Numbers just below the least setting `name` takes and past the most (a number setting)."""
+    kind = _kind(group, name)
+    least = found.minimum if found.minimum is not None else 0
+    port = name == "port" or name.endswith("_port")
+    if kind is int:
+        most = found.maximum if found.maximum is not None else 65535 if port else LARGEST_INT
+        return [int(least) - 1, int(most) + 1, 10**30]
+    most = found.maximum if found.maximum is not None else LARGEST_FLOAT
+    return [least - 1, most * 10 if most else 1.0]
+
+
+def bad_texts(group: type[Any], name: str, found: Setting) -> list[str]:
+    """Texts setting `name` cannot take, as a flag's or a variable's value."""
+    kind = _kind(group, name)
+    if found.form in (Form.SWITCH, Form.OFF_SWITCH, Form.ON_OFF):
+        return ["maybe"]
+    if found.form in (Form.REPEAT, Form.LIST) or get_origin(kind) is tuple:
+        return []  # any text is a list of texts; a REPEAT's empty item is a flag case
+    if kind in (int, float):
+        other = ["1.5"] if kind is int else ["nan", "inf"]
+        return ["abc", "", *other, *(str(number) for number in out_of_range(group, name, found))]
+    if found.choices or name in cli.FLAG_CHOICES:
+        return ["no-such-choice", ""]
+    return [""]  # text and paths: never empty
+
+
+def bad_entries(group: type[Any], name: str, found: Setting) -> list[Any]:
+    """YAML values setting `name` cannot take in a config file."""
+    kind = _kind(group, name)
+    if found.form in (Form.REPEAT, Form.LIST) or get_origin(kind) is tuple:
+        return [{"a": 1}, [["nested"]], [""]]
+    if kind is bool:
+        return ["maybe", 5, [True]]
+    if kind in (int, float):
+        other = [1.5] if kind is int else [float("nan"), float("inf")]
+        return ["abc", True, [1], {"a": 1}, *other, *out_of_range(group, name, found)]
+    return ["", [1], {"a": 1}, *(["no-such-choice"] if found.choices or name in cli.FLAG_CHOICES else [])]
+
+
+def cases() -> Iterator[Case]:
+    for command, group, name, found in command_settings():
+        assert found.flag is not None or name == "vllm_args"
+        if found.flag is not None:
+            values = bad_texts(group, name, found)
+            if found.form is Form.REPEAT:
+                values = [""]
+            elif found.form in (Form.SWITCH, Form.OFF_SWITCH):
+                values = []
+            for text in values:
+                yield Case(command, (f"{found.flag}={text}",), named=found.flag)
+        if found.env is not None and found.form not in (Form.REPEAT, Form.LIST):
+            for text in bad_texts(group, name, found):
+                if text:  # an empty variable is unset
+                    yield Case(command, (), env=((found.env, text),), named=found.env)
+        if command in WITH_CONFIG:
+            key = (found.flag or "--" + name.replace("_", "-")).removeprefix("--")
+            for value in bad_entries(group, name, found):
+                text = yaml.safe_dump({key: value})
+                yield Case(command, (), file=text, named=f"settings.yaml: {key}")
+    yield from file_cases()
+    yield from other_commands()
+
+
+def file_cases() -> Iterator[Case]:
+    for command in WITH_CONFIG:
+        yield Case(command, ("--config", "/no/such/settings.yaml"), named="/no/such/settings.yaml")
+        yield Case(command, ("--config", "/"), named="--config /")  # a folder
+        for text in ("port: [1\n", "a: b: c\n", "- 1\n- 2\n", "just text\n", "\tport: 1\n", "{port: 1\n"):
+            yield Case(command, (), file=text, named="settings.yaml")
+        for key in ("prot", "max-model-lenn", "replicas-count", "api_key_files", "1", "null", "--port"):
+            yield Case(command, (), file=f"{key}: 1\n", named=f"settings.yaml: {key}")
+        yield Case(command, (), file="port: 1\nport_: 2\n", named="settings.yaml: port_")
+        yield Case(command, (), file="host: a\nhost: b\n", named="settings.yaml")
+    yield Case("up", (), file="replica: [http://a:1]\n", named="settings.yaml: replica")
+    yield Case("up", (), file="peer: [http://a:1]\n", named="settings.yaml: peer")
+
+
+def other_commands() -> Iterator[Case]:
+    """The commands whose flags are not settings: counts, files."""
+    for flag in ("--replicas", "--gpus", "--routers", "--router-workers", "--tensor-parallel-size", "--max-loras"):
+        for text in ("0", "-1", "abc", ""):
+            yield Case("compose", (f"{flag}={text}",), named=flag)
+    for flag in ("--routers", "--router-replicas", "--router-workers", "--tensor-parallel-size", "--max-lora-rank"):
+        for text in ("0", "-2", "x"):
+            # kube's own check names --routers by its first name
+            named = "--router" if flag == "--routers" and text != "x" else flag
+            yield Case("kube", ("--replicas", "1", f"{flag}={text}"), named=named)
+    for text in ("0", "-1", "many"):
+        yield Case("kube", (f"--replicas={text}",), named="--replicas")
+    yield Case("kube", (), named="--replicas")  # required
+    yield Case("compose", ("--lora", "nameonly"), named="--lora")
+    yield Case("kube", ("--replicas", "1", "--lora-affinity", "maybe"), named="--lora-affinity")
+    yield Case("compose", ("-o", "/no/such/folder/compose.yaml"), named="/no/such/folder/compose.yaml", code=1)
+    yield Case("kube", ("--replicas", "1", "-o", "/no/such/folder/k.yaml"), named="/no/such/folder/k.yaml", code=1)
+    for flag, text in (("--count", "-1"), ("--rank", "0"), ("--seed", "-1"), ("--count", "x")):
+        yield Case("model", ("tiny-lora", "/tmp/unused", "--count", "1", flag, text), named=flag)
+    yield Case("model", ("tiny", "/tmp/unused", "--seed", "x"), named="--seed")
+    yield Case("gpus", ("--jsn",), named="--jsn")
+    yield Case("nosuchcommand", (), named="nosuchcommand")
+
+
+CASES = list(cases())
+PARSER = build_parser()
+"""Parsers are stateless once built: one for all cases keeps the fuzz fast."""
+
+
+@pytest.fixture(autouse=True)
+def nothing_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A case that passed the checks would bind its ports here: it fails instead. No setting comes from the
+    environment running the tests."""
+
+    def serve(*_: object) -> int:
+        raise AssertionError("the settings passed every check: the command would serve")
+
+    monkeypatch.setattr(cli, "_serve", serve)
+    monkeypatch.setattr(cli, "build_parser", lambda: PARSER)
+    for variable in environment_names():
+        monkeypatch.delenv(variable, raising=False)
+
+
+def test_the_fuzz_has_at_least_200_cases_from_every_command() -> None:
+    assert len(CASES) >= 200
+    commands = {case.command for case in CASES}
+    assert commands >= {"router", "up", "sim", "agent", "compose", "kube", "model", "gpus"}
+    assert sum(case.file is not None for case in CASES) >= 200
+    assert sum(bool(case.env) for case in CASES) >= 200
+
+
+def source(case: Case) -> str:
+    return "file" if case.file is not None else "env" if case.env else "flags"
+
+
+GROUPS = sorted({(case.command, source(case)) for case in CASES})
+
+
+@pytest.mark.parametrize(("command", "given"), GROUPS, ids=[f"{command}-{given}" for command, given in GROUPS])
+def test_bad_input_is_refused_without_a_traceback_naming_what_was_wrong(
+    command: str, given: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every case of one command and one source, in a loop (a test each would cost pytest's set-up 2900 times);
+    the failures listed together."""
+    failures = []
+    ran = 0
+    for case in CASES:
+        if (case.command, source(case)) != (command, given):
+            continue
+        ran += 1
+        code, err = run(case, tmp_path)
+        if code != case.code or "Traceback" in err or case.named not in err:
+            failures.append(f"{case.id!r}: exit {code}, must name {case.named!r}:\n{err[-600:]}")
+    assert ran
+    assert not failures, f"{len(failures)} of {ran} cases:\n" + "\n".join(failures[:20])
+
+
+def run(case: Case, tmp_path: Path) -> tuple[object, str]:
+    """(exit code, stderr) of `dpserve` given `case`."""
+    argv = [case.command, *case.argv]
+    if case.file is not None:
+        path = tmp_path / "settings.yaml"
+        path.write_text(case.file, encoding="utf-8")
+        argv += ["--config", str(path)]
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(io.StringIO()) as err:
+        for variable, value in case.env:
+            patch.setenv(variable, value)
+        try:
+            code: object = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "named"),
+    [
+        (["sim"], {"DPSERVE_PORT": "abc"}, "DPSERVE_PORT: 'abc' is not a whole number"),
+        (["sim", "--count", "0"], {}, "argument --replicas/--count: '0' must be at least 1"),
+        (["sim"], {"DPSERVE_SIM_COUNT": "0"}, "DPSERVE_SIM_COUNT: '0' must be at least 1"),
+        (["up"], {"DPSERVE_NUM_REPLICAS": "-1"}, "DPSERVE_NUM_REPLICAS: '-1' must be at least 1"),
+    ],
+)
+def test_the_installed_command_refuses_bad_environment_values_too(
+    argv: list[str], env: dict[str, str], named: str
+) -> None:
+    """As a user runs it: a process of its own, its environment as given."""
+    clean = {key: value for key, value in os.environ.items() if key not in environment_names()}
+    done = subprocess.run(
+        [sys.executable, "-m", "dpserve", *argv],
+        env={**clean, **env},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert named in done.stderr
