@@ -20,6 +20,7 @@ import pytest
 
 from dpserve.config import RouterSettings
 from dpserve.deploy import grafana
+from dpserve.deploy.compose import REPLICA_DRAIN_S, ComposeOptions, render
 from dpserve.deploy.env_file import read_env_file
 from dpserve.deploy.yaml_text import load
 from dpserve.replicas.prometheus_text import parse_samples
@@ -67,6 +68,10 @@ def _healthcheck_passes(service: dict[str, Any], port: int) -> bool:
 def test_router_container_command_healthchecks_and_loadtest_profile_run_over_two_sims(tmp_path: Path) -> None:
     stack = _gpu_less_stack()
     services = stack["services"]
+    # No GPU here, so no agent in this stack and none asked by its router: the GPU file's agent and router (the
+    # same command with `--gpu-agent`) run here on this host's real NVML, which must say there is no GPU.
+    assert "gpu-agent" not in services and "--gpu-agent" not in services["router"]["command"]
+    gpu_services = compose_config(ROOT / "compose.yaml")["services"]
     entrypoint = exec_form(dockerfile_instructions(ROOT / "router" / "Dockerfile"), "ENTRYPOINT")
     assert entrypoint == ["dpserve", "router"]
     with running_sim("--decode-ms-per-token", "2") as sim0, running_sim("--decode-ms-per-token", "2") as sim1:
@@ -76,13 +81,13 @@ def test_router_container_command_healthchecks_and_loadtest_profile_run_over_two
         # host's real NVML: there is no GPU here, and it must say so rather than fail.
         agent_port = free_port()
         agent_flags = _replace_flag(
-            _replace_flag(services["gpu-agent"]["command"], "--host", "127.0.0.1"), "--port", str(agent_port)
+            _replace_flag(gpu_services["gpu-agent"]["command"], "--host", "127.0.0.1"), "--port", str(agent_port)
         )
-        agent_entry = services["gpu-agent"]["entrypoint"]
+        agent_entry = gpu_services["gpu-agent"]["entrypoint"]
         agent = subprocess.Popen([str(BIN / agent_entry[0]), *agent_entry[1:], *agent_flags], stderr=subprocess.DEVNULL)
         hosts["http://gpu-agent:9400"] = f"http://127.0.0.1:{agent_port}"
         port = free_port()
-        flags = _replace_flag(_on_loopback(services["router"]["command"], hosts), "--host", "127.0.0.1")
+        flags = _replace_flag(_on_loopback(gpu_services["router"]["command"], hosts), "--host", "127.0.0.1")
         flags = _replace_flag(flags, "--port", str(port))
         # The container's command: the `dpserve` console script, as router/Dockerfile's ENTRYPOINT runs it.
         router = subprocess.Popen([str(BIN / entrypoint[0]), *entrypoint[1:], *flags], stderr=subprocess.PIPE)
@@ -142,13 +147,25 @@ def _agent_answered(url: str) -> bool:
     return bool(agents) and agents[0]["read_at"] is not None
 
 
-def test_vllm_accepts_the_replica_commands_of_both_files() -> None:
+def test_vllm_accepts_the_replica_commands_of_both_files(tmp_path: Path) -> None:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     gpu = compose_config(ROOT / "compose.yaml")["services"]["vllm-1"]
     cpu = _gpu_less_stack()["services"]["vllm-1"]
-    for service, model in ((gpu, ENV["MODEL"]), (cpu, "/models/tiny")):
+    # vLLM's own flags after `dpserve compose ... --`, in both files.
+    options = ComposeOptions(vllm_args=("--dtype", "half", "--max-num-seqs", "8"))
+    base, override = tmp_path / "compose.yaml", tmp_path / "compose.cpu.yaml"
+    base.write_text(render(options))
+    override.write_text(render(options, "cpu"))
+    gpu_given = compose_config(base)["services"]["vllm-0"]
+    cpu_given = compose_config(base, override)["services"]["vllm-0"]
+    for service, model in (
+        (gpu, ENV["MODEL"]),
+        (cpu, "/models/tiny"),
+        (gpu_given, ENV["MODEL"]),
+        (cpu_given, "/models/tiny"),
+    ):
         assert service["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(service["command"])
         validate_parsed_serve_args(args)
@@ -156,6 +173,10 @@ def test_vllm_accepts_the_replica_commands_of_both_files() -> None:
         events = args.kv_events_config
         assert (events.enable_kv_cache_events, events.publisher, events.endpoint) == (True, "zmq", "tcp://*:5557")
         assert args.enable_prompt_tokens_details is True
+        # It drains on SIGTERM (0 would abort every request) for as long as a router would wait.
+        assert args.shutdown_timeout == REPLICA_DRAIN_S
+        given = service in (gpu_given, cpu_given)
+        assert (args.dtype, args.max_num_seqs) == (("half", 8) if given else ("auto", None)), service["command"]
     assert args.served_model_name == ["dpserve-tiny"]
 
 

@@ -1,15 +1,18 @@
 """The real vLLM CPU stack on the Docker engine: `make compose-up` (VARIANT=cpu: two vllm-cpu containers of the
 tiny model, built here, and the router), the official SDK through the published port, and `docker stats` of
-each container. 70 s here with the replica image's dependency layer built (about 3 minutes when that layer is
-built first, from scratch longer); in `make test`, as the README's headline deployment; alone:
-`pytest -m vllm_stack -s`."""
+each container; and `make compose-down` while an answer streams through the router. 70 s here with the
+replica image's dependency layer built (about 3 minutes when that layer is built first, from scratch longer);
+in `make test`, as the README's headline deployment; alone: `pytest -m vllm_stack -s`."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
+from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -61,10 +64,58 @@ def test_vllm_cpu_stack_serves_the_sdk_through_the_router() -> None:
             if stack.project in line
         ]
         services = sorted(entry["Name"].removeprefix(f"{stack.project}-").rsplit("-", 1)[0] for entry in stats)
-        assert services == ["gpu-agent", "router", "vllm-0", "vllm-1"]
+        assert services == ["router", "vllm-0", "vllm-1"]  # no GPU, no agent
         built = "images already built" if cached else "replica image built first"
         print(f"\nvLLM CPU stack ready in {ready_s:.0f}s from make compose-up ({built})")
         for entry in sorted(stats, key=lambda entry: entry["Name"]):
             print(f"  {entry['Name']}: CPU {entry['CPUPerc']}, memory {entry['MemUsage']}, PIDs {entry['PIDs']}")
         for replica in stack.status()["replicas"]:
             print(f"  {replica['id']} {replica['url']}: served {replica['served_total']}, kv {replica['kv_events']}")
+
+
+STREAMED_TOKENS = 300
+"""An answer of about 10 s from the tiny model on 2 busy cores: well inside the router's 30 s drain."""
+
+
+def _stream_completion(url: str, tokens: int, seen: dict[str, Any]) -> None:
+    """A streamed completion through the router, `tokens` long whatever the model says (ignore_eos), each event
+    counted in `seen` as it arrives."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    seen.update(chunks=0, finish_reason=None, done=False)
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            seen["status"] = response.status_code
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    seen["done"] = True
+                elif line.startswith("data: "):
+                    (choice,) = json.loads(line.removeprefix("data: "))["choices"]
+                    seen["chunks"] += 1
+                    seen["finish_reason"] = choice.get("finish_reason") or seen["finish_reason"]
+    except httpx.HTTPError as exc:
+        seen["error"] = repr(exc)
+    seen["ended"] = time.monotonic()
+
+
+def test_compose_down_lets_a_streamed_answer_finish_and_leaves_nothing_running() -> None:
+    """`docker compose down` mid-answer: the router (stopped first: it depends on the replicas) drains while the
+    replicas keep serving; the answer completes to [DONE], then every container, network and volume is gone."""
+    needs_engine()
+    with compose_stack("cpu", name="down") as stack:
+        seen: dict[str, Any] = {}
+        streaming = threading.Thread(target=_stream_completion, args=(stack.url, STREAMED_TOKENS, seen), daemon=True)
+        streaming.start()
+        wait_for(lambda: seen.get("chunks", 0) >= 10, 120, "the answer's first tokens through the router")
+        at_down = seen["chunks"]
+        started = time.monotonic()
+        stack.make("compose-down", timeout_s=300)
+        down_s = time.monotonic() - started
+        streaming.join(60)
+        assert "error" not in seen and seen["status"] == 200, seen
+        assert seen["done"] and seen["finish_reason"] == "length" and seen["chunks"] == STREAMED_TOKENS, seen
+        assert at_down < STREAMED_TOKENS and seen["ended"] < started + down_s  # it streamed on during the stop
+        assert stack.leftovers() == {"containers": [], "networks": [], "volumes": []}
+        print(
+            f"\ncompose down at token {at_down}/{STREAMED_TOKENS}: the answer finished "
+            f"{seen['ended'] - started:.1f}s later ({seen['finish_reason']}, [DONE]); down took {down_s:.1f}s"
+        )
