@@ -139,14 +139,23 @@ def _flag_name(arg: str) -> str:
     return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
+def _listed(name: str, flags: dict[str, str]) -> str | None:
+    """The listed flag `name` is, or abbreviates: vLLM's parser takes any unambiguous prefix (`--max-model`)."""
+    if name in flags:
+        return name
+    if name.startswith("--") and len(name) > 3:
+        return next((flag for flag in flags if flag.startswith(name)), None)
+    return None
+
+
 def check_vllm_args(args: tuple[str, ...]) -> None:
     """Flags after `--` go to every vLLM pod, but not those the manifests depend on: a ValueError naming it."""
     for arg in args:
         name = _flag_name(arg)
-        if name in VLLM_FLAGS_OF_KUBE:
-            raise ValueError(f"-- {arg}: give {VLLM_FLAGS_OF_KUBE[name]} to dpserve kube itself, before `--`")
-        if name in VLLM_FLAGS_REFUSED:
-            raise ValueError(f"-- {arg}: not for the vLLM pods ({VLLM_FLAGS_REFUSED[name]})")
+        if (own := _listed(name, VLLM_FLAGS_OF_KUBE)) is not None:
+            raise ValueError(f"-- {arg}: give {VLLM_FLAGS_OF_KUBE[own]} to dpserve kube itself, before `--`")
+        if (refused := _listed(name, VLLM_FLAGS_REFUSED)) is not None:
+            raise ValueError(f"-- {arg}: not for the vLLM pods ({VLLM_FLAGS_REFUSED[refused]})")
 
 
 def check_quantity(flag: str, value: str | None) -> None:

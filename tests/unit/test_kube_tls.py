@@ -113,6 +113,8 @@ def test_flags_after_the_separator_win_as_on_up_and_none_is_none(capsys: pytest.
         (["-tp", "2"], "give --tensor-parallel-size to dpserve kube itself"),
         (["--gpu-memory-utilization", "0.5"], "give --gpu-memory-utilization to dpserve kube itself"),
         (["--model", "other"], "give --model to dpserve kube itself"),
+        (["--max-model", "4096"], "give --max-model-len to dpserve kube itself"),  # vLLM takes abbreviations
+        (["--por", "9000"], "not for the vLLM pods"),
     ],
 )
 def test_vllm_flags_the_manifests_depend_on_are_refused_by_name(
