@@ -250,6 +250,9 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
             _secret_env("VLLM_API_KEY", REPLICA_KEY_SECRET, REPLICA_KEY_ENTRY, optional=False),
             # With LoRA, the router loads adapters at run time (POST /v1/load_lora_adapter).
             *({"name": name, "value": value} for name, value in LORA_RUNTIME_ENV.items() if options.lora_enabled),
+            # Their NetworkPolicy lets them reach nothing but DNS unless told (--vllm-egress): the weights come
+            # from the cache alone, with a clear error when missing rather than connections that time out.
+            *([] if options.vllm_egress else [{"name": "HF_HUB_OFFLINE", "value": "1"}]),
         ],
         "resources": vllm_resources(options),
         **_probes(options, REPLICA_PORT, ("/health", 3), 6),
@@ -626,8 +629,8 @@ def _egress_header(options: KubeOptions) -> str:
     if options.model_cache_pvc or options.vllm_egress:
         return ""
     return (
-        "The vLLM pods reach nothing but DNS: to download the weights, pass --vllm-egress 0.0.0.0/0:443\n"
-        "(or a narrower block), or fill a claim with them and pass --model-cache-pvc.\n"
+        "The vLLM pods reach nothing but DNS (HF_HUB_OFFLINE=1): to download the weights, pass\n"
+        "--vllm-egress 0.0.0.0/0:443 (or a narrower block), or fill a claim with them and pass --model-cache-pvc.\n"
     )
 
 

@@ -826,6 +826,18 @@ def test_egress_replicas_reach_dns_only_routers_their_fleet_and_agents_nothing()
     assert _admits(router, llm, router_pod, 8080)
 
 
+@pytest.mark.parametrize("egress", [[], ["--vllm-egress", "0.0.0.0/0:443"]])
+def test_vllm_stays_off_hugging_face_unless_its_pods_may_reach_it(
+    egress: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["kube", "--replicas", "1", *egress]) == 0
+    text = capsys.readouterr().out
+    (statefulset,) = only([doc for doc in yaml.safe_load_all(text) if doc], "StatefulSet")
+    env = {e["name"]: e.get("value") for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env.get("HF_HUB_OFFLINE") == (None if egress else "1")
+    assert ("--vllm-egress 0.0.0.0/0:443" in text.partition("apiVersion")[0]) == (not egress), "the header says how"
+
+
 def test_egress_as_told_and_to_the_tracing_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
     flags = ["--vllm-egress", "0.0.0.0/0:443", "--vllm-egress", "10.20.0.0/16"]
     flags += ["--otlp-traces-endpoint", "http://otel-collector.observability:4317"]
