@@ -179,9 +179,9 @@ ENVIRONMENT_NOTE = (
 )
 CONFIG_NOTE = (
     "Every setting can also be given in a YAML file (--config FILE), keyed by its flag's name less the dashes in "
-    "front (max-model-len: 8192, or max_model_len), a repeated flag's values as a list (api-key: [k1, k2]), a "
+    "front (read-timeout: 120, or read_timeout), a repeated flag's values as a list (api-key: [k1, k2]), a "
     "switch as true or false (access-log: true), relative paths from the file's folder; flags win over the file, "
-    "the file over the environment."
+    "the file over the environment. docs/cli.md lists every key with its default."
 )
 
 
@@ -620,7 +620,7 @@ def _run(argv: list[str] | None) -> int:
     return _serve(parser, args.command, settings)
 
 
-SETTINGS_OF: dict[str, type[Any]] = {
+SETTINGS_OF: dict[str, type[DataclassInstance]] = {
     "router": RouterSettings,
     "up": UpSettings,
     "sim": SimSettings,

@@ -1130,12 +1130,12 @@ def file_keys(group: type[DataclassInstance], router_only: bool = False) -> dict
     and the router's, less those only `dpserve router` takes; `router_only`: those alone)."""
     keys: dict[str, str] = {}
     hints = type_hints(group)
-    for f in fields(group):
-        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
-            keys.update(_nested_keys(hints[f.name], router_only))
     for name, found in settings_of(group):
         if not router_only:
             keys.update(dict.fromkeys(_keys_of(name, found), name))
+    for f in fields(group):
+        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
+            keys.update(_nested_keys(hints[f.name], router_only))
     return keys
 
 

@@ -175,8 +175,14 @@ def test_compose_counts_replicas_as_up_and_kube_do(tmp_path: Path, capsys: pytes
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def test_docs_show_the_file_form() -> None:
+def test_docs_show_the_file_form_which_reads_back_as_the_defaults(tmp_path: Path) -> None:
     text = cli_docs.DOCS_FILE.read_text(encoding="utf-8")
-    for command in ("router", "up", "sim"):
+    for command, group in (("router", RouterSettings), ("up", UpSettings), ("sim", SimSettings)):
         section = text.split(f"## dpserve {command}\n", 1)[1].split("\n## ", 1)[0]
-        assert "--config FILE" in section and "max-model-len: 8192" in section
+        assert "--config FILE" in section
+        form = cli_docs.file_form(command)
+        assert f"```yaml\n{form}\n```" in section
+        config = ConfigFile.read(write(tmp_path, form))
+        config.check_keys(group)
+        assert len(config.entries) > 10
+        assert load_settings(group, env={}, config=config) == group()
