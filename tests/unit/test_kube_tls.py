@@ -90,6 +90,34 @@ def test_the_issues_command_validates_and_passes_dtype_to_every_vllm_pod(
     assert "`dpserve kube --replicas 2 --model Qwen/Qwen2.5-1.5B-Instruct --tls -- --dtype half`" in header
 
 
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_tls_with_everything_else_validates(version: str) -> None:
+    options = KubeOptions(
+        replicas=4,
+        router_replicas=3,
+        router_workers=2,
+        tls=True,
+        cert_manager_issuer="ClusterIssuer/ca",
+        service_monitor=True,
+        model_cache_pvc="models",
+        lora_pvc="adapters",
+        vllm_egress=("0.0.0.0/0:443", "[2001:db8::/32]:443"),
+        router_clients=("ingress-nginx", "apps:app=chat"),
+        vllm_memory_limit="64Gi",
+        otlp_traces_endpoint="http://otel-collector.monitoring:4317",
+        vllm_args=("--dtype", "half"),
+    )
+    kinds = []
+    for doc in documents(options):
+        if doc["apiVersion"].startswith((*CRD_GROUPS, "cert-manager.io/")):
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(doc, version, strict=True)
+        else:
+            kubernetes_validate.validate(doc, version, strict=True)
+        kinds.append(doc["kind"])
+    assert kinds.count("NetworkPolicy") == 3 and kinds.count("Certificate") == 2
+
+
 def test_flags_after_the_separator_win_as_on_up_and_none_is_none(capsys: pytest.CaptureFixture[str]) -> None:
     docs = written(["kube", "--replicas", "1", "--", "--no-enable-prefix-caching", "--served-model-name", "m"], capsys)
     container = vllm_container(docs)
