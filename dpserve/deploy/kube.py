@@ -3,12 +3,14 @@
 - a StatefulSet `vllm`: N pods, each asking for one GPU, behind the headless Service `vllm` (one DNS
   address per ready pod);
 - the router Deployment `dpserve-router`, which finds the replicas through that Service's DNS name
-  (`--discover`) and the GPU agents through theirs (`--discover-agents`), with a PodDisruptionBudget and
-  a ClusterIP Service; with more than one router, the headless Service `dpserve-router-peers`, through
-  which each router finds the others (`--discover-peers`) to share routing state;
+  (`--discover`; with `--tls`, each pod by its own name there, which its certificate covers) and the GPU
+  agents through theirs (`--discover-agents`), with a PodDisruptionBudget and a ClusterIP Service; with more
+  than one router, the headless Service `dpserve-router-peers`, through which each router finds the others
+  (`--discover-peers`) to share routing state;
 - the DaemonSet `dpserve-agent` on every GPU node: NVML readings for the routers, no GPU taken;
-- NetworkPolicies: only the routers (and Prometheus, for /metrics) reach the replicas' ports;
-- optionally ServiceMonitors for the Prometheus Operator.
+- NetworkPolicies, ingress and egress (kube_network.py): only the routers (and Prometheus, for /metrics) reach
+  the replicas, which reach nothing but DNS unless told;
+- optionally ServiceMonitors for the Prometheus Operator, and cert-manager Certificates for `--tls`.
 
 Pod Security Standards: the namespace enforces `baseline`; the routers meet `restricted`. The agents need the
 host's process table, which no level short of `privileged` allows: they run in a namespace of their own
@@ -301,7 +303,8 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
 
 
 def vllm_service(options: KubeOptions) -> dict[str, Any]:
-    # Headless: the name resolves to every ready pod's address, which is what the router's --discover reads.
+    # Headless: the name resolves to every ready pod's address, which is what the router's --discover reads,
+    # and each ready pod has a name of its own under it (vllm-0.vllm.NS...), which --tls's routers use.
     return {
         "apiVersion": "v1",
         "kind": "Service",
