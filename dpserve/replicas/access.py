@@ -83,6 +83,20 @@ def tls_context(ca_certs: Path | None, certfile: Path | None, keyfile: Path | No
     return context
 
 
+def reload_tls(context: ssl.SSLContext, ca_certs: Path | None, certfile: Path | None, keyfile: Path | None) -> None:
+    """Files that changed, loaded into a context in use: connections made from now on show the new certificate
+    and trust the new CA (besides those trusted before: a CA bundle is rotated by adding the new CA first)."""
+    # Loaded into a scratch context first: a certificate whose key does not match must not half-replace the pair.
+    try:
+        for target in (ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), context):
+            if certfile is not None:
+                target.load_cert_chain(str(certfile), str(keyfile) if keyfile else None)
+            if ca_certs is not None:
+                target.load_verify_locations(cafile=str(ca_certs))
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"{certfile or ca_certs}: {exc}") from None
+
+
 def load_replica_access(
     key: str | None,
     key_file: Path | None,

@@ -9,8 +9,10 @@ import asyncio
 import contextlib
 import logging
 import random
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -23,16 +25,18 @@ from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import ChunkTokens, TextPrefixIndex
 from dpserve.policies import Need, Policy, make_policy
 from dpserve.policies.bindings import SessionBindings
+from dpserve.replicas.access import KEY_REFUSED, reload_tls
 from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
 from dpserve.replicas.kv_events import KvEventSubscriber, events_context
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.control.admin import FleetControl, add_admin_routes
 from dpserve.router.control.discovery import Discovery, DiscoveryCollector, SourceState
+from dpserve.router.control.secret_files import Secret, SecretFiles
 from dpserve.router.control.shutdown import Shutdown
 from dpserve.router.control.status import RouterState, add_status_routes, replica_status
 from dpserve.router.fleet.gpu_metrics import GpuCollector
-from dpserve.router.flow.access import Guard, Keys, load_keys
+from dpserve.router.flow.access import Guard, KeyRing, Keys, load_keys
 from dpserve.router.flow.usage import UsageCollector
 from dpserve.router.http.endpoints import PROXIED_ENDPOINTS
 from dpserve.router.http.error_handlers import install_error_handlers
@@ -60,6 +64,7 @@ from dpserve.router.parts import (
     replica_access,
     selector_for,
     shadow_scorer,
+    tenants_for,
     upstream_deadlines,
 )
 from dpserve.router.peers.board import PeerBoard
@@ -92,6 +97,9 @@ class Router:
         self.settings = settings
         self.rng = rng
         self.keys = keys
+        self.key_ring = KeyRing(keys)
+        """The keys in force: the Guard's, replaced when a key file changes."""
+        self.server_tls: ssl.SSLContext | None = None
         self.access = replica_access(settings)  # a missing key or certificate file fails here
         self.sources = [SourceState(parse_discovery_source(text)) for text in settings.discover]
         # A bad nameserver fails here.
@@ -243,6 +251,10 @@ class Router:
             stack.callback(hot.close)
             reads = PooledReads(self.access, self.settings.probe_timeout_s)
             stack.callback(reads.close)
+            secrets = self._secret_files(hot, reads, replicas)
+            self.metrics.registry.register(secrets)
+            secrets.start()
+            stack.push_async_callback(secrets.stop)
             monitor = ReplicaMonitor(
                 self.registry,
                 self.catalog,
@@ -304,6 +316,71 @@ class Router:
             max_body_bytes=self.settings.max_body_bytes, flow=self.flow, receipts=self.receipts,
             shadows=self.shadows, tracing=self.tracing, access_log=self.settings.access_log,
         )  # fmt: skip
+
+    def adopt_server_tls(self, context: ssl.SSLContext | None) -> None:
+        """The context uvicorn serves HTTPS with (serve.py), for a changed certificate to be loaded into."""
+        self.server_tls = context
+
+    def _secret_files(self, hot: UpstreamPool, reads: PooledReads, replicas: aiohttp.ClientSession) -> SecretFiles:
+        """What each secret's file changing puts in force (control/secret_files.py)."""
+        settings = self.settings
+
+        def keys() -> None:
+            keys = load_keys(settings)
+            if keys.enabled != self.key_ring.keys.enabled:
+                raise ValueError("keys cannot be turned on or off by a file change: restart the router for that")
+            tenants = tenants_for(settings, keys)
+            self.key_ring.keys, self.flow.tenants = keys, tenants
+            self.peers.use_admin_key(keys.admins[0] if keys.admins else None)
+
+        def replica_key() -> None:
+            access = replica_access(settings)
+            hot.use_access(access)
+            reads.use_access(access)
+            replicas.headers.popall("Authorization", None)
+            replicas.headers.update(access.headers)
+            # Those that refused the old key are routable again: one that refuses this key too is told at once
+            # (a request there is retried elsewhere), one restarted with it first is not left idle till a probe.
+            for replica in self.registry.misconfigured():
+                if replica.misconfigured == KEY_REFUSED:
+                    self.registry.set_misconfigured(replica.id, None)
+
+        def replica_tls() -> None:
+            if self.access.tls is not None:
+                ca, cert, key = (
+                    settings.replica_ssl_ca_certs,
+                    settings.replica_ssl_certfile,
+                    settings.replica_ssl_keyfile,
+                )
+                reload_tls(self.access.tls, ca, cert, key)
+
+        def server_tls() -> None:
+            cert, key, ca = settings.ssl_certfile, settings.ssl_keyfile, settings.ssl_ca_certs
+            for context in (self.server_tls, self.peers.tls):
+                if context is not None:
+                    reload_tls(context, ca, cert, key)
+
+        def files(*paths: Path | None) -> list[Path]:
+            return [path for path in paths if path is not None]
+
+        return SecretFiles(
+            [
+                Secret("--api-key-file", files(settings.api_key_file, settings.admin_key_file), keys),
+                Secret("--tenant-file", files(settings.tenant_file), keys),
+                Secret("--replica-api-key-file", files(settings.replica_api_key_file), replica_key),
+                Secret(
+                    "--replica-ssl-certfile",
+                    files(settings.replica_ssl_ca_certs, settings.replica_ssl_certfile, settings.replica_ssl_keyfile),
+                    replica_tls,
+                ),
+                Secret(
+                    "--ssl-certfile",
+                    files(settings.ssl_certfile, settings.ssl_keyfile, settings.ssl_ca_certs),
+                    server_tls,
+                ),
+            ],
+            settings.secret_check_interval_s,
+        )
 
     async def _kv_events(
         self,
@@ -391,7 +468,8 @@ def create_app(
     router = Router(settings, policy, rng, nvml, keys)
     app = RouterApp(router.hot_path, title="dpserve router", lifespan=router.lifespan, docs_url=None, redoc_url=None)
     app.state.shutdown = router.shutdown
-    app.add_middleware(Guard, keys=keys, max_header_bytes=settings.max_header_bytes)
+    app.state.adopt_server_tls = router.adopt_server_tls
+    app.add_middleware(Guard, ring=router.key_ring, max_header_bytes=settings.max_header_bytes)
     install_error_handlers(app)
     _document_proxied(app)
     add_status_routes(app, router.state)

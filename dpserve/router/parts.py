@@ -94,13 +94,25 @@ def admission_for(settings: RouterSettings) -> Admission:
     )
 
 
+def tenants_for(settings: RouterSettings, keys: Keys) -> Tenants:
+    """The tenants' rules (`--tenant`, then `--tenant-file`'s lines) and the names of the keys."""
+    specs = list(settings.tenants)
+    if settings.tenant_file is not None:
+        try:
+            lines = settings.tenant_file.read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--tenant-file {settings.tenant_file}: {exc.strerror}") from None
+        specs += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    return Tenants.from_specs(specs, keys.user_names, open_access=not keys.enabled)
+
+
 def flow_for(settings: RouterSettings, keys: Keys, admission: Admission) -> Flow:
     """Tenants from the named keys and `--tenant` rules; quotas and usage books; the admission queue."""
     if settings.engine_queue < 0:
         raise ValueError(f"--engine-queue {settings.engine_queue}: 0 or more requests per replica")
     if not 0 <= settings.batch_reserve < 1:
         raise ValueError(f"--batch-reserve {settings.batch_reserve:g}: a share from 0 up to (not including) 1")
-    tenants = Tenants.from_specs(settings.tenants, keys.user_names, open_access=not keys.enabled)
+    tenants = tenants_for(settings, keys)
     usage = UsageBook(named=tenants.named)
     return Flow(tenants, QuotaBook(), usage, admission, pass_priority=settings.vllm_priority)
 

@@ -77,6 +77,8 @@ def serve_router(
         # (uvicorn hints int; it hands the value to asyncio.wait_for, which takes seconds as a float.)
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
     )
+    config.load()  # here, not in `run`: the TLS context it makes is the one a changed certificate is loaded into
+    app.state.adopt_server_tls(config.ssl)
     shutdown: Shutdown = app.state.shutdown
     server = DrainingServer(config, lambda: shutdown.begin_drain(settings.shutdown_grace_s), sibling_socket)
     server.run(sockets=sockets)

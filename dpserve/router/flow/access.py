@@ -76,6 +76,16 @@ class Keys:
         return self._by_mac.get(_mac_of(self._mac, token))
 
 
+class KeyRing:
+    """The keys in force, read by every request; replaced whole when a key file changes
+    (control/secret_files.py), so a request sees either the old keys or the new ones."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+
+
 def _mac_of(mac: hashlib.blake2b, token: bytes) -> bytes:
     copy = mac.copy()  # the keyed state, without re-keying (a third cheaper than a new keyed hash)
     copy.update(token)
@@ -162,9 +172,9 @@ class Guard:
     """ASGI middleware in front of everything: header size limit, then the key check. Pure ASGI (no
     BaseHTTPMiddleware) so streams pass through untouched and the hot path pays one loop over headers."""
 
-    def __init__(self, app: ASGIApp, keys: Keys, max_header_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, ring: KeyRing, max_header_bytes: int) -> None:
         self.app = app
-        self.keys = keys
+        self.ring = ring
         self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -185,7 +195,7 @@ class Guard:
                 code="headers_too_large",
             )
         else:
-            error = authorize(self.keys, required_access(scope["path"]), authorization)
+            error = authorize(self.ring.keys, required_access(scope["path"]), authorization)
         if not isinstance(error, OpenAIError):
             if error is not None:
                 scope[CALLER_SCOPE_KEY] = error

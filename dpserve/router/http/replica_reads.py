@@ -35,14 +35,21 @@ class PooledReads:
         self._pool = UpstreamPool(deadlines, max_response_bytes=MAX_READ_BYTES, access=access)
         self._timeout_s = timeout_s
 
+    def use_access(self, access: ReplicaAccess) -> None:
+        self._pool.use_access(access)
+
     async def get(self, base_url: str, path: str) -> tuple[int, bytes]:
         try:
             async with asyncio.timeout(self._timeout_s):
+                key_changes = self._pool.key_changes
                 response = await self._pool.request(_address(base_url), "GET", path, b"", {})
                 try:
-                    return response.status, await response.read()
+                    status, body = response.status, await response.read()
                 finally:
                     response.release()  # closes it unless read whole
+                if status == 401 and key_changes != self._pool.key_changes:  # no verdict on a key replaced since
+                    raise ProbeFailed(f"{path}: sent with the replicas' previous key, replaced meanwhile")
+                return status, body
         except ReplicaMisconfigured as refused:
             raise Misconfigured(refused.cause) from None
         except UpstreamConnectError as exc:

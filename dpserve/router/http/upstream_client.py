@@ -273,6 +273,8 @@ class UpstreamResponse:
         self._deadline = now + deadlines.total_s
         self._max_bytes = max_bytes
         self.status = 0
+        self.sent_old_key = False
+        """The replicas' key was replaced before this answer's headers came (a 401 then is no misconfiguration)."""
         self.content_type = "application/json"
         self.retry_after: str | None = None
         self.has_body = True
@@ -505,6 +507,12 @@ class UpstreamPool:
         self._ssl: ssl.SSLContext | None = access.tls
         self.stale_retries = 0
         """Requests sent again on a fresh connection after a reused one turned out closed."""
+        self.key_changes = 0
+
+    def use_access(self, access: ReplicaAccess) -> None:
+        """The replicas' key from the next request on (a key file changed); requests sent keep theirs."""
+        self._access_lines = access.header_lines
+        self.key_changes += 1
 
     async def post(self, address: Address, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         return await self.request(address, "POST", path, body, headers)
@@ -515,6 +523,7 @@ class UpstreamPool:
         """Sends the request; returns once the final answer's headers are in. InvalidHeader for a header
         that cannot be sent."""
         request = request_bytes(address, method, path, body, headers, self._access_lines)
+        key_changes = self.key_changes
         conn = self._take_idle(address)
         while True:
             if conn is None:
@@ -532,6 +541,7 @@ class UpstreamPool:
             except BaseException:
                 response.close()
                 raise
+            response.sent_old_key = key_changes != self.key_changes
             return response
 
     def _take_idle(self, key: Address) -> _Connection | None:

@@ -207,6 +207,14 @@ class PeerLinks:
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
+    def use_admin_key(self, admin_key: bytes | None) -> None:
+        """The key sent to peers from the next connection on (the admin key file changed)."""
+        self._headers = {"authorization": f"Bearer {admin_key.decode()}"} if admin_key else {}
+
+    @property
+    def tls(self) -> ssl.SSLContext | None:
+        return self._tls
+
     def attach(self, session: aiohttp.ClientSession) -> None:
         """The HTTP client it follows peers and fetches snapshots with (the app's control-plane session)."""
         self._session = session

@@ -472,6 +472,8 @@ class Dispatcher:
                 headers = {**headers, DATA_PARALLEL_RANK: str(replica.rank)}
             resp = await self._upstream.request(address, request.method, request.path, request.body, headers)
             if resp.status == 401:  # vLLM's key check, the only 401 it gives: the router's key, not the client's
+                if resp.sent_old_key:  # the key file changed meanwhile: tried again (elsewhere), no verdict
+                    raise UpstreamError("it refused the replicas' previous key, replaced as the request went")
                 raise ReplicaMisconfigured(KEY_REFUSED)
             content_type = resp.content_type
             stream = features.stream and resp.status == 200
