@@ -253,8 +253,10 @@ class ReplicaMonitor:
         rid = replica.id
         self._probed[rid] = cycle
         self.stats.probes += 1
+        alive = False
         try:
             _check(await self._reads.get(replica.url, "/health"), "/health")
+            alive = True
             # A replica coming back may have been restarted with another model: re-read its models.
             stale = not replica.healthy or not replica.models or replica.misconfigured is not None
             models = visit.models
@@ -272,6 +274,8 @@ class ReplicaMonitor:
             return
         except Misconfigured as exc:
             self._registry.set_misconfigured(rid, exc.cause)
+            if alive:  # it answers, refusing only the router's key: healthy the moment the key in force is its own
+                self._registry.probe_succeeded(rid)
             return
         except (ProbeFailed, ValueError) as exc:
             refused = isinstance(exc, ProbeFailed) and exc.refused  # as the request path counts a refused connect

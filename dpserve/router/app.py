@@ -161,7 +161,7 @@ class Router:
             self.kv_index, self.text_index, self.recent, rng, self.bindings,
         )  # fmt: skip
         # A back-off asked for longer than the default cap is honoured (one retry, then the cap).
-        cap = max(RetryRules.backoff_cap_s, settings.retry_backoff_s)
+        cap = max(RetryRules().backoff_cap_s, settings.retry_backoff_s)  # an instance: compiled, the class has a slot
         self.retry = RetryRules(settings.retries, settings.retry_backoff_s, cap)
 
     def _metrics(self) -> RouterMetrics:

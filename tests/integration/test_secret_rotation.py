@@ -3,7 +3,13 @@ restart, and no request is dropped on the way.
 
 Client keys: while clients keep calling with the old key and the new one, and long streams started with the old
 key run on, `--api-key-file` is rewritten: the old key is refused and the new one accepted within 5 s, every
-answer is a 200 or (a key not in force) a 401, and the streams end whole."""
+answer is a 200 or (a key not in force) a 401, and the streams end whole.
+
+The replicas' key: two replicas (`dpserve sim`, which checks a key as vLLM's `--api-key` does) are restarted one
+by one with a new key while closed-loop load runs through the router, whose `--replica-api-key-file` is changed
+once the first is back (the operator's cue: /status shows it reachable, refusing the key in force): every request
+is answered 200 (a replica refusing the key in force is left for the other, and taken back once the file says
+its key)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import pytest
 from tests.conftest import free_port
 from tests.integration.conftest import (
     answers,
+    healthy_count,
     router_status,
     sim_command,
     start_router,
@@ -51,8 +58,9 @@ def ask(url: str, key: str, max_tokens: int = 4, stream: bool = False) -> httpx.
 
 
 def refuses_the_key(router: str, name: str) -> bool:
+    """The replica answers its probes but refuses the router's key."""
     found = [replica for replica in router_status(router)["replicas"] if replica["id"] == name]
-    return bool(found) and found[0]["misconfigured"] is not None
+    return bool(found) and found[0]["reachable"] and found[0]["misconfigured"] is not None
 
 
 @contextlib.contextmanager
@@ -113,3 +121,49 @@ def test_a_client_key_file_changed_under_load_swaps_the_keys_within_5_s_and_drop
         (a.at - swapped_at, a.key, a.status) for a in after
     ]
     assert streams_whole == [True, True, True]
+
+
+def test_the_replicas_key_rotated_replica_by_replica_under_load_fails_no_request(tmp_path: Path) -> None:
+    key_file = tmp_path / "replica-key"
+    key_file.write_text("replica-key-one\n")
+    ports = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    statuses: list[int] = []
+    stop = threading.Event()
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(contextlib.ExitStack())
+        first.enter_context(sim_on(ports[0], "replica-key-one"))
+        second = stack.enter_context(contextlib.ExitStack())
+        second.enter_context(sim_on(ports[1], "replica-key-one"))
+        router = start_router(urls, "least_loaded", "--replica-api-key-file", str(key_file))
+        stack.callback(stop_router, router)
+
+        def load() -> None:
+            while not stop.is_set():
+                try:
+                    statuses.append(ask(router.url, "none").status_code)
+                except httpx.HTTPError:
+                    statuses.append(0)
+
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        try:
+            time.sleep(0.5)
+            first.close()  # the first replica restarts with the new key: it refuses the router's old one
+            first.enter_context(sim_on(ports[0], "replica-key-two"))
+            # What the operator waits for: the router sees it back (reachable), refusing the key still in force.
+            wait_until(lambda: refuses_the_key(router.url, "r0"), ROTATION_S, 0.05, "the first replica back")
+            key_file.write_text("replica-key-two\n")
+            wait_until(lambda: refuses_the_key(router.url, "r1"), ROTATION_S, 0.05, "the change seen")
+            second.close()
+            second.enter_context(sim_on(ports[1], "replica-key-two"))
+            wait_until(lambda: healthy_count(router.url) == 2, ROTATION_S * 2, 0.05, "both replicas with the new key")
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+    failed = [status for status in statuses if status != 200]
+    print(f"{len(statuses)} requests, {len(failed)} failed: {failed[:10]}")
+    assert statuses and not failed

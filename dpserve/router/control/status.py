@@ -177,6 +177,7 @@ def replica_status(
         "draining": replica.draining,
         "degraded": list(replica.degraded),
         "misconfigured": replica.misconfigured,  # why it refuses the router itself (its key, TLS); never the key
+        "reachable": replica.health.healthy,  # it passes its health probes, whatever its key, TLS or drain say
         "ejections": replica.health.ejections,
         "in_flight": replica.in_flight,
         "peer_in_flight": replica.peer_in_flight,
