@@ -532,12 +532,19 @@ class RouterSettings:
         secret=True,
     )
     admin_key_file: Path | None = setting(None, "file of admin keys, one per line", SECURITY)
+    metrics_key_file: Path | None = setting(
+        None,
+        "file of keys, one per line, that read /metrics (sent as `Authorization: Bearer KEY`, as Prometheus's "
+        "`authorization` does; an admin key reads it too); none: /metrics is open to whoever reaches the port",
+        SECURITY,
+    )
     tenant_file: Path | None = setting(
         None, "file of tenant rules, one per line as --tenant takes them (# comments), besides any --tenant", SECURITY
     )
     secret_check_interval_s: float = setting(
         1.0,
-        "seconds between looks at the files secrets come from (--api-key-file, --admin-key-file, --tenant-file, "
+        "seconds between looks at the files secrets come from (--api-key-file, --admin-key-file, --metrics-key-file, "
+        "--tenant-file, "
         "--replica-api-key-file, the TLS files): a changed one is read again and in force for the next request, "
         "without a restart (a wrong one keeps the one in force); 0: read once at start",
         SECURITY,

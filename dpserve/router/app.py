@@ -150,6 +150,7 @@ class Router:
             receipts=self.receipts,
             shadows=self.shadows,
             siblings=settings.peer_siblings,
+            key_ring=self.key_ring,
             control_cpu=self.control_cpu,
         )
         self._collectors()
@@ -365,7 +366,11 @@ class Router:
 
         return SecretFiles(
             [
-                Secret("--api-key-file", files(settings.api_key_file, settings.admin_key_file), keys),
+                Secret(
+                    "--api-key-file",
+                    files(settings.api_key_file, settings.admin_key_file, settings.metrics_key_file),
+                    keys,
+                ),
                 Secret("--tenant-file", files(settings.tenant_file), keys),
                 Secret("--replica-api-key-file", files(settings.replica_api_key_file), replica_key),
                 Secret(

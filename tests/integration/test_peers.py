@@ -377,26 +377,38 @@ def test_workers_share_one_port_and_a_killed_worker_is_replaced(sims: list[SimPr
     assert process.returncode == 0
 
 
-def test_one_scrape_counts_every_workers_requests(sims: list[SimProcess]) -> None:
+@pytest.mark.parametrize("keyed", [False, True], ids=["open", "keyed"])
+def test_one_scrape_counts_every_workers_requests(sims: list[SimProcess], keyed: bool, tmp_path: Path) -> None:
     """`--workers 2`: after 100 requests, each of 12 scrapes in a row (new connections, so either worker
-    answers) counts 100, and /metrics?scope=worker is one worker's share; /status likewise."""
+    answers) counts 100, and /metrics?scope=worker is one worker's share; /status likewise. Keyed (API, admin
+    and metrics keys): the workers read each other with the admin key, and /metrics needs a metrics key."""
     port = free_port()
     command = [sys.executable, "-m", "dpserve", "router", "--policy", "least_loaded", "--port", str(port)]
     for sim in sims:
         command += ["--replica", sim.url]
     command += ["--workers", "2", "--probe-interval", "0.2", "--log-level", "warning"]
+    user, admin, scraper = (
+        {"authorization": f"Bearer {key}"} for key in ("user-key-0001", "admin-key-001", "scrape-key-01")
+    )
+    if keyed:
+        (tmp_path / "metrics-keys").write_text("scrape-key-01\n")
+        command += ["--api-key", "user-key-0001", "--admin-key", "admin-key-001"]
+        command += ["--metrics-key-file", str(tmp_path / "metrics-keys")]
+    else:
+        user = admin = scraper = {}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 
     def counted(path: str = "/metrics") -> float:
-        samples = parse_samples(httpx.get(f"{url}{path}", timeout=10).text, ("dpserve_requests_total",))
+        answer = httpx.get(f"{url}{path}", headers=scraper, timeout=10)
+        samples = parse_samples(answer.text, ("dpserve_requests_total",))
         return sum(value for _, value in samples.by_name.get("dpserve_requests_total", []))
 
     try:
-        wait_until(lambda: healthy_count(url) == 2, 60, what="workers")
+        wait_until(lambda: healthy_count(url, "admin-key-001" if keyed else None) == 2, 60, what="workers")
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
         for _ in range(100):
-            assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+            assert httpx.post(f"{url}/v1/completions", json=body, headers=user, timeout=30).status_code == 200
         scrapes = [counted() for _ in range(12)]
         assert scrapes == [100] * 12, scrapes
         # One worker's own series: a share of the 100 (the kernel spread the 100 connections over both).
@@ -404,12 +416,15 @@ def test_one_scrape_counts_every_workers_requests(sims: list[SimProcess]) -> Non
         assert shares and all(0 < share < 100 for share in shares), shares
         # /status (and its page) answer for the whole router too: served counts add up, each worker listed.
         for _ in range(12):
-            status = httpx.get(f"{url}/status", timeout=10).json()
+            status = httpx.get(f"{url}/status", headers=admin, timeout=10).json()
             assert sum(replica["served_total"] for replica in status["replicas"]) == 100, status["replicas"]
             assert [worker["answered"] for worker in status["workers"]] == [True, True], status["workers"]
             assert len({worker["pid"] for worker in status["workers"]}) == 2, status["workers"]
-        own = httpx.get(f"{url}/status?scope=worker", timeout=10).json()
+        own = httpx.get(f"{url}/status?scope=worker", headers=admin, timeout=10).json()
         assert "workers" not in own and 0 < sum(replica["served_total"] for replica in own["replicas"]) < 100
+        if keyed:
+            assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
+            assert httpx.get(f"{url}/metrics", headers=user, timeout=10).status_code == 401
     finally:
         stop_process(process, 30)
 

@@ -20,7 +20,7 @@ KEYS = Keys(users=(b"user-key-1", b"user-key-2"), admins=(b"admin-key-1",))
     [
         ("/health", Access.PUBLIC),
         ("/ready", Access.PUBLIC),
-        ("/metrics", Access.PUBLIC),
+        ("/metrics", Access.METRICS),
         ("/v1/chat/completions", Access.USER),
         ("/v1/models", Access.USER),
         ("/nowhere", Access.USER),
@@ -75,6 +75,27 @@ def test_admin_paths() -> None:
 def test_public_paths_and_keyless_routers_need_nothing() -> None:
     assert status_of(None, Access.PUBLIC) is None
     assert status_of(None, Access.ADMIN, Keys()) is None
+
+
+def test_metrics_are_open_until_metrics_keys_are_given_then_need_one_or_an_admin_key(tmp_path: Path) -> None:
+    assert status_of(None, Access.METRICS) is None  # user and admin keys alone leave /metrics to Prometheus
+    assert status_of(None, Access.METRICS, Keys()) is None
+    metrics_file = tmp_path / "metrics-keys"
+    metrics_file.write_text("# Prometheus\nscrape-key-0001\n")
+    settings = RouterSettings(api_keys=("user-key-1",), admin_keys=("admin-key-1",), metrics_key_file=metrics_file)
+    keys = load_keys(settings)
+    assert status_of(None, Access.METRICS, keys) == 401
+    assert status_of(b"Bearer user-key-1", Access.METRICS, keys) == 401
+    assert status_of(b"Bearer scrape-key-0001", Access.METRICS, keys) is None
+    assert status_of(b"Bearer admin-key-1", Access.METRICS, keys) is None
+    # A metrics key reads /metrics and nothing else.
+    assert status_of(b"Bearer scrape-key-0001", Access.USER, keys) == 401
+    assert status_of(b"Bearer scrape-key-0001", Access.ADMIN, keys) == 401
+    # Without user keys the API stays open (loopback), /metrics still needs its key.
+    only_metrics = load_keys(RouterSettings(metrics_key_file=metrics_file))
+    assert not only_metrics.enabled
+    assert status_of(None, Access.USER, only_metrics) is None
+    assert status_of(None, Access.METRICS, only_metrics) == 401
 
 
 def test_a_401_is_openai_shaped_and_asks_for_a_bearer_token() -> None:

@@ -23,6 +23,7 @@ from dpserve.router.control.discovery import SourceState
 from dpserve.router.control.shutdown import Shutdown
 from dpserve.router.control.worker_status import WorkerStatus
 from dpserve.router.fleet.gpus import GpuFleet
+from dpserve.router.flow.access import KeyRing, Keys
 from dpserve.router.flow.gate import Flow
 from dpserve.router.http.errors import OpenAIError
 from dpserve.router.observe.control_cpu import ControlCpu
@@ -59,11 +60,18 @@ class RouterState:
     siblings: tuple[str, ...] = ()
     """With `--workers`: the other workers' private URLs (one scrape, one /status answers for all of them)."""
     control_cpu: ControlCpu = field(default_factory=ControlCpu)
+    key_ring: KeyRing = field(default_factory=lambda: KeyRing(Keys()))
+    """The keys in force, one of which the sibling workers are read with."""
 
 
 def add_status_routes(app: FastAPI, state: RouterState) -> None:
-    workers = WorkerMetrics(state.metrics.registry, state.siblings)
-    statuses = WorkerStatus(state.siblings)
+    def sibling_key() -> dict[str, str]:
+        keys = state.key_ring.keys
+        key = (keys.admins or keys.metrics or (None,))[0]
+        return {"authorization": f"Bearer {key.decode()}"} if key is not None else {}
+
+    workers = WorkerMetrics(state.metrics.registry, state.siblings, sibling_key)
+    statuses = WorkerStatus(state.siblings, sibling_key)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

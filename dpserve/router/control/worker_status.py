@@ -10,7 +10,7 @@ answered."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -26,13 +26,14 @@ SHADOW_COUNTS = ("decisions", "agreed", "prompt_tokens", "estimated_cached_token
 class WorkerStatus:
     """Reads the siblings' statuses and combines them with this worker's."""
 
-    def __init__(self, siblings: Sequence[str]) -> None:
+    def __init__(self, siblings: Sequence[str], headers: Callable[[], Mapping[str, str]] = dict) -> None:
         self._siblings = tuple(siblings)
+        self._headers = headers
 
     async def whole(self, own: dict[str, Any], scope: str) -> dict[str, Any]:
         if scope == WORKER_SCOPE or not self._siblings:
             return own
-        theirs = [_status(text) for text in await read_siblings(self._siblings, "/status")]
+        theirs = [_status(text) for text in await read_siblings(self._siblings, "/status", self._headers())]
         merged = combine(own, [status for status in theirs if status is not None])
         merged["workers"] = [
             {"pid": own.get("pid"), "url": None, "answered": True},

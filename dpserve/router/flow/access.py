@@ -21,13 +21,16 @@ from dpserve.config import RouterSettings
 from dpserve.router.flow.tenants import CALLER_SCOPE_KEY, Caller, split_named_key
 from dpserve.router.http.errors import OpenAIError
 
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/ready"})
+METRICS_PATH = "/metrics"
 ADMIN_PATHS = frozenset({"/status", "/dashboard"})
 ADMIN_PREFIX = "/admin/"
 
 
 class Access(Enum):
     PUBLIC = "public"
+    METRICS = "metrics"
+    """Open, unless metrics keys are given (`--metrics-key-file`): then one of them or an admin key."""
     USER = "user"
     ADMIN = "admin"
 
@@ -35,6 +38,8 @@ class Access(Enum):
 def required_access(path: str) -> Access:
     if path in PUBLIC_PATHS:
         return Access.PUBLIC
+    if path == METRICS_PATH:
+        return Access.METRICS
     if path in ADMIN_PATHS or path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX.rstrip("/"):
         return Access.ADMIN
     return Access.USER
@@ -50,8 +55,11 @@ class Keys:
     admins: tuple[bytes, ...] = field(default=(), repr=False)
     user_names: tuple[str, ...] = ()
     """The tenant of each user key, in the same order (`NAME:KEY`, or a hash of a bare key)."""
+    metrics: tuple[bytes, ...] = field(default=(), repr=False)
+    """Keys that read /metrics and nothing else."""
     _mac: hashlib.blake2b = field(init=False, repr=False, compare=False)
     _by_mac: dict[bytes, tuple[bool, int]] = field(init=False, repr=False, compare=False)
+    _metrics_macs: frozenset[bytes] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Keys are found by a keyed hash (BLAKE2b under a secret drawn at start), not compared byte by byte:
@@ -61,6 +69,8 @@ class Keys:
         mac = hashlib.blake2b(key=secrets.token_bytes(32), digest_size=32)
         by_mac = {_mac_of(mac, key): (False, index) for index, key in enumerate(self.users)}
         by_mac.update({_mac_of(mac, key): (True, index) for index, key in enumerate(self.admins)})
+        metrics_macs = frozenset(_mac_of(mac, key) for key in self.metrics)
+        object.__setattr__(self, "_metrics_macs", metrics_macs)
         object.__setattr__(self, "_mac", mac)
         object.__setattr__(self, "_by_mac", by_mac)
 
@@ -70,6 +80,11 @@ class Keys:
 
     def name_of(self, index: int) -> str:
         return self.user_names[index] if index < len(self.user_names) else f"key-{index}"
+
+    def reads_metrics(self, token: bytes) -> bool:
+        """A metrics key or an admin key."""
+        found = _mac_of(self._mac, token)
+        return found in self._metrics_macs or self._by_mac.get(found, (False, 0))[0]
 
     def find(self, token: bytes) -> tuple[bool, int] | None:
         """(is an admin key, its index among the user or admin keys) of the key `token` is, or None."""
@@ -110,13 +125,15 @@ def load_keys(settings: RouterSettings) -> Keys:
     given = list(settings.api_keys) + (read_key_file(settings.api_key_file) if settings.api_key_file else [])
     named = [split_named_key(text) for text in given]
     admins = list(settings.admin_keys) + (read_key_file(settings.admin_key_file) if settings.admin_key_file else [])
-    for key in [key for _, key in named] + admins:
+    metrics = read_key_file(settings.metrics_key_file) if settings.metrics_key_file else []
+    for key in [key for _, key in named] + admins + metrics:
         if len(key) < 8 or any(ch.isspace() for ch in key):
-            raise ValueError("API and admin keys need at least 8 characters and no whitespace")
+            raise ValueError("API, admin and metrics keys need at least 8 characters and no whitespace")
     return Keys(
         tuple(key.encode() for _, key in named),
         tuple(key.encode() for key in admins),
         tuple(name for name, _ in named),
+        tuple(key.encode() for key in metrics),
     )
 
 
@@ -142,6 +159,8 @@ def is_loopback(host: str) -> bool:
 def authorize(keys: Keys, access: Access, authorization: bytes | None) -> OpenAIError | Caller | None:
     """The caller (its key's tenant) when the request may go on, None when no key is needed, else the error
     to answer with."""
+    if access is Access.METRICS:
+        return _metrics_access(keys, authorization)
     if access is Access.PUBLIC or not keys.enabled:
         return None
     token = _bearer(authorization)
@@ -156,6 +175,16 @@ def authorize(keys: Keys, access: Access, authorization: bytes | None) -> OpenAI
         return OpenAIError(403, "This path needs an admin key.", type="permission_error", code="admin_key_required")
     # An admin key is trusted to name the tenant it acts for.
     return Caller(ADMIN_TENANT, True) if admin else Caller(keys.name_of(index), False)
+
+
+def _metrics_access(keys: Keys, authorization: bytes | None) -> OpenAIError | None:
+    if not keys.metrics:
+        return None
+    token = _bearer(authorization)
+    if token is not None and keys.reads_metrics(token):
+        return None
+    message = "/metrics needs a metrics key (or an admin key): send `Authorization: Bearer KEY`."
+    return OpenAIError(401, message, code="invalid_api_key", headers={"www-authenticate": 'Bearer realm="dpserve"'})
 
 
 def _bearer(authorization: bytes | None) -> bytes | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import aiohttp
 from prometheus_client import CollectorRegistry, generate_latest
@@ -100,23 +100,30 @@ class _Fixed(Collector):
 class WorkerMetrics:
     """This worker's registry, and where its siblings answer for theirs."""
 
-    def __init__(self, registry: CollectorRegistry, siblings: Sequence[str]) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, siblings: Sequence[str], headers: Callable[[], Mapping[str, str]] = dict
+    ) -> None:
+        """`headers`: the key the siblings are read with (the one in force: key files change)."""
         self._registry = registry
         self._siblings = tuple(siblings)
+        self._headers = headers
 
     async def scrape(self, scope: str) -> bytes:
         own = generate_latest(self._registry)
         if scope == WORKER_SCOPE or not self._siblings:
             return own
-        theirs = await read_siblings(self._siblings, "/metrics")
+        theirs = await read_siblings(self._siblings, "/metrics", self._headers())
         return merge([own.decode(), *(text for text in theirs if text is not None)])
 
 
-async def read_siblings(siblings: Sequence[str], path: str) -> list[str | None]:
+async def read_siblings(
+    siblings: Sequence[str], path: str, headers: Mapping[str, str] | None = None
+) -> list[str | None]:
     """Each sibling worker's own answer at `path?scope=worker` (on its private port), in order; None where
-    it did not answer 200 within SIBLING_TIMEOUT_S (restarting: left out this once)."""
+    it did not answer 200 within SIBLING_TIMEOUT_S (restarting: left out this once). `headers`: the admin key,
+    as the keys hold on the private port too."""
     timeout = aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         return list(await asyncio.gather(*(_read(session, url, path) for url in siblings)))
 
 
