@@ -52,6 +52,7 @@ from benchmarks.policies import Fleet, Outcome, counter_deltas, drive, replica_c
 from benchmarks.policy_workloads import Workload, shared_prefix
 from benchmarks.report import format_table, goals_status, shown, write_csv
 from benchmarks.report import met as met_text
+from dpserve.flag_types import COUNT, NON_NEGATIVE
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.router.observe.prompt_tokens import LocalTokenizer
 from dpserve.tiny_model import ensure_tiny_model
@@ -344,15 +345,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         prog="dpserve bench cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--targets", default=",".join(TARGETS), help="ROUTER[@REV]:POLICY[+tokenizer], comma-separated")
-    parser.add_argument("--rounds", type=int, default=2, help="every target this many times, ABBA")
-    parser.add_argument("--groups", type=int, default=16, help="shared system prompts")
-    parser.add_argument("--prompts", type=int, default=20, help="measured requests per group")
-    parser.add_argument("--prefix-words", type=int, default=280, help="words per system prompt (280: ~1k tokens)")
-    parser.add_argument("--question-words", type=int, default=16, help="words per request's own question")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per streamed answer")
-    parser.add_argument("--block-size", type=int, default=16, help="the sims' KV block size")
-    parser.add_argument("--settle-s", type=float, default=5.0, help="seconds between warm-up and measuring")
+    parser.add_argument("--rounds", type=COUNT, default=2, help="every target this many times, ABBA")
+    parser.add_argument("--groups", type=COUNT, default=16, help="shared system prompts")
+    parser.add_argument("--prompts", type=COUNT, default=20, help="measured requests per group")
+    parser.add_argument("--prefix-words", type=COUNT, default=280, help="words per system prompt (280: ~1k tokens)")
+    parser.add_argument("--question-words", type=COUNT, default=16, help="words per request's own question")
+    parser.add_argument("--concurrency", type=COUNT, default=8, help="requests in flight")
+    parser.add_argument("--max-tokens", type=COUNT, default=16, help="tokens per streamed answer")
+    parser.add_argument("--block-size", type=COUNT, default=16, help="the sims' KV block size")
+    parser.add_argument("--settle-s", type=NON_NEGATIVE, default=5.0, help="seconds between warm-up and measuring")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
     parser.add_argument("--out", type=Path, default=None, help="where cost.csv and the logs go (default: a temp dir)")
     parser.add_argument(

@@ -69,6 +69,7 @@ from benchmarks.fleet import bench_tool, get_text, progress, router_command
 from benchmarks.report import met, write_csv
 from benchmarks.stats import percentile
 from benchmarks.streamed import ms, table, ttft_ms
+from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE, counts
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.process import terminate
@@ -751,29 +752,32 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--contenders", type=contenders, default=",".join(CONTENDERS), help="of " + ", ".join(CONTENDERS)
     )
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--max-num-seqs", type=int, default=4, help="every replica's batch limit")
-    parser.add_argument("--a-streams", type=int, default=64, help="noisy: tenant A's streams")
-    parser.add_argument("--b-streams", type=int, default=2, help="noisy: tenant B's streams")
-    parser.add_argument("--max-tokens", type=int, default=32, help="sims: tokens per answer")
-    parser.add_argument("--warmup", type=float, default=10.0, help="sims: seconds before the window")
-    parser.add_argument("--window", type=float, default=30.0, help="sims: seconds measured")
-    parser.add_argument("--vllm-a-streams", default="16,64", help="vllm: tenant A's streams, one setup per count")
-    parser.add_argument("--vllm-b-streams", type=int, default=2)
-    parser.add_argument("--vllm-max-tokens", type=int, default=24)
-    parser.add_argument("--vllm-warmup", type=float, default=10.0)
-    parser.add_argument("--vllm-window", type=float, default=30.0)
+    parser.add_argument("--replicas", type=COUNT, default=2)
+    parser.add_argument("--max-num-seqs", type=COUNT, default=4, help="every replica's batch limit")
+    parser.add_argument("--a-streams", type=COUNT, default=64, help="noisy: tenant A's streams")
+    parser.add_argument("--b-streams", type=COUNT, default=2, help="noisy: tenant B's streams")
+    parser.add_argument("--max-tokens", type=COUNT, default=32, help="sims: tokens per answer")
+    parser.add_argument("--warmup", type=NON_NEGATIVE, default=10.0, help="sims: seconds before the window")
+    parser.add_argument("--window", type=POSITIVE, default=30.0, help="sims: seconds measured")
+    parser.add_argument(
+        "--vllm-a-streams", type=counts, default="16,64", help="vllm: tenant A's streams, one setup per count"
+    )
+    parser.add_argument("--vllm-b-streams", type=COUNT, default=2)
+    parser.add_argument("--vllm-max-tokens", type=COUNT, default=24)
+    parser.add_argument("--vllm-warmup", type=NON_NEGATIVE, default=10.0)
+    parser.add_argument("--vllm-window", type=POSITIVE, default=30.0)
     parser.add_argument(
         "--critical-streams",
+        type=counts,
         default="2,8",
         help="priority: critical streams, alone then flooded for each count (past the batch reserve, they queue)",
     )
-    parser.add_argument("--batch-streams", type=int, default=64, help="priority: the batch flood's streams")
-    parser.add_argument("--queue-size", type=int, default=16, help="priority: dpserve's --queue-size")
-    parser.add_argument("--priority-warmup", type=float, default=10.0)
-    parser.add_argument("--priority-window", type=float, default=20.0)
-    parser.add_argument("--retry-pause", type=float, default=0.5, help="seconds a stream pauses after a refusal")
-    parser.add_argument("--drain", type=float, default=120.0, help="most seconds to wait for the window's requests")
+    parser.add_argument("--batch-streams", type=COUNT, default=64, help="priority: the batch flood's streams")
+    parser.add_argument("--queue-size", type=COUNT, default=16, help="priority: dpserve's --queue-size")
+    parser.add_argument("--priority-warmup", type=NON_NEGATIVE, default=10.0)
+    parser.add_argument("--priority-window", type=POSITIVE, default=20.0)
+    parser.add_argument("--retry-pause", type=NON_NEGATIVE, default=0.5, help="seconds a stream pauses after a refusal")
+    parser.add_argument("--drain", type=POSITIVE, default=120.0, help="most seconds to wait for the window's requests")
     parser.add_argument("--vllm-router-policy", default="power_of_two")
     parser.add_argument("--dpserve-args", default="", help="extra flags for every dpserve router")
     parser.add_argument("--sim-args", default="", help="extra flags for every sim")

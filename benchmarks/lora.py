@@ -73,6 +73,7 @@ from benchmarks import streamed
 from benchmarks.fleet import bench_tool, child_env, get_text, progress, router_command
 from benchmarks.report import goals_status, met, write_csv
 from benchmarks.streamed import ms, table, ttft_ms
+from dpserve.flag_types import COUNT, NON_NEGATIVE, SHARE, WHOLE
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.up.process import terminate
 
@@ -711,15 +712,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         metavar="URL",
         help="a running LoRA-enabled vLLM replica to use (repeat; none: start 2 with dpserve up)",
     )
-    parser.add_argument("--replicas", type=int, default=2, help="how many to start without --replica")
-    parser.add_argument("--max-loras", type=int, default=2, help="the started replicas' --max-loras")
-    parser.add_argument("--requests", type=int, default=600, help="requests per setup (and in the hot run), a round")
-    parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
-    parser.add_argument("--adapters", type=int, default=8, help="how many adapters (tiny-lora-0, ...)")
-    parser.add_argument("--zipf", type=float, default=1.1, help="compare: the adapters' popularity exponent")
-    parser.add_argument("--hot-share", type=float, default=0.5, help="hot: the hot adapter's share of requests")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the request sequences")
+    parser.add_argument("--replicas", type=COUNT, default=2, help="how many to start without --replica")
+    parser.add_argument("--max-loras", type=COUNT, default=2, help="the started replicas' --max-loras")
+    parser.add_argument("--requests", type=COUNT, default=600, help="requests per setup (and in the hot run), a round")
+    parser.add_argument("--concurrency", type=COUNT, default=8, help="closed-loop clients")
+    parser.add_argument("--adapters", type=COUNT, default=8, help="how many adapters (tiny-lora-0, ...)")
+    parser.add_argument("--zipf", type=NON_NEGATIVE, default=1.1, help="compare: the adapters' popularity exponent")
+    parser.add_argument("--hot-share", type=SHARE, default=0.5, help="hot: the hot adapter's share of requests")
+    parser.add_argument("--max-tokens", type=COUNT, default=16, help="tokens per answer")
+    parser.add_argument("--seed", type=WHOLE, default=0, help="seeds the request sequences")
     parser.add_argument("--vllm-router-policy", default="round_robin")
     args = parser.parse_args(list(argv))
     if args.adapters < 2 or args.requests < 1 or args.concurrency < 1 or args.repeat < 1:

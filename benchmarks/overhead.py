@@ -59,6 +59,7 @@ from benchmarks.fleet import (
 )
 from benchmarks.loadgen import python_command, run_all, write_wrk_script, wrk_command
 from benchmarks.report import figure, format_table, goals_status, shown, write_csv
+from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE
 from dpserve.up.process import log_tail, terminate
 
 PATH = "/v1/completions"
@@ -721,7 +722,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="dpserve bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--backends", type=int, default=2, help="backends behind every router (2)")
+    parser.add_argument("--backends", type=COUNT, default=2, help="backends behind every router (2)")
     parser.add_argument(
         "--backend",
         choices=("fast", "sim"),
@@ -734,24 +735,26 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         metavar="LIST",
         help="bind every router to these CPUs (taskset -c LIST), the backends and load generators to the others",
     )
-    parser.add_argument("--rounds", type=int, default=1, help="times every target is measured, in ABBA order (1)")
+    parser.add_argument("--rounds", type=COUNT, default=1, help="times every target is measured, in ABBA order (1)")
     parser.add_argument(
         "--against",
         default="",
         metavar="REV[,REV]",
         help="also measure dpserve's router as of these commits (git worktrees of this checkout)",
     )
-    parser.add_argument("--connections", type=int, default=32, help="connections of the throughput runs (32)")
+    parser.add_argument("--connections", type=COUNT, default=32, help="connections of the throughput runs (32)")
     parser.add_argument(
         "--loadgens",
-        type=int,
+        type=COUNT,
         default=1,
         help="load generators (one thread each) per URL under load, the connections shared between them (1): "
         "more when one generator is near a core (the warning) and the router has cores to spare",
     )
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per measured run (10)")
-    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unrecorded load per target and mode (1)")
-    parser.add_argument("--stream-chunks", type=int, default=64, help="SSE events per streamed answer (64)")
+    parser.add_argument("--duration", type=POSITIVE, default=10.0, help="seconds per measured run (10)")
+    parser.add_argument(
+        "--warmup", type=NON_NEGATIVE, default=1.0, help="seconds of unrecorded load per target and mode (1)"
+    )
+    parser.add_argument("--stream-chunks", type=COUNT, default=64, help="SSE events per streamed answer (64)")
     parser.add_argument(
         "--targets", default=",".join(TARGETS), help=f"comma list of {', '.join(TARGETS)} (default: all)"
     )

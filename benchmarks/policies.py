@@ -41,6 +41,7 @@ from benchmarks.policy_workloads import (
 )
 from benchmarks.report import figure, format_table, goals_status, read_rows, shown, write_csv
 from benchmarks.stats import percentile
+from dpserve.flag_types import COUNT, NON_NEGATIVE, WHOLE
 from dpserve.kvindex.index import block_keys
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.router.observe.prompt_tokens import LocalTokenizer, RemoteTokenizer
@@ -722,7 +723,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         prog="dpserve bench policies", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--backend", choices=("vllm", "sim", "both"), default="both")
-    parser.add_argument("--replicas", type=int, help="replicas per backend (default: 2 vLLM, 8 sims)")
+    parser.add_argument("--replicas", type=COUNT, help="replicas per backend (default: 2 vLLM, 8 sims)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
     parser.add_argument("--policies", default=",".join(DPSERVE_POLICIES), help="dpserve policies to run")
     parser.add_argument(
@@ -730,19 +731,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=",".join(VLLM_ROUTER_POLICIES),
         help="vllm-router policies to run (empty: none)",
     )
-    parser.add_argument("--groups", type=int, help="shared-prefix groups (default 4 per replica)")
-    parser.add_argument("--prompts", type=int, default=6, help="prompts per group")
-    parser.add_argument("--conversations", type=int, help="multi-turn conversations (default 4 per replica)")
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--prefix-words", type=int, default=350, help="words in each group's system prompt")
-    parser.add_argument("--question-words", type=int, default=30)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, help="requests in flight (default: 4 vLLM, 16 sims)")
-    parser.add_argument("--sim-block-size", type=int, default=16)
-    parser.add_argument("--sim-speed", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--groups", type=COUNT, help="shared-prefix groups (default 4 per replica)")
+    parser.add_argument("--prompts", type=COUNT, default=6, help="prompts per group")
+    parser.add_argument("--conversations", type=COUNT, help="multi-turn conversations (default 4 per replica)")
+    parser.add_argument("--turns", type=COUNT, default=5)
+    parser.add_argument("--prefix-words", type=COUNT, default=350, help="words in each group's system prompt")
+    parser.add_argument("--question-words", type=COUNT, default=30)
+    parser.add_argument("--max-tokens", type=COUNT, default=8)
+    parser.add_argument("--concurrency", type=COUNT, help="requests in flight (default: 4 vLLM, 16 sims)")
+    parser.add_argument("--sim-block-size", type=COUNT, default=16)
+    parser.add_argument("--sim-speed", type=NON_NEGATIVE, default=1.0)
+    parser.add_argument("--seed", type=WHOLE, default=0)
     parser.add_argument(
-        "--rounds", type=int, default=1, help="runs of each contender on each workload, pooled (a fresh router each)"
+        "--rounds", type=COUNT, default=1, help="runs of each contender on each workload, pooled (a fresh router each)"
     )
     parser.add_argument("--dpserve-args", default="", help="extra flags for every dpserve router, e.g. tuning")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")

@@ -71,6 +71,7 @@ from benchmarks.policies import (
 from benchmarks.policy_workloads import BenchRequest, Workload, shared_prefix
 from benchmarks.report import format_table, goals_status, met, shown, write_csv
 from benchmarks.stats import percentile
+from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE, WHOLE, counts
 from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from dpserve.up.launcher import busy_ports
 from dpserve.up.process import terminate
@@ -628,37 +629,37 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         prog="dpserve bench routers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--parts", default="tiers,restart,workers", help="of tiers, restart, workers")
-    parser.add_argument("--replicas", type=int, default=8, help="sims")
-    parser.add_argument("--routers", type=int, default=4)
+    parser.add_argument("--replicas", type=COUNT, default=8, help="sims")
+    parser.add_argument("--routers", type=COUNT, default=4)
     parser.add_argument(
         "--workloads", default="shared_prefix,grouped,multi_turn,cache_pressure,uniform", help="tiers' workloads"
     )
-    parser.add_argument("--groups", type=int, help="shared-prefix groups (default 4 per replica)")
-    parser.add_argument("--prompts", type=int, default=6, help="prompts per group")
-    parser.add_argument("--conversations", type=int, help="multi-turn conversations (default 4 per replica)")
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--prefix-words", type=int, default=350)
-    parser.add_argument("--question-words", type=int, default=30)
-    parser.add_argument("--uniform-requests", type=int, default=512)
+    parser.add_argument("--groups", type=COUNT, help="shared-prefix groups (default 4 per replica)")
+    parser.add_argument("--prompts", type=COUNT, default=6, help="prompts per group")
+    parser.add_argument("--conversations", type=COUNT, help="multi-turn conversations (default 4 per replica)")
+    parser.add_argument("--turns", type=COUNT, default=5)
+    parser.add_argument("--prefix-words", type=COUNT, default=350)
+    parser.add_argument("--question-words", type=COUNT, default=30)
+    parser.add_argument("--uniform-requests", type=COUNT, default=512)
     parser.add_argument("--tiers", default=",".join(TIERS), help="of " + ", ".join(TIERS))
-    parser.add_argument("--repeat", type=int, default=3, help="runs of every tier, taking turns")
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--sim-block-size", type=int, default=16)
-    parser.add_argument("--sim-speed", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--restart-groups", type=int, default=32, help="restart: shared-prefix groups")
-    parser.add_argument("--steady", type=float, default=30.0, help="restart: seconds before the kill")
-    parser.add_argument("--after", type=float, default=60.0, help="restart: seconds measured after the restart")
-    parser.add_argument("--workers", default="1,2,4", help="worker counts to measure")
-    parser.add_argument("--worker-sims", type=int, default=2)
+    parser.add_argument("--repeat", type=COUNT, default=3, help="runs of every tier, taking turns")
+    parser.add_argument("--max-tokens", type=COUNT, default=8)
+    parser.add_argument("--concurrency", type=COUNT, default=16)
+    parser.add_argument("--sim-block-size", type=COUNT, default=16)
+    parser.add_argument("--sim-speed", type=NON_NEGATIVE, default=1.0)
+    parser.add_argument("--seed", type=WHOLE, default=0)
+    parser.add_argument("--restart-groups", type=COUNT, default=32, help="restart: shared-prefix groups")
+    parser.add_argument("--steady", type=POSITIVE, default=30.0, help="restart: seconds before the kill")
+    parser.add_argument("--after", type=POSITIVE, default=60.0, help="restart: seconds measured after the restart")
+    parser.add_argument("--workers", type=counts, default="1,2,4", help="worker counts to measure")
+    parser.add_argument("--worker-sims", type=COUNT, default=2)
     parser.add_argument(
         "--worker-cases",
         default="peered,vllm-router",
         help="`peered`: also one router with an idle peer; `vllm-router`: also vllm-router cache_aware",
     )
-    parser.add_argument("--worker-connections", type=int, default=32)
-    parser.add_argument("--worker-seconds", type=float, default=10.0)
+    parser.add_argument("--worker-connections", type=COUNT, default=32)
+    parser.add_argument("--worker-seconds", type=POSITIVE, default=10.0)
     parser.add_argument("--dpserve-args", default="", help="extra flags for every dpserve router")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
     parser.add_argument("--out", type=Path, default=Path("bench-results/routers"))

@@ -50,6 +50,7 @@ from benchmarks.decision_time import time_policy
 from benchmarks.fleet import CHECKOUT, cpu_seconds, port_block, progress, stop_all, wait_ok
 from benchmarks.policy_workloads import BenchRequest, shared_prefix
 from benchmarks.report import format_table, shown, write_csv
+from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE, counts, existing_folder
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 
@@ -110,18 +111,20 @@ class Fleet:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dpserve bench scale", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--counts", default="256,1024", help="replica counts")
-    parser.add_argument("--routers", default="1,4", help="router counts (several: peered)")
-    parser.add_argument("--per-process", type=int, default=256, help="replicas per `dpserve sim --count` process")
-    parser.add_argument("--runs", type=int, default=3, help="runs of each router count, each with new routers")
-    parser.add_argument("--settle-seconds", type=float, default=60.0, help="from ready to reading idle CPU")
-    parser.add_argument("--idle-seconds", type=float, default=30.0, help="how long idle CPU is read")
-    parser.add_argument("--small", type=int, default=8, help="replicas behind the latency baseline's router")
-    parser.add_argument("--groups", type=int, default=128, help="prefix groups of the hit-rate traffic")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per group")
-    parser.add_argument("--latency-requests", type=int, default=200, help="tiny requests each way")
-    parser.add_argument("--decision-counts", default="8,256,1024", help="fleet sizes of the decision timing")
-    parser.add_argument("--checkout", type=Path, default=CHECKOUT, help="the checkout whose router runs")
+    parser.add_argument("--counts", type=counts, default="256,1024", help="replica counts")
+    parser.add_argument("--routers", type=counts, default="1,4", help="router counts (several: peered)")
+    parser.add_argument("--per-process", type=COUNT, default=256, help="replicas per `dpserve sim --count` process")
+    parser.add_argument("--runs", type=COUNT, default=3, help="runs of each router count, each with new routers")
+    parser.add_argument("--settle-seconds", type=NON_NEGATIVE, default=60.0, help="from ready to reading idle CPU")
+    parser.add_argument("--idle-seconds", type=POSITIVE, default=30.0, help="how long idle CPU is read")
+    parser.add_argument("--small", type=COUNT, default=8, help="replicas behind the latency baseline's router")
+    parser.add_argument("--groups", type=COUNT, default=128, help="prefix groups of the hit-rate traffic")
+    parser.add_argument("--prompts", type=COUNT, default=4, help="prompts per group")
+    parser.add_argument("--latency-requests", type=COUNT, default=200, help="tiny requests each way")
+    parser.add_argument(
+        "--decision-counts", type=counts, default="8,256,1024", help="fleet sizes of the decision timing"
+    )
+    parser.add_argument("--checkout", type=existing_folder, default=CHECKOUT, help="the checkout whose router runs")
     parser.add_argument("--router-args", default="", help="more flags for every router (space-separated)")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
     parser.add_argument("--out", type=Path, default=Path("out/bench/scale"))

@@ -37,6 +37,7 @@ import psutil
 
 from benchmarks.fleet import CHECKOUT, UpPorts, cpu_seconds, progress, spawn, start_up
 from benchmarks.report import figure, format_table, read_rows, shown, write_csv
+from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE, SHARE, WHOLE, counts, existing_file
 from dpserve.up.process import terminate
 
 LOCUSTFILE = CHECKOUT / "loadtests" / "locustfile.py"
@@ -465,26 +466,30 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="dpserve bench scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--replicas", default="1,2,4,8", help="replica counts, comma-separated")
+    parser.add_argument("--replicas", type=counts, default="1,2,4,8", help="replica counts, comma-separated")
     parser.add_argument("--backend", choices=("sim", "vllm"), default="sim")
     parser.add_argument("--policy", default="least_loaded", help="the router's policy")
-    parser.add_argument("--duration", type=float, help="measured seconds per N (default 30 sim, 60 vLLM)")
-    parser.add_argument("--warmup", type=float, help="unmeasured seconds first (default 5 sim, 20 vLLM)")
-    parser.add_argument("--users-per-replica", type=int, help="closed-loop users per replica (default 10 sim, 8 vLLM)")
-    parser.add_argument("--arrival-rate-per-replica", type=float, default=0.0, help="open loop instead: req/s each")
+    parser.add_argument("--duration", type=POSITIVE, help="measured seconds per N (default 30 sim, 60 vLLM)")
+    parser.add_argument("--warmup", type=NON_NEGATIVE, help="unmeasured seconds first (default 5 sim, 20 vLLM)")
+    parser.add_argument(
+        "--users-per-replica", type=COUNT, help="closed-loop users per replica (default 10 sim, 8 vLLM)"
+    )
+    parser.add_argument(
+        "--arrival-rate-per-replica", type=NON_NEGATIVE, default=0.0, help="open loop instead: req/s each"
+    )
     parser.add_argument("--processes", default="auto", help="Locust processes (auto: 1 per 100 users, <= cores)")
     parser.add_argument("--workload", default="random", help="random, shared_prefix or multi_turn")
     parser.add_argument("--api", default="chat", help="chat, completions or mixed")
-    parser.add_argument("--stream-ratio", type=float, default=1.0)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--stream-ratio", type=SHARE, default=1.0)
+    parser.add_argument("--prompt-tokens", type=COUNT, default=128)
+    parser.add_argument("--output-tokens", type=COUNT, default=64)
     parser.add_argument("--model", default="dpserve-tiny")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sim-max-num-seqs", type=int, default=8, help="each sim's batch limit (its capacity)")
-    parser.add_argument("--sim-decode-ms", type=float, default=10.0, help="each sim's time per output token")
-    parser.add_argument("--start-timeout", type=float, default=900.0)
+    parser.add_argument("--seed", type=WHOLE, default=0)
+    parser.add_argument("--sim-max-num-seqs", type=COUNT, default=8, help="each sim's batch limit (its capacity)")
+    parser.add_argument("--sim-decode-ms", type=NON_NEGATIVE, default=10.0, help="each sim's time per output token")
+    parser.add_argument("--start-timeout", type=POSITIVE, default=900.0)
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
-    parser.add_argument("--locustfile", type=Path, default=LOCUSTFILE)
+    parser.add_argument("--locustfile", type=existing_file, default=LOCUSTFILE)
     parser.add_argument("--out", type=Path, default=Path("bench-results/scaling"))
     args = parser.parse_args(list(argv))
     if args.duration is None:

@@ -29,6 +29,7 @@ import psutil
 from benchmarks.fleet import cpu_seconds
 from benchmarks.report import shown, write_csv
 from benchmarks.stats import percentile
+from dpserve.flag_types import COUNT, POSITIVE
 
 BODIES = {
     "json": b'{"model": "dpserve-tiny", "prompt": "Hello from the benchmark", "max_tokens": 16}',
@@ -146,10 +147,10 @@ def measure(
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dpserve bench sim", description=__doc__)
-    parser.add_argument("--sims", type=int, default=16, help="how many sims to start (default 16)")
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds per load run (default 5)")
-    parser.add_argument("--connections", type=int, default=32, help="closed-loop connections (default 32)")
-    parser.add_argument("--idle-seconds", type=float, default=5.0, help="how long idle CPU is sampled")
+    parser.add_argument("--sims", type=COUNT, default=16, help="how many sims to start (default 16)")
+    parser.add_argument("--duration", type=POSITIVE, default=5.0, help="seconds per load run (default 5)")
+    parser.add_argument("--connections", type=COUNT, default=32, help="closed-loop connections (default 32)")
+    parser.add_argument("--idle-seconds", type=POSITIVE, default=5.0, help="how long idle CPU is sampled")
     parser.add_argument("--out", default="out/bench", help="folder for sim_cost.csv")
     return parser.parse_args(argv)
 

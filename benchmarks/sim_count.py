@@ -26,6 +26,7 @@ import psutil
 
 from benchmarks.fleet import child_env, cpu_seconds, port_block, spawn, stop_all, wait_ok
 from benchmarks.report import shown, write_csv
+from dpserve.flag_types import POSITIVE, WHOLE, counts
 
 MIB = 2**20
 CHAT = {"messages": [{"role": "user", "content": "Hello from the benchmark"}], "max_tokens": 4}
@@ -112,9 +113,9 @@ def measure(count: int, idle_s: float, rng: random.Random) -> CountRow:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dpserve bench sim-count", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--counts", default="1,256,1024", help="replica counts to start, one process each")
-    parser.add_argument("--idle-seconds", type=float, default=10.0, help="how long idle CPU is sampled")
-    parser.add_argument("--seed", type=int, default=0, help="seed for picking the free ports")
+    parser.add_argument("--counts", type=counts, default="1,256,1024", help="replica counts to start, one process each")
+    parser.add_argument("--idle-seconds", type=POSITIVE, default=10.0, help="how long idle CPU is sampled")
+    parser.add_argument("--seed", type=WHOLE, default=0, help="seed for picking the free ports")
     parser.add_argument("--out", default="out/bench", help="folder for sim_count.csv")
     return parser.parse_args(argv)
 

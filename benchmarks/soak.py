@@ -49,6 +49,7 @@ from benchmarks.fleet import (
     wait_ok,
 )
 from benchmarks.report import figure, format_table, shown, write_csv
+from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE, WHOLE
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.process import log_tail
@@ -491,21 +492,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         prog="dpserve bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--policies", default="kv_aware,prefix", help="comma-separated router policies")
-    parser.add_argument("--replicas", type=int, default=2, help="sims behind each router (2)")
-    parser.add_argument("--duration", type=float, default=120.0, help="seconds of load per policy (120)")
-    parser.add_argument("--sample-interval", type=float, default=5.0, help="seconds between samples (5)")
-    parser.add_argument("--warmup", type=float, default=10.0, help="seconds before the 'start' RSS figure (10)")
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (16)")
+    parser.add_argument("--replicas", type=COUNT, default=2, help="sims behind each router (2)")
+    parser.add_argument("--duration", type=POSITIVE, default=120.0, help="seconds of load per policy (120)")
+    parser.add_argument("--sample-interval", type=POSITIVE, default=5.0, help="seconds between samples (5)")
+    parser.add_argument("--warmup", type=NON_NEGATIVE, default=10.0, help="seconds before the 'start' RSS figure (10)")
+    parser.add_argument("--concurrency", type=COUNT, default=16, help="requests in flight (16)")
     # Small enough that both bounds are reached in the first quarter of a default run (about 200 req/s here).
-    parser.add_argument("--kv-index-max-entries", type=int, default=100_000, help="KV index bound (100000)")
-    parser.add_argument("--prefix-index-max-chunks", type=int, default=50_000, help="text index bound (50000)")
-    parser.add_argument("--sim-num-blocks", type=int, help="each sim's KV cache in blocks (default: the KV bound)")
-    parser.add_argument("--sim-speed", type=float, default=0.0, help="sim time scale (0: no waits)")
+    parser.add_argument("--kv-index-max-entries", type=COUNT, default=100_000, help="KV index bound (100000)")
+    parser.add_argument("--prefix-index-max-chunks", type=COUNT, default=50_000, help="text index bound (50000)")
+    parser.add_argument("--sim-num-blocks", type=COUNT, help="each sim's KV cache in blocks (default: the KV bound)")
+    parser.add_argument("--sim-speed", type=NON_NEGATIVE, default=0.0, help="sim time scale (0: no waits)")
     parser.add_argument("--sim-tokenizer", choices=("tiny", "fast"), default="fast", help="the sims' tokenizer")
-    parser.add_argument("--prompt-words", type=int, default=150, help="random words after the unique first word")
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--max-growth-pct", type=float, default=10.0, help="'flat' threshold (10)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-words", type=COUNT, default=150, help="random words after the unique first word")
+    parser.add_argument("--max-tokens", type=COUNT, default=4)
+    parser.add_argument("--max-growth-pct", type=NON_NEGATIVE, default=10.0, help="'flat' threshold (10)")
+    parser.add_argument("--seed", type=WHOLE, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/soak"))
     args = parser.parse_args(list(argv))
     args.policy_list = [p for p in args.policies.split(",") if p]

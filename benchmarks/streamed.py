@@ -24,6 +24,7 @@ from benchmarks.fleet import BENCHMARKS, UpPorts, progress, sigterm_unwinds, spa
 from benchmarks.report import format_table, shown
 from benchmarks.routers import router_ports
 from benchmarks.stats import percentile
+from dpserve.flag_types import COUNT
 from dpserve.up.process import terminate
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def bench_parser(name: str, doc: str | None, experiments: Sequence[str], repeat:
         "--experiments", type=names_of(experiments), default=",".join(experiments), help="of " + ", ".join(experiments)
     )
     parser.add_argument(
-        "--repeat", type=int, default=repeat, help="rounds of every run, taking turns; medians reported"
+        "--repeat", type=COUNT, default=repeat, help="rounds of every run, taking turns; medians reported"
     )
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
     parser.add_argument("--records", action="store_true", help="also write every request of every run (CSV)")

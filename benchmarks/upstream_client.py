@@ -43,6 +43,7 @@ import orjson
 from benchmarks.fleet import child_env
 from benchmarks.loadgen import die_with_parent, python_command, run_all, write_wrk_script, wrk_command
 from benchmarks.report import format_table, shown, write_csv
+from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE
 
 HOST = "127.0.0.1"  # loopback only: nothing here should be reachable from outside
 PATH = "/v1/completions"
@@ -509,10 +510,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Compare httpx, aiohttp, httpcore and dpserve's own client as the router's upstream client "
         "behind FastAPI/uvicorn.",
     )
-    p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement (default 10)")
-    p.add_argument("--connections", type=int, default=32, help="concurrent connections (default 32)")
+    p.add_argument("--duration", type=POSITIVE, default=10.0, help="seconds per measurement (default 10)")
+    p.add_argument("--connections", type=COUNT, default=32, help="concurrent connections (default 32)")
     p.add_argument("--out", default="out/bench", help="output directory (default out/bench)")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds of unrecorded load before each run")
+    p.add_argument("--warmup", type=NON_NEGATIVE, default=1.0, help="seconds of unrecorded load before each run")
     p.add_argument(
         "--loadgen",
         choices=["auto", "wrk", "python"],
@@ -521,7 +522,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--wrk-threads",
-        type=int,
+        type=COUNT,
         default=1,
         help="wrk threads (default 1: leave the cores to the servers under test)",
     )

@@ -52,6 +52,7 @@ from benchmarks.policies import decision_reasons, drive_threads, pressure_capaci
 from benchmarks.policy_workloads import Workload, multi_turn, shared_prefix
 from benchmarks.report import format_table, shown, write_csv
 from benchmarks.stats import percentile
+from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE, WHOLE
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.router.observe.prompt_tokens import LocalTokenizer
 from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
@@ -646,23 +647,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--backend", choices=("vllm", "sim"), default="vllm")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each contender on each workload, pooled")
-    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per chat answer")
-    parser.add_argument("--groups", type=int, help="shared-prefix groups (default 4 per engine)")
-    parser.add_argument("--prompts", type=int, default=6, help="prompts per group")
-    parser.add_argument("--prefix-words", type=int, default=350, help="words in each group's system prompt")
-    parser.add_argument("--question-words", type=int, default=30, help="words in each question and turn")
-    parser.add_argument("--conversations", type=int, help="multi-turn conversations (default 4 per engine)")
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--opening-words", type=int, default=120, help="words in each conversation's opening")
-    parser.add_argument("--random-prompts", type=int, default=100, help="`vllm bench serve --num-prompts`")
-    parser.add_argument("--random-input-len", type=int, default=512)
-    parser.add_argument("--random-output-len", type=int, default=16)
-    parser.add_argument("--sim-block-size", type=int, default=16)
-    parser.add_argument("--sim-speed", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--start-timeout", type=float, default=900, help="seconds for a layout to start")
+    parser.add_argument("--rounds", type=COUNT, default=1, help="runs of each contender on each workload, pooled")
+    parser.add_argument("--concurrency", type=COUNT, default=4, help="requests in flight")
+    parser.add_argument("--max-tokens", type=COUNT, default=16, help="tokens per chat answer")
+    parser.add_argument("--groups", type=COUNT, help="shared-prefix groups (default 4 per engine)")
+    parser.add_argument("--prompts", type=COUNT, default=6, help="prompts per group")
+    parser.add_argument("--prefix-words", type=COUNT, default=350, help="words in each group's system prompt")
+    parser.add_argument("--question-words", type=COUNT, default=30, help="words in each question and turn")
+    parser.add_argument("--conversations", type=COUNT, help="multi-turn conversations (default 4 per engine)")
+    parser.add_argument("--turns", type=COUNT, default=4)
+    parser.add_argument("--opening-words", type=COUNT, default=120, help="words in each conversation's opening")
+    parser.add_argument("--random-prompts", type=COUNT, default=100, help="`vllm bench serve --num-prompts`")
+    parser.add_argument("--random-input-len", type=COUNT, default=512)
+    parser.add_argument("--random-output-len", type=COUNT, default=16)
+    parser.add_argument("--sim-block-size", type=COUNT, default=16)
+    parser.add_argument("--sim-speed", type=NON_NEGATIVE, default=1.0)
+    parser.add_argument("--seed", type=WHOLE, default=0)
+    parser.add_argument("--start-timeout", type=POSITIVE, default=900, help="seconds for a layout to start")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
     parser.add_argument("--out", type=Path, default=Path("bench-results/vllm-dp"))
     args = parser.parse_args(list(argv))

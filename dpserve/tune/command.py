@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
+from dpserve.flag_types import COUNT, NON_NEGATIVE, WHOLE, existing_file
 from dpserve.sim.engine import LatencyModel
 from dpserve.text_table import format_table
 from dpserve.tune.replay import DEFAULTS, FleetModel, Outcome, TraceRequest, grid, read_receipts, tune
@@ -18,23 +18,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dpserve tune", description=__doc__)
     parser.add_argument(
         "--receipts",
-        type=Path,
+        type=existing_file,
         required=True,
         help="a routing receipts log (`dpserve router --receipts-log FILE --receipts-sample 1`, kv_aware)",
     )
-    parser.add_argument("--replicas", type=int, help="replicas to model (default: those the receipts name)")
-    parser.add_argument("--kv-blocks", type=int, default=0, help="each replica's KV cache in blocks (0: unbounded)")
+    parser.add_argument("--replicas", type=COUNT, help="replicas to model (default: those the receipts name)")
+    parser.add_argument("--kv-blocks", type=WHOLE, default=0, help="each replica's KV cache in blocks (0: unbounded)")
     parser.add_argument(
         "--prefill-ms-per-token",
-        type=float,
+        type=NON_NEGATIVE,
         help="per computed prompt token (default: fitted to the receipts' times, else 0.1)",
     )
     parser.add_argument(
-        "--decode-ms-per-token", type=float, help="per output token (default: fitted to the receipts' times, else 10)"
+        "--decode-ms-per-token",
+        type=NON_NEGATIVE,
+        help="per output token (default: fitted to the receipts' times, else 10)",
     )
-    parser.add_argument("--batch-slowdown", type=float, default=0.02, help="per other running request (0.02)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="batch limit (256)")
-    parser.add_argument("--top", type=int, default=5, help="settings to show (5)")
+    parser.add_argument("--batch-slowdown", type=NON_NEGATIVE, default=0.02, help="per other running request (0.02)")
+    parser.add_argument("--max-num-seqs", type=COUNT, default=256, help="batch limit (256)")
+    parser.add_argument("--top", type=COUNT, default=5, help="settings to show (5)")
     return parser.parse_args(list(argv))
 
 

@@ -6,20 +6,22 @@ before anything is served: `_serve`, which binds the ports, fails the case if re
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import io
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
 
 import pytest
 import yaml
 
-from dpserve import cli
+from dpserve import cli, flag_types
+from dpserve.checkout import BENCH_MODULES, benchmark_module
 from dpserve.cli import build_parser, main
 from dpserve.config import (
     LARGEST_FLOAT,
@@ -33,6 +35,7 @@ from dpserve.config import (
     environment_names,
     settings_of,
 )
+from dpserve.tune import command as tune_command
 
 REPO = Path(__file__).resolve().parents[2]
 WITH_CONFIG = ("router", "up", "sim")
@@ -137,6 +140,7 @@ def cases() -> Iterator[Case]:
                 yield Case(command, (), file=text, named=f"settings.yaml: {key}")
     yield from file_cases()
     yield from other_commands()
+    yield from bench_cases()
 
 
 def file_cases() -> Iterator[Case]:
@@ -177,6 +181,66 @@ def other_commands() -> Iterator[Case]:
     yield Case("nosuchcommand", (), named="nosuchcommand")
 
 
+class _Built(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+def parser_of(parse_args: Callable[[list[str]], argparse.Namespace]) -> argparse.ArgumentParser:
+    """The parser a benchmark's (or tune's) `parse_args` builds, taken just before it parses."""
+
+    def built(self: argparse.ArgumentParser, *_: object) -> argparse.Namespace:
+        raise _Built(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", built)
+        try:
+            parse_args([])
+        except _Built as found:
+            return found.parser
+    raise AssertionError(f"{parse_args} parsed nothing")
+
+
+def own_parsers() -> dict[tuple[str, ...], Callable[[list[str]], argparse.Namespace]]:
+    """The commands that parse their own flags, by their words (`bench sim`, `tune`): their `parse_args`."""
+    found = {("bench", name): benchmark_module(name).parse_args for name in BENCH_MODULES}
+    return {**found, ("tune",): tune_command.parse_args}
+
+
+OWN_PARSERS = own_parsers()
+
+
+def bad_flag_texts(action: argparse.Action) -> list[str]:
+    """Texts a bench or tune flag cannot take, from its type's bounds."""
+    kind = action.type
+    if isinstance(kind, flag_types.Number):
+        whole = kind.kind is int
+        least = kind.least if kind.above else kind.least - 1
+        most = 10**30 if whole else kind.most * 10
+        return ["abc", "", *(["1.5"] if whole else ["nan", "inf", "-inf"]), f"{least:g}", str(most)]
+    if kind is flag_types.counts:
+        return ["", ",", "0", "1,0", "-1", "1,x", "1.5", str(10**30)]
+    if kind in (flag_types.existing_file, flag_types.existing_folder):
+        return ["/no/such/path", ""]
+    if action.choices is not None:
+        return ["no-such-choice", ""]
+    return []
+
+
+def bench_cases() -> Iterator[Case]:
+    """`dpserve bench NAME` and `dpserve tune`: every flag whose values are bounded, given what it cannot take."""
+    for words, parse_args in OWN_PARSERS.items():
+        for action in parser_of(parse_args)._actions:
+            if not action.option_strings or action.nargs == 0:
+                continue  # the positionals, --help and the switches
+            flag = max(action.option_strings, key=len)
+            for text in bad_flag_texts(action):
+                yield Case(words[0], (*words[1:], f"{flag}={text}"), named=f"argument {flag}")
+    for name in ("sim", "soak"):
+        yield Case("bench", (name, "--no-such-flag=1"), named="--no-such-flag")
+    yield Case("tune", (), named="--receipts")  # required
+
+
 CASES = list(cases())
 PARSER = build_parser()
 """Parsers are stateless once built: one for all cases keeps the fuzz fast."""
@@ -191,15 +255,30 @@ def nothing_served(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the settings passed every check: the command would serve")
 
     monkeypatch.setattr(cli, "_serve", serve)
+    for words, parse_args in OWN_PARSERS.items():
+        monkeypatch.setattr(sys.modules[parse_args.__module__], "parse_args", checked_only(words, parse_args))
     monkeypatch.setattr(cli, "build_parser", lambda: PARSER)
     for variable in environment_names():
         monkeypatch.delenv(variable, raising=False)
 
 
+def checked_only(
+    words: tuple[str, ...], parse_args: Callable[[list[str]], argparse.Namespace]
+) -> Callable[[list[str]], argparse.Namespace]:
+    """`parse_args` that fails the case where the flags passed every check: the benchmark would start."""
+
+    def parse(argv: list[str]) -> argparse.Namespace:
+        parse_args(argv)
+        raise AssertionError(f"dpserve {' '.join(words)} {' '.join(argv)}: passed every check, it would run")
+
+    return parse
+
+
 def test_the_fuzz_has_at_least_200_cases_from_every_command() -> None:
     assert len(CASES) >= 200
     commands = {case.command for case in CASES}
-    assert commands >= {"router", "up", "sim", "agent", "compose", "kube", "model", "gpus"}
+    assert commands >= {"router", "up", "sim", "agent", "compose", "kube", "model", "gpus", "bench", "tune"}
+    assert {case.argv[0] for case in CASES if case.command == "bench"} == set(BENCH_MODULES)
     assert sum(case.file is not None for case in CASES) >= 200
     assert sum(bool(case.env) for case in CASES) >= 200
 
@@ -245,6 +324,27 @@ def run(case: Case, tmp_path: Path) -> tuple[object, str]:
         except SystemExit as exit_:
             code = exit_.code
     return code, err.getvalue()
+
+
+@pytest.mark.parametrize("words", list(OWN_PARSERS), ids=" ".join)
+def test_every_number_flag_of_bench_and_tune_has_bounds(words: tuple[str, ...]) -> None:
+    """A plain int or float takes -1, 0 and nan: each number flag takes a bounded type, which the fuzz reads."""
+    unbounded = [
+        max(action.option_strings, key=len)
+        for action in parser_of(OWN_PARSERS[words])._actions
+        if action.type in (int, float)
+        or (
+            (action.option_strings and action.type is None and isinstance(action.default, (int, float)))
+            and not isinstance(action.default, bool)
+        )
+    ]
+    assert not unbounded, f"dpserve {' '.join(words)}: unbounded number flags {unbounded}"
+
+
+def test_a_good_bench_flag_reaches_the_guard(capsys: pytest.CaptureFixture[str]) -> None:
+    """The guard that keeps the fuzz from running a benchmark fails a case whose flags pass."""
+    with pytest.raises(AssertionError, match="it would run"):
+        main(["bench", "sim", "--sims", "2"])
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # Settings, an ASGI helper, background tasks' end, the tiny-model builder, terminal tables.
     (
         "dpserve.config",
+        "dpserve.flag_types",
         "dpserve.disconnect",
         "dpserve.background",
         "dpserve.tiny_model",
