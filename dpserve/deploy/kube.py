@@ -18,7 +18,12 @@ host's process table, which no level short of `privileged` allows: they run in a
 
 Keys never appear here: the routers read theirs as files from the Secret `dpserve-keys`, and the replicas' key
 from the Secret `dpserve-replica-key`, which vLLM reads from its environment (its only way but the command line);
-both made by hand with kubectl. With `--tls` the certificates come from Secrets too (kube_tls.py).
+both made by hand with kubectl. With `--tls` the certificates come from Secrets too (kube_tls.py). With
+`--metrics-key` the routers' /metrics wants the key in `dpserve-keys`'s entry `metrics-keys`, which their
+ServiceMonitor sends.
+
+Stops: each pod sleeps in preStop while the routers (or the Service) drop it, then drains what it runs (the
+router's --shutdown-grace, vLLM's --shutdown-timeout) within a grace period longer than both together.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dpserve.deploy.compose import (
     HF_CACHE_DIR,
     KV_EVENTS_PORT,
     REPLICA_PORT,
+    ROUTER_DRAIN_S,
     ROUTER_ENTRYPOINT,
 )
 from dpserve.deploy.kube_network import network_policies
@@ -77,6 +83,8 @@ GPU_NODE_LABEL = "nvidia.com/gpu.present"
 HF_TOKEN_SECRET = "hf-token"
 API_KEYS_ENTRY = "api-keys"
 ADMIN_KEYS_ENTRY = "admin-keys"
+METRICS_KEYS_ENTRY = "metrics-keys"
+"""With --metrics-key: the key that reads the routers' /metrics (--metrics-key-file), which Prometheus sends."""
 REPLICA_KEY_SECRET = "dpserve-replica-key"
 REPLICA_KEY_ENTRY = "key"
 """The key vLLM requires on /v1 (VLLM_API_KEY) and the routers send it (--replica-api-key-file)."""
@@ -87,6 +95,10 @@ with kubectl reaches them within a minute), never in its environment."""
 PRE_STOP_S = {"router": 5, "vllm": 10}
 """How long a pod keeps serving after it is told to stop, before SIGTERM: for the Service's endpoints (the
 router) or the routers' DNS discovery, re-read every 5 s (a replica), to drop it first."""
+VLLM_TEARDOWN_S = 20
+"""After its drain, vLLM's engine teardown: its workers get 5 s, then SIGTERM and 5 s more (compose allows 30)."""
+ROUTER_TEARDOWN_S = 10
+"""After its drain (ROUTER_DRAIN_S, --shutdown-grace), the router closes its connections and exits."""
 ADAPTERS_VOLUME = "lora-adapters"
 STARTUP_PERIOD_S = 10
 STARTUP_FAILURES = 180
@@ -97,8 +109,12 @@ AGENT_CAPABILITIES = ("SYS_PTRACE", "DAC_READ_SEARCH")
 """What the agent adds to nothing (agent_security_context says why each)."""
 
 
-def _scrape(port: int, tls: bool = False) -> dict[str, str]:
-    # For Prometheus set up to scrape annotated pods (the common kubernetes-pods job).
+def _scrape(port: int, tls: bool = False, key: bool = False) -> dict[str, str]:
+    # For Prometheus set up to scrape annotated pods (the common kubernetes-pods job). No annotation carries a
+    # key: a /metrics behind one is left out of that job (it would be a target down), and scraped by a job
+    # of its own that sends the key (docs/deploy.md) or the ServiceMonitor.
+    if key:
+        return {"prometheus.io/scrape": "false"}
     scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
     return {**scrape, "prometheus.io/scheme": "https"} if tls else scrape
 
@@ -165,6 +181,8 @@ def vllm_command(options: KubeOptions) -> list[str]:
     """The vLLM container's command: what the manifests depend on. The flags given after `--` are its `args`."""
     command = ["vllm", "serve", options.model, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
     command += ["--gpu-memory-utilization", f"{options.gpu_memory_utilization:g}"]
+    # On SIGTERM (after the preStop sleep), what it runs finishes: vLLM's default, 0, aborts it.
+    command += ["--shutdown-timeout", str(options.shutdown_timeout)]
     command += vllm_tls_flags() if options.tls else []
     # The same engine flags as `dpserve up` and compose: prefix caching, KV events on tcp://*:5557 (which the
     # router subscribes to at each pod's address), cached-token counts; LoRA when asked for. Those given after
@@ -288,8 +306,8 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": _scrape(REPLICA_PORT, options.tls)},
                 "spec": {
-                    # The preStop sleep, then vLLM's own shutdown.
-                    "terminationGracePeriodSeconds": 60,
+                    # The preStop sleep, vLLM's drain (--shutdown-timeout), then its teardown.
+                    "terminationGracePeriodSeconds": vllm_grace_period_s(options),
                     # Nothing here talks to the Kubernetes API.
                     "automountServiceAccountToken": False,
                     "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
@@ -300,6 +318,17 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
             },
         },
     }
+
+
+def vllm_grace_period_s(options: KubeOptions) -> int:
+    """Longer than the preStop sleep, vLLM's drain and its teardown together: the kubelet never kills a
+    replica finishing an answer."""
+    return PRE_STOP_S["vllm"] + options.shutdown_timeout + VLLM_TEARDOWN_S
+
+
+def router_grace_period_s() -> int:
+    """Longer than the preStop sleep and the router's drain of in-flight requests on SIGTERM together."""
+    return PRE_STOP_S["router"] + ROUTER_DRAIN_S + ROUTER_TEARDOWN_S
 
 
 def vllm_service(options: KubeOptions) -> dict[str, Any]:
@@ -337,6 +366,7 @@ def router_command(options: KubeOptions) -> list[str]:
         api_key_file=Path(KEYS_DIR, API_KEYS_ENTRY),
         admin_key_file=Path(KEYS_DIR, ADMIN_KEYS_ENTRY),
         replica_api_key_file=Path(REPLICA_KEY_DIR, REPLICA_KEY_ENTRY),
+        metrics_key_file=Path(KEYS_DIR, METRICS_KEYS_ENTRY) if options.metrics_key else None,
     )
     if options.tls:
         settings = with_router_tls(settings)
@@ -398,13 +428,15 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "selector": {"matchLabels": pod_labels},
             "template": {
-                "metadata": {"labels": pod_labels, "annotations": _scrape(ROUTER_PORT, options.tls)},
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": _scrape(ROUTER_PORT, options.tls, options.metrics_key),
+                },
                 "spec": {
                     # Routers on different nodes where there are nodes enough: one node's loss leaves one.
                     "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [spread]}},
-                    # Longer than the preStop sleep and the router's own 30 s drain of in-flight requests on
-                    # SIGTERM together: a stopping router finishes what it holds.
-                    "terminationGracePeriodSeconds": 45,
+                    # A stopping router finishes what it holds.
+                    "terminationGracePeriodSeconds": router_grace_period_s(),
                     "automountServiceAccountToken": False,
                     "securityContext": {
                         "runAsNonRoot": True,
@@ -418,7 +450,7 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
                         {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
                         # Bound to 0.0.0.0, the router refuses to start without API keys; routers follow each
                         # other with the admin key; the vLLM pods require theirs: the pod waits for both Secrets.
-                        _secret_volume("keys", options.keys_secret, (API_KEYS_ENTRY, ADMIN_KEYS_ENTRY)),
+                        _secret_volume("keys", options.keys_secret, _keys_entries(options)),
                         _secret_volume("replica-key", REPLICA_KEY_SECRET, (REPLICA_KEY_ENTRY,)),
                         *_adapters_volumes(options),
                         # Read by the router's group (fsGroup) only.
@@ -428,6 +460,10 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
             },
         },
     }
+
+
+def _keys_entries(options: KubeOptions) -> tuple[str, ...]:
+    return (API_KEYS_ENTRY, ADMIN_KEYS_ENTRY, *((METRICS_KEYS_ENTRY,) if options.metrics_key else ()))
 
 
 def router_resources(options: KubeOptions) -> dict[str, Any]:
@@ -585,6 +621,10 @@ def _scrape_endpoint(options: KubeOptions, name: str) -> dict[str, Any]:
     """With --tls, the routers and vLLM serve HTTPS: scraped over it, their certificate checked against the
     CA in their Secret (which the Prometheus Operator reads from the ServiceMonitor's namespace)."""
     endpoint: dict[str, Any] = {"port": "http", "path": "/metrics", "interval": "15s"}
+    if options.metrics_key and name == ROUTER_NAME:
+        # The key from the Secret's entry (the operator reads it from this namespace), as a bearer token.
+        credentials = {"name": options.keys_secret, "key": METRICS_KEYS_ENTRY}
+        endpoint["authorization"] = {"type": "Bearer", "credentials": credentials}
     if not options.tls or name == AGENT_NAME:
         return endpoint
     secret = ROUTER_TLS_SECRET if name == ROUTER_NAME else VLLM_TLS_SECRET
@@ -612,6 +652,20 @@ def documents(options: KubeOptions) -> list[dict[str, Any]]:
     if options.issuer:
         docs += certificates(options)
     return docs
+
+
+def _metrics_key_file(options: KubeOptions) -> str:
+    # Prometheus sends the entry whole as its bearer token: one key in it.
+    return f" --from-file={METRICS_KEYS_ENTRY}=metrics-key.txt" if options.metrics_key else ""
+
+
+def _metrics_header(options: KubeOptions) -> str:
+    if not options.metrics_key:
+        return ""
+    return (
+        "The routers' /metrics wants the key in metrics-key.txt (one key: Prometheus sends the entry whole):\n"
+        "the ServiceMonitor sends it; a scrape job of your own, with `authorization: credentials_file`.\n"
+    )
 
 
 def _tls_header(options: KubeOptions) -> str:
@@ -644,11 +698,16 @@ def render(options: KubeOptions) -> str:
         "Create the Secrets first (they are never written here):\n"
         f"  kubectl create namespace {ns}\n"
         f"  kubectl -n {ns} create secret generic {options.keys_secret} --from-file={API_KEYS_ENTRY}=api-keys.txt "
-        f"--from-file={ADMIN_KEYS_ENTRY}=admin-keys.txt  # a [NAME:]KEY a line\n"
+        f"--from-file={ADMIN_KEYS_ENTRY}=admin-keys.txt{_metrics_key_file(options)}"
+        f"  # a [NAME:]KEY a line{'; metrics-key.txt: one key' if options.metrics_key else ''}\n"
         f"  kubectl -n {ns} create secret generic {REPLICA_KEY_SECRET} "
         f"--from-literal={REPLICA_KEY_ENTRY}=$(openssl rand -hex 32)  # vLLM's key, which only the routers send\n"
         f"  kubectl -n {ns} create secret generic {HF_TOKEN_SECRET} --from-literal=token=hf_...  "
-        "# gated models only\n" + _tls_header(options) + _egress_header(options) + "then: kubectl apply -f THIS_FILE\n"
+        "# gated models only\n"
+        + _metrics_header(options)
+        + _tls_header(options)
+        + _egress_header(options)
+        + "then: kubectl apply -f THIS_FILE\n"
         f"Router and agent run {options.router_image} (router/Dockerfile): push it where the cluster pulls from\n"
         "and pass --router-image REGISTRY/dpserve-router:TAG, or load it into each node (kind load, ctr import)."
     )

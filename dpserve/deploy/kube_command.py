@@ -26,12 +26,14 @@ RESOURCE_FLAGS = {
 HARDENING_OPTIONS = (
     "max_model_len",
     "gpu_memory_utilization",
+    "shutdown_timeout",
     *RESOURCE_FLAGS,
     "hf_cache_size",
     "router_clients",
     "vllm_egress",
     "tls",
     "cert_manager_issuer",
+    "metrics_key",
 )
 """KubeOptions' fields that add_kube_flags adds flags of, by their names."""
 
@@ -42,6 +44,13 @@ def add_kube_flags(kube: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int, metavar="N", help="context length (default 8192)")
     engine.add_argument(
         "--gpu-memory-utilization", type=float, metavar="FRACTION", help="of each GPU's memory (default 0.9)"
+    )
+    engine.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        metavar="SECONDS",
+        help="on SIGTERM, what a replica runs gets this long to finish (default 30, as the routers' drain); "
+        "the pods' termination grace period is set above it",
     )
     resources = kube.add_argument_group("pod resources")
     for name, text in RESOURCE_FLAGS.items():
@@ -78,6 +87,13 @@ def add_kube_flags(kube: argparse.ArgumentParser) -> None:
         "--cert-manager-issuer",
         metavar="[ClusterIssuer/]NAME",
         help="with --tls: also write cert-manager Certificates that make (and renew) those Secrets",
+    )
+    network.add_argument(
+        "--metrics-key",
+        action="store_true",
+        default=None,
+        help="the routers' /metrics wants a key (Authorization: Bearer KEY): the entry metrics-keys of the keys "
+        "Secret, which the ServiceMonitors send (the file's header says how to make it)",
     )
 
 

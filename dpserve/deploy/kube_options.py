@@ -39,6 +39,10 @@ GPU_MEMORY_UTILIZATION = 0.90
 VLLM_CPU_PER_GPU = 4
 VLLM_MEMORY_GIB_PER_GPU = 24
 """What a vLLM pod requests per GPU it has (one process per tensor-parallel rank)."""
+VLLM_SHUTDOWN_TIMEOUT_S = 30
+"""vLLM's --shutdown-timeout: on SIGTERM, what a replica runs gets this long to finish (vLLM's default, 0,
+aborts it), as long as the routers' drain (--shutdown-grace)."""
+MAX_SHUTDOWN_TIMEOUT_S = 3600
 HF_CACHE_SIZE = "100Gi"
 """The emptyDir a pod downloads weights into (no --model-cache-pvc): room for a 40B model in 16-bit weights."""
 ROUTER_CPU = 1
@@ -59,6 +63,7 @@ VLLM_FLAGS_OF_KUBE = {
     "--max-loras": "--max-loras",
     "--max-lora-rank": "--max-lora-rank",
     "--otlp-traces-endpoint": "--otlp-traces-endpoint",
+    "--shutdown-timeout": "--shutdown-timeout",
 }
 """vLLM flags `dpserve kube` takes itself (it sizes the pod or tells the routers from them): not after `--`."""
 VLLM_FLAGS_REFUSED = {
@@ -220,6 +225,11 @@ class KubeOptions:
     """HTTPS on every hop: clients to routers, routers to vLLM, router to router (kube_tls.py)."""
     cert_manager_issuer: str | None = None
     """`[Issuer|ClusterIssuer/]NAME`: also write cert-manager Certificates making the TLS Secrets."""
+    metrics_key: bool = False
+    """The routers' /metrics wants a key (--metrics-key-file, the keys Secret's `metrics-keys`), which the
+    ServiceMonitor sends."""
+    shutdown_timeout: int = VLLM_SHUTDOWN_TIMEOUT_S
+    """vLLM's --shutdown-timeout (seconds): the pods' grace period is set above it."""
 
     def __post_init__(self) -> None:
         for flag, count, what in (
@@ -243,6 +253,8 @@ class KubeOptions:
         ):
             if value is not None and not value.strip():
                 raise ValueError(f"{flag} must not be empty")
+        if not 0 <= self.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT_S:
+            raise ValueError(f"--shutdown-timeout {self.shutdown_timeout}: seconds from 0 to {MAX_SHUTDOWN_TIMEOUT_S}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: a fraction in (0, 1]")
         for flag, quantity in (
@@ -298,6 +310,7 @@ class KubeOptions:
         size = self.tensor_parallel_size
         flags += f" --tensor-parallel-size {size}" if size != 1 else ""
         flags += " --tls" if self.tls else ""
+        flags += " --metrics-key" if self.metrics_key else ""
         return flags + (" -- " + shlex.join(self.vllm_args) if self.vllm_args else "")
 
     def dns_name(self, service: str, namespace: str | None = None) -> str:

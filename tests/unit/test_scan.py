@@ -37,6 +37,8 @@ KUBE_VARIANTS = {
         model_cache_pvc="models",
         lora_pvc="adapters",
         otlp_traces_endpoint="http://otel-collector.monitoring:4317",
+        metrics_key=True,
+        shutdown_timeout=120,
     ),
     # The issue's `dpserve kube --tls --replicas 2 -- --dtype half`, and TLS with everything else.
     "kube-tls.yaml": KubeOptions(replicas=2, tls=True, vllm_args=("--dtype", "half")),
@@ -50,6 +52,7 @@ KUBE_VARIANTS = {
         router_clients=("ingress-nginx",),
         vllm_memory_limit="64Gi",
         otlp_traces_endpoint="http://otel-collector.monitoring:4317",
+        metrics_key=True,
     ),
 }
 FRAMEWORKS = ("dockerfile", "kubernetes", "secrets")
