@@ -615,6 +615,7 @@ def _run(argv: list[str] | None) -> int:
         overrides["vllm_args"] = tuple(vllm_args) or None  # none after `--`: DPSERVE_VLLM_ARGS, if set
     try:
         settings = _load_settings(SETTINGS_OF[args.command], getattr(args, "config", None), overrides)
+        _check_addresses(settings)
     except ValueError as exc:  # a flag, variable or config file entry its setting cannot take
         parser.error(f"{args.command}: {exc}")
     return _serve(parser, args.command, settings)
@@ -635,6 +636,17 @@ def _load_settings(group: type[Settings], config: str | None, overrides: dict[st
         read = ConfigFile.read(config)
         read.check_keys(group)
     return load_settings(group, overrides, config=read, choices=FLAG_CHOICES)
+
+
+def _check_addresses(settings: object) -> None:
+    """The router's replica and collector addresses, from a flag, the environment or a file alike: a ValueError
+    naming the flag for one that is no URL (a replica at `notaurl` would fail its probes for ever)."""
+    router = settings.router if isinstance(settings, UpSettings) else settings
+    if isinstance(router, RouterSettings):
+        from dpserve.router.parts import check_otlp_endpoint, check_replica_specs
+
+        check_replica_specs(router.replicas)
+        check_otlp_endpoint(router.otlp_traces_endpoint)
 
 
 def _serve(parser: argparse.ArgumentParser, command: str, settings: Any) -> int:

@@ -9,7 +9,7 @@ import secrets
 import socket
 import ssl
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -17,7 +17,7 @@ from dpserve.config import RouterSettings
 from dpserve.gpu.health import GpuHealthRules, GpuHealthTracker
 from dpserve.gpu.local_processes import ReplicaProcesses
 from dpserve.gpu.nvml import Nvml
-from dpserve.gpu.placement import ReplicaClue
+from dpserve.gpu.placement import ReplicaClue, parse_replica_spec
 from dpserve.gpu.sampler import GpuSampler
 from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
@@ -32,7 +32,7 @@ from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
 from dpserve.replicas.health import HealthRules
 from dpserve.replicas.kv_events import engine_endpoint, parse_kv_event_source
-from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.replicas.registry import ReplicaRegistry, split_engine_count, split_replica_name
 from dpserve.router.fleet.agents import GpuAgents
 from dpserve.router.fleet.gpus import GpuFleet
 from dpserve.router.flow.access import Keys
@@ -249,6 +249,38 @@ def check_base_url(url: str, flag: str, expected: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
         raise ValueError(f"{flag} {url!r}: expected {expected}")
+
+
+def check_replica_specs(specs: Sequence[str]) -> None:
+    """Each `--replica [NAME=]URL[@gpu=N][@dp=N]` as the registry will read it, its URL a base URL: a
+    ValueError naming the flag for the first that is not, before anything starts (a replica at `notaurl`
+    would only ever fail its probes)."""
+    for spec in specs:
+        _, rest = split_replica_name(spec)
+        url, _ = parse_replica_spec(split_engine_count(rest)[0])
+        check_base_url(url, "--replica", "a replica's base URL, [NAME=]URL[@gpu=N], e.g. http://10.0.0.2:8000")
+
+
+OTLP_SCHEMES = ("http", "https", "grpc", "grpcs")
+
+
+def check_otlp_endpoint(endpoint: str | None) -> None:
+    """`--otlp-traces-endpoint`: a URL the exporters take (http(s) with a path for OTLP/HTTP, grpc://) or gRPC's
+    bare HOST:PORT; a ValueError naming the flag otherwise (the exporter would only fail in the background)."""
+    if endpoint is None:
+        return
+    if "://" not in endpoint:
+        host, _, port = endpoint.rpartition(":")
+        if host and port.isdigit() and not any(char.isspace() or char in "/@" for char in host):
+            return
+    else:
+        parts = urlsplit(endpoint)
+        if parts.scheme in OTLP_SCHEMES and parts.hostname and not any(char.isspace() for char in endpoint):
+            return
+    raise ValueError(
+        f"--otlp-traces-endpoint {endpoint!r}: expected a collector's URL, e.g. grpc://10.0.0.5:4317, "
+        "http://10.0.0.5:4318/v1/traces or 10.0.0.5:4317"
+    )
 
 
 def origin_id() -> str:

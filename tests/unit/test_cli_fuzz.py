@@ -141,6 +141,7 @@ def cases() -> Iterator[Case]:
     yield from file_cases()
     yield from other_commands()
     yield from bench_cases()
+    yield from address_cases()
 
 
 def file_cases() -> Iterator[Case]:
@@ -179,6 +180,28 @@ def other_commands() -> Iterator[Case]:
     yield Case("model", ("tiny", "/tmp/unused", "--seed", "x"), named="--seed")
     yield Case("gpus", ("--jsn",), named="--jsn")
     yield Case("nosuchcommand", (), named="nosuchcommand")
+
+
+BAD_REPLICAS = (
+    "notaurl", "ftp://x:1", "http://", "http://x:1/v1", "10.0.0.2:8000", "a=notaurl", "http://x:1@gpu=",
+    "http://x:1@dp=0", "bad name!=http://x:1", "gpu-a=http:///x",
+)  # fmt: skip
+BAD_OTLP = ("notaurl", "http://", "ftp://x:4317", "x:port", "/v1/traces", "http://x y:4317", ":4317")
+
+
+def address_cases() -> Iterator[Case]:
+    """Replica and collector addresses that are no URL: refused when read, not probed or exported to for ever."""
+    for spec in BAD_REPLICAS:
+        yield Case("router", (f"--replica={spec}",), named="--replica")
+        yield Case("router", (), file=yaml.safe_dump({"replica": [spec]}), named="--replica")
+    yield Case("router", ("--replica", "http://x:1", "--replica", "notaurl"), named="--replica 'notaurl'")
+    yield Case("router", (), env=(("DPSERVE_REPLICAS", "notaurl"),), named="--replica 'notaurl'")
+    for endpoint in BAD_OTLP:
+        for command in ("router", "up"):
+            yield Case(command, (f"--otlp-traces-endpoint={endpoint}",), named="--otlp-traces-endpoint")
+            yield Case(command, (), env=(("DPSERVE_OTLP_TRACES_ENDPOINT", endpoint),), named="--otlp-traces-endpoint")
+            text = yaml.safe_dump({"otlp-traces-endpoint": endpoint})
+            yield Case(command, (), file=text, named="--otlp-traces-endpoint")
 
 
 class _Built(Exception):
