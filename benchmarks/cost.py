@@ -340,11 +340,21 @@ def nonsense(rows: Sequence[Row]) -> list[str]:
     return problems
 
 
+def targets(text: str) -> list[Target]:
+    """--targets: at least one, each as Target.parse reads it (argparse names the flag in the error)."""
+    found = [Target.parse(part) for part in text.split(",") if part]
+    if not found:
+        raise argparse.ArgumentTypeError(f"{text!r} names no target")
+    return found
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="dpserve bench cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--targets", default=",".join(TARGETS), help="ROUTER[@REV]:POLICY[+tokenizer], comma-separated")
+    parser.add_argument(
+        "--targets", type=targets, default=",".join(TARGETS), help="ROUTER[@REV]:POLICY[+tokenizer], comma-separated"
+    )
     parser.add_argument("--rounds", type=COUNT, default=2, help="every target this many times, ABBA")
     parser.add_argument("--groups", type=COUNT, default=16, help="shared system prompts")
     parser.add_argument("--prompts", type=COUNT, default=20, help="measured requests per group")
@@ -367,7 +377,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.callgrind is not None:
         args.callgrind.mkdir(parents=True, exist_ok=True)
-    args.targets = [Target.parse(t) for t in args.targets.split(",") if t]
     if args.rounds < 1 or args.prompts < 1 or args.groups < 1:
         parser.error("--rounds, --groups and --prompts must be at least 1")
     return args

@@ -41,7 +41,7 @@ from benchmarks.policy_workloads import (
 )
 from benchmarks.report import figure, format_table, goals_status, read_rows, shown, write_csv
 from benchmarks.stats import percentile
-from dpserve.flag_types import COUNT, NON_NEGATIVE, WHOLE
+from dpserve.flag_types import COUNT, NON_NEGATIVE, WHOLE, Names
 from dpserve.kvindex.index import block_keys
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.router.observe.prompt_tokens import LocalTokenizer, RemoteTokenizer
@@ -724,10 +724,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--backend", choices=("vllm", "sim", "both"), default="both")
     parser.add_argument("--replicas", type=COUNT, help="replicas per backend (default: 2 vLLM, 8 sims)")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
-    parser.add_argument("--policies", default=",".join(DPSERVE_POLICIES), help="dpserve policies to run")
+    parser.add_argument(
+        "--workloads",
+        type=Names(WORKLOADS),
+        default=",".join(WORKLOADS),
+        help="comma-separated, of " + ", ".join(WORKLOADS),
+    )
+    parser.add_argument(
+        "--policies", type=Names(DPSERVE_POLICIES), default=",".join(DPSERVE_POLICIES), help="dpserve policies to run"
+    )
     parser.add_argument(
         "--vllm-router-policies",
+        type=Names(VLLM_ROUTER_POLICIES, empty=True),
         default=",".join(VLLM_ROUTER_POLICIES),
         help="vllm-router policies to run (empty: none)",
     )

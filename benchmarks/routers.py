@@ -71,7 +71,7 @@ from benchmarks.policies import (
 from benchmarks.policy_workloads import BenchRequest, Workload, shared_prefix
 from benchmarks.report import format_table, goals_status, met, shown, write_csv
 from benchmarks.stats import percentile
-from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE, WHOLE, counts
+from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE, WHOLE, Names, counts
 from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from dpserve.up.launcher import busy_ports
 from dpserve.up.process import terminate
@@ -628,11 +628,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="dpserve bench routers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--parts", default="tiers,restart,workers", help="of tiers, restart, workers")
+    parser.add_argument(
+        "--parts",
+        type=Names(("tiers", "restart", "workers")),
+        default="tiers,restart,workers",
+        help="of tiers, restart, workers",
+    )
     parser.add_argument("--replicas", type=COUNT, default=8, help="sims")
     parser.add_argument("--routers", type=COUNT, default=4)
     parser.add_argument(
-        "--workloads", default="shared_prefix,grouped,multi_turn,cache_pressure,uniform", help="tiers' workloads"
+        "--workloads",
+        type=Names(("shared_prefix", "grouped", "multi_turn", "cache_pressure", "uniform")),
+        default="shared_prefix,grouped,multi_turn,cache_pressure,uniform",
+        help="tiers' workloads",
     )
     parser.add_argument("--groups", type=COUNT, help="shared-prefix groups (default 4 per replica)")
     parser.add_argument("--prompts", type=COUNT, default=6, help="prompts per group")
@@ -641,7 +649,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--prefix-words", type=COUNT, default=350)
     parser.add_argument("--question-words", type=COUNT, default=30)
     parser.add_argument("--uniform-requests", type=COUNT, default=512)
-    parser.add_argument("--tiers", default=",".join(TIERS), help="of " + ", ".join(TIERS))
+    parser.add_argument("--tiers", type=Names(TIERS), default=",".join(TIERS), help="of " + ", ".join(TIERS))
     parser.add_argument("--repeat", type=COUNT, default=3, help="runs of every tier, taking turns")
     parser.add_argument("--max-tokens", type=COUNT, default=8)
     parser.add_argument("--concurrency", type=COUNT, default=16)
@@ -655,6 +663,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--worker-sims", type=COUNT, default=2)
     parser.add_argument(
         "--worker-cases",
+        type=Names(("peered", "vllm-router"), empty=True),
         default="peered,vllm-router",
         help="`peered`: also one router with an idle peer; `vllm-router`: also vllm-router cache_aware",
     )

@@ -478,8 +478,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--arrival-rate-per-replica", type=NON_NEGATIVE, default=0.0, help="open loop instead: req/s each"
     )
     parser.add_argument("--processes", default="auto", help="Locust processes (auto: 1 per 100 users, <= cores)")
-    parser.add_argument("--workload", default="random", help="random, shared_prefix or multi_turn")
-    parser.add_argument("--api", default="chat", help="chat, completions or mixed")
+    parser.add_argument(
+        "--workload",
+        choices=("random", "shared_prefix", "multi_turn"),
+        default="random",
+        help="random, shared_prefix or multi_turn",
+    )
+    parser.add_argument(
+        "--api", choices=("chat", "completions", "mixed"), default="chat", help="chat, completions or mixed"
+    )
     parser.add_argument("--stream-ratio", type=SHARE, default=1.0)
     parser.add_argument("--prompt-tokens", type=COUNT, default=128)
     parser.add_argument("--output-tokens", type=COUNT, default=64)

@@ -49,7 +49,8 @@ from benchmarks.fleet import (
     wait_ok,
 )
 from benchmarks.report import figure, format_table, shown, write_csv
-from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE, WHOLE
+from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE, WHOLE, Names
+from dpserve.policies import POLICY_NAMES
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.process import log_tail
@@ -491,7 +492,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="dpserve bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--policies", default="kv_aware,prefix", help="comma-separated router policies")
+    parser.add_argument(
+        "--policies", type=Names(POLICY_NAMES), default="kv_aware,prefix", help="comma-separated router policies"
+    )
     parser.add_argument("--replicas", type=COUNT, default=2, help="sims behind each router (2)")
     parser.add_argument("--duration", type=POSITIVE, default=120.0, help="seconds of load per policy (120)")
     parser.add_argument("--sample-interval", type=POSITIVE, default=5.0, help="seconds between samples (5)")

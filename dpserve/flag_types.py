@@ -88,3 +88,25 @@ def _path(text: str) -> Path:
     if not text:
         raise argparse.ArgumentTypeError("'' is no path")  # Path('') is the current folder
     return Path(text)
+
+
+class Names:
+    """A comma-separated list of names, each one of `known` (none at all only where `empty` is allowed); the
+    text itself, as its default is."""
+
+    def __init__(self, known: tuple[str, ...], *, empty: bool = False) -> None:
+        self.known = known
+        self.empty = empty
+        self.__name__ = "names"
+
+    def __call__(self, text: str) -> str:
+        given = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in given if name not in self.known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}: of {', '.join(self.known)}")
+        if not given and not self.empty:
+            raise argparse.ArgumentTypeError(f"{text!r} names none: of {', '.join(self.known)}")
+        return text
+
+    def __repr__(self) -> str:
+        return self.__name__

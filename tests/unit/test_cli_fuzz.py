@@ -243,6 +243,8 @@ def bad_flag_texts(action: argparse.Action) -> list[str]:
         return ["abc", "", *(["1.5"] if whole else ["nan", "inf", "-inf"]), f"{least:g}", str(most)]
     if kind is flag_types.counts:
         return ["", ",", "0", "1,0", "-1", "1,x", "1.5", str(10**30)]
+    if isinstance(kind, flag_types.Names):
+        return ["no-such-name", f"{kind.known[0]},no-such-name", *([] if kind.empty else ["", ","])]
     if kind in (flag_types.existing_file, flag_types.existing_folder):
         return ["/no/such/path", ""]
     if action.choices is not None:
@@ -262,6 +264,8 @@ def bench_cases() -> Iterator[Case]:
     for name in ("sim", "soak"):
         yield Case("bench", (name, "--no-such-flag=1"), named="--no-such-flag")
     yield Case("tune", (), named="--receipts")  # required
+    for target in ("nosuch", ",", "vllm-router@abc:round_robin", "dpserve:kv_aware+more", "dpserve:"):
+        yield Case("bench", ("cost", f"--targets={target}"), named="argument --targets")
 
 
 CASES = list(cases())
