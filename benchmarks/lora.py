@@ -75,6 +75,7 @@ from benchmarks.report import goals_status, met, write_csv
 from benchmarks.streamed import ms, table, ttft_ms
 from dpserve.flag_types import COUNT, NON_NEGATIVE, SHARE, WHOLE
 from dpserve.replicas.prometheus_text import parse_samples
+from dpserve.router.parts import check_base_url
 from dpserve.up.process import terminate
 
 EXPERIMENTS = ("compare", "hot")
@@ -703,11 +704,21 @@ def hot_goals(rows: Sequence[HotRow], replicas: int, rounds: Sequence[HotRow] = 
 # -- main --------------------------------------------------------------------------------------------
 
 
+def replica_url(text: str) -> str:
+    """--replica: a base URL, as the router's own --replica takes it."""
+    try:
+        check_base_url(text, "URL", "a replica's base URL, e.g. http://127.0.0.1:8100")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = streamed.bench_parser("lora", __doc__, EXPERIMENTS, 3)
     parser.add_argument(
         "--replica",
         action="append",
+        type=replica_url,
         default=[],
         metavar="URL",
         help="a running LoRA-enabled vLLM replica to use (repeat; none: start 2 with dpserve up)",

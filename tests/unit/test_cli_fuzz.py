@@ -264,6 +264,10 @@ def bench_cases() -> Iterator[Case]:
     for name in ("sim", "soak"):
         yield Case("bench", (name, "--no-such-flag=1"), named="--no-such-flag")
     yield Case("tune", (), named="--receipts")  # required
+    for url in ("notaurl", "", "ftp://x:1", "http://x:1/v1"):
+        yield Case("bench", ("lora", f"--replica={url}"), named="argument --replica")
+    for name, flag in (("lora", "--experiments"), ("fairness", "--experiments"), ("fairness", "--contenders")):
+        yield Case("bench", (name, f"{flag}=nosuch"), named=f"argument {flag}")
     for target in ("nosuch", ",", "vllm-router@abc:round_robin", "dpserve:kv_aware+more", "dpserve:"):
         yield Case("bench", ("cost", f"--targets={target}"), named="argument --targets")
 
