@@ -834,6 +834,13 @@ class SimSettings:
         metavar="KEY",
         secret=True,
     )
+    # HTTPS as vLLM serves it (its flags), for the compose stack's --tls: the replicas' certificate and key.
+    sim_ssl_certfile: Path | None = setting(
+        None, "serve HTTPS only, with this certificate chain (PEM), as vLLM's --ssl-certfile", SIM, metavar="FILE"
+    )
+    sim_ssl_keyfile: Path | None = setting(
+        None, "the certificate's private key (PEM), as vLLM's --ssl-keyfile", SIM, metavar="FILE"
+    )
     sim_block_size: int = setting(16, "tokens per KV block", SIM_MODEL, minimum=1)
     sim_num_blocks: int = setting(8192, "KV-cache capacity in blocks", SIM_MODEL, minimum=1)
     sim_max_num_seqs: int = setting(256, "batch limit", SIM_MODEL, minimum=1)
@@ -880,6 +887,8 @@ class SimSettings:
             raise ValueError(f"--count {self.sim_count}: must be at least 1")
         if self.port and self.port + self.sim_count - 1 > 65535:
             raise ValueError(f"--count {self.sim_count} from --port {self.port}: ports past 65535")
+        if self.sim_ssl_keyfile is not None and self.sim_ssl_certfile is None:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile (TLS on)")
 
 
 AGENT = "GPU agent"

@@ -4,6 +4,7 @@ uvicorn. The one module that serves: the replica and the fleet only build, and i
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import uvicorn
@@ -21,6 +22,7 @@ def serve_sim(settings: SimSettings) -> None:
     if settings.sim_count > 1:
         serve_fleet(settings)
         return
+    certfile, keyfile = tls_files(settings)
     try:
         simulator = build_simulator(settings)
     except KvEventBindError as exc:
@@ -42,7 +44,20 @@ def serve_sim(settings: SimSettings) -> None:
         access_log=settings.access_log,
         loop="uvloop",
         http="httptools",
+        ssl_certfile=certfile,
+        ssl_keyfile=keyfile,
     )
+
+
+def tls_files(settings: SimSettings) -> tuple[str | None, str | None]:
+    """uvicorn's HTTPS files (--ssl-certfile, --ssl-keyfile), checked readable first: a clear error, not a
+    traceback from deep in the ssl module."""
+    files = {"--ssl-certfile": settings.sim_ssl_certfile, "--ssl-keyfile": settings.sim_ssl_keyfile}
+    for flag, path in files.items():
+        if path is not None and not os.access(path, os.R_OK):
+            raise SystemExit(f"dpserve sim: {flag} {path}: cannot be read")
+    certfile, keyfile = (str(path) if path is not None else None for path in files.values())
+    return certfile, keyfile
 
 
 def engine_summary(settings: SimSettings) -> str:
@@ -55,6 +70,7 @@ def engine_summary(settings: SimSettings) -> str:
 def serve_fleet(settings: SimSettings) -> None:
     """`--count N`: N replicas in this process, one uvicorn server listening on all their ports."""
     started = time.monotonic()
+    certfile, keyfile = tls_files(settings)
     try:
         fleet = build_fleet(settings)
     except (FleetError, KvEventBindError) as exc:
@@ -72,6 +88,12 @@ def serve_fleet(settings: SimSettings) -> None:
         "required on /v1" if settings.sim_api_key else "none",
     )
     config = uvicorn.Config(
-        fleet, log_level=settings.log_level, access_log=settings.access_log, loop="uvloop", http="httptools"
+        fleet,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        loop="uvloop",
+        http="httptools",
+        ssl_certfile=certfile,
+        ssl_keyfile=keyfile,
     )
     uvicorn.Server(config).run(sockets=fleet.sockets)
