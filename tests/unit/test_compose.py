@@ -19,13 +19,14 @@ from typing import Any
 import pytest
 
 from dpserve.cli import _overrides, build_parser, main
-from dpserve.config import RouterSettings, load_settings
+from dpserve.config import RouterSettings, SimSettings, load_settings
 from dpserve.deploy import grafana
 from dpserve.deploy.compose import (
     CPU_MODEL_DIR,
     CPU_REPLICA_DOCKERFILE,
     CPU_SERVED_NAME,
     DEFAULT_MODEL,
+    KEY_SECRETS,
     OVERLAYS,
     REPLICA_DRAIN_S,
     REPLICA_KEY,
@@ -41,6 +42,7 @@ from dpserve.deploy.compose import (
 )
 from dpserve.deploy.env_file import read_env_file
 from dpserve.deploy.yaml_text import load
+from dpserve.sim.server import tls_files
 from dpserve.version import package_version
 from tests.compose_files import (
     ROOT,
@@ -253,13 +255,15 @@ def test_router_finds_every_replica_by_service_name_and_waits_for_them(gpus: int
     assert args.replicas == [f"r{index}=http://{name}:8000@gpu={index}" for index, name in enumerate(services)]
     assert args.kv_events == [f"http://{name}:8000=tcp://{name}:5557" for name in services]
     assert (args.policy, args.host, args.port) == (ENV["POLICY"], "0.0.0.0", 8000)
-    # 0.0.0.0 inside the stack's network needs --insecure; keys come from the shell, as HF_TOKEN does.
+    # 0.0.0.0 inside the stack's network needs --insecure; keys are files (secrets), client and admin keys
+    # asked for by tools/compose-secrets.sh where it found some.
     assert args.insecure is True
     assert router["environment"] == {
-        "DPSERVE_API_KEYS": "${API_KEYS:-}",
-        "DPSERVE_ADMIN_KEYS": "${ADMIN_KEYS:-}",
-        "DPSERVE_REPLICA_API_KEY": REPLICA_KEY,
+        "DPSERVE_API_KEY_FILE": "${API_KEY_FILE:-}",
+        "DPSERVE_ADMIN_KEY_FILE": "${ADMIN_KEY_FILE:-}",
     }
+    assert str(args.replica_api_key_file) == "/run/secrets/replica-api-key"
+    assert router["secrets"] == ["replica-api-key", "api-keys", "admin-keys"]
     replicas_ready = {name: {"condition": "service_healthy"} for name in services}
     assert router["depends_on"] == {**replicas_ready, "gpu-agent": {"condition": "service_started"}}
     assert router["ports"] == ["${PUBLISH_ADDRESS:-127.0.0.1}:${ROUTER_PORT:-8000}:8000"]
@@ -820,15 +824,23 @@ def test_replicas_require_the_generated_key_and_every_router_sends_it() -> None:
     for name, stack in _stacks().items():
         services = stack["services"]
         replicas = [s for s in services if s.startswith("vllm")]
-        # vLLM reads VLLM_API_KEY as --api-key; so does `dpserve sim` (the sim overlays).
+        # vLLM reads VLLM_API_KEY as --api-key (it has no key-file flag); so does `dpserve sim` (the sim overlays).
         assert replicas and all(services[s]["environment"]["VLLM_API_KEY"] == key for s in replicas), name
-        assert services["router"]["environment"]["DPSERVE_REPLICA_API_KEY"] == key, name
+        # The routers read it from a file, the secret `replica-api-key` (.secrets/replica-api-key on the host).
+        router = services["router"]
+        assert _flag_values(router["command"], "--replica-api-key-file") == ["/run/secrets/replica-api-key"], name
+        assert {"source": "replica-api-key", "target": "/run/secrets/replica-api-key"} in router["secrets"], name
+        assert stack["secrets"]["replica-api-key"]["file"] == str(ROOT / ".secrets" / "replica-api-key"), name
+        assert key not in json.dumps(router), name
         assert not any(key in " ".join(service.get("command") or []) for service in services.values()), name
+        assert not any("KEY" in variable and "FILE" not in variable for variable in router["environment"]), name
     for scaled in (False, True):
         document = compose_document(ComposeOptions(scaled=scaled, routers=3))
         routers = [s for s in document["services"] if s.startswith("router")]
         assert len(routers) == 3
-        assert all(document["services"][r]["environment"]["DPSERVE_REPLICA_API_KEY"] == REPLICA_KEY for r in routers)
+        assert all(document["services"][r]["secrets"] == list(KEY_SECRETS) for r in routers)
+        assert all("DPSERVE_REPLICA_API_KEY" not in document["services"][r]["environment"] for r in routers)
+        assert REPLICA_KEY in json.dumps(document["services"]["vllm" if scaled else "vllm-0"])
 
 
 def _config_without(name: str) -> subprocess.CompletedProcess[str]:
@@ -905,10 +917,10 @@ def test_the_images_built_here_are_tagged_with_the_package_version() -> None:
 
 COMPOSE_DOCS = {ROOT / "docs" / "deploy.md": "## Run on a multi-GPU host"}
 """Where the docs tell Compose users what to set: README.md links here and names no variable itself."""
-CONTAINER_VARIABLES = {"VLLM_API_KEY", "DPSERVE_REPLICA_API_KEY", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+CONTAINER_VARIABLES = {"VLLM_API_KEY", "DPSERVE_API_KEY_FILE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
 """Names the docs mention as what a container is given (not for a user to set): each one a file sets."""
 COMPOSE_OWN = {"COMPOSE_PROJECT_NAME"}
-NOT_VARIABLES = {"SYS_PTRACE", "DAC_READ_SEARCH", "NAME", "PATH", "OTHER", "HOSTDIR", "FILE"}
+NOT_VARIABLES = {"SYS_PTRACE", "DAC_READ_SEARCH", "NAME", "PATH", "OTHER", "HOSTDIR", "FILE", "SERVICE"}
 """Capitalized words in the docs' code that are no variable: capabilities, placeholders (`--lora NAME=PATH`)."""
 _CODE = re.compile(r"`([^`]+)`")
 _UPPER = re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*(?:_(?:[A-Z0-9]+|i))*(?![\w-])")
@@ -939,10 +951,12 @@ def _every_kind_of_file() -> list[dict[str, Any]]:
 
 def _stack_reads() -> set[str]:
     """Every variable a user can set for the stack: Compose's `${VAR}`s in every file `dpserve compose` writes
-    (several routers too), what `dpserve compose` reads from .env, make's variables, Compose's own."""
+    (several routers too), what `dpserve compose` reads from .env, make's variables, Compose's own, and the
+    secrets tools/compose-secrets.sh reads from the shell."""
     compose_reads = set().union(*(variables(document) for document in _every_kind_of_file()))
     make_reads = set(re.findall(r"^([A-Z_]+) \?=", (ROOT / "Makefile").read_text(), re.MULTILINE))
-    return compose_reads | {"GPUS", "MODEL", "LORA_DIR"} | make_reads | COMPOSE_OWN
+    tls_reads = set(re.findall(r"\$\{([A-Z_]+):-\}", (ROOT / "tools" / "compose-tls.sh").read_text()))
+    return compose_reads | {"GPUS", "MODEL", "LORA_DIR"} | make_reads | COMPOSE_OWN | set(SECRET_VARIABLES) | tls_reads
 
 
 def test_every_variable_the_docs_name_for_compose_is_one_the_stack_reads() -> None:
@@ -1131,3 +1145,184 @@ def test_a_command_that_passes_nothing_to_vllm_refuses_a_double_dash(
         main([*command, "--", "--dtype", "half"])
     assert exit_.value.code == 2
     assert f"{command[0]}: takes nothing after `--`" in capsys.readouterr().err
+
+
+# Keys as files, and TLS on every hop (--tls)
+
+SECRET_REFERENCE = re.compile(r"/run/secrets/([\w.-]+)")
+
+
+def _mounted(service: dict[str, Any]) -> set[str]:
+    """The secrets a resolved service (`docker compose config`) reads, by their file names in /run/secrets."""
+    return {Path(secret["target"]).name for secret in service.get("secrets", [])}
+
+
+def _tls_stack(tmp_path: Path, options: ComposeOptions, overlay: str | None) -> dict[str, Any]:
+    files = []
+    for name in (None, overlay) if overlay else (None,):
+        path = tmp_path / options.file_name(name)
+        path.write_text(render(options, name))
+        files.append(path)
+    return compose_config(*files, profiles=("monitoring", "loadtest"))
+
+
+@pytest.mark.parametrize("overlay", [None, *OVERLAYS])
+@pytest.mark.parametrize("routers", [1, 3])
+def test_tls_puts_every_hop_on_https_with_the_ca_and_every_file_is_a_mounted_secret(
+    tmp_path: Path, routers: int, overlay: str | None
+) -> None:
+    options = ComposeOptions(tls=True, routers=routers)
+    assert schema_errors(load(render(options))) == []
+    stack = _tls_stack(tmp_path, options, overlay)
+    declared = {Path(secret["file"]).name for secret in stack["secrets"].values()}
+    assert declared == {*KEY_SECRETS, "ca.crt", "router.crt", "router.key", "vllm.crt", "vllm.key"}
+    assert all(Path(secret["file"]).parent.name in (".secrets", "tls") for secret in stack["secrets"].values())
+    config = load(stack["configs"]["prometheus"]["content"])
+    for name, service in stack["services"].items():
+        # Every file a service names under /run/secrets is a secret it mounts (its command, healthcheck,
+        # environment, and Prometheus' scrape configuration).
+        text = json.dumps([service.get("command"), service.get("healthcheck"), service.get("environment")])
+        text += json.dumps(config) if name == "prometheus" else ""
+        assert set(SECRET_REFERENCE.findall(text)) <= _mounted(service), name
+        # In the clear: the GPU agent's readings (as in kube), and the routers asking it for them.
+        assert "http://" not in text.replace("http://gpu-agent", "") or name == "gpu-agent", name
+    services = stack["services"]
+    router_names = [name for name in services if name.startswith("router")]
+    assert len(router_names) == routers
+    for name in router_names:
+        args = build_parser().parse_args(["router", *services[name]["command"]])
+        replicas = [spec.split("=", 1)[1].split("@")[0] for spec in args.replicas]
+        assert replicas == ["https://vllm-0:8000", "https://vllm-1:8000"], name
+        assert str(args.replica_ssl_ca_certs) == "/run/secrets/ca.crt", name
+        assert [str(args.ssl_certfile), str(args.ssl_keyfile), str(args.ssl_ca_certs)] == [
+            "/run/secrets/router.crt",
+            "/run/secrets/router.key",
+            "/run/secrets/ca.crt",
+        ], name
+        assert args.peers == [f"https://{other}:8000" for other in router_names if other != name] or routers == 1
+        assert "https://127.0.0.1:8000/ready" in services[name]["healthcheck"]["test"][-1], name
+    for name in ("vllm-0", "vllm-1"):
+        command = services[name]["command"]
+        assert _flag_values(command, "--ssl-certfile") == ["/run/secrets/vllm.crt"], name
+        assert _flag_values(command, "--ssl-keyfile") == ["/run/secrets/vllm.key"], name
+        assert ("--enable-ssl-refresh" in command) == (overlay != "sim"), name  # vLLM's; the sim has none
+        assert "cafile='/run/secrets/ca.crt'" in services[name]["healthcheck"]["test"][-1], name
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert all(jobs[job]["scheme"] == "https" for job in ("dpserve-router", "vllm"))
+    assert all(jobs[job]["tls_config"] == {"ca_file": "/run/secrets/ca.crt"} for job in ("dpserve-router", "vllm"))
+    locust = services["locust-master"]
+    assert locust["environment"]["LOCUST_HOST"] == "https://router:8000"
+    assert locust["environment"]["SSL_CERT_FILE"] == "/run/secrets/ca.crt" and "ca.crt" in _mounted(locust)
+
+
+def test_without_tls_nothing_is_https_and_no_certificate_is_mounted() -> None:
+    for name, stack in _stacks().items():
+        assert set(stack["secrets"]) == set(KEY_SECRETS), name
+        for service in stack["services"].values():
+            text = json.dumps([service.get("command"), service.get("healthcheck"), service.get("environment")])
+            assert "https://" not in text and "--ssl-" not in text and "ca.crt" not in text, name
+
+
+def test_tls_refuses_the_scaled_stack_and_vllm_tls_flags_after_a_double_dash(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(ValueError, match="--tls with --scaled: the router finds the scaled replicas by address"):
+        ComposeOptions(tls=True, scaled=True)
+    with pytest.raises(ValueError, match="--ssl-keyfile=x: set by dpserve compose --tls"):
+        ComposeOptions(tls=True, vllm_args=("--ssl-keyfile=x",))
+    assert ComposeOptions(vllm_args=("--ssl-keyfile", "x")).vllm_args  # without --tls, vLLM's own to set
+    assert main(["compose", "--env-file", "/nonexistent", "--tls", "--scaled"]) == 2
+    assert "--tls with --scaled" in capsys.readouterr().err
+    text = _generated("--tls", "--routers", "2", capsys=capsys)
+    assert "#   tools/compose-tls.sh router router-2 vllm-0 vllm-1\n" in text
+    assert ComposeOptions(tls=True).file_name("sim") == "compose.tls.sim.yaml"
+
+
+def _tool(tmp_path: Path, name: str) -> Path:
+    script = tmp_path / "tools" / name
+    script.parent.mkdir(exist_ok=True)
+    shutil.copy(ROOT / "tools" / name, script)
+    return script
+
+
+def _run(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {"PATH": os.environ.get("PATH", ""), **env}
+    return subprocess.run([str(script), *args], capture_output=True, text=True, env=environment, check=True)
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def _verifies(folder: Path, cert: str, name: str) -> bool:
+    check = "-verify_ip" if name[0].isdigit() else "-verify_hostname"
+    command = ["openssl", "verify", "-CAfile", str(folder / "ca.crt"), check, name, str(folder / cert)]
+    return subprocess.run(command, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl")
+def test_compose_tls_makes_a_ca_and_certificates_naming_the_services_kept_or_renewed_in_place(tmp_path: Path) -> None:
+    script = _tool(tmp_path, "compose-tls.sh")
+    names = ComposeOptions(tls=True, routers=2).tls_names
+    _run(script, *names)
+    folder = tmp_path / ".secrets" / "tls"
+    for name in ("router", "router-2", "localhost", "127.0.0.1"):
+        assert _verifies(folder, "router.crt", name), name
+    for name in ("vllm-0", "vllm-1", "localhost"):
+        assert _verifies(folder, "vllm.crt", name), name
+    assert not _verifies(folder, "router.crt", "vllm-0") and not _verifies(folder, "vllm.crt", "router")
+    # The host's guard is the folder; the files the containers (nobody) read are readable; the CA's key is not.
+    assert _mode(tmp_path / ".secrets") == _mode(folder) == 0o700 and _mode(folder / "ca.key") == 0o600
+    assert all(_mode(folder / name) == 0o644 for name in ("ca.crt", "router.crt", "router.key", "vllm.crt", "vllm.key"))
+    before = {name: ((folder / name).stat().st_ino, (folder / name).read_bytes()) for name in ("ca.crt", "vllm.key")}
+    _run(script, *names)
+    assert {name: ((folder / name).stat().st_ino, (folder / name).read_bytes()) for name in before} == before
+    # Renewed: new bytes in the same inode (a bind-mounted file is followed by its inode only).
+    _run(script, *names, RENEW="1")
+    inode, key = before["vllm.key"]
+    assert (folder / "vllm.key").stat().st_ino == inode and (folder / "vllm.key").read_bytes() != key
+    assert (folder / "ca.crt").read_bytes() == before["ca.crt"][1] and _verifies(folder, "vllm.crt", "vllm-1")
+    _run(script, "router", "router-2", "router-3", "vllm-0")
+    assert _verifies(folder, "router.crt", "router-3") and not _verifies(folder, "vllm.crt", "vllm-1")
+
+
+def test_compose_secrets_writes_the_routers_key_files_in_place_and_asks_for_keys_only_where_there_are(
+    tmp_path: Path,
+) -> None:
+    script = _tool(tmp_path, "compose-secrets.sh")
+    folder = tmp_path / ".secrets"
+    first = dict(line.split("=", 1) for line in _run(script).stdout.split())
+    assert set(first) == {"REPLICA_API_KEY", "GRAFANA_ADMIN_PASSWORD"}, "no key file asked for without keys"
+    assert (folder / "replica-api-key").read_text() == first["REPLICA_API_KEY"] + "\n"
+    assert _mode(folder) == 0o700 and all(_mode(folder / name) == 0o644 for name in KEY_SECRETS)
+    inode = (folder / "api-keys").stat().st_ino
+    given = dict(line.split("=", 1) for line in _run(script, API_KEYS="team:key-00000001,key-00000002").stdout.split())
+    assert given["API_KEY_FILE"] == "/run/secrets/api-keys" and "ADMIN_KEY_FILE" not in given
+    assert (folder / "api-keys").read_text() == "team:key-00000001\nkey-00000002\n"
+    assert (folder / "api-keys").stat().st_ino == inode
+    # The file is kept when the shell has no keys: rotated by editing it, still asked for.
+    again = dict(line.split("=", 1) for line in _run(script).stdout.split())
+    assert again["API_KEY_FILE"] == "/run/secrets/api-keys"
+    # The shell's replica key goes into the routers' file too (vLLM reads it from the shell's variable).
+    _run(script, REPLICA_API_KEY="shell-replica-key")
+    assert (folder / "replica-api-key").read_text() == "shell-replica-key\n"
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".secrets/api-keys"], cwd=ROOT)
+    assert ignored.returncode == 0 and ".secrets" in (ROOT / ".dockerignore").read_text().split()
+
+
+def test_the_tls_sim_override_serves_https_with_sims_own_flags(tmp_path: Path) -> None:
+    options = ComposeOptions(tls=True)
+    merged = interpolate(merge(compose_document(options), sim_override_document(options)), ENV)
+    for service in _vllm_services(merged).values():
+        argv = ["sim", *service["command"]]
+        settings = load_settings(SimSettings, _overrides(build_parser().parse_args(argv)), env={})
+        assert (str(settings.sim_ssl_certfile), str(settings.sim_ssl_keyfile)) == (
+            "/run/secrets/vllm.crt",
+            "/run/secrets/vllm.key",
+        )
+    # Unreadable files stop it before it serves, naming the flag; a key without a certificate is refused.
+    with pytest.raises(SystemExit, match=re.escape("--ssl-certfile /nonexistent/vllm.crt: cannot be read")):
+        tls_files(SimSettings(sim_ssl_certfile=Path("/nonexistent/vllm.crt")))
+    with pytest.raises(ValueError, match="--ssl-keyfile needs --ssl-certfile"):
+        SimSettings(sim_ssl_keyfile=tmp_path)
+    assert tls_files(SimSettings()) == (None, None)
