@@ -63,8 +63,12 @@ GPU_COUNTS = (1, 2, 8)
 ENV_FILE = read_env_file(ROOT / ".env")
 ENV = {**ENV_FILE, **TEST_SECRETS}
 """What Compose interpolates with: .env, and the secrets `make compose-up` exports."""
+VARIANTS = [("--scaled",) * scaled + ("--tls",) * tls for scaled, tls in ((False, False), (True, False), (False, True))]
+"""The committed stacks' flags: one service per GPU, scaled, and with TLS (not scaled: refused)."""
 COMMITTED = [
-    ComposeOptions(scaled=scaled).file_name(overlay) for scaled in (False, True) for overlay in (None, *OVERLAYS)
+    ComposeOptions(scaled="--scaled" in flags, tls="--tls" in flags).file_name(overlay)
+    for flags in VARIANTS
+    for overlay in (None, *OVERLAYS)
 ]
 
 
@@ -82,12 +86,13 @@ def _generated(*args: str, capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_committed_compose_files_are_the_generated_defaults(capsys: pytest.CaptureFixture[str]) -> None:
-    assert len(COMMITTED) == 6
-    for scaled in ((), ("--scaled",)):
+    assert len(COMMITTED) == 9
+    for variant in VARIANTS:
         for overlay in ((), *((f"--{name}",) for name in OVERLAYS)):
-            name = ComposeOptions(scaled=bool(scaled)).file_name(overlay[0][2:] if overlay else None)
-            flags = " ".join([*scaled, *overlay])
-            assert (ROOT / name).read_text() == _generated(*scaled, *overlay, capsys=capsys), (
+            options = ComposeOptions(scaled="--scaled" in variant, tls="--tls" in variant)
+            name = options.file_name(overlay[0][2:] if overlay else None)
+            flags = " ".join([*variant, *overlay])
+            assert (ROOT / name).read_text() == _generated(*variant, *overlay, capsys=capsys), (
                 f"run: dpserve compose {flags} -o {name}"
             )
     # .env names the same defaults, so plain `dpserve compose` in the repository writes the same file.
@@ -128,7 +133,9 @@ def test_generated_files_are_valid_compose(gpus: int, scaled: bool) -> None:
 
 def test_committed_files_are_valid_compose() -> None:
     for name in COMMITTED:
-        base = ROOT / ("compose.scaled.yaml" if ".scaled." in name else "compose.yaml")
+        base = ROOT / (
+            "compose.scaled.yaml" if ".scaled." in name else "compose.tls.yaml" if ".tls." in name else "compose.yaml"
+        )
         assert schema_errors(merge(load(base.read_text()), load((ROOT / name).read_text()))) == [], name
 
 
