@@ -755,7 +755,8 @@ def _loadtest_services(options: ComposeOptions) -> dict[str, dict[str, Any]]:
         "environment": {
             "LOCUST_HOST": f"{options.scheme}://{ROUTER_SERVICE}:{ROUTER_PORT}",
             "OPENAI_API_KEY": "${API_KEYS:-}",
-            # With --tls, the router's certificate is checked against the stack's CA (requests' and Python's).
+            # With --tls, the stack's CA for Python's and requests' clients. The locustfile's FastHttpUser checks
+            # no certificate (Locust's `insecure` default): its requests are encrypted, the router not verified.
             **(
                 {"REQUESTS_CA_BUNDLE": secret_path(CA_SECRET), "SSL_CERT_FILE": secret_path(CA_SECRET)}
                 if options.tls
