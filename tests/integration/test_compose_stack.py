@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from tests.compose_files import ROOT, compose_config, dockerfile_instructions, e
 from tests.conftest import free_port, serving
 from tests.fake_nvml import two_gpus
 from tests.integration.conftest import Fleet, locust_stats, running_sim, wait_until
+from tests.integration.docker_stack import Stack, needs_engine
 
 pytestmark = pytest.mark.integration
 
@@ -182,6 +184,14 @@ def test_vllm_accepts_the_replica_commands_of_both_files(tmp_path: Path) -> None
         given = service in (gpu_given, cpu_given)
         assert (args.dtype, args.max_num_seqs) == (("half", 8) if given else ("auto", None)), service["command"]
     assert args.served_model_name == ["dpserve-tiny"]
+    # --tls: vLLM's own HTTPS flags, the files read again when they change, in both committed TLS files.
+    tls_gpu = compose_config(ROOT / "compose.tls.yaml")["services"]["vllm-0"]
+    tls_cpu = compose_config(ROOT / "compose.tls.yaml", ROOT / "compose.tls.cpu.yaml")["services"]["vllm-0"]
+    for service in (tls_gpu, tls_cpu):
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(service["command"])
+        validate_parsed_serve_args(args)
+        files = (args.ssl_certfile, args.ssl_keyfile, args.enable_ssl_refresh)
+        assert files == ("/run/secrets/vllm.crt", "/run/secrets/vllm.key", True), service["command"]
 
 
 async def test_dashboard_queries_read_series_the_router_and_vllm_export(fleet: Fleet) -> None:
@@ -208,3 +218,41 @@ async def test_dashboard_queries_read_series_the_router_and_vllm_export(fleet: F
     # And the replicas' healthcheck passes against the real vLLM replica.
     replica = load((ROOT / "compose.yaml").read_text())["services"]["vllm-0"]
     assert _healthcheck_passes(replica, int(fleet.replica_urls[0].rsplit(":", 1)[1]))
+
+
+class _TlsStack(Stack):
+    """`make compose-up TLS=1`: compose.tls.yaml and its override, the certificates made first."""
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**super().env, "TLS": "1"}
+
+
+def test_the_tls_sim_stack_on_the_engine_is_https_from_the_client_to_the_replicas() -> None:
+    """The sim stack with --tls, on the real engine: a request through the router's published port over HTTPS
+    (its certificate checked against the stack's CA), the router reaching both replicas over HTTPS (healthy in
+    /status), and nothing left after compose-down."""
+    needs_engine()
+    stack = _TlsStack(f"dpserve-test-{os.getpid()}-sim-tls", "sim", False, free_port())
+    try:
+        stack.make("compose-up")
+        url = f"https://127.0.0.1:{stack.port}"
+        ca = ssl.create_default_context(cafile=str(ROOT / ".secrets" / "tls" / "ca.crt"))
+        with httpx.Client(verify=ca, timeout=30) as client:
+            body = {"model": "dpserve-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            answer = client.post(f"{url}/v1/chat/completions", json=body)
+            assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+            replicas = client.get(f"{url}/status").json()["replicas"]
+        assert [replica["url"] for replica in replicas] == ["https://vllm-0:8000", "https://vllm-1:8000"]
+        assert all(replica["healthy"] for replica in replicas), replicas
+        # Without the stack's CA, the router's certificate is not trusted; plain HTTP gets no answer.
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=10)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{stack.port}/health", timeout=10)
+        # Each container's healthcheck (over HTTPS, against the CA) passed: `make compose-up` waited on them.
+        for service in ("router", "vllm-0", "vllm-1"):
+            assert [c["Status"] for c in stack.containers(service) if "(healthy)" in c["Status"]], service
+    finally:
+        stack.make("compose-down", timeout_s=300)
+    assert stack.leftovers() == {"containers": [], "networks": [], "volumes": []}
