@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import uvicorn
 
@@ -36,17 +37,22 @@ def serve_sim(settings: SimSettings) -> None:
         " ".join(publisher.endpoint for publisher in simulator.publishers) or "off",
         "required on /v1" if settings.sim_api_key else "none",
     )
-    uvicorn.run(
-        simulator.app(),
-        host=settings.host,
-        port=settings.port,
+    server(simulator.app(), settings, certfile, keyfile, host=settings.host, port=settings.port).run()
+
+
+def server(app: Any, settings: SimSettings, certfile: str | None, keyfile: str | None, **where: Any) -> uvicorn.Server:
+    """uvicorn serving `app` as every simulator is served; `where`: its host and port (none: given sockets)."""
+    config = uvicorn.Config(
+        app,
         log_level=settings.log_level,
         access_log=settings.access_log,
         loop="uvloop",
         http="httptools",
         ssl_certfile=certfile,
         ssl_keyfile=keyfile,
+        **where,
     )
+    return uvicorn.Server(config)
 
 
 def tls_files(settings: SimSettings) -> tuple[str | None, str | None]:
@@ -87,13 +93,4 @@ def serve_fleet(settings: SimSettings) -> None:
         f"{events[0]} .. {events[-1]} ({len(events)})" if events else "off",
         "required on /v1" if settings.sim_api_key else "none",
     )
-    config = uvicorn.Config(
-        fleet,
-        log_level=settings.log_level,
-        access_log=settings.access_log,
-        loop="uvloop",
-        http="httptools",
-        ssl_certfile=certfile,
-        ssl_keyfile=keyfile,
-    )
-    uvicorn.Server(config).run(sockets=fleet.sockets)
+    server(fleet, settings, certfile, keyfile).run(sockets=fleet.sockets)
