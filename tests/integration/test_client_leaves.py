@@ -88,42 +88,45 @@ def router(one_seq_replica: str) -> Iterator[RouterProcess]:
         stop_router(made)
 
 
+def leaves_while_held(replica: str, router: str, holder_at: str, stage: str, stream: bool) -> float:
+    """A holder takes the replica's one slot (sent to `holder_at`); a leaver's client goes once its request is
+    held where `stage` says (the router's queue, or vLLM's), and the router counts it gone there; then the
+    holder goes too. The replica's prompt tokens computed meanwhile, once everything before a marker ran."""
+
+    def held() -> float:
+        if stage == "queued":
+            return float(httpx.get(f"{router}/status").json()["flow"]["queued"])
+        return replica_counts(replica)[1]  # waiting in vLLM
+
+    before = settled_prompt_tokens(replica)
+    gone_before = gone_by_stage(router, stage)
+    holder = Client(holder_at, completion("hold", HOLDER_TOKENS, True))
+    wait_until(lambda: replica_counts(replica)[2] == 1, 60, 0.02, what="the holder running")
+    leaver = Client(router, completion(LONG_PROMPT, 8, stream))
+    wait_until(lambda: held() == 1, 30, 0.02, what=f"the leaver held ({stage})")
+    leaver.leave()
+    wait_until(lambda: gone_by_stage(router, stage) == gone_before + 1, 10, 0.02, what="counted gone")
+    wait_until(lambda: held() == 0, 10, 0.02, what="dropped")
+    holder.leave()
+    wait_until(lambda: replica_counts(replica)[2] == 0, 30, 0.02, what="the holder aborted")
+    return settled_prompt_tokens(replica) - before
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_client_that_leaves_while_queued_in_the_router_is_never_sent(
     one_seq_replica: str, router: RouterProcess, stream: bool
 ) -> None:
-    replica = one_seq_replica
-    before = settled_prompt_tokens(replica)
-    gone_before = gone_by_stage(router.url, "queued")
-    holder = Client(router.url, completion("hold", HOLDER_TOKENS, True))
-    wait_until(lambda: replica_counts(replica)[2] == 1, 60, 0.02, what="the holder running")
-    leaver = Client(router.url, completion(LONG_PROMPT, 8, stream))
-    wait_until(lambda: httpx.get(f"{router.url}/status").json()["flow"]["queued"] == 1, 30, 0.02, what="queued")
-    leaver.leave()
-    wait_until(lambda: gone_by_stage(router.url, "queued") == gone_before + 1, 10, 0.02, what="counted gone")
-    wait_until(lambda: httpx.get(f"{router.url}/status").json()["flow"]["queued"] == 0, 10, 0.02, what="dropped")
-    holder.leave()
-    wait_until(lambda: replica_counts(replica)[2] == 0, 30, 0.02, what="the holder aborted")
-    assert settled_prompt_tokens(replica) - before < SHORT_PROMPTS, "the leaver was computed"
+    computed = leaves_while_held(one_seq_replica, router.url, router.url, "queued", stream)
+    assert computed < SHORT_PROMPTS, "the leaver was computed"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_client_that_leaves_while_waiting_in_vllm_behind_outside_load_costs_no_prefill(
     one_seq_replica: str, router: RouterProcess, stream: bool
 ) -> None:
-    replica = one_seq_replica
-    before = settled_prompt_tokens(replica)
-    gone_before = gone_by_stage(router.url, "replica")
-    holder = Client(replica, completion("hold", HOLDER_TOKENS, True))  # straight at the replica: unseen
-    wait_until(lambda: replica_counts(replica)[2] == 1, 60, 0.02, what="the holder running")
-    leaver = Client(router.url, completion(LONG_PROMPT, 8, stream))
-    wait_until(lambda: replica_counts(replica)[1] == 1, 30, 0.02, what="the leaver waiting in vLLM")
-    leaver.leave()
-    wait_until(lambda: gone_by_stage(router.url, "replica") == gone_before + 1, 10, 0.02, what="counted gone")
-    wait_until(lambda: replica_counts(replica)[1] == 0, 10, 0.02, what="vLLM dropped it")
-    holder.leave()
-    wait_until(lambda: replica_counts(replica)[2] == 0, 30, 0.02, what="the holder aborted")
-    assert settled_prompt_tokens(replica) - before < SHORT_PROMPTS, "the leaver was computed"
+    # The holder straight at the replica: load the router does not see.
+    computed = leaves_while_held(one_seq_replica, router.url, one_seq_replica, "replica", stream)
+    assert computed < SHORT_PROMPTS, "the leaver was computed"
 
 
 def test_a_client_that_leaves_during_a_retrys_back_off_is_not_sent_again() -> None:
