@@ -348,6 +348,6 @@ def one_seq_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     work = tmp_path_factory.mktemp("one-seq")
     model = ensure_tiny_model(work / "cache")
     args = ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--no-enable-prefix-caching")
-    with vllm_replica(model, ONE_SEQ_MODEL, work / "vllm.log", *args, "--max-model-len", "2048") as url:
+    with vllm_replica(model, ONE_SEQ_MODEL, work / "vllm.log", *args, "--max-model-len", "4096") as url:
         wait_until(lambda: answers(f"{url}/health"), 300, what=f"vllm (log: {work / 'vllm.log'})")
         yield url

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.integration
 LONG_PROMPT = "word " * 800
 SHORT_PROMPTS = 50
 """More than the holder's and the marker's prompts together (a few tokens each), far less than a leaver's."""
-HOLDER_TOKENS = 1500
-"""Long enough to hold vLLM's one slot for the whole case; its client leaves once the case is decided."""
+HOLDER_TOKENS = 4000
+"""Long enough to hold vLLM's one slot for the whole case (1500 took 12 s here, and may take 4 s on a faster
+machine: a holder that finishes early lets the leaver through); its client leaves once the case is decided."""
 
 
 def replica_counts(url: str) -> tuple[float, float, float]:
@@ -41,11 +42,18 @@ def replica_counts(url: str) -> tuple[float, float, float]:
     )
 
 
+def gone_counts(router: str) -> dict[str, float]:
+    """The router's clients gone so far, by the stage their request was at."""
+    samples = parse_samples(httpx.get(f"{router}/metrics", timeout=10).text, {"dpserve_client_disconnects_total"})
+    gone: dict[str, float] = {}
+    for labels, value in samples.by_name.get("dpserve_client_disconnects_total", []):
+        stage = labels.get("stage", "")
+        gone[stage] = gone.get(stage, 0.0) + value
+    return gone
+
+
 def gone_by_stage(router: str, stage: str) -> float:
-    text = httpx.get(f"{router}/metrics", timeout=10).text
-    samples = parse_samples(text, {"dpserve_client_disconnects_total"})
-    series = samples.by_name.get("dpserve_client_disconnects_total", [])
-    return sum(value for labels, value in series if labels.get("stage") == stage)
+    return gone_counts(router).get(stage, 0.0)
 
 
 class Client:
@@ -101,13 +109,24 @@ def leaves_while_held(replica: str, router: str, holder_at: str, stage: str, str
     before = settled_prompt_tokens(replica)
     gone_before = gone_by_stage(router, stage)
     holder = Client(holder_at, completion("hold", HOLDER_TOKENS, True))
-    wait_until(lambda: replica_counts(replica)[2] == 1, 60, 0.02, what="the holder running")
-    leaver = Client(router, completion(LONG_PROMPT, 8, stream))
-    wait_until(lambda: held() == 1, 30, 0.02, what=f"the leaver held ({stage})")
-    leaver.leave()
-    wait_until(lambda: gone_by_stage(router, stage) == gone_before + 1, 10, 0.02, what="counted gone")
-    wait_until(lambda: held() == 0, 10, 0.02, what="dropped")
-    holder.leave()
+    leaver: Client | None = None
+    try:
+        wait_until(lambda: replica_counts(replica)[2] == 1, 60, 0.02, what="the holder running")
+        leaver = Client(router, completion(LONG_PROMPT, 8, stream))
+        wait_until(lambda: held() == 1, 30, 0.02, what=f"the leaver held ({stage})")
+        leaver.leave()
+        try:
+            wait_until(lambda: gone_by_stage(router, stage) == gone_before + 1, 10, 0.02, what="counted gone")
+        except AssertionError as failed:  # where it went instead says why
+            _, waiting, running = replica_counts(replica)
+            gone = gone_counts(router)
+            raise AssertionError(f"{failed}: gone {gone}, replica waiting {waiting} running {running}") from None
+        wait_until(lambda: held() == 0, 10, 0.02, what="dropped")
+        assert replica_counts(replica)[2] == 1, "the holder finished before the case was decided: make it longer"
+    finally:  # on failure too: a case left running would be computed in the next one
+        holder.leave()
+        if leaver is not None:
+            leaver.leave()
     wait_until(lambda: replica_counts(replica)[2] == 0, 30, 0.02, what="the holder aborted")
     return settled_prompt_tokens(replica) - before
 
