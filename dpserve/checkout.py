@@ -34,6 +34,7 @@ BENCH_MODULES = {
     "fairness": "fairness",
     "lora": "lora",
     "vllm-dp": "vllm_dp",
+    "slo": "slo",
 }
 
 NO_BENCHMARKS = (

@@ -478,6 +478,7 @@ BENCH_HELP = {
     "fairness": "flow control: a light tenant beside a heavy one, priority under a batch flood",
     "lora": "LoRA placement vs adapter-blind routing and vllm-router: loads, TTFT, a hot adapter",
     "vllm-dp": "vLLM's own data parallelism alone vs dpserve over replicas vs dpserve inside it: hit rate, TTFT",
+    "slo": "goodput under a TTFT SLO per policy on replicas of two speeds: attainment, refusals, predicted TTFT",
 }
 
 
