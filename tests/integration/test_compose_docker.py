@@ -185,19 +185,6 @@ def test_killed_replica_is_ejected_restarted_and_readmitted_with_no_failed_reque
     print(f"\nkill: ejected after {ejected_after:.1f}s; {load.ok} requests, 0 failed; crash: restarts={restarts()}")
 
 
-@pytest.mark.disruptive
-def test_compose_down_leaves_no_container_network_or_volume() -> None:
-    needs_engine()
-    with compose_stack("sim", name="down") as stack:
-        made = stack.leftovers()
-        assert len(made["containers"]) == 3 and made["networks"] and made["volumes"]  # 2 replicas, router
-        assert chat(stack.url, "one request").status_code == 200
-    # compose_stack has run `make compose-down` and asserted that nothing of the stack remains.
-    assert stack.leftovers() == {"containers": [], "networks": [], "volumes": []}
-    images = docker("image", "ls", "--format", "{{.Repository}}").split()
-    assert "dpserve-router" in images, "compose-down keeps the images it built"
-
-
 @pytest.fixture(scope="module")
 def scaled_stack() -> Iterator[Stack]:
     needs_engine()
@@ -324,3 +311,15 @@ def _agent_gpus(port: int) -> str:
         return httpx.get(f"http://127.0.0.1:{port}/gpus", timeout=2).text[-2000:]
     except httpx.HTTPError as exc:
         return repr(exc)
+
+
+def test_compose_down_leaves_no_container_network_or_volume(sim_stack: Stack) -> None:
+    """The module's stack, after every other test of it (so it is last in this file): `make compose-down` on a
+    stack that has served, had a replica killed and restarted, and run the agent, leaves nothing of it."""
+    made = sim_stack.leftovers()
+    assert len(made["containers"]) == 3 and made["networks"] and made["volumes"]  # 2 replicas, router
+    assert chat(sim_stack.url, "one request").status_code == 200
+    sim_stack.make("compose-down", timeout_s=300)
+    assert sim_stack.leftovers() == {"containers": [], "networks": [], "volumes": []}
+    images = docker("image", "ls", "--format", "{{.Repository}}").split()
+    assert "dpserve-router" in images, "compose-down keeps the images it built"
