@@ -57,6 +57,8 @@ POLICIES = ("slo", "kv_aware", "least_loaded")
 DEFAULT_POLICY = "kv_aware"
 """Today's default with KV events: the load sweep runs it, and the goals are set against it."""
 BACKENDS = ("sim", "vllm")
+DEFAULT_LEVELS = {"sim": "2,4,6,8,12,16,24", "vllm": "1,2,3,4,6,8"}
+"""The loads swept by default, requests a burst: a CPU vLLM's prefill of a cold prompt alone takes most of the SLO."""
 SLO_HEADER = "x-slo-ttft-ms"
 REFUSAL_BOUND_MS = 50.0
 PREDICTION_BOUND = 0.20
@@ -206,6 +208,16 @@ def prediction_errors(receipts: Sequence[dict[str, Any]], names: dict[str, str])
     return out
 
 
+def spread(receipts: Sequence[dict[str, Any]], names: dict[str, str]) -> str:
+    """Receipts per replica (every routed request has one here), `fast=N slow=N` in name order."""
+    counts: dict[str, int] = {}
+    for receipt in receipts:
+        if receipt.get("replica") is not None:
+            name = names.get(str(receipt["replica"]), str(receipt["replica"]))
+            counts[name] = counts.get(name, 0) + 1
+    return " ".join(f"{name}={counts[name]}" for name in sorted(counts))
+
+
 def pooled_error(receipts: Sequence[dict[str, Any]]) -> float:
     """p50 of |predicted - realized| / realized over every replica's receipts."""
     errors = sorted(
@@ -245,7 +257,7 @@ def sim_command(args: argparse.Namespace, port: int, kv_port: int, speed: float,
 def vllm_command(model: Path, port: int, kv_port: int) -> list[str]:
     command = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", str(model), "--host", HOST, "--port", str(port)]
     # Eager: torch.compile costs each start 20-40 s on 2 cores and changes nothing measured here.
-    return [*command, *vllm_engine_flags(TINY_MODEL_NAME, kv_port, 1024), "--enforce-eager"]
+    return [*command, *vllm_engine_flags(TINY_MODEL_NAME, kv_port, 4096), "--enforce-eager"]
 
 
 async def start_fleet(session: aiohttp.ClientSession, args: argparse.Namespace, backend: str, work: Path) -> Fleet:
@@ -288,17 +300,41 @@ async def start_fleet(session: aiohttp.ClientSession, args: argparse.Namespace, 
     except BaseException:
         fleet.stop()
         raise
+    await warm_up(session, fleet, args.max_tokens)
     progress(f"{backend}: {described} (logs in {work})")
     return fleet
+
+
+async def warm_up(session: aiohttp.ClientSession, fleet: Fleet, max_tokens: int) -> None:
+    """A few answers from each replica before anything is measured (a fresh vLLM's first requests are slow)."""
+    for url in fleet.urls:
+        for index in range(3):
+            body = {
+                "model": TINY_MODEL_NAME,
+                "max_tokens": max_tokens,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": f"Warm-up {index}: " + "a fresh engine answers its first requests slowly " * 8,
+                    }
+                ],
+            }
+            async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"{url} answered a warm-up request with {resp.status}")
 
 
 async def reset_caches(session: aiohttp.ClientSession, fleet: Fleet) -> None:
     for url in fleet.urls:
         for _ in range(100):
-            async with session.post(f"{url}/reset_prefix_cache") as resp:
-                await resp.read()
-                if resp.status == 200:
-                    break
+            try:
+                async with session.post(f"{url}/reset_prefix_cache") as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass  # a kept-alive connection the replica had closed: try again on a new one
             await asyncio.sleep(0.2)  # a replica still finishing a request refuses the reset
         else:
             raise RuntimeError(f"{url}/reset_prefix_cache kept failing")
@@ -461,6 +497,8 @@ class Row:
     prediction_error_p50: float = math.nan
     """p50 of |predicted - realized| / realized TTFT over the receipts that carry both (all replicas)."""
     round_goodputs: str = ""
+    per_replica: str = ""
+    """Requests each replica was sent, from the receipts, `fast=N slow=N`."""
     codes: str = ""
     """Refusals' and errors' codes, `code=N ...`."""
 
@@ -501,6 +539,7 @@ def pool(
         figures,
         prediction_error_p50=pooled_error(receipts),
         round_goodputs=" ".join(f"{summarize(r.outcomes, r.seconds).goodput:.2f}" for r in results),
+        per_replica=spread(receipts, names),
         codes=" ".join(f"{code}={count}" for code, count in sorted(codes.items())),
     )
     return row, [Prediction(backend, policy, e) for e in prediction_errors(receipts, names)]
@@ -526,11 +565,14 @@ async def sweep(
     than `--attainment-bound` (the last one swept when none does, noted)."""
     if args.level:
         return int(args.level)
-    levels = [int(item) for item in args.levels.split(",") if item.strip()]
+    levels = [int(item) for item in (args.levels or DEFAULT_LEVELS[fleet.backend]).split(",") if item.strip()]
     seen: list[tuple[int, float]] = []
     for level in levels:
-        result = await run_round(session, args, fleet, DEFAULT_POLICY, level, tokenizer, work)
-        row, _ = pool(fleet.backend, "sweep", level, DEFAULT_POLICY, [result])
+        results = [
+            await run_round(session, args, fleet, DEFAULT_POLICY, level, tokenizer, work)
+            for _ in range(args.sweep_rounds)
+        ]
+        row, _ = pool(fleet.backend, "sweep", level, DEFAULT_POLICY, results)
         out.rows.append(row)
         seen.append((level, row.figures.attainment))
         progress(f"  sweep {fleet.backend} load {level}: {DEFAULT_POLICY} attains {row.figures.attainment:.2f}")
@@ -588,6 +630,7 @@ TABLE_HEADER = (
     "TTFT BE p50/p99",
     "failed",
     "pred err p50",
+    "sent to",
 )
 
 
@@ -613,6 +656,7 @@ def table_cells(row: Row) -> tuple[str, ...]:
         f"{_ms(f.ttft_best_effort_p50_ms)}/{_ms(f.ttft_best_effort_p99_ms)}ms",
         str(f.failed),
         "-" if math.isnan(row.prediction_error_p50) else f"{row.prediction_error_p50:.1%}",
+        row.per_replica,
     )
 
 
@@ -748,10 +792,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--backend", choices=(*BACKENDS, "both"), default="both")
     parser.add_argument("--policies", type=Names(POLICIES), default=",".join(POLICIES), help="policies compared")
-    parser.add_argument("--levels", type=counts, default="2,4,6,8,12,16,24", help="loads swept, requests a burst")
+    parser.add_argument(
+        "--levels",
+        type=counts,
+        help="loads swept, requests a burst (default: "
+        + "; ".join(f"{b} {v}" for b, v in DEFAULT_LEVELS.items())
+        + ")",
+    )
     parser.add_argument("--level", type=WHOLE, default=0, help="compare at this load, no sweep (0: sweep)")
     parser.add_argument("--attainment-bound", type=SHARE, default=0.8, help="the sweep stops below this attainment")
     parser.add_argument("--rounds", type=COUNT, default=2, help="rounds per policy at the compared load, A B / B A")
+    parser.add_argument("--sweep-rounds", type=COUNT, default=2, help="rounds pooled at each load swept")
     parser.add_argument("--bursts", type=COUNT, default=8, help="bursts per round")
     parser.add_argument("--gap-s", type=POSITIVE, default=1.0, help="seconds from one burst to the next")
     parser.add_argument("--slo-ttft-ms", type=POSITIVE, default=300.0, help="the SLO half the requests carry")

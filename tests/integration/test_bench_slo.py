@@ -19,7 +19,20 @@ POLICIES = ("kv_aware", "least_loaded")
 
 def test_slo_benchmark_on_sims_sweeps_then_compares_and_writes_sane_figures(tmp_path: Path) -> None:
     argv = ["bench", "slo", "--backend", "sim", "--policies", ",".join(POLICIES), "--levels", "2,24"]
-    argv += ["--bursts", "3", "--gap-s", "0.3", "--rounds", "2", "--prefix-words", "150", "--max-tokens", "8"]
+    argv += [
+        "--bursts",
+        "3",
+        "--gap-s",
+        "0.3",
+        "--rounds",
+        "2",
+        "--sweep-rounds",
+        "1",
+        "--prefix-words",
+        "150",
+        "--max-tokens",
+        "8",
+    ]
     assert main([*argv, "--out", str(tmp_path), "--cache-dir", str(tmp_path / "m")]) == 0
     with open(tmp_path / "slo.csv") as handle:
         rows = list(csv.DictReader(handle))
@@ -45,6 +58,9 @@ def test_slo_benchmark_on_sims_sweeps_then_compares_and_writes_sane_figures(tmp_
         ttfts = [float(row[k]) for k in ("ttft_slo_p50_ms", "ttft_slo_p99_ms", "ttft_best_effort_p50_ms")]
         assert all(0 < t < 30_000 for t in ttfts) and float(row["ttft_slo_p50_ms"]) <= float(row["ttft_slo_p99_ms"])
         assert math.isnan(float(row["refusal_p99_ms"]))
+        # Every request got a receipt naming the replica it went to.
+        spread = dict(part.split("=") for part in row["per_replica"].split())
+        assert set(spread) <= {"fast", "slow"} and sum(int(n) for n in spread.values()) == sent
     assert all(len(r["round_goodputs"].split()) == 2 for r in compare.values())
     assert int(compare["kv_aware"]["slo_sent"]) == 2 * 3 * level // 2
     text = (tmp_path / "slo.txt").read_text()

@@ -21,6 +21,7 @@ from benchmarks.slo import (
     ratio,
     round_orders,
     slo_flags,
+    spread,
     summarize,
     verdicts,
 )
@@ -106,6 +107,12 @@ def test_prediction_error_per_replica_is_the_median_relative_error_of_receipts_w
     assert pooled_error(receipts) == pytest.approx(0.5)  # nearest rank of 0, 0.1, 0.5, 0.5
     assert prediction_errors(receipts, {})[0].replica == "r0"  # unnamed: the router's id
     assert math.isnan(pooled_error([{"replica": "r0"}]))
+
+
+def test_the_spread_counts_receipts_per_named_replica() -> None:
+    receipts = [{"replica": "r1"}, {"replica": "r0"}, {"replica": "r1"}, {"replica": None}, {"replica": "r9"}]
+    assert spread(receipts, {"r0": "fast", "r1": "slow"}) == "fast=1 r9=1 slow=2"
+    assert spread([], {}) == ""
 
 
 def test_ratio_of_goodputs_when_one_is_zero() -> None:
