@@ -301,7 +301,17 @@ class RouterSettings:
         router_only=True,
     )
     policy: str | None = setting(
-        None, "routing policy (none: kv_aware when replicas publish KV events, else least_loaded)", ROUTING
+        None,
+        "routing policy (none: slo, which routes requests that carry an SLO to replicas predicted to meet it and "
+        "otherwise chooses as kv_aware does when replicas publish KV events, else as least_loaded)",
+        ROUTING,
+    )
+    slo_headroom: float = setting(
+        1.0,
+        "slo: the share of a request's SLO its predicted time must fit within (below 1 leaves room for error)",
+        ROUTING,
+        minimum=0.1,
+        maximum=2.0,
     )
     route_sample: int = setting(
         8,
@@ -454,8 +464,9 @@ class RouterSettings:
     tenants: tuple[str, ...] = setting(
         (),
         "a tenant's rules, e.g. acme:weight=2,priority=standard,max-priority=critical,rpm=600,tpm=200000,"
-        "concurrent=32,trusted=false; NAME * for every tenant without its own; repeatable (in the environment "
-        "separated by whitespace or ;)",
+        "concurrent=32,trusted=false,slo-ttft-ms=300,slo-tpot-ms=50,slo=refuse (slo=queue: sent anyway when no "
+        "replica is predicted to meet the SLO); NAME * for every tenant without its own; repeatable (in the "
+        "environment separated by whitespace or ;)",
         FLOW,
         flag="--tenant",
         form=Form.REPEAT,
@@ -702,8 +713,11 @@ class RouterSettings:
 
     @property
     def routing_policy(self) -> str:
-        if self.policy:
-            return self.policy
+        return self.policy or "slo"
+
+    @property
+    def slo_inner_policy(self) -> str:
+        """What `slo` chooses with among the replicas that can meet a request's SLO (and for best effort)."""
         return "kv_aware" if self.kv_events or self.discover else "least_loaded"
 
 

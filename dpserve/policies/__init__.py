@@ -17,12 +17,14 @@ from dpserve.policies.base import (
     ReplicaView,
     RequestFeatures,
     Sampling,
+    Slo,
 )
 from dpserve.policies.kv_aware import KvAware, KvAwareWeights
 from dpserve.policies.least_loaded import LeastLoaded
 from dpserve.policies.prefix import PrefixAffinity
 from dpserve.policies.round_robin import RoundRobin
 from dpserve.policies.session import SessionAffinity
+from dpserve.policies.slo import SloAware
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,10 @@ class PolicyTuning:
     guard: BalanceGuard = field(default_factory=BalanceGuard)
     prefix_min_match: float = 0.5
     session_load_factor: float = 1.25
+    slo_inner: str = "least_loaded"
+    """What `slo` chooses with among the replicas predicted to meet an SLO: kv_aware where the replicas
+    publish KV events, else least_loaded."""
+    slo_headroom: float = 1.0
 
 
 _FACTORIES: dict[str, Callable[[random.Random, PolicyTuning], Policy]] = {
@@ -41,6 +47,7 @@ _FACTORIES: dict[str, Callable[[random.Random, PolicyTuning], Policy]] = {
     "kv_aware": lambda rng, tuning: KvAware(rng, tuning.kv_weights, tuning.guard),
     "prefix": lambda rng, tuning: PrefixAffinity(rng, tuning.prefix_min_match, tuning.guard),
     "session": lambda rng, tuning: SessionAffinity(rng, tuning.session_load_factor),
+    "slo": lambda rng, tuning: SloAware(make_policy(tuning.slo_inner, rng, tuning), tuning.guard, tuning.slo_headroom),
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
@@ -66,5 +73,6 @@ __all__ = [
     "ReplicaView",
     "RequestFeatures",
     "Sampling",
+    "Slo",
     "make_policy",
 ]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from mypy_extensions import mypyc_attr
+
+from dpserve.policies.latency import ReplicaLatency
 
 
 class PrefixSource(enum.Enum):
@@ -73,6 +75,24 @@ class PrefixMatch:
 
 
 @dataclass(init=False)
+class Slo:
+    """What the client was promised for one request (`x-slo-ttft-ms`, `x-slo-tpot-ms`, or its tenant's rules)."""
+
+    ttft_s: float | None
+    """Its first token within this many seconds of reaching the router; None: no promise."""
+    tpot_s: float | None
+    """Each later token within this many seconds, on average; None: no promise."""
+    queue: bool
+    """Sent anyway when no replica is predicted to meet it (its tenant says so), instead of refused at once."""
+
+    def __init__(self, ttft_s: float | None, tpot_s: float | None, queue: bool = False) -> None:
+        # Written out: dataclass's __init__ is interpreted even when compiled (see RequestFeatures).
+        self.ttft_s = ttft_s
+        self.tpot_s = tpot_s
+        self.queue = queue
+
+
+@dataclass(init=False)
 class RequestFeatures:
     """A request as a policy sees it. Not changed once made (`dataclasses.replace` makes another)."""
 
@@ -93,6 +113,10 @@ class RequestFeatures:
     adapter: str | None
     """The LoRA adapter `model` names, if it names one: it goes where the adapter is, or is loaded
     (`policies/adapters.py`)."""
+    slo: Slo | None
+    """What the client was promised; None: best effort."""
+    body_bytes: int
+    """The request body's size: the prompt's length where its tokens are not counted (no prefix read)."""
 
     # Fields, eq and repr from dataclass; __init__ written out, because the one dataclass makes is
     # interpreted even where the class is compiled (mypyc), and this is made per request.
@@ -107,6 +131,8 @@ class RequestFeatures:
         bound: str | None = None,
         priority: int = 1,
         adapter: str | None = None,
+        slo: Slo | None = None,
+        body_bytes: int = 0,
     ) -> None:
         self.endpoint = endpoint
         self.model = model
@@ -117,6 +143,23 @@ class RequestFeatures:
         self.bound = bound
         self.priority = priority
         self.adapter = adapter
+        self.slo = slo
+        self.body_bytes = body_bytes
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's tokens as counted for its prefix, else guessed from the body (about 4 bytes each)."""
+        prefix = self.prefix
+        if prefix is not None and prefix.prompt_tokens > 0:
+            return prefix.prompt_tokens
+        return self.body_bytes // 4
+
+    def uncached_tokens(self, replica_id: str) -> int:
+        """The prompt tokens `replica_id` must compute: the prompt less the whole blocks it holds of it."""
+        prefix = self.prefix
+        cached = prefix.blocks(replica_id) * prefix.tokens_per_block if prefix is not None else 0
+        left = self.prompt_tokens - cached
+        return left if left > 0 else 0
 
     # Copies with one field changed: `dataclasses.replace`, which runs interpreted, costs ~20k instructions.
     def with_prefix(self, prefix: PrefixMatch | None) -> RequestFeatures:
@@ -134,6 +177,11 @@ class RequestFeatures:
         made.priority = priority
         return made
 
+    def with_slo(self, slo: Slo | None, body_bytes: int) -> RequestFeatures:
+        made = self._copy()
+        made.slo, made.body_bytes = slo, body_bytes
+        return made
+
     def _copy(self) -> RequestFeatures:
         return RequestFeatures(
             self.endpoint,
@@ -145,6 +193,8 @@ class RequestFeatures:
             self.bound,
             self.priority,
             self.adapter,
+            self.slo,
+            self.body_bytes,
         )
 
 
@@ -176,6 +226,11 @@ class ReplicaView(Protocol):
     @property
     def slow_refill(self) -> bool:
         """Its slots were seen idle while requests were on their way to it: one waiting in its engine helps."""
+        ...
+
+    @property
+    def latency(self) -> ReplicaLatency:
+        """Its latency model and what was sent there not yet answering (`policies/latency.py`)."""
         ...
 
 
@@ -220,6 +275,7 @@ class ReplicaSnapshot(LoadFromCounts):
     capacity: int = 0
     confirmed_capacity: int = 0
     slow_refill: bool = False
+    latency: ReplicaLatency = field(default_factory=ReplicaLatency, compare=False)
 
 
 @dataclass(init=False)
@@ -228,11 +284,31 @@ class Decision:
     """The chosen replica."""
     reason: str
     """Why, for the `dpserve_routing_decisions_total{policy,reason}` metric (a small fixed set per policy)."""
+    ttft_s: float
+    """Predicted time to first token there (-1: the policy predicts none)."""
+    ttft_inputs: tuple[float, ...]
+    """What that prediction was made from (the latency model's inputs), to learn from the answer."""
+    uncached_tokens: int
+    """Prompt tokens the chosen replica must compute, as predicted."""
+    meets_slo: bool
+    """False: no replica was predicted to meet the request's SLO (this is the one predicted nearest)."""
 
-    def __init__(self, id: str, reason: str) -> None:
+    def __init__(
+        self,
+        id: str,
+        reason: str,
+        ttft_s: float = -1.0,
+        ttft_inputs: tuple[float, ...] = (),
+        uncached_tokens: int = 0,
+        meets_slo: bool = True,
+    ) -> None:
         # Written out: dataclass's __init__ is interpreted even when compiled (see RequestFeatures).
         self.id = id
         self.reason = reason
+        self.ttft_s = ttft_s
+        self.ttft_inputs = ttft_inputs
+        self.uncached_tokens = uncached_tokens
+        self.meets_slo = meets_slo
 
 
 class Sampling(enum.Enum):

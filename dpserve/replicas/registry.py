@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from dpserve.gpu.placement import parse_replica_spec
 from dpserve.policies.base import LoadFromCounts, ReplicaView
+from dpserve.policies.latency import ReplicaLatency
 from dpserve.replicas.adapters import ReplicaAdapters, adapter_cards
 from dpserve.replicas.capacity import Capacity, learn
 from dpserve.replicas.health import SOFT_FAILURES, HealthRules, HealthState, HealthTracker, Outcome
@@ -54,6 +55,8 @@ class Replica(LoadFromCounts):
     replica has room. Empty: fit, or not known."""
     lora: ReplicaAdapters = field(default_factory=ReplicaAdapters)
     """Its LoRA adapters: slots, loaded, in use (`replicas/adapters.py`)."""
+    latency: ReplicaLatency = field(default_factory=ReplicaLatency)
+    """Its learned TTFT/TPOT model and the prompts sent there not yet answering (`policies/latency.py`)."""
     rank: int | None = None
     """One engine of a vLLM data-parallel server (`--data-parallel-size N`) at `url`: its data-parallel
     rank, which every request to it carries (`X-data-parallel-rank`). None: the server is one engine."""

@@ -25,6 +25,7 @@ from dpserve.kvindex.recent import RecentRoutes
 from dpserve.kvindex.text_prefix import ChunkTokens, TextPrefixIndex
 from dpserve.policies import Need, Policy, make_policy
 from dpserve.policies.bindings import SessionBindings
+from dpserve.policies.slo import SloAware
 from dpserve.replicas.access import KEY_REFUSED, reload_tls
 from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
 from dpserve.replicas.kv_events import KvEventSubscriber, events_context
@@ -71,6 +72,7 @@ from dpserve.router.peers.board import PeerBoard
 from dpserve.router.peers.links import PeerCollector, SuspectChecks
 from dpserve.router.peers.routes import add_peer_routes
 from dpserve.router.peers.wire import MAX_ROUTES
+from dpserve.router.quality.latency_watch import SloBook, SloCollector
 from dpserve.router.quality.receipt_log import ReceiptLog
 from dpserve.router.quality.receipts import ReceiptBook, ReceiptCollector
 from dpserve.router.quality.shadows import ShadowCollector
@@ -128,6 +130,8 @@ class Router:
             chunk_tokens=self.chunk_tokens,
             on_closed=self.receipt_log.write if self.receipt_log is not None else None,
         )
+        # A policy that predicts time reads requests' SLOs and learns from their answers.
+        self.slo = SloBook(self.metrics) if isinstance(self.policy, SloAware) else None
         self.gpus = gpu_fleet(settings, registry, nvml, self.resolver)
         self._indexes()
         self._peers()
@@ -149,6 +153,7 @@ class Router:
             flow=self.flow,
             receipts=self.receipts,
             shadows=self.shadows,
+            slo=self.slo,
             siblings=settings.peer_siblings,
             key_ring=self.key_ring,
             control_cpu=self.control_cpu,
@@ -221,6 +226,8 @@ class Router:
         registry = self.metrics.registry
         registry.register(UsageCollector(self.flow.usage))
         registry.register(ReceiptCollector(self.receipts))
+        if self.slo is not None:
+            registry.register(SloCollector(self.slo))
         registry.register(ControlCpuCollector(self.control_cpu))
         if self.shadows is not None:
             registry.register(ShadowCollector(self.shadows))
@@ -315,7 +322,7 @@ class Router:
         return Relaying(
             registry, catalog, features, dispatcher, metrics, ResponseOwners(),
             max_body_bytes=self.settings.max_body_bytes, flow=self.flow, receipts=self.receipts,
-            shadows=self.shadows, tracing=self.tracing, access_log=self.settings.access_log,
+            shadows=self.shadows, tracing=self.tracing, access_log=self.settings.access_log, slo=self.slo,
         )  # fmt: skip
 
     def adopt_server_tls(self, context: ssl.SSLContext | None) -> None:

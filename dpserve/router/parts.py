@@ -63,6 +63,8 @@ def policy_tuning(settings: RouterSettings) -> PolicyTuning:
         guard=BalanceGuard(settings.balance_rel, settings.balance_abs),
         prefix_min_match=settings.prefix_min_match,
         session_load_factor=settings.session_load_factor,
+        slo_inner=settings.slo_inner_policy,
+        slo_headroom=settings.slo_headroom,
     )
 
 

@@ -60,6 +60,8 @@ def test_addresses_become_replica_urls() -> None:
 
 
 def test_discovered_replicas_default_to_kv_aware_like_kv_events() -> None:
-    assert RouterSettings(replicas=("http://a:1",)).routing_policy == "least_loaded"
-    assert RouterSettings(discover=("dns:vllm:8000",)).routing_policy == "kv_aware"
+    settings = RouterSettings(replicas=("http://a:1",))
+    assert (settings.routing_policy, settings.slo_inner_policy) == ("slo", "least_loaded")
+    settings = RouterSettings(discover=("dns:vllm:8000",))
+    assert (settings.routing_policy, settings.slo_inner_policy) == ("slo", "kv_aware")
     assert RouterSettings(discover=("dns:vllm:8000",), policy="round_robin").routing_policy == "round_robin"

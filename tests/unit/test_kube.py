@@ -219,7 +219,7 @@ def test_vllm_serves_the_model_with_kv_events_where_the_router_subscribes() -> N
     args = parse_pod_command(deployment["spec"]["template"]["spec"]["containers"][0]["command"])
     settings = load_settings(RouterSettings, _overrides(args), env={})
     assert settings.discover_kv_port == kv_port
-    assert settings.routing_policy == "kv_aware"
+    assert (settings.routing_policy, settings.slo_inner_policy) == ("slo", "kv_aware")
 
 
 @pytest.mark.parametrize("pvc", [None, "hf-models"])

@@ -139,8 +139,8 @@ def test_router_argv_leaves_the_policy_default_and_events_to_what_is_known() -> 
     settings = UpSettings(sim_replicas=1, vllm_args=("--kv-events-config", "{}"))
     args = build_parser().parse_args(list(router_argv(settings, plan_sims(settings, "tiny"))[3:]))
     assert (args.policy, args.kv_events, args.tokenizer) == (None, None, None)
-    assert RouterSettings().routing_policy == "least_loaded"
-    assert RouterSettings(kv_events=("u=tcp://h:1",)).routing_policy == "kv_aware"
+    assert (RouterSettings().routing_policy, RouterSettings().slo_inner_policy) == ("slo", "least_loaded")
+    assert RouterSettings(kv_events=("u=tcp://h:1",)).slo_inner_policy == "kv_aware"
 
 
 def test_busy_ports_finds_a_port_something_listens_on() -> None:

@@ -15,6 +15,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from dpserve.kvindex.index import KvIndex
 from dpserve.policies import Policy
+from dpserve.policies.latency import ReplicaLatency
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.kv_events import KvEventSubscriber
 from dpserve.replicas.registry import Replica, ReplicaRegistry
@@ -30,6 +31,7 @@ from dpserve.router.observe.control_cpu import ControlCpu
 from dpserve.router.observe.metrics import RouterMetrics
 from dpserve.router.observe.worker_metrics import WorkerMetrics
 from dpserve.router.peers.links import PeerLinks
+from dpserve.router.quality.latency_watch import SloBook
 from dpserve.router.quality.receipts import ReceiptBook
 from dpserve.router.quality.shadows import ShadowScorer
 
@@ -57,6 +59,8 @@ class RouterState:
     flow: Flow
     receipts: ReceiptBook
     shadows: ShadowScorer | None
+    slo: SloBook | None = None
+    """Requests' SLOs and the latency models, when the policy predicts time (`--policy slo`)."""
     siblings: tuple[str, ...] = ()
     """With `--workers`: the other workers' private URLs (one scrape, one /status answers for all of them)."""
     control_cpu: ControlCpu = field(default_factory=ControlCpu)
@@ -150,6 +154,7 @@ def _status(state: RouterState) -> dict[str, Any]:
         # CPU seconds since start by background part, and the whole process's (`dpserve bench scale` splits).
         "control_plane_cpu_s": {part: round(s, 3) for part, s in state.control_cpu.seconds().items()},
         **({"shadows": state.shadows.status()} if state.shadows is not None else {}),
+        **({"slo": state.slo.summary()} if state.slo is not None else {}),
     }
 
 
@@ -198,6 +203,7 @@ def replica_status(
         "prefix_cache_hit_rate": hit_rate,
         "block_size": replica.block_size,
         "served_total": replica.served_total,
+        "latency": latency_status(replica.latency),
         "last_error": replica.last_error,
         "kv_events": kv_events,
         "lora": _lora_status(replica) if replica.lora.enabled else None,
@@ -212,4 +218,19 @@ def _lora_status(replica: Replica) -> dict[str, Any]:
         "loading": sorted(lora.loading),
         "in_flight": dict(sorted(lora.in_flight.items())),
         "active": sorted(lora.active),
+    }
+
+
+def latency_status(latency: ReplicaLatency) -> dict[str, Any]:
+    """A replica's learned latency model: its weights, what it learned from, how far off it has been."""
+    error = latency.median_error()
+    return {
+        "ttft_weights": [round(w, 6) for w in latency.ttft.weights],
+        "ttft_answers": latency.ttft.samples,
+        "tpot_weights": [round(w, 6) for w in latency.tpot.weights],
+        "tpot_answers": latency.tpot.samples,
+        "ttft_median_error": None if error is None else round(error, 4),
+        "prefilling": latency.prefilling,
+        "prefill_tokens": latency.prefill_tokens,
+        "slo_bound": latency.slo_bound,
     }

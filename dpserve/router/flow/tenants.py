@@ -55,6 +55,13 @@ class TenantRules:
     quota: Quota = field(default_factory=Quota)
     trusted: bool = False
     """Its key may name the tenant of each request (`x-dpserve-tenant`): a gateway in front, say."""
+    slo_ttft_s: float | None = None
+    """The time to first token its requests are promised when they name none (`x-slo-ttft-ms`)."""
+    slo_tpot_s: float | None = None
+    """The time per output token its requests are promised when they name none (`x-slo-tpot-ms`)."""
+    slo_queue: bool = False
+    """A request of its that no replica is predicted to meet in time is sent anyway (to the replica
+    predicted nearest), not refused at once with 429."""
 
 
 @dataclass(init=False)
@@ -97,7 +104,8 @@ def split_named_key(text: str) -> tuple[str, str]:
 
 
 def parse_tenant_rules(text: str) -> tuple[str, TenantRules]:
-    """`NAME:weight=2,priority=batch,max-priority=standard,rpm=60,tpm=100000,concurrent=8,trusted=true`;
+    """`NAME:weight=2,priority=batch,max-priority=standard,rpm=60,tpm=100000,concurrent=8,trusted=true,
+    slo-ttft-ms=300,slo-tpot-ms=50,slo=queue|refuse`;
     NAME `*` for the rules of tenants without their own. ValueError says what is wrong."""
     name, _, spec = text.partition(":")
     if name != DEFAULT_RULES and not is_tenant_name(name):
@@ -128,10 +136,16 @@ def parse_tenant_rules(text: str) -> tuple[str, TenantRules]:
                 quota = replace(quota, concurrent=_count(value))
             elif key == "trusted":
                 rules = replace(rules, trusted={"true": True, "1": True, "false": False, "0": False}[value])
+            elif key == "slo-ttft-ms":
+                rules = replace(rules, slo_ttft_s=_milliseconds(value))
+            elif key == "slo-tpot-ms":
+                rules = replace(rules, slo_tpot_s=_milliseconds(value))
+            elif key == "slo":
+                rules = replace(rules, slo_queue={"queue": True, "refuse": False}[value])
             else:
                 raise ValueError(
                     f"--tenant {text!r}: unknown {key!r} (weight, priority, max-priority, rpm, tpm, concurrent, "
-                    "trusted)"
+                    "trusted, slo-ttft-ms, slo-tpot-ms, slo)"
                 )
         except (KeyError, ValueError) as exc:
             if exc.args and isinstance(exc.args[0], str) and exc.args[0].startswith("--tenant"):
@@ -140,6 +154,14 @@ def parse_tenant_rules(text: str) -> tuple[str, TenantRules]:
     if rules.priority < rules.max_priority:
         raise ValueError(f"--tenant {text!r}: its default priority is above its max-priority")
     return name, replace(rules, quota=quota)
+
+
+def _milliseconds(value: str) -> float:
+    """Seconds from a count of milliseconds: 1 ms to one hour."""
+    number = float(value)
+    if not 1 <= number <= 3_600_000:
+        raise ValueError
+    return number / 1000.0
 
 
 def _count(value: str) -> int:

@@ -29,6 +29,11 @@ from dpserve.router.observe.life import RequestLife, Watch
 from dpserve.router.observe.prompt_tokens import TokenCache
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+PREDICTION_ERROR_BUCKETS = (
+    *(-b for b in (5, 2.5, 1, 0.5, 0.25, 0.1, 0.05, 0.025, 0.01)),
+    0,
+    *(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
 TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 TOKENIZE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
@@ -147,6 +152,7 @@ class RouterMetrics:
         self._retries_and_adapters()
         self._admission()
         self._routing()
+        self._slo()
         self.policy_name = policy_name
         # Every plain-number family declared above, exported at scrape (by dir(), not vars(): a compiled
         # instance has no __dict__).
@@ -159,6 +165,22 @@ class RouterMetrics:
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
+
+    def _slo(self) -> None:
+        """Requests with an SLO by outcome, and how far the TTFT predictions were off."""
+        self.slo_requests = Tally(
+            "dpserve_slo_requests",
+            "Requests that carried an SLO, by tenant, model and outcome: met, missed, or refused (no replica "
+            "was predicted to meet it). Goodput is the rate of `met`.",
+            ["tenant", "model", "outcome"],
+        )
+        self.ttft_prediction_error = Spread(
+            "dpserve_ttft_prediction_error_seconds",
+            "Predicted less realized time to first token of each stream on its replica (above 0: predicted "
+            "too long), by replica.",
+            ["replica"],
+            PREDICTION_ERROR_BUCKETS,
+        )
 
     def _answers(self) -> None:
         """What clients got: answers by status, their timing, who left, which streams broke."""

@@ -88,6 +88,10 @@ class Receipt:
     """When the last attempt was sent (the dispatcher's clock, `time.perf_counter`)."""
     replica_s: float | None = None
     """Seconds from that send to the answer's end: what `dpserve tune` fits its fleet's timing to."""
+    predicted_ttft_s: float | None = None
+    """The time to first token the policy predicted at the chosen replica, from the send (None: none)."""
+    realized_ttft_s: float | None = None
+    """A stream's time from the send to its first event there."""
     verdict: str = UNSCORED
     keys: tuple[int, ...] = ()
     """The prompt's block keys (hashes, no text): what `dpserve tune` replays, in the log only."""
@@ -153,6 +157,8 @@ class Receipt:
             "completion_tokens": self.completion_tokens,
             "realized_cached_tokens": self.realized,
             "replica_s": None if self.replica_s is None else round(self.replica_s, 6),
+            "predicted_ttft_ms": _ms(self.predicted_ttft_s),
+            "realized_ttft_ms": _ms(self.realized_ttft_s),
         }
         if keys:
             out["keys"] = list(self.keys)
@@ -171,14 +177,24 @@ class ReceiptWatch(Watch):
 
     def decided(self, choice: Choice) -> None:
         decision = choice.decision
-        self.receipt.decided(
+        receipt = self.receipt
+        receipt.decided(
             choice.policy, decision.id, decision.reason, choice.features.prefix, choice.candidates, choice.engine_block
         )
+        receipt.predicted_ttft_s = decision.ttft_s if decision.ttft_s >= 0 else None
+        receipt.realized_ttft_s = None
 
     def dispatched(self, replica_id: str, at: float) -> None:
         self.receipt.dispatched = at
 
+    def first_byte(self, replica_id: str, at: float) -> None:
+        receipt = self.receipt
+        if receipt.dispatched is not None:
+            receipt.realized_ttft_s = at - receipt.dispatched
+
     def finished(self, life: RequestLife) -> None:
+        if not life.stream:  # a whole answer's first byte is its last: no time to first token to compare
+            self.receipt.realized_ttft_s = None
         usage = life.usage
         if usage is None:
             self._book.close(self.receipt, life.status, None, None)
@@ -335,3 +351,7 @@ class ReceiptCollector(Collector):
         tokens.add_metric(["predicted_cached"], predicted)
         tokens.add_metric(["realized_cached"], realized)
         yield from (receipts, tokens)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)

@@ -43,6 +43,7 @@ from prometheus_client.registry import Collector
 
 from dpserve.kvindex.modelled import ModelledCaches, cacheable_blocks
 from dpserve.policies.base import Need, Policy, PrefixMatch, PrefixSource, ReplicaView, RequestFeatures, Sampling
+from dpserve.policies.latency import ReplicaLatency
 from dpserve.router.observe.life import Choice, RequestLife, Watch
 from dpserve.router.quality.prefill_cost import PrefillCost
 
@@ -104,6 +105,8 @@ class ShadowView:
     capacity: int
     confirmed_capacity: int
     slow_refill: bool
+    latency: ReplicaLatency
+    """The live replica's: a shadow's choices do not change what the replica computes."""
     peer_in_flight: int = 0
     """Peers' requests are in `load` already: a shadow never asks admission for room."""
 
@@ -265,6 +268,7 @@ class ShadowScorer:
                     c.capacity,
                     c.confirmed_capacity,
                     c.slow_refill,
+                    c.latency,
                 )
             )
         return views

@@ -19,6 +19,7 @@ from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.health import Outcome, classify_status
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.admission import Admission, Ticket
+from dpserve.router.flow.slo import slo_unattainable
 from dpserve.router.flow.usage_stream import UsageTap
 from dpserve.router.http.errors import CLIENT_CLOSED, OpenAIError, no_replica, replica_misconfigured
 from dpserve.router.http.upstream_client import (
@@ -292,6 +293,9 @@ class Dispatcher:
                 break
             choice = self._selector.choose(features, candidates)
             life.decided(choice)
+            slo = features.slo
+            if slo is not None and not choice.decision.meets_slo and not slo.queue:
+                raise slo_unattainable(slo, choice.decision)  # at once, not after its deadline
             replica_id = choice.decision.id
             life.dispatched(replica_id)
             tried.append(replica_id)

@@ -27,6 +27,7 @@ from dpserve.policies.base import RequestFeatures
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.gate import Flow, Pass, with_fields
+from dpserve.router.flow.slo import SLO_HEADERS, slo_of
 from dpserve.router.flow.tenants import CALLER_SCOPE_KEY, PRIORITY_HEADER, TENANT_HEADER, Priority, Tenant
 from dpserve.router.flow.usage_stream import UsageTap, ask_for_usage, usage_of_answer
 from dpserve.router.http.endpoints import (
@@ -63,6 +64,7 @@ from dpserve.router.observe.life import RequestLife, Usage
 from dpserve.router.observe.logs import RequestLog, request_fields
 from dpserve.router.observe.metrics import RouterMetrics
 from dpserve.router.observe.tracing import TRACE_HEADERS, Tracing, trace_context
+from dpserve.router.quality.latency_watch import SloBook
 from dpserve.router.quality.receipts import Receipt, ReceiptBook
 from dpserve.router.quality.shadows import ShadowScorer
 from dpserve.router.routing.dispatch import Buffered, Dispatcher, Outbound, Streaming
@@ -72,6 +74,8 @@ log = logging.getLogger("dpserve.router")
 
 REPLICA_HEADER = "x-dpserve-replica"
 REQUEST_ID_HEADER = "x-request-id"
+PREDICTED_TTFT_HEADER = b"x-dpserve-predicted-ttft-ms"
+"""With a receipt asked for: the time to first token the policy predicted at the replica it chose."""
 RECEIPT_HEADER = "x-dpserve-receipt"
 """`1` (or true, yes, on): this request gets a routing receipt whatever the sample, and its answer the
 predicted cached tokens in `x-dpserve-cached-tokens` (when the policy predicted any)."""
@@ -90,6 +94,7 @@ _READ_HEADERS = frozenset(
         TENANT_HEADER.encode(),
         PRIORITY_HEADER.encode(),
         RECEIPT_HEADER.encode(),
+        *(name.encode() for name in SLO_HEADERS),
         *(name.encode() for name in TRACE_HEADERS),
     }
 )
@@ -120,6 +125,8 @@ class Relaying:
     """`--otlp-traces-endpoint`: each request's spans."""
     access_log: bool = False
     """`--access-log`: a line per request."""
+    slo: SloBook | None = None
+    """The policy predicts time (`--policy slo`): requests' SLOs are read, and the latency models fed."""
 
 
 class ProxiedEndpoints:
@@ -333,6 +340,8 @@ class _Exchange:
         features = await state.features.build(endpoint, model, parsed.stream, parsed.payload, headers)
         if tenant.priority is not Priority.STANDARD:
             features = features.with_priority(int(tenant.priority))
+        if state.slo is not None:  # the policy predicts time: from the prompt's size, for its promise
+            features = features.with_slo(slo_of(headers, tenant.rules), len(raw))
         body, strip_usage = raw, False
         if endpoint.body is BodyKind.JSON:
             fields = state.flow.upstream_fields(tenant)
@@ -385,6 +394,8 @@ class _Exchange:
         if receipt is not None:
             self.receipt = receipt.receipt
             self.life.watch(receipt)
+        if state.slo is not None:
+            self.life.watch(state.slo.watch(self.life, features.slo, state.registry))
         ticket = self.flow_pass.ticket if self.flow_pass is not None else None
         return await state.dispatcher.send(features, request, self.life, ticket)
 
@@ -454,8 +465,11 @@ class _Exchange:
         if isinstance(answer, Streaming):
             headers.insert(0, (b"content-type", answer.content_type.encode("latin-1")))
         receipt = self.receipt
-        if self.receipt_asked and receipt is not None and receipt.predicted is not None:
-            headers.append((CACHED_TOKENS_HEADER, str(receipt.predicted).encode()))
+        if self.receipt_asked and receipt is not None:
+            if receipt.predicted is not None:
+                headers.append((CACHED_TOKENS_HEADER, str(receipt.predicted).encode()))
+            if receipt.predicted_ttft_s is not None:
+                headers.append((PREDICTED_TTFT_HEADER, str(round(receipt.predicted_ttft_s * 1000.0, 1)).encode()))
         return headers
 
     async def _refuse(self, err: OpenAIError) -> None:

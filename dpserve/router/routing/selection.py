@@ -108,8 +108,11 @@ class Selector:
                 features = features.with_preferred(preferred)
         decision = policy.choose(features, candidates)
         metrics = self._metrics
-        metrics.decisions.add((policy.name, decision.id))
         metrics.decision_reasons.add((policy.name, decision.reason))
+        slo = features.slo
+        if not decision.meets_slo and slo is not None and not slo.queue:  # refused: it goes nowhere
+            return Choice(policy.name, decision, features, candidates, 0)
+        metrics.decisions.add((policy.name, decision.id))
         if prefixes is not None:
             prefixes.record(features, decision.id)
         if self._bindings is not None and features.session_key:

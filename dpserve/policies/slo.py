@@ -1,0 +1,99 @@
+"""SLO-aware: what the client was promised first, then cache and load as the inner policy weighs them.
+
+A request with an SLO (`x-slo-ttft-ms`, `x-slo-tpot-ms`, or its tenant's) goes to one of the replicas
+predicted to meet it (`policies/latency.py`: each replica's own learned model, with this request's uncached
+tokens there, so a cached prefix counts as the shorter prefill it is), chosen among them by the inner
+policy (kv_aware with KV events, else least_loaded). When none is predicted to meet it the decision says
+so (`meets_slo` False, on the replica predicted nearest): the router then refuses it at once, or sends it
+anyway where its tenant says to queue.
+
+A best-effort request (no SLO) goes where it slows SLO-bound requests least: among the replicas the
+balance guard allows, those with the fewest SLO-bound requests in flight, so a fast replica that the
+promised requests need is not filled with work that could wait; then the inner policy's pick. With no
+SLO-bound request anywhere this is the inner policy exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dpserve.policies.balance import BalanceGuard
+from dpserve.policies.base import Decision, Policy, ReplicaView, RequestFeatures, Slo
+
+SLO_UNMET = "slo_unmet"
+"""The decision's reason when no candidate is predicted to meet the request's SLO."""
+
+
+class SloAware(Policy):
+    name = "slo"
+
+    def __init__(self, inner: Policy, guard: BalanceGuard | None = None, headroom: float = 1.0) -> None:
+        """`headroom`: the share of an SLO a prediction must fit within (below 1 leaves room for error)."""
+        self.inner = inner
+        self.needs = inner.needs
+        self.sampling = inner.sampling
+        self.guard = guard or BalanceGuard()
+        self.headroom = headroom
+
+    def preferred(self, features: RequestFeatures, fleet: tuple[str, ...]) -> tuple[str, ...]:
+        return self.inner.preferred(features, fleet)
+
+    def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:
+        slo = features.slo
+        if slo is None:
+            return self._predicted(features, self.inner.choose(features, self._spare(candidates)), candidates)
+        meeting: list[ReplicaView] = []
+        nearest: tuple[float, ReplicaView] | None = None
+        for candidate in candidates:
+            ttft = predict_ttft(features, candidate)
+            if self._meets(slo, ttft, candidate):
+                meeting.append(candidate)
+            elif nearest is None or ttft < nearest[0]:
+                nearest = (ttft, candidate)
+        if meeting:
+            return self._predicted(features, self.inner.choose(features, meeting), meeting)
+        assert nearest is not None  # candidates are never empty
+        ttft, replica = nearest
+        inputs, uncached = ttft_inputs(features, replica)
+        return Decision(replica.id, SLO_UNMET, ttft, inputs, uncached, meets_slo=False)
+
+    def _meets(self, slo: Slo, ttft: float, replica: ReplicaView) -> bool:
+        limit = self.headroom
+        if slo.ttft_s is not None and ttft > slo.ttft_s * limit:
+            return False
+        if slo.tpot_s is not None and predict_tpot(replica) > slo.tpot_s * limit:
+            return False
+        return True
+
+    def _spare(self, candidates: Sequence[ReplicaView]) -> Sequence[ReplicaView]:
+        """Candidates a best-effort request should go to: those the guard allows with the fewest SLO-bound
+        requests in flight, when some carry more than others."""
+        fewest = min(c.latency.slo_bound for c in candidates)
+        if all(c.latency.slo_bound == fewest for c in candidates):
+            return candidates
+        spare = [c for c in self.guard.allowed(candidates) if c.latency.slo_bound == fewest]
+        return spare or candidates
+
+    def _predicted(self, features: RequestFeatures, inner: Decision, seen: Sequence[ReplicaView]) -> Decision:
+        """The inner policy's decision, with the prediction at the replica it chose."""
+        chosen = next(c for c in seen if c.id == inner.id)
+        inputs, uncached = ttft_inputs(features, chosen)
+        return Decision(inner.id, inner.reason, chosen.latency.ttft.predict(inputs), inputs, uncached)
+
+
+def ttft_inputs(features: RequestFeatures, replica: ReplicaView) -> tuple[tuple[float, ...], int]:
+    """The TTFT model's inputs for this request on `replica`, and its uncached prompt tokens there."""
+    uncached = features.uncached_tokens(replica.id)
+    return replica.latency.ttft_inputs(uncached, replica.load, replica.capacity), uncached
+
+
+def predict_ttft(features: RequestFeatures, replica: ReplicaView) -> float:
+    """Seconds to this request's first token were it sent to `replica` now."""
+    inputs, _ = ttft_inputs(features, replica)
+    return replica.latency.ttft.predict(inputs)
+
+
+def predict_tpot(replica: ReplicaView) -> float:
+    """Seconds per output token for one more request decoding on `replica`."""
+    latency = replica.latency
+    return latency.tpot.predict(latency.tpot_inputs(replica.load))

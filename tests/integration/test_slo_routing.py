@@ -1,0 +1,143 @@
+"""Routing and admission by SLO through the real router: a request with an SLO goes to a replica predicted to
+meet it, one that none can meet is refused at once with 429 and Retry-After, and the router shows goodput,
+attainment and how far its predictions were off. Two sims of different speeds stand for a fast and a slow
+GPU (`dpserve sim --prefill-ms-per-token`); real vLLM CPU replicas check the predictions themselves."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from dpserve.replicas.prometheus_text import parse_samples
+from tests.integration.conftest import Fleet, RouterProcess, running_sim, start_router, stop_router
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "the shared part of a long prompt " * 60  # ~2000 bytes
+SIM_TIMES = ("--decode-ms-per-token", "2", "--tokenizer", "fast")
+
+
+def stream(
+    router: str, prompt: str, headers: dict[str, str] | None = None, client: httpx.Client | None = None
+) -> httpx.Response:
+    """A streamed completion, read whole (`client`: one already made; making one costs tens of milliseconds)."""
+    body = {"prompt": prompt, "max_tokens": 4, "stream": True}  # the one model the replicas serve
+    if client is not None:
+        return client.post(f"{router}/v1/completions", json=body, headers=headers or {})
+    with httpx.Client(timeout=60) as made:
+        return made.post(f"{router}/v1/completions", json=body, headers=headers or {})
+
+
+@pytest.fixture(scope="module")
+def router() -> Iterator[RouterProcess]:
+    """A fast and a slow sim (0.05 and 0.5 ms per prompt token) behind `--policy slo` reading their KV events."""
+    with (
+        running_sim("--prefill-ms-per-token", "0.05", *SIM_TIMES) as fast,
+        running_sim("--prefill-ms-per-token", "0.5", *SIM_TIMES) as slow,
+    ):
+        events = [f"--kv-events={fast.url}={fast.kv_events}", f"--kv-events={slow.url}={slow.kv_events}"]
+        made = start_router([f"fast={fast.url}", f"slow={slow.url}"], "slo", *events, "--tokenizer", "remote")
+        try:
+            yield made
+        finally:
+            stop_router(made)
+
+
+def learn_both(router: str) -> None:
+    """Best-effort streams with prompts of different lengths until each replica's model has answers."""
+    with ThreadPoolExecutor(4) as pool:
+        prompts = [f"warm {i} " + "word " * (250 * (i % 8)) for i in range(48)]
+        for answer in pool.map(lambda p: stream(router, p), prompts):
+            assert answer.status_code == 200, answer.text
+    status = httpx.get(f"{router}/status").json()
+    learned = {r["id"]: r["latency"]["ttft_answers"] for r in status["replicas"]}
+    assert all(count >= 5 for count in learned.values()), learned
+
+
+def test_an_slo_request_goes_to_the_replica_that_can_meet_it(router: RouterProcess) -> None:
+    learn_both(router.url)
+    status = httpx.get(f"{router.url}/status").json()
+    per_k = {r["id"]: r["latency"]["ttft_weights"][1] for r in status["replicas"]}
+    assert per_k["slow"] > 3 * per_k["fast"], per_k  # each replica learned its own speed
+    # 1500-token prompts: about 0.08 s on the fast one, 0.75 s on the slow one.
+    served = []
+    for i in range(6):
+        answer = stream(router.url, f"{i} " + "word " * 1500, {"x-slo-ttft-ms": "400", "x-dpserve-receipt": "1"})
+        assert answer.status_code == 200, answer.text
+        served.append(answer.headers["x-dpserve-replica"])
+        assert float(answer.headers["x-dpserve-predicted-ttft-ms"]) > 0
+    assert served == ["fast"] * 6
+
+
+def test_a_request_no_replica_can_meet_is_refused_at_once_with_retry_after(router: RouterProcess) -> None:
+    learn_both(router.url)
+    took = []
+    client = httpx.Client(timeout=60)
+    stream(router.url, "connect", client=client)
+    for i in range(7):
+        started = time.perf_counter()
+        answer = stream(router.url, f"r{i} " + PROMPT, {"x-llm-d-slo-ttft-ms": "1"}, client)
+        took.append(time.perf_counter() - started)
+        assert answer.status_code == 429, answer.text
+        assert int(answer.headers["retry-after"]) >= 1
+        error = answer.json()["error"]
+        assert error["code"] == "slo_unattainable" and "1 ms" in error["message"]
+    client.close()
+    assert statistics.median(took) < 0.05, took  # refused on arrival, not after any wait
+    # Bad input is a 400 naming the header; a best-effort request is unaffected.
+    bad = stream(router.url, PROMPT, {"x-slo-ttft-ms": "soon"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-slo-ttft-ms"
+    assert stream(router.url, PROMPT).status_code == 200
+    met = stream(router.url, "met " + PROMPT, {"x-slo-ttft-ms": "5000"})
+    assert met.status_code == 200
+    # Counted: goodput and attainment per tenant and model; the prediction error per replica.
+    slo = httpx.get(f"{router.url}/status").json()["slo"]
+    row = slo[0]
+    assert row["refused"] >= 7 and row["met"] >= 1 and 0 < row["attainment"] < 1
+    text = httpx.get(f"{router.url}/metrics").text
+    samples = parse_samples(text, {"dpserve_slo_requests_total", "dpserve_ttft_prediction_error_seconds_bucket"})
+    refused = [v for labels, v in samples.by_name["dpserve_slo_requests_total"] if labels["outcome"] == "refused"]
+    assert sum(refused) >= 7
+    # Signed errors: negative buckets, so no _count or _sum (Prometheus' rule); the +Inf bucket counts them.
+    buckets = samples.by_name["dpserve_ttft_prediction_error_seconds_bucket"]
+    errors = {labels["replica"]: v for labels, v in buckets if labels["le"] == "+Inf"}
+    assert errors.get("fast", 0) > 0 and errors.get("slow", 0) > 0
+    assert "dpserve_slo_goodput{" in text and "dpserve_slo_attainment{" in text
+
+
+def test_predicted_ttft_is_within_a_fifth_of_realized_at_the_median_on_vllm_cpu(fleet: Fleet) -> None:
+    """The receipts of streams through a `--policy slo` router over the session's two real vLLM CPU replicas,
+    four clients at once, prompts of varied length: the median relative error of the predicted time to first
+    token, per replica, once each model has its first answers."""
+    events = [f"--kv-events={url}={kv}" for url, kv in zip(fleet.replica_urls, fleet.kv_event_endpoints, strict=True)]
+    router = start_router(fleet.replica_urls, "slo", *events, "--receipts-sample", "1", "--receipts-keep", "400")
+    try:
+        body = lambda i: {"prompt": f"{i} " + "hello world " * (20 + 40 * (i % 6)), "max_tokens": 8}  # noqa: E731
+        with ThreadPoolExecutor(4) as pool:
+            for answer in pool.map(lambda i: stream_body(router.url, body(i)), range(160)):
+                assert answer == 200
+        receipts = httpx.get(f"{router.url}/admin/receipts", params={"limit": 400}).json()["receipts"]
+        by_replica: dict[str, list[float]] = {}
+        for receipt in reversed(receipts[:120]):  # the newest 120: the models have learned from the first 40
+            predicted, realized = receipt["predicted_ttft_ms"], receipt["realized_ttft_ms"]
+            if predicted is not None and realized:
+                by_replica.setdefault(receipt["replica"], []).append(abs(predicted - realized) / realized)
+        medians = {replica: statistics.median(errors) for replica, errors in by_replica.items()}
+        assert len(medians) == 2 and all(len(e) >= 20 for e in by_replica.values()), by_replica
+        assert all(median <= 0.2 for median in medians.values()), medians
+        shown = {
+            r["id"]: r["latency"]["ttft_median_error"] for r in httpx.get(f"{router.url}/status").json()["replicas"]
+        }
+        assert all(error is not None for error in shown.values()), shown  # the error, per replica, in /status
+    finally:
+        stop_router(router)
+
+
+def stream_body(router: str, body: dict[str, object]) -> int:
+    with httpx.Client(timeout=60) as client:
+        return client.post(f"{router}/v1/completions", json={**body, "stream": True}).status_code
