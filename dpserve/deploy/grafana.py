@@ -104,6 +104,36 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 description="Prompt and completion tokens of each tenant's answered requests (all routers).",
             ),
             Panel(
+                "SLO goodput and attainment, by tenant",
+                (
+                    Query(
+                        f'sum by (tenant) (rate(dpserve_slo_requests_total{{{MODEL},outcome="met"}}{RATE}))',
+                        "met/s {{tenant}}",
+                    ),
+                    Query(
+                        f'sum by (tenant) (rate(dpserve_slo_requests_total{{{MODEL},outcome="met"}}{RATE}))'
+                        f" / sum by (tenant) (rate(dpserve_slo_requests_total{{{MODEL}}}{RATE}))",
+                        "attainment {{tenant}}",
+                    ),
+                ),
+                description="Requests with an SLO (x-slo-ttft-ms, x-slo-tpot-ms, or the tenant's) that met it per "
+                "second (goodput), and the share that did; refused ones count as not met.",
+            ),
+            Panel(
+                "TTFT prediction error per replica (predicted - realized)",
+                tuple(
+                    Query(
+                        f"histogram_quantile({q}, sum by (le, replica) "
+                        f"(rate(dpserve_ttft_prediction_error_seconds_bucket{{{REPLICA}}}{RATE})))",
+                        f"p{round(q * 100)} {{{{replica}}}}",
+                    )
+                    for q in (0.1, 0.5, 0.9)
+                ),
+                unit="s",
+                description="How far the slo policy's predicted time to first token was from each stream's own "
+                "(above 0: predicted too long).",
+            ),
+            Panel(
                 "Routing decisions/s by reason",
                 (Query(f"sum by (reason) (rate(dpserve_routing_decision_reasons_total{RATE}))", "{{reason}}"),),
                 unit="reqps",

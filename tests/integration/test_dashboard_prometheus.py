@@ -99,8 +99,12 @@ async def test_every_dashboard_query_evaluates_in_prometheus_and_panels_show_dat
             await _query_until(client, prom, "sum(up)", 2)
             body: dict[str, Any] = {"model": "dpserve-tiny", "messages": [{"role": "user", "content": "hi"}]}
             for turn in range(6):
+                # Streams teach the latency models (the prediction error panel); an SLO is met (goodput).
+                slo = {"x-slo-ttft-ms": "60000"} if turn >= 4 else {}
                 answer = await client.post(
-                    f"{router}/v1/chat/completions", json={**body, "max_tokens": 4, "stream": turn % 2 == 1}
+                    f"{router}/v1/chat/completions",
+                    json={**body, "max_tokens": 4, "stream": turn % 2 == 1},
+                    headers=slo,
                 )
                 assert answer.status_code == 200
                 await asyncio.sleep(SCRAPE_S)

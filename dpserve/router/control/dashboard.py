@@ -75,6 +75,8 @@ PAGE = """<!doctype html>
 <div id="gpus"></div>
 <h2>Routing quality</h2>
 <div id="quality"></div>
+<h2>SLOs</h2>
+<div id="slo"></div>
 <script id="initial" type="application/json">__INITIAL__</script>
 <script>
 "use strict";
@@ -197,6 +199,26 @@ function renderQuality(q, replicas) {
     el("div", {class: "classes"}, ...classes));
 }
 
+function renderSlo(rows, replicas) {
+  // Requests with an SLO over the last minute, and how far each replica's TTFT predictions were off.
+  const box = document.getElementById("slo");
+  if (!rows) {
+    box.replaceChildren(el("div", {class: "none"}, "The policy predicts no time (not --policy slo)."));
+    return;
+  }
+  const lines = rows.map(r => el("div", {class: "meta", "data-slo": r.tenant + "/" + r.model},
+    r.tenant + " · " + r.model + ": goodput ", el("b", {}, r.goodput_rps.toFixed(2) + " req/s"),
+    " · attainment ", el("b", {}, r.attainment === null ? DASH : pct(r.attainment)),
+    " · met " + r.met + ", missed " + r.missed + ", refused " + r.refused));
+  const errors = replicas.filter(r => r.latency).map(r => {
+    const e = r.latency.ttft_median_error;
+    return el("span", {"data-replica": r.id}, r.id + " " + (e === null ? DASH : (e >= 0 ? "+" : "") + pct(e)));
+  });
+  box.replaceChildren(
+    ...(lines.length ? lines : [el("div", {class: "none"}, "No request with an SLO in the last minute.")]),
+    el("div", {class: "classes"}, "TTFT prediction error (median, predicted vs realized): ", ...errors));
+}
+
 function render(status, stale) {
   const healthy = status.replicas.filter(r => r.healthy).length;
   const meta = [
@@ -208,6 +230,7 @@ function render(status, stale) {
   renderReplicas(status);
   renderGpus(status.gpus);
   renderQuality(status.routing_quality, status.replicas);
+  renderSlo(status.slo, status.replicas);
 }
 
 let last = JSON.parse(document.getElementById("initial").textContent);
