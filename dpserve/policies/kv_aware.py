@@ -24,9 +24,11 @@ Warm requests leave it out, so owning a lot never pushes a request away from its
 
 Two guards: replicas over the balance limit (see `BalanceGuard`) are not chosen while others are,
 so a popular prefix cannot overload its replica; and an optional softmax temperature spreads choices
-among near-equal costs (0 = always the lowest cost, ties to the lighter load, then to the replica the
-prompt's first block hashes highest with: a new prefix whose first requests reach several routers at the
-same moment lands on one replica, where a random pick split it between two).
+among near-equal costs. At 0, the lowest cost wins; costs within `tie_loads` requests' load of it are a tie,
+won by the replica the prefix's own block key hashes highest with (rendezvous, see `_tie_key`): a new prefix
+whose first requests reach several routers at the same moment lands on one replica, where each router's
+own count of the load (a request or two apart between peers) or a random pick split it. A prompt under one
+block has no key: exact ties go to the lighter load, then at random.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dpserve.policies.balance import BalanceGuard
-from dpserve.policies.base import Decision, Need, Policy, ReplicaView, RequestFeatures, Sampling
+from dpserve.policies.base import Decision, Need, Policy, PrefixMatch, ReplicaView, RequestFeatures, Sampling
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,11 @@ class KvAwareWeights:
     new_prefix_below: float = 0.5
     """A request whose best match covers less than this share of its prompt is a new prefix."""
     temperature: float = 0.0
+    tie_loads: float = 2.0
+    """Costs within this many requests' load (tie_loads * load_weight) of the lowest are a tie, broken by the
+    prefix's hash (rendezvous): peered routers' counts of a replica's load differ by a request or two, and
+    by their own counts they split a new prefix. Two is what peers' counts differ by, well inside the
+    balance guard's allowance (see docs/benchmarks/routers.md, near-ties 2026-11-29)."""
 
 
 class KvAware(Policy):
@@ -85,7 +92,7 @@ class KvAware(Policy):
         if features.prefix is not None and features.prefix.held:
             mean_held = sum(features.prefix.held.get(c.id, 0) for c in candidates) / len(candidates)
         costs = [(self.cost(features, c, mean_held), c) for c in allowed]
-        chosen = self._pick(costs, features.prefix.keys[0] if features.prefix and features.prefix.keys else None)
+        chosen = self._pick(costs, _tie_key(features.prefix, self.weights.new_prefix_below))
         return Decision(chosen.id, _reason(features, candidates, allowed, chosen))
 
     def _pick(self, costs: list[tuple[float, ReplicaView]], first_key: int | None) -> ReplicaView:
@@ -95,15 +102,28 @@ class KvAware(Policy):
             weights = [math.exp(-(cost - lowest) / temperature) for cost, _ in costs]
             return self._rng.choices([c for _, c in costs], weights=weights)[0]
         lowest = min(cost for cost, _ in costs)
+        if first_key is not None:  # the prompt's own pick among near-ties: routers seeing it at once agree
+            margin = max(1e-9, self.weights.tie_loads * self.weights.load_weight)
+            near = [c for cost, c in costs if cost <= lowest + margin]
+            return max(near, key=lambda c: rendezvous(first_key, c.id))
         tied = [c for cost, c in costs if cost <= lowest + 1e-9]
         if len(tied) > 1:
             least = min(c.load for c in tied)
             tied = [c for c in tied if c.load == least]
-        if len(tied) == 1:
-            return tied[0]
-        if first_key is not None:  # the prompt's own pick: routers seeing it at the same moment agree
-            return max(tied, key=lambda c: rendezvous(first_key, c.id))
-        return self._rng.choice(tied)
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+
+def _tie_key(prefix: PrefixMatch | None, new_prefix_below: float) -> int | None:
+    """The block key a near-tie is broken by, the same for every prompt of one prefix and in every router that
+    sees the same cached blocks (a block's key names the whole prompt up to it): for a new prefix, its first
+    block no replica holds; for a cached one, the last block of the cached match. Not the prompt's very first
+    block: every prompt that opens alike (a chat template, a common preamble) shares it, and by it every such
+    new prefix preferred the same replica."""
+    if prefix is None or not prefix.keys:
+        return None
+    best = prefix.best
+    at = best if best < new_prefix_below * prefix.total_blocks else best - 1
+    return prefix.keys[min(at, len(prefix.keys) - 1)]
 
 
 def rendezvous(key: int, replica_id: str) -> int:

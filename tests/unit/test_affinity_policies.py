@@ -7,9 +7,10 @@ import random
 
 import pytest
 
+from dpserve.kvindex.recent import RecentRoutes
 from dpserve.policies import PrefixMatch, PrefixSource, ReplicaSnapshot, RequestFeatures, make_policy
 from dpserve.policies.balance import BalanceGuard
-from dpserve.policies.kv_aware import KvAware, KvAwareWeights
+from dpserve.policies.kv_aware import KvAware, KvAwareWeights, rendezvous
 from dpserve.policies.prefix import PrefixAffinity
 from dpserve.policies.session import SessionAffinity
 
@@ -160,3 +161,76 @@ def test_routers_seeing_a_new_prefix_at_once_choose_the_same_replica() -> None:
     assert routers[0].choose(_new_prefix(7), replicas[::-1]).id == routers[1].choose(_new_prefix(7), replicas).id
     busy = [ReplicaSnapshot(id=r.id, in_flight=0 if r.id == "r2" else 3) for r in replicas]
     assert all(router.choose(_new_prefix(key), busy).id == "r2" for router in routers for key in range(50))
+
+
+def test_routers_whose_load_counts_differ_by_a_request_or_two_agree_on_a_new_prefix() -> None:
+    """Four peered routers count a replica's load a request or two apart (each sees its own requests at once,
+    its peers' a moment later): costs that close are a tie, broken by the prefix's hash, so all four send a
+    new prefix to one replica. With exact ties only, each went to its own lightest replica."""
+    counts = [(3, 3, 3, 3), (4, 3, 3, 3), (3, 5, 3, 4), (3, 3, 4, 2)]  # each router's view, 2 requests apart at most
+    routers = [KvAware(rng=random.Random(seed)) for seed in range(4)]
+    chosen = collections.Counter()
+    for key in range(2000, 2200):
+        views = zip(routers, counts, strict=True)
+        picks = {router.choose(_new_prefix(key), replicas(*view)).id for router, view in views}
+        assert len(picks) == 1, (key, picks)
+        chosen[picks.pop()] += 1
+    assert set(chosen) == {"r0", "r1", "r2", "r3"}, chosen  # the near-ties still spread over the replicas
+
+
+def test_a_clearly_lighter_or_better_cached_replica_still_wins_over_the_hash() -> None:
+    policy = KvAware(random.Random(0))
+    keys = [(key, key + 1, key + 2) for key in range(3000, 3100)]
+
+    def features(keys: tuple[int, ...], **matched: int) -> RequestFeatures:
+        return RequestFeatures("chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, 10, 16, matched, keys))
+
+    # Three requests lighter (0.15 in cost, over the 2 requests' tie): the lighter replica, whatever the hash.
+    assert {policy.choose(features(k), replicas(3, 3, 0, 3)).id for k in keys} == {"r2"}
+    # Two of ten blocks cached (0.2) beat one request less load elsewhere.
+    assert {policy.choose(features(k, r1=2), replicas(2, 3, 2, 2)).id for k in keys} == {"r1"}
+    # Within the tie (two requests apart), the hash decides: not always the lighter one.
+    assert len({policy.choose(features(k), replicas(3, 3, 1, 3)).id for k in keys}) == 4
+    # A tie wider or narrower follows its setting: with none, the lighter load again.
+    exact = KvAware(random.Random(0), KvAwareWeights(tie_loads=0.0))
+    assert {exact.choose(features(k), replicas(3, 3, 2, 3)).id for k in keys} == {"r2"}
+
+
+def test_new_prefixes_opening_alike_spread_and_one_prefix_keeps_one_replica() -> None:
+    """Prompts that open alike (one chat template: the same first block, cached everywhere) are told apart by
+    their first block no replica holds, so new prefixes spread; a prefix cached on two replicas goes to one of
+    them for every prompt that follows it, whatever its own question."""
+    policy = KvAware(random.Random(0))
+    fleet = [ReplicaSnapshot(id=f"r{i}") for i in range(4)]
+    template = 77
+
+    def prompt(group: int, question: int, **matched: int) -> RequestFeatures:
+        keys = (template, 1000 + group, 2000 + group, 3000 + 10 * group + question)
+        return RequestFeatures("chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, 4, 16, matched, keys))
+
+    everywhere = {r.id: 1 for r in fleet}
+    homes = collections.Counter(policy.choose(prompt(g, 0, **everywhere), fleet).id for g in range(200))
+    assert set(homes) == {"r0", "r1", "r2", "r3"} and min(homes.values()) > 30, homes
+    for group in range(20):
+        picks = {policy.choose(prompt(group, q, r1=3, r2=3), fleet).id for q in range(8)}
+        assert len(picks) == 1 and picks <= {"r1", "r2"}, picks
+
+
+def test_a_peers_route_weighs_on_the_new_prefix_placement_as_ones_own() -> None:
+    """Router a sends a prompt of 80 blocks to the replica a new prefix's hash prefers; router b hears of it
+    from a. Both count it in that replica's share of the cache, so both place the next new prefix alike (when
+    b counted its own routes only, it sent the prefix to the hash's favourite and a elsewhere)."""
+    ids = [f"r{i}" for i in range(4)]
+    key = 4242
+    favourite = max(ids, key=lambda rid: rendezvous(key, rid))
+    a, b = RecentRoutes(lambda: 0.0), RecentRoutes(lambda: 0.0)
+    a.record(list(range(80)), favourite)
+    b.learn(list(range(80)), favourite, 0.0)
+    picks = set()
+    for recent in (a, b):
+        held = {rid: recent.pending_blocks(rid) for rid in ids}
+        features = RequestFeatures(
+            "chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, 5, 16, {}, (key, 1, 2, 3, 4), held)
+        )
+        picks.add(KvAware(random.Random(0)).choose(features, [ReplicaSnapshot(id=rid) for rid in ids]).id)
+    assert len(picks) == 1 and picks != {favourite}, picks
