@@ -57,7 +57,7 @@ POLICIES = ("slo", "kv_aware", "least_loaded")
 DEFAULT_POLICY = "kv_aware"
 """Today's default with KV events: the load sweep runs it, and the goals are set against it."""
 BACKENDS = ("sim", "vllm")
-DEFAULT_LEVELS = {"sim": "2,4,6,8,12,16,24", "vllm": "1,2,3,4,6,8"}
+DEFAULT_LEVELS = {"sim": "2,4,6,8,12,16,24", "vllm": "1,2,3,4,6"}
 """The loads swept by default, requests a burst: a CPU vLLM's prefill of a cold prompt alone takes most of the SLO."""
 SLO_HEADER = "x-slo-ttft-ms"
 REFUSAL_BOUND_MS = 50.0
@@ -803,7 +803,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--attainment-bound", type=SHARE, default=0.8, help="the sweep stops below this attainment")
     parser.add_argument("--rounds", type=COUNT, default=2, help="rounds per policy at the compared load, A B / B A")
     parser.add_argument("--sweep-rounds", type=COUNT, default=2, help="rounds pooled at each load swept")
-    parser.add_argument("--bursts", type=COUNT, default=8, help="bursts per round")
+    parser.add_argument("--bursts", type=COUNT, default=16, help="bursts per round")
     parser.add_argument("--gap-s", type=POSITIVE, default=1.0, help="seconds from one burst to the next")
     parser.add_argument("--slo-ttft-ms", type=POSITIVE, default=300.0, help="the SLO half the requests carry")
     parser.add_argument("--groups", type=COUNT, default=4, help="prompt groups, each its own long system prompt")

@@ -1,6 +1,7 @@
 """`dpserve bench slo` runs end to end on two sims of different speeds, small: the load sweep stops where the
-default policy's attainment falls under the bound, each policy runs its rounds there, and the figures it
-writes add up. The goals themselves are shown by the real run (docs/benchmarks/slo.md), not here."""
+default policy's attainment falls under the bound, each policy (slo, kv_aware, least_loaded) runs a round
+there, and the figures it writes add up. The goals themselves are shown by the real run
+(docs/benchmarks/slo.md), not here."""
 
 from __future__ import annotations
 
@@ -14,26 +15,15 @@ from dpserve.cli import main
 
 pytestmark = pytest.mark.integration
 
-POLICIES = ("kv_aware", "least_loaded")
+POLICIES = ("slo", "kv_aware", "least_loaded")
 
 
 def test_slo_benchmark_on_sims_sweeps_then_compares_and_writes_sane_figures(tmp_path: Path) -> None:
     argv = ["bench", "slo", "--backend", "sim", "--policies", ",".join(POLICIES), "--levels", "2,24"]
-    argv += [
-        "--bursts",
-        "3",
-        "--gap-s",
-        "0.3",
-        "--rounds",
-        "2",
-        "--sweep-rounds",
-        "1",
-        "--prefix-words",
-        "150",
-        "--max-tokens",
-        "8",
-    ]
-    assert main([*argv, "--out", str(tmp_path), "--cache-dir", str(tmp_path / "m")]) == 0
+    argv += ["--bursts", "3", "--gap-s", "0.3", "--rounds", "1", "--sweep-rounds", "1"]
+    argv += ["--prefix-words", "150", "--max-tokens", "8"]
+    # 1 when a goal is missed: a run this small shows the harness works, not the goals.
+    assert main([*argv, "--out", str(tmp_path), "--cache-dir", str(tmp_path / "m")]) in (0, 1)
     with open(tmp_path / "slo.csv") as handle:
         rows = list(csv.DictReader(handle))
     sweep = [r for r in rows if r["phase"] == "sweep"]
@@ -48,7 +38,9 @@ def test_slo_benchmark_on_sims_sweeps_then_compares_and_writes_sane_figures(tmp_
         rounds = int(row["rounds"])
         sent = int(row["slo_sent"]) + int(row["best_effort_sent"])
         assert sent == rounds * 3 * int(row["level"]) and int(row["slo_sent"]) == sent // 2
-        assert int(row["failed"]) == 0 and int(row["refused"]) == 0  # neither policy refuses
+        refused = int(row["refused"])
+        assert int(row["failed"]) == 0 and int(row["best_effort_refused"]) == 0
+        assert refused == 0 or row["policy"] == "slo"  # only the slo policy refuses, and only SLO requests
         assert int(row["best_effort_done"]) == int(row["best_effort_sent"])
         met, seconds = int(row["slo_met"]), float(row["seconds"])
         assert float(row["attainment"]) == pytest.approx(met / int(row["slo_sent"]), abs=1e-4)
@@ -57,11 +49,21 @@ def test_slo_benchmark_on_sims_sweeps_then_compares_and_writes_sane_figures(tmp_
         assert seconds > 0.3 * 2 * rounds
         ttfts = [float(row[k]) for k in ("ttft_slo_p50_ms", "ttft_slo_p99_ms", "ttft_best_effort_p50_ms")]
         assert all(0 < t < 30_000 for t in ttfts) and float(row["ttft_slo_p50_ms"]) <= float(row["ttft_slo_p99_ms"])
-        assert math.isnan(float(row["refusal_p99_ms"]))
-        # Every request got a receipt naming the replica it went to.
+        assert math.isnan(float(row["refusal_p99_ms"])) == (refused == 0)
+        assert refused == 0 or 0 < float(row["refusal_p99_ms"]) < 5000
+        # Every request routed got a receipt naming the replica it went to.
         spread = dict(part.split("=") for part in row["per_replica"].split())
-        assert set(spread) <= {"fast", "slow"} and sum(int(n) for n in spread.values()) == sent
-    assert all(len(r["round_goodputs"].split()) == 2 for r in compare.values())
-    assert int(compare["kv_aware"]["slo_sent"]) == 2 * 3 * level // 2
+        assert set(spread) <= {"fast", "slow"} and sent - refused <= sum(int(n) for n in spread.values()) <= sent
+    assert all(len(r["round_goodputs"].split()) == 1 for r in compare.values())
+    assert int(compare["kv_aware"]["slo_sent"]) == 3 * level // 2
+    # The slo policy's receipts carry predicted and realized TTFT, per replica.
+    with open(tmp_path / "predictions.csv") as handle:
+        predictions = [r for r in csv.DictReader(handle) if r["policy"] == "slo"]
+    assert {r["replica"] for r in predictions} <= {"fast", "slow"} and predictions
+    assert sum(int(r["receipts"]) for r in predictions) <= int(compare["slo"]["slo_sent"]) * 2
+    assert all(float(r["realized_p50_ms"]) > 0 and float(r["error_p50"]) >= 0 for r in predictions)
+    assert 0 <= float(compare["slo"]["prediction_error_p50"]) < 100
     text = (tmp_path / "slo.txt").read_text()
-    assert "every request answered or refused with Retry-After" in text and "least_loaded" in text
+    assert "every request answered or refused with Retry-After" in text  # the figures' sanity: met
+    for goal in ("goodput vs kv_aware", "goodput vs least_loaded", "best-effort throughput", "refusals within 50 ms"):
+        assert goal in text
