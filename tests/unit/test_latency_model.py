@@ -38,7 +38,7 @@ def test_the_fit_follows_a_replica_that_slows_down() -> None:
         fit.learn(x, _line(x, fast))
     probe = (1.0, 1.0, 2.0, 8.0, 1.0)
     assert abs(fit.predict(probe) - _line(probe, fast)) < 0.01
-    for _ in range(300):  # a few forgetting half-lives later
+    for _ in range(600):  # a few forgetting half-lives later (each answer weighed by 1/its prediction: slower)
         x = _inputs(rng)
         fit.learn(x, _line(x, slow))
     assert abs(fit.predict(probe) - _line(probe, slow)) < 0.05 * _line(probe, slow)  # old answers weigh 5%
