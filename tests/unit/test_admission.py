@@ -82,6 +82,19 @@ async def test_a_wait_past_the_timeout_is_refused() -> None:
     assert refused.value.code == "queue_timeout" and admission.depth == 0
 
 
+async def test_a_request_with_a_sooner_deadline_is_refused_at_it_not_after() -> None:
+    admission = Admission(1, 4, 5.0)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(Rejected) as refused:
+        await admission.wait_for_room(lambda: False, within_s=0.1)  # a 100 ms TTFT SLO, a 5 s queue timeout
+    waited = asyncio.get_running_loop().time() - started
+    assert refused.value.code == "slo_unattainable" and 0.1 <= waited < 0.5
+    assert refused.value.headers["retry-after"] == "2" and admission.timeouts == 0 and admission.depth == 0
+    with pytest.raises(Rejected) as timed_out:  # a deadline past the queue's own timeout changes nothing
+        await Admission(1, 4, 0.05).wait_for_room(lambda: False, within_s=10.0)
+    assert timed_out.value.code == "queue_timeout"
+
+
 async def test_the_first_held_request_looks_again_without_being_told() -> None:
     # Room can come from where no listener hears (load from elsewhere ended): the floor under every wake.
     admission = Admission(1, 4, 5.0)

@@ -175,11 +175,13 @@ class Admission:
         tenant: str = "",
         weight: float = 1.0,
         cost: float = 0.0,
+        within_s: float | None = None,
     ) -> float:
         """Returns once `has_room()` holds and no request that goes first is still waiting; the seconds
         waited. `cost`: the tokens the request is expected to take, charged to its tenant on admission
-        (`settle` corrects it). Raises `Rejected` when the queue is full, the wait outlasts the timeout,
-        or the request is shed for a more urgent one."""
+        (`settle` corrects it). `within_s`: the request's own deadline (its TTFT SLO), when sooner than the
+        queue's timeout: refused then, not sent late. Raises `Rejected` when the queue is full, the wait
+        outlasts the timeout or the deadline, or the request is shed for a more urgent one."""
         queue = self._queue
         if not self.flow_control:
             priority, tenant, cost = STANDARD, "", 0.0  # one class, one tenant: arrival order
@@ -206,7 +208,8 @@ class Admission:
             if not victim.wake.done():
                 victim.wake.set_result(None)
         started = self._clock()
-        deadline = started + self.timeout_s
+        promised = within_s is not None and within_s < self.timeout_s
+        deadline = started + (within_s if promised and within_s is not None else self.timeout_s)
         waiter = _Waiter(asyncio.get_running_loop(), started)
         queue.push(waiter, priority, tenant)
         try:
@@ -214,6 +217,12 @@ class Admission:
                 if waiter.refused is not None:
                     raise waiter.refused
                 remaining = deadline - self._clock()
+                if remaining <= 0 and promised:
+                    raise Rejected(
+                        "slo_unattainable",
+                        f"No replica had room for this request within its SLO ({within_s:g} s); retry later.",
+                        self.timeout_s / 4,
+                    )
                 if remaining <= 0:
                     self.timeouts += 1
                     raise Rejected(

@@ -444,8 +444,10 @@ class Dispatcher:
                 # No candidate at all is not a reason to wait: the caller answers at once.
                 return bool(found) or all(r.id in tried for r in self._catalog.routable(features.model))
 
+            slo = features.slo  # a promised first token is refused at its deadline, never sent after it
+            within = slo.ttft_s if slo is not None and not slo.queue else None
             try:
-                waited = await admission.wait_for_room(has_room, priority, tenant, weight, cost)
+                waited = await admission.wait_for_room(has_room, priority, tenant, weight, cost, within)
             except OpenAIError as rejected:
                 self._metrics.admission_rejections.labels(rejected.code or "rejected").inc()
                 raise
