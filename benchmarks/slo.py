@@ -105,6 +105,7 @@ class Figures:
     refused: int
     """429s to SLO requests."""
     best_effort_refused: int
+    refusal_p50_ms: float
     refusal_p99_ms: float
     refusals_without_retry_after: int
     failed: int
@@ -139,6 +140,7 @@ def summarize(outcomes: Sequence[Outcome], seconds: float) -> Figures:
         best_effort_done=best_done,
         refused=sum(1 for o in slo if o.refused),
         best_effort_refused=sum(1 for o in best if o.refused),
+        refusal_p50_ms=percentile(refusals, 50),
         refusal_p99_ms=percentile(refusals, 99),
         refusals_without_retry_after=sum(1 for o in outcomes if o.refused and not o.retry_after),
         failed=len(failed),
@@ -624,7 +626,7 @@ TABLE_HEADER = (
     "attain",
     "goodput/s",
     "refused",
-    "refusal p99",
+    "refusal p50/p99",
     "BE/s",
     "TTFT SLO p50/p99",
     "TTFT BE p50/p99",
@@ -650,7 +652,7 @@ def table_cells(row: Row) -> tuple[str, ...]:
         f"{f.attainment:.2f}",
         f"{f.goodput:.2f}",
         str(f.refused + f.best_effort_refused),
-        _ms(f.refusal_p99_ms) + ("ms" if f.refused else ""),
+        f"{_ms(f.refusal_p50_ms)}/{_ms(f.refusal_p99_ms)}ms" if f.refused else "-",
         f"{f.best_effort_per_s:.2f}",
         f"{_ms(f.ttft_slo_p50_ms)}/{_ms(f.ttft_slo_p99_ms)}ms",
         f"{_ms(f.ttft_best_effort_p50_ms)}/{_ms(f.ttft_best_effort_p99_ms)}ms",

@@ -49,7 +49,7 @@ def test_goodput_counts_slo_requests_whose_first_token_came_in_time_per_second()
     assert (f.slo_sent, f.slo_met, f.refused, f.best_effort_sent, f.best_effort_done) == (4, 2, 1, 3, 2)
     assert f.goodput == 1.0 and f.attainment == 0.5 and f.best_effort_per_s == 1.0
     assert f.failed == 1 and f.failed_late == 0  # the lost one carried no SLO
-    assert f.refusal_p99_ms == pytest.approx(4.0) and f.refusals_without_retry_after == 0
+    assert f.refusal_p50_ms == f.refusal_p99_ms == pytest.approx(4.0) and f.refusals_without_retry_after == 0
     # TTFT per class, answered requests only (nearest rank).
     assert (f.ttft_slo_p50_ms, f.ttft_slo_p99_ms) == (pytest.approx(300), pytest.approx(301))
     assert (f.ttft_best_effort_p50_ms, f.ttft_best_effort_p99_ms) == (pytest.approx(50), pytest.approx(900))
