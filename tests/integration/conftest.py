@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.otlp_receiver import OtlpReceiver
 from dpserve.up.plan import VLLM_SERVER_MODULE
 from dpserve.up.process import terminate
 from tests.conftest import free_port, free_port_range
@@ -33,6 +34,8 @@ REPLICA_ENV = {
     "VLLM_ENABLE_RESPONSES_API_STORE": "1",
     # vLLM's engine endpoints (/reset_prefix_cache, /is_sleeping, ...), which the admin API relays.
     "VLLM_SERVER_DEV_MODE": "1",
+    # A tracing replica (the session fleet's: `fleet_traces`) exports its spans within 0.1 s, not the SDK's 5 s.
+    "OTEL_BSP_SCHEDULE_DELAY": "100",
 }
 ROUTER_START_TIMEOUT_S = 30
 # Every vLLM the tests start runs eager: torch.compile costs each start 20-40 s on these 2 cores (a cold compile
@@ -140,12 +143,21 @@ def running_fleet(
 
 
 @pytest.fixture(scope="session")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet_traces() -> Iterator[OtlpReceiver]:
+    """An OTLP receiver the session fleet's vLLM replicas export their spans to (test_tracing.py reads them),
+    so no test starts a vLLM of its own only to trace it."""
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory, fleet_traces: OtlpReceiver) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("fleet")
     # LoRA on, as in fleets serving adapters (test_lora.py loads them through its own router).
     lora = ["--enable-lora", "--max-loras", str(FLEET_MAX_LORAS), "--max-lora-rank", "8"]
+    up_args = ["--replicas", "2", "--cache-dir", str(work / "cache"), *lora]
     with running_fleet(
-        work, 2, ["--replicas", "2", "--cache-dir", str(work / "cache"), *lora], FLEET_START_TIMEOUT_S
+        work, 2, [*up_args, "--", "--otlp-traces-endpoint", fleet_traces.endpoint], FLEET_START_TIMEOUT_S
     ) as fleet:
         yield fleet
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 
 from benchmarks.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.integration.conftest import FLEET_START_TIMEOUT_S, running_fleet, start_router, stop_router
+from dpserve.tiny_model import TINY_MODEL_NAME
+from tests.integration.conftest import Fleet, start_router, stop_router
 from tests.integration.raw_replica import RawReplica, Seen, json_answer
 
 pytestmark = pytest.mark.integration
@@ -125,37 +125,37 @@ def test_a_router_that_does_not_trace_passes_the_clients_context_on() -> None:
     assert passed.headers["traceparent"] == traceparent and "traceparent" not in plain.headers
 
 
-def test_vllm_puts_its_span_under_the_routers_attempt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A real vLLM CPU replica started with its own `--otlp-traces-endpoint`, the same receiver as the
-    router's: with the client's `traceparent`, the router's spans and vLLM's are in the client's trace,
-    vLLM's under the router's attempt; without one, they share one new trace. Streamed and not."""
+def test_vllm_puts_its_span_under_the_routers_attempt(
+    fleet: Fleet, fleet_traces: OtlpReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session fleet's real vLLM CPU replicas, started with their own `--otlp-traces-endpoint`, the same
+    receiver as the router's (conftest's `fleet_traces`): with the client's `traceparent`, the router's spans
+    and vLLM's are in the client's trace, vLLM's under the router's attempt; without one, they share one new
+    trace. Streamed and not."""
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-    with OtlpReceiver() as receiver:
-        up_args = ["--replicas", "1", "--", "--otlp-traces-endpoint", receiver.endpoint]
-        with running_fleet(tmp_path, 1, up_args, FLEET_START_TIMEOUT_S) as fleet:
-            router = start_router(fleet.replica_urls, "least_loaded", "--otlp-traces-endpoint", receiver.endpoint)
-            try:
-                model = httpx.get(f"{router.url}/v1/models", timeout=10).json()["data"][0]["id"]
-                traces = []
-                for stream in (False, True):
-                    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
-                    chat(router.url, stream, f"00-{trace_id}-{client_span}-01", model=model)
-                    traces.append((trace_id, client_span))
-                chat(router.url, False, model=model)
-            finally:
-                stop_router(router)
-        for trace_id, client_span in traces:
-            server, attempts = one_trace(receiver, trace_id, 1)
-            assert server.parent_id == client_span
-            vllm = engine_spans(receiver, trace_id)
-            assert vllm and vllm[0].parent_id in {a.span_id for a in attempts}, (vllm, attempts)
-        # The request without a trace: vLLM's span in the router's new trace, under its attempt.
-        servers = receiver.wait_for(3, EXPORT_WAIT_S, kind=SERVER, service="dpserve-router")  # type: ignore[arg-type]
-        roots = [s for s in servers if s.parent_id == ""]
-        assert len(roots) == 1
-        attempts = receiver.wait_for(1, EXPORT_WAIT_S, trace_id=roots[0].trace_id, kind=CLIENT)  # type: ignore[arg-type]
-        vllm = engine_spans(receiver, roots[0].trace_id)
-        assert vllm and vllm[0].parent_id == attempts[0].span_id
+    receiver = fleet_traces
+    router = start_router(fleet.replica_urls, "least_loaded", "--otlp-traces-endpoint", receiver.endpoint)
+    try:
+        traces = []
+        for stream in (False, True):
+            trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+            chat(router.url, stream, f"00-{trace_id}-{client_span}-01", model=TINY_MODEL_NAME)
+            traces.append((trace_id, client_span))
+        chat(router.url, False, model=TINY_MODEL_NAME)
+    finally:
+        stop_router(router)
+    for trace_id, client_span in traces:
+        server, attempts = one_trace(receiver, trace_id, 1)
+        assert server.parent_id == client_span
+        vllm = engine_spans(receiver, trace_id)
+        assert vllm and vllm[0].parent_id in {a.span_id for a in attempts}, (vllm, attempts)
+    # The request without a trace: vLLM's span in the router's new trace, under its attempt.
+    servers = receiver.wait_for(3, EXPORT_WAIT_S, kind=SERVER, service="dpserve-router")  # type: ignore[arg-type]
+    roots = [s for s in servers if s.parent_id == ""]
+    assert len(roots) == 1
+    attempts = receiver.wait_for(1, EXPORT_WAIT_S, trace_id=roots[0].trace_id, kind=CLIENT)  # type: ignore[arg-type]
+    vllm = engine_spans(receiver, roots[0].trace_id)
+    assert vllm and vllm[0].parent_id == attempts[0].span_id
 
 
 def engine_spans(receiver: OtlpReceiver, trace_id: str) -> list[ReceivedSpan]:
