@@ -1,11 +1,13 @@
 """LoRA adapters across the fleet's 2 real vLLM CPU replicas (`--max-loras 2`), through a router given
 the adapter folder (`--lora-dir`): listed with their parent, loaded on demand where placement says, one
 load for concurrent first requests, an idle adapter unloaded for room, and an adapter the replica lost
-(unloaded behind the router's back, or a restart) loaded again."""
+(unloaded behind the router's back, or a restart) loaded again. The restart is the one of a replica killed under
+traffic (test_lifecycle.py's Traffic), which fails no request through the fleet's own router."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import shutil
 import signal
 import subprocess
@@ -26,7 +28,7 @@ from tests.integration.conftest import (
     stop_router,
     wait_until,
 )
-from tests.integration.test_lifecycle import replica_process
+from tests.integration.test_lifecycle import REQUEST, StreamTraffic, Traffic, replica_process
 
 pytestmark = pytest.mark.integration
 
@@ -200,35 +202,69 @@ def test_an_unknown_adapter_is_404_and_a_new_folder_is_picked_up(lora_router: Ro
 
 
 @pytest.mark.disruptive
-def test_a_restarted_replica_is_read_again_and_its_adapter_loaded_again(
+def test_a_killed_replica_fails_no_request_and_once_restarted_is_read_again_and_its_adapter_loaded_again(
     fleet: Fleet, lora_router: RouterProcess
 ) -> None:
+    """One replica killed (SIGKILL), the one holding an adapter: through the fleet's own router, under traffic
+    and streams alongside, no request fails and all go to the other replica; the launcher restarts it and both
+    routers take it back; `lora_router` reads it again (it holds nothing now) and loads the adapter there again.
+    (One kill for both: a vLLM restart costs most of a minute here.)"""
     answer = complete(lora_router.url, "tiny-lora-0")
     victim_id = answer.headers["x-dpserve-replica"]
     index = int(victim_id[1:])
     victim = replica_process(fleet, fleet.replica_urls[index])
     ejections = router_status(lora_router.url)["replicas"][index]["ejections"]
-    victim.send_signal(signal.SIGKILL)
-    # Meanwhile the other replica serves it, loading it there.
-    other = complete(lora_router.url, "tiny-lora-0")
-    assert other.status_code == 200 and other.headers["x-dpserve-replica"] != victim_id
-    # Out first (a refused request ejects it at once, else its failed probes do), so that `healthy`
-    # below is its re-admission and not the router not yet having noticed the kill.
-    wait_until(
-        lambda: router_status(lora_router.url)["replicas"][index]["ejections"] > ejections,
-        timeout_s=60,
-        interval_s=0.2,
-        what="the killed replica to be ejected",
+    with Traffic(fleet.router_url) as traffic, StreamTraffic(fleet.router_url) as streams:
+        wait_until(lambda: len(traffic.served) >= 10, timeout_s=60, what="traffic to flow")
+        killed_at = time.monotonic()
+        victim.send_signal(signal.SIGKILL)
+        # Meanwhile the other replica serves the adapter, loading it there.
+        other = complete(lora_router.url, "tiny-lora-0")
+        assert other.status_code == 200 and other.headers["x-dpserve-replica"] != victim_id
+        # Out first (a refused request ejects it at once, else its failed probes do), so that `healthy`
+        # below is its re-admission and not the router not yet having noticed the kill.
+        wait_until(
+            lambda: router_status(lora_router.url)["replicas"][index]["ejections"] > ejections,
+            timeout_s=60,
+            interval_s=0.2,
+            what="the killed replica to be ejected",
+        )
+        wait_until(
+            lambda: sum(1 for t, _ in traffic.served if t > killed_at + 1) >= 20,
+            timeout_s=60,
+            what="requests after the kill",
+        )
+    other_id = other.headers["x-dpserve-replica"]
+    after = [replica for t, replica in traffic.served if t > killed_at + 1]
+    print(
+        f"\nfailover: {len(traffic.served)} requests, {len(traffic.failures)} failed; after the kill all went to "
+        f"{collections.Counter(after)}; {len(streams.served)} streams alongside, {streams.broken} cut by the kill "
+        f"(ended with an error event and [DONE]), {len(streams.failures)} failed"
     )
+    assert traffic.failures == [] and streams.failures == []
+    assert set(after) == {other_id}
+
+    # The launcher restarts it and the routers take it back once it answers their probes.
     wait_until(
-        lambda: router_status(lora_router.url)["replicas"][index]["healthy"],
+        lambda: (
+            router_status(lora_router.url)["replicas"][index]["healthy"]
+            and router_status(fleet.router_url)["replicas"][index]["healthy"]
+        ),
         timeout_s=300,
-        interval_s=2,
+        interval_s=1,
         what="the killed replica to be restarted and re-admitted",
     )
+    assert replica_process(fleet, fleet.replica_urls[index]).pid != victim.pid
     # Read again after its restart: it holds nothing now.
     assert router_status(lora_router.url)["replicas"][index]["lora"]["loaded"] == []
-    other_id = other.headers["x-dpserve-replica"]
+    with httpx.Client(timeout=60) as client:
+        served = {
+            client.post(f"{fleet.router_url}/v1/completions", json=REQUEST).headers["x-dpserve-replica"]
+            for _ in range(20)
+        }
+    assert victim_id in served
+    log = fleet.log_tail(20000)
+    assert f"{victim_id} exited" in log and f"{victim_id} is back" in log
     assert httpx.post(f"{lora_router.url}/admin/replicas/{other_id}/drain", timeout=10).status_code == 200
     back = complete(lora_router.url, "tiny-lora-0")
     assert back.status_code == 200, back.text
