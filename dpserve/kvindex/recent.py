@@ -56,13 +56,11 @@ class RecentRoutes:
         self._outbox.clear()
         return routes
 
-    def learn(self, keys: Sequence[int], replica: str, age_s: float, pending: bool = True) -> None:
-        """A route made `age_s` ago, by this router or a peer; both count towards `pending_blocks`, so
-        peered routers weigh a replica's share of the cache alike and agree where a new prefix goes (by
-        their own routes only, their counts differed by a few prompts per replica and 4 routers split
-        grouped bursts under cache pressure: 0.94-0.96x one router's hit rate). Routers that see the same
-        numbers at once no longer all choose the same replica: kv_aware breaks near-equal costs by the
-        prefix's own hash, which spreads different new prefixes."""
+    def learn(self, keys: Sequence[int], replica: str, age_s: float, pending: bool = False) -> None:
+        """A route made `age_s` ago, by this router or a peer. Only this router's own count towards
+        `pending_blocks`: each router spreads the new prefixes it places by its own record, and those
+        spread placements add up to an even fleet (placing by the peers' record too, routers that see the
+        same numbers at the same moment all choose the same replica)."""
         now = self._clock() - age_s
         if pending:
             self._log.append((now, replica, len(keys)))

@@ -7,10 +7,9 @@ import random
 
 import pytest
 
-from dpserve.kvindex.recent import RecentRoutes
 from dpserve.policies import PrefixMatch, PrefixSource, ReplicaSnapshot, RequestFeatures, make_policy
 from dpserve.policies.balance import BalanceGuard
-from dpserve.policies.kv_aware import KvAware, KvAwareWeights, rendezvous
+from dpserve.policies.kv_aware import KvAware, KvAwareWeights
 from dpserve.policies.prefix import PrefixAffinity
 from dpserve.policies.session import SessionAffinity
 
@@ -214,23 +213,3 @@ def test_new_prefixes_opening_alike_spread_and_one_prefix_keeps_one_replica() ->
     for group in range(20):
         picks = {policy.choose(prompt(group, q, r1=3, r2=3), fleet).id for q in range(8)}
         assert len(picks) == 1 and picks <= {"r1", "r2"}, picks
-
-
-def test_a_peers_route_weighs_on_the_new_prefix_placement_as_ones_own() -> None:
-    """Router a sends a prompt of 80 blocks to the replica a new prefix's hash prefers; router b hears of it
-    from a. Both count it in that replica's share of the cache, so both place the next new prefix alike (when
-    b counted its own routes only, it sent the prefix to the hash's favourite and a elsewhere)."""
-    ids = [f"r{i}" for i in range(4)]
-    key = 4242
-    favourite = max(ids, key=lambda rid: rendezvous(key, rid))
-    a, b = RecentRoutes(lambda: 0.0), RecentRoutes(lambda: 0.0)
-    a.record(list(range(80)), favourite)
-    b.learn(list(range(80)), favourite, 0.0)
-    picks = set()
-    for recent in (a, b):
-        held = {rid: recent.pending_blocks(rid) for rid in ids}
-        features = RequestFeatures(
-            "chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, 5, 16, {}, (key, 1, 2, 3, 4), held)
-        )
-        picks.add(KvAware(random.Random(0)).choose(features, [ReplicaSnapshot(id=rid) for rid in ids]).id)
-    assert len(picks) == 1 and picks != {favourite}, picks
