@@ -78,7 +78,7 @@ class SloAware(Policy):
         """The inner policy's decision, with the prediction at the replica it chose."""
         chosen = next(c for c in seen if c.id == inner.id)
         inputs, uncached = ttft_inputs(features, chosen)
-        return Decision(inner.id, inner.reason, chosen.latency.ttft.predict(inputs), inputs, uncached)
+        return Decision(inner.id, inner.reason, chosen.latency.predict_ttft(inputs), inputs, uncached)
 
 
 def ttft_inputs(features: RequestFeatures, replica: ReplicaView) -> tuple[tuple[float, ...], int]:
@@ -90,7 +90,7 @@ def ttft_inputs(features: RequestFeatures, replica: ReplicaView) -> tuple[tuple[
 def predict_ttft(features: RequestFeatures, replica: ReplicaView) -> float:
     """Seconds to this request's first token were it sent to `replica` now."""
     inputs, _ = ttft_inputs(features, replica)
-    return replica.latency.ttft.predict(inputs)
+    return replica.latency.predict_ttft(inputs)
 
 
 def predict_tpot(replica: ReplicaView) -> float:

@@ -92,3 +92,25 @@ def test_the_median_error_is_of_the_recent_answers() -> None:
     for error in (0.5, -0.1, 0.05, 0.0, 0.1):
         latency.errors.append(error)
     assert latency.median_error() == 0.05
+
+
+def test_under_a_long_tail_the_prediction_settles_on_the_median_answer() -> None:
+    """Latencies under load: mostly near the line, now and then several times it. A least-squares line is
+    their mean, above most answers; the calibration brings the prediction to where half come sooner."""
+    rng = random.Random(4)
+    latency = ReplicaLatency()
+    truth = (0.02, 0.1, 0.05, 0.005, 0.0)
+    sooner, errors = 0, []
+    for n in range(1500):
+        x = _inputs(rng)
+        x = (*x[:4], 0.0)
+        realized = _line(x, truth) * (rng.uniform(0.9, 1.1) if rng.random() < 0.7 else rng.uniform(2, 6))
+        predicted = latency.predict_ttft(x)
+        if n >= 500:
+            sooner += realized < predicted
+            errors.append(abs(predicted - realized) / realized)
+        latency.learn_ttft(x, predicted, realized)
+    assert 0.4 < sooner / 1000 < 0.6  # half the answers come sooner than predicted
+    assert sorted(errors)[500] < 0.25
+    assert latency.ttft_scale < 0.9  # below the mean's line
+    assert len(latency.errors) == 256 and latency.median_error() is not None

@@ -227,6 +227,7 @@ def latency_status(latency: ReplicaLatency) -> dict[str, Any]:
     return {
         "ttft_weights": [round(w, 6) for w in latency.ttft.weights],
         "ttft_answers": latency.ttft.samples,
+        "ttft_scale": round(latency.ttft_scale, 4),
         "tpot_weights": [round(w, 6) for w in latency.tpot.weights],
         "tpot_answers": latency.tpot.samples,
         "ttft_median_error": None if error is None else round(error, 4),

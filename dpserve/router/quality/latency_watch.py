@@ -158,11 +158,8 @@ class LatencyWatch(Watch):
             return
         realized = at - self._dispatched_at
         predicted = decision.ttft_s
-        if predicted >= 0:
-            self._book.prediction_error(replica_id, predicted - realized)
-            if realized > 0:
-                latency.errors.append((predicted - realized) / realized)
-        latency.ttft.learn(decision.ttft_inputs, realized)
+        self._book.prediction_error(replica_id, predicted - realized)
+        latency.learn_ttft(decision.ttft_inputs, predicted, realized)
 
     def finished(self, life: RequestLife) -> None:
         latency = self._latency
