@@ -8,7 +8,6 @@ import random
 import pytest
 
 from dpserve.policies import PrefixMatch, PrefixSource, ReplicaSnapshot, RequestFeatures, Slo, make_policy
-from dpserve.policies.base import Decision
 from dpserve.policies.kv_aware import KvAware
 from dpserve.policies.latency import ReplicaLatency
 from dpserve.policies.least_loaded import LeastLoaded
@@ -135,7 +134,7 @@ def test_a_bad_slo_header_is_a_400_naming_it(value: str) -> None:
 
 
 def test_the_refusal_is_a_429_with_retry_after_and_says_why() -> None:
-    error = slo_unattainable(Slo(0.3, None), Decision("r", SLO_UNMET, 2.6, (), 0, meets_slo=False))
+    error = slo_unattainable(Slo(0.3, None), 2.6)
     assert (error.status, error.code, error.type) == (429, "slo_unattainable", "rate_limit_error")
     assert error.headers["retry-after"] == "3"  # 2.3 s late, rounded up
     assert "300 ms" in error.message and "2600 ms" in error.message

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from dpserve.policies.base import Decision, Slo
+from dpserve.policies.base import Slo
 from dpserve.router.flow.tenants import TenantRules
 from dpserve.router.http.errors import OpenAIError, bad_request
 
@@ -45,9 +45,10 @@ def _header_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | No
     return None
 
 
-def slo_unattainable(slo: Slo, decision: Decision) -> OpenAIError:
-    """429 at once: no replica is predicted to meet the SLO; Retry-After is how far the nearest one is off."""
-    predicted = max(decision.ttft_s, 0.0)
+def slo_unattainable(slo: Slo, predicted_s: float) -> OpenAIError:
+    """429 at once: no replica is predicted to meet the SLO (the nearest predicts `predicted_s` to the first
+    token); Retry-After is how far that is past it."""
+    predicted = max(predicted_s, 0.0)
     late = predicted - slo.ttft_s if slo.ttft_s is not None else 0.0
     promised = []
     if slo.ttft_s is not None:

@@ -295,7 +295,7 @@ class Dispatcher:
             life.decided(choice)
             slo = features.slo
             if slo is not None and not choice.decision.meets_slo and not slo.queue:
-                raise slo_unattainable(slo, choice.decision)  # at once, not after its deadline
+                raise slo_unattainable(slo, choice.decision.ttft_s)  # at once, not after its deadline
             replica_id = choice.decision.id
             life.dispatched(replica_id)
             tried.append(replica_id)
@@ -437,6 +437,7 @@ class Dispatcher:
         if found and admission.admit_at_once(priority, tenant, weight, cost):
             waited = 0.0
         else:
+            self._refuse_late(features, tried)
 
             def has_room() -> bool:
                 nonlocal found
@@ -453,6 +454,18 @@ class Dispatcher:
                 raise
         life.admitted(waited)
         return found
+
+    def _refuse_late(self, features: RequestFeatures, tried: Sequence[str]) -> None:
+        """A request with a TTFT SLO that would wait in the router's queue is refused at once (429) when even
+        the nearest replica, counting the requests ahead of it there, is predicted past its SLO: it would
+        only be refused at its deadline."""
+        slo = features.slo
+        if slo is None or slo.queue or slo.ttft_s is None:
+            return
+        nearest = self._selector.nearest_ttft(features, tried)
+        if nearest is not None and not self._selector.within(slo.ttft_s, nearest):
+            self._metrics.admission_rejections.labels("slo_unattainable").inc()
+            raise slo_unattainable(slo, nearest)
 
     async def _attempt(
         self,

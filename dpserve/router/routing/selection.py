@@ -14,6 +14,7 @@ from dpserve.policies.adapters import AdapterSlots, Placement, place
 from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.base import Decision, Policy, PrefixSource, ReplicaView, RequestFeatures, Sampling
 from dpserve.policies.bindings import SessionBindings
+from dpserve.policies.slo import SloAware, predict_ttft
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.flow.admission import Admission
@@ -120,6 +121,24 @@ class Selector:
         chosen = self._registry.find(decision.id)
         engine_block = (chosen.block_size or 0) if chosen is not None else 0
         return Choice(policy.name, decision, features, candidates, engine_block)
+
+    def nearest_ttft(self, features: RequestFeatures, tried: Sequence[str] = ()) -> float | None:
+        """The soonest first token any replica serving the model is predicted to give this request, room or
+        none (what is ahead of it there counted); None when the policy predicts no time."""
+        policy = self.policy
+        if not isinstance(policy, SloAware):
+            return None
+        fleet = self._registry.available(self._catalog.routable(features.model), tried)
+        if not fleet:
+            return None
+        if self._prefixes is not None:
+            features = self._prefixes.match(features, fleet)
+        return min(predict_ttft(features, replica) for replica in fleet)
+
+    def within(self, slo_s: float, predicted_s: float) -> bool:
+        """A prediction meets an SLO, with the policy's headroom."""
+        policy = self.policy
+        return predicted_s <= slo_s * (policy.headroom if isinstance(policy, SloAware) else 1.0)
 
     def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
         """The decision alone, as a dispatch makes it when a replica has room (for measuring it)."""
