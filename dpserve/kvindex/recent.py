@@ -57,10 +57,10 @@ class RecentRoutes:
         return routes
 
     def learn(self, keys: Sequence[int], replica: str, age_s: float, pending: bool = False) -> None:
-        """A route made `age_s` ago, by this router or a peer. Only this router's own count towards
-        `pending_blocks`: each router spreads the new prefixes it places by its own record, and those
-        spread placements add up to an even fleet (placing by the peers' record too, routers that see the
-        same numbers at the same moment all choose the same replica)."""
+        """A route made `age_s` ago, by this router or a peer. `pending`: it counts towards `pending_blocks`
+        (this router's own routes and, from the peer board, its peers' live ones, so peered routers weigh a
+        replica's held blocks alike and agree where a new prefix goes; kv_aware's held tie keeps them from all
+        sending new prefixes that arrive together to one replica). A warm start's routes do not count."""
         now = self._clock() - age_s
         if pending:
             self._log.append((now, replica, len(keys)))

@@ -56,6 +56,11 @@ class KvAwareWeights:
     prefix's hash (rendezvous): peered routers' counts of a replica's load differ by a request or two, and
     by their own counts they split a new prefix. Two is what peers' counts differ by, well inside the
     balance guard's allowance (see docs/benchmarks/routers.md, near-ties 2026-11-29)."""
+    held_tie: float = 0.25
+    """For a new prefix, also held costs within this share of the mean held blocks are a tie (added to the
+    load's): routers that count the same held blocks would otherwise send every new prefix arriving
+    together to the one least-held replica; within this they spread by each prefix's own hash, and every
+    router agrees on each (see docs/benchmarks/routers.md, near-ties 2026-11-29)."""
 
 
 class KvAware(Policy):
@@ -92,10 +97,15 @@ class KvAware(Policy):
         if features.prefix is not None and features.prefix.held:
             mean_held = sum(features.prefix.held.get(c.id, 0) for c in candidates) / len(candidates)
         costs = [(self.cost(features, c, mean_held), c) for c in allowed]
-        chosen = self._pick(costs, _tie_key(features.prefix, self.weights.new_prefix_below))
+        w = self.weights
+        margin = w.tie_loads * w.load_weight
+        prefix = features.prefix
+        if mean_held > 0 and prefix is not None and prefix.best < w.new_prefix_below * prefix.total_blocks:
+            margin += w.held_tie * w.held_weight
+        chosen = self._pick(costs, _tie_key(prefix, w.new_prefix_below), margin)
         return Decision(chosen.id, _reason(features, candidates, allowed, chosen))
 
-    def _pick(self, costs: list[tuple[float, ReplicaView]], first_key: int | None) -> ReplicaView:
+    def _pick(self, costs: list[tuple[float, ReplicaView]], first_key: int | None, margin: float) -> ReplicaView:
         temperature = self.weights.temperature
         if temperature > 0 and len(costs) > 1:
             lowest = min(cost for cost, _ in costs)
@@ -103,8 +113,7 @@ class KvAware(Policy):
             return self._rng.choices([c for _, c in costs], weights=weights)[0]
         lowest = min(cost for cost, _ in costs)
         if first_key is not None:  # the prompt's own pick among near-ties: routers seeing it at once agree
-            margin = max(1e-9, self.weights.tie_loads * self.weights.load_weight)
-            near = [c for cost, c in costs if cost <= lowest + margin]
+            near = [c for cost, c in costs if cost <= lowest + max(1e-9, margin)]
             return max(near, key=lambda c: rendezvous(first_key, c.id))
         tied = [c for cost, c in costs if cost <= lowest + 1e-9]
         if len(tied) > 1:

@@ -213,3 +213,28 @@ def test_new_prefixes_opening_alike_spread_and_one_prefix_keeps_one_replica() ->
     for group in range(20):
         picks = {policy.choose(prompt(group, q, r1=3, r2=3), fleet).id for q in range(8)}
         assert len(picks) == 1 and picks <= {"r1", "r2"}, picks
+
+
+def test_new_prefixes_spread_over_replicas_holding_near_the_same_and_every_router_agrees() -> None:
+    """Routers that count the same held blocks (their peers' routes too) sent every new prefix arriving
+    together to the one least-held replica. Held costs within `held_tie` of the mean are a tie for a new
+    prefix, broken by its own hash: the prefixes spread, the same in every router; a replica holding clearly
+    less still takes them all, and a cached prefix is not moved by the held tie."""
+    routers = [KvAware(random.Random(seed)) for seed in range(4)]
+    fleet = replicas(2, 2, 2, 2)
+
+    def features(key: int, held: dict[str, int], **matched: int) -> RequestFeatures:
+        keys = (key, key + 1, key + 2)
+        return RequestFeatures("chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, 10, 16, matched, keys, held))
+
+    near = {"r0": 100, "r1": 110, "r2": 115, "r3": 120}  # held costs 0.9-1.08 of the mean: within 0.25 + 2 loads
+    chosen = collections.Counter()
+    for key in range(4000, 4200):
+        picks = {router.choose(features(key, near), fleet).id for router in routers}
+        assert len(picks) == 1, (key, picks)
+        chosen[picks.pop()] += 1
+    assert set(chosen) == {"r0", "r1", "r2", "r3"} and min(chosen.values()) > 20, chosen
+    far = {"r0": 100, "r1": 400, "r2": 400, "r3": 400}  # r0 holds 0.9 of the mean less than the others
+    assert {routers[0].choose(features(key, far), fleet).id for key in range(4000, 4100)} == {"r0"}
+    # A prefix cached on r1 (6 of 10 blocks) and less on r2 (4) stays on r1, however the held counts fall.
+    assert {routers[0].choose(features(key, near, r1=6, r2=4), fleet).id for key in range(4000, 4100)} == {"r1"}

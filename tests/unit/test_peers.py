@@ -188,6 +188,7 @@ def test_routes_and_bindings_from_a_peer_steer_this_router() -> None:
     keys = block_keys(list(range(64)), 16)
     board.apply(PeerUpdate("a", 1, clock.now, routes=[(URLS[1], keys)], bindings=[("s1", URLS[1])]), "link")
     assert recent.match(keys, ["r0", "r1"]) == {"r0": 0, "r1": 4}
+    assert recent.pending_blocks("r1") == 4  # a peer's route counts in the held blocks, as this router's own
     assert board._bindings is not None and board._bindings.get("s1") == "r1"
 
 

@@ -111,7 +111,7 @@ class PeerBoard:
             for url, keys in update.routes:
                 rid = ids.get(url)
                 if rid is not None:
-                    self._recent.learn(keys, rid, 0.0)
+                    self._recent.learn(keys, rid, 0.0, pending=True)  # held alike in every router
                     self.stats.routes += 1
         if self._bindings is not None:
             for session, url in update.bindings:
