@@ -444,12 +444,15 @@ async def run_round(
     tokenizer: Path,
     work: Path,
 ) -> RoundResult:
-    """`policy`'s fresh router over the emptied caches, the workload at `level`."""
-    requests = level_workload(args, level)
+    """`policy`'s fresh router, `--warmup-bursts` of other prompts through it first (not counted: its latency
+    model learns the replicas as a router that has run a while knows them), then over the emptied caches
+    the workload at `level`."""
+    requests = level_workload(args, level, args.bursts, args.seed)
     flags = slo_flags(len(requests), args.seed + level)
+    warm = level_workload(args, level, args.warmup_bursts, args.seed + 1) if args.warmup_bursts else []
     await reset_caches(session, fleet)
     port = port_block(2, random.Random())
-    keep = max(1024, 2 * len(requests))
+    keep = max(1024, 2 * (len(requests) + len(warm)))
     extra = ["--receipts-sample", "1", "--receipts-keep", str(keep), *args.router_args.split()]
     command = router_command(
         "dpserve",
@@ -467,19 +470,32 @@ async def run_round(
         await wait_ok(session, f"{router_url}/v1/models", 60, process)
         await asyncio.sleep(1.0)  # KV-event subscribers connected, first probes done
         names = await replica_names(session, router_url, fleet)
+        warm_ids: set[str] = set()
+        if warm:
+            await drive(router_url, warm, slo_flags(len(warm), args.seed + 1), args, level)
+            warm_ids = {str(r.get("request_id")) for r in await router_receipts(session, router_url, keep)}
+            await reset_caches(session, fleet)
+            await asyncio.sleep(1.0)  # the caches' clearing reaches the router's index as KV events
         outcomes, seconds = await drive(router_url, requests, flags, args, level)
-        text = await get_text(session, f"{router_url}/admin/receipts?limit={keep}")
-        receipts: list[dict[str, Any]] = orjson.loads(text)["receipts"] if text else []
+        receipts = [
+            r for r in await router_receipts(session, router_url, keep) if str(r.get("request_id")) not in warm_ids
+        ]
     finally:
         terminate(process, 30)
     return RoundResult(outcomes, seconds, receipts, names)
 
 
-def level_workload(args: argparse.Namespace, level: int) -> list[BenchRequest]:
-    """`--bursts` bursts of `level` prompts, the groups interleaved (each group's long system prompt shared)."""
-    count = args.bursts * level
+async def router_receipts(session: aiohttp.ClientSession, router_url: str, keep: int) -> list[dict[str, Any]]:
+    text = await get_text(session, f"{router_url}/admin/receipts?limit={keep}")
+    receipts: list[dict[str, Any]] = orjson.loads(text)["receipts"] if text else []
+    return receipts
+
+
+def level_workload(args: argparse.Namespace, level: int, bursts: int, seed: int) -> list[BenchRequest]:
+    """`bursts` bursts of `level` prompts, the groups interleaved (each group's long system prompt shared)."""
+    count = bursts * level
     prompts = math.ceil(count / args.groups)
-    workload = shared_prefix(args.groups, prompts, args.prefix_words, args.question_words, args.seed)
+    workload = shared_prefix(args.groups, prompts, args.prefix_words, args.question_words, seed)
     return workload.requests[:count]
 
 
@@ -765,7 +781,9 @@ def verdicts(results: Results) -> list[tuple[str, bool]]:
 
 
 def report(args: argparse.Namespace, results: Results) -> str:
-    lines = [f"dpserve bench slo {' '.join(args.argv)}", *results.described]
+    # Paths as the repository knows them: the report is committed.
+    argv = [shown(arg) if arg.startswith("/") else arg for arg in args.argv]
+    lines = [f"dpserve bench slo {' '.join(argv)}", *results.described]
     lines += [
         f"{args.bursts} bursts {args.gap_s:g} s apart, half the requests with {SLO_HEADER}: {args.slo_ttft_ms:g}, "
         f"{args.groups} prefix groups of ~{args.prefix_words} words, {args.max_tokens} tokens out, streamed",
@@ -806,6 +824,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=COUNT, default=2, help="rounds per policy at the compared load, A B / B A")
     parser.add_argument("--sweep-rounds", type=COUNT, default=2, help="rounds pooled at each load swept")
     parser.add_argument("--bursts", type=COUNT, default=16, help="bursts per round")
+    parser.add_argument(
+        "--warmup-bursts",
+        type=WHOLE,
+        default=0,
+        help="bursts of other prompts through each fresh router before a round, not counted (then the caches "
+        "are emptied again): its latency model starts from what it learned, not from its prior",
+    )
     parser.add_argument("--gap-s", type=POSITIVE, default=1.0, help="seconds from one burst to the next")
     parser.add_argument("--slo-ttft-ms", type=POSITIVE, default=300.0, help="the SLO half the requests carry")
     parser.add_argument("--groups", type=COUNT, default=4, help="prompt groups, each its own long system prompt")
