@@ -168,6 +168,17 @@ class ReplicaLatency:
         if slo_bound:
             self.slo_bound = max(0, self.slo_bound - 1)
 
+    def chance_within(self, limit_s: float, predicted_s: float) -> float:
+        """The share of this replica's recent streams that, predicted `predicted_s`, would have come within
+        `limit_s` (from their realized / predicted ratios); 0.5 for the median prediction itself, and 0.5
+        before any answer was seen."""
+        errors = self.errors
+        if not errors or predicted_s <= 0:
+            return 0.5
+        # realized = predicted / (1 + error): within the limit when 1 + error >= predicted / limit
+        needed = predicted_s / limit_s - 1.0
+        return sum(1 for error in errors if error >= needed) / len(errors)
+
     def median_error(self) -> float | None:
         """The median of the recent relative TTFT errors; None before any."""
         if not self.errors:

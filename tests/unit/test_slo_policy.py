@@ -11,7 +11,7 @@ from dpserve.policies import PrefixMatch, PrefixSource, ReplicaSnapshot, Request
 from dpserve.policies.kv_aware import KvAware
 from dpserve.policies.latency import ReplicaLatency
 from dpserve.policies.least_loaded import LeastLoaded
-from dpserve.policies.slo import SLO_UNMET, SloAware, predict_ttft
+from dpserve.policies.slo import SLO_CHANCE, SLO_UNMET, SloAware, predict_ttft
 from dpserve.router.flow.slo import slo_of, slo_unattainable
 from dpserve.router.flow.tenants import TenantRules, parse_tenant_rules
 from dpserve.router.http.errors import OpenAIError
@@ -59,12 +59,34 @@ def test_among_replicas_that_meet_it_the_inner_policy_chooses_by_cache() -> None
     assert decision.uncached_tokens == 2000 - 1600
 
 
+def with_errors(latency: ReplicaLatency, errors: list[float]) -> ReplicaLatency:
+    """The model, with these recent relative errors ((predicted - realized) / realized) seen."""
+    made = ReplicaLatency()
+    made.ttft, made.tpot = latency.ttft, latency.tpot
+    made.errors.extend(errors)
+    return made
+
+
 def test_when_no_replica_can_meet_it_the_decision_says_so_on_the_nearest() -> None:
     policy = SloAware(LeastLoaded(random.Random(0)))
-    fast, slow = ReplicaSnapshot("fast", latency=FAST), ReplicaSnapshot("slow", latency=SLOW)
+    exact = [0.0] * 50  # its predictions were right: 0.22 s will not come within 0.1 s
+    fast, slow = ReplicaSnapshot("fast", latency=with_errors(FAST, exact)), ReplicaSnapshot("slow", latency=SLOW)
     decision = policy.choose(features(Slo(0.1, None)), [slow, fast])
     assert (decision.id, decision.reason, decision.meets_slo) == ("fast", SLO_UNMET, False)
     assert decision.ttft_s == pytest.approx(0.22, abs=0.02)
+
+
+def test_one_predicted_just_late_goes_where_a_fair_share_of_such_answers_came_in_time() -> None:
+    """Predictions err: of the fast replica's recent streams, 30% came in at half their prediction or
+    sooner. A request predicted 0.22 s against a 0.15 s SLO has that chance there: sent, not refused."""
+    policy = SloAware(LeastLoaded(random.Random(0)))
+    errors = [1.0] * 30 + [0.0] * 70  # predicted twice the realized, 30 times of 100
+    fast = ReplicaSnapshot("fast", latency=with_errors(FAST, errors))
+    decision = policy.choose(features(Slo(0.15, None)), [ReplicaSnapshot("slow", latency=SLOW), fast])
+    assert (decision.id, decision.reason, decision.meets_slo) == ("fast", SLO_CHANCE, True)
+    assert fast.latency.chance_within(0.15, 0.22) == 0.3
+    assert not policy.choose(features(Slo(0.05, None)), [fast]).meets_slo  # 4.4x late: no answer came that soon
+    assert ReplicaLatency().chance_within(0.1, 1.0) == 0.5  # nothing seen yet: not refused on the prior alone
 
 
 def test_load_ahead_on_a_replica_counts_against_it() -> None:

@@ -55,6 +55,8 @@ class Selector:
         self._sample_size = sample_size
         self._bindings = bindings
         """The session policy's: each keyed request binds its session to where it went."""
+        self.nearest_s = 0.0
+        """The soonest first token `worth_waiting` last predicted (for the refusal's message)."""
 
     def candidates(self, features: RequestFeatures, tried: Sequence[str] = ()) -> list[ReplicaView]:
         """Replicas the policy may choose from now: routable, untried, with room; a sample of them in a
@@ -122,23 +124,21 @@ class Selector:
         engine_block = (chosen.block_size or 0) if chosen is not None else 0
         return Choice(policy.name, decision, features, candidates, engine_block)
 
-    def nearest_ttft(self, features: RequestFeatures, tried: Sequence[str] = ()) -> float | None:
-        """The soonest first token any replica serving the model is predicted to give this request, room or
-        none (what is ahead of it there counted); None when the policy predicts no time."""
-        policy = self.policy
-        if not isinstance(policy, SloAware):
-            return None
+    def worth_waiting(self, features: RequestFeatures, tried: Sequence[str] = ()) -> bool:
+        """Whether a request with an SLO, finding no replica with room, may wait for one: the replica
+        predicted soonest, counting what is ahead of it there, meets the SLO or has a fair chance to. True
+        when the policy predicts no time."""
+        policy, slo = self.policy, features.slo
+        if not isinstance(policy, SloAware) or slo is None:
+            return True
         fleet = self._registry.available(self._catalog.routable(features.model), tried)
         if not fleet:
-            return None
+            return True
         if self._prefixes is not None:
             features = self._prefixes.match(features, fleet)
-        return min(predict_ttft(features, replica) for replica in fleet)
-
-    def within(self, slo_s: float, predicted_s: float) -> bool:
-        """A prediction meets an SLO, with the policy's headroom."""
-        policy = self.policy
-        return predicted_s <= slo_s * (policy.headroom if isinstance(policy, SloAware) else 1.0)
+        ttft, nearest = min(((predict_ttft(features, r), r) for r in fleet), key=lambda pair: pair[0])
+        self.nearest_s = ttft
+        return policy.worth_trying(slo, ttft, nearest)
 
     def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
         """The decision alone, as a dispatch makes it when a replica has room (for measuring it)."""
