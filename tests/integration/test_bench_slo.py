@@ -44,7 +44,7 @@ def test_slo_benchmark_on_sims_sweeps_then_compares_and_writes_sane_figures(tmp_
         assert int(row["best_effort_done"]) == int(row["best_effort_sent"])
         met, seconds = int(row["slo_met"]), float(row["seconds"])
         assert float(row["attainment"]) == pytest.approx(met / int(row["slo_sent"]), abs=1e-4)
-        assert float(row["goodput"]) == pytest.approx(met / seconds, abs=1e-4)
+        assert float(row["goodput"]) == pytest.approx(met / seconds, rel=2e-3)  # both rounded in the CSV
         # At least the bursts' spacing; the answers add their time.
         assert seconds > 0.3 * 2 * rounds
         ttfts = [float(row[k]) for k in ("ttft_slo_p50_ms", "ttft_slo_p99_ms", "ttft_best_effort_p50_ms")]
