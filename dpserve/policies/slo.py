@@ -55,7 +55,7 @@ class SloAware(Policy):
         nearest: tuple[float, ReplicaView] | None = None
         for candidate in candidates:
             ttft = predict_ttft(features, candidate)
-            if self._meets(slo, ttft, candidate):
+            if self.meets(slo, ttft, candidate):
                 meeting.append(candidate)
             elif nearest is None or ttft < nearest[0]:
                 nearest = (ttft, candidate)
@@ -70,13 +70,14 @@ class SloAware(Policy):
 
     def worth_trying(self, slo: Slo, ttft: float, replica: ReplicaView) -> bool:
         """Predicted `ttft` there, the request meets its SLO, or has a fair chance to (`FAIR_CHANCE`)."""
-        if self._meets(slo, ttft, replica):
+        if self.meets(slo, ttft, replica):
             return True
         if slo.ttft_s is None or predict_tpot(replica) > (slo.tpot_s or math.inf) * self.headroom:
             return False
         return replica.latency.chance_within(slo.ttft_s * self.headroom, ttft) >= FAIR_CHANCE
 
-    def _meets(self, slo: Slo, ttft: float, replica: ReplicaView) -> bool:
+    def meets(self, slo: Slo, ttft: float, replica: ReplicaView) -> bool:
+        """Predicted `ttft` there, the request meets its SLO (with the headroom)."""
         limit = self.headroom
         if slo.ttft_s is not None and ttft > slo.ttft_s * limit:
             return False

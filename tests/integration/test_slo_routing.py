@@ -152,7 +152,7 @@ def test_a_request_that_would_wait_in_the_routers_queue_past_its_slo_is_refused_
             refused = stream(router.url, "late " + PROMPT, {"x-slo-ttft-ms": "200"}, client)
             took = time.perf_counter() - started
             assert refused.status_code == 429 and refused.json()["error"]["code"] == "slo_unattainable", refused.text
-            assert took < 0.15, took  # on arrival (its deadline was 200 ms away)
+            assert took < 0.2, took  # on arrival, not at its deadline 200 ms away
             served = stream(router.url, "patient " + PROMPT, {"x-slo-ttft-ms": "60000"}, client)
             assert served.status_code == 200, served.text
             assert all(holder.result().status_code == 200 for holder in holders)

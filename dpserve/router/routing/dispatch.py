@@ -457,8 +457,8 @@ class Dispatcher:
 
     def _refuse_late(self, features: RequestFeatures, tried: Sequence[str]) -> None:
         """A request with a TTFT SLO that would wait in the router's queue is refused at once (429) when even
-        the nearest replica, counting the requests ahead of it there, is predicted past its SLO without a
-        fair chance: it would only be refused at its deadline."""
+        the nearest replica, counting the requests ahead of it there, is predicted past its SLO: it would
+        only be refused at its deadline."""
         slo = features.slo
         if slo is None or slo.queue or slo.ttft_s is None:
             return

@@ -126,8 +126,9 @@ class Selector:
 
     def worth_waiting(self, features: RequestFeatures, tried: Sequence[str] = ()) -> bool:
         """Whether a request with an SLO, finding no replica with room, may wait for one: the replica
-        predicted soonest, counting what is ahead of it there, meets the SLO or has a fair chance to. True
-        when the policy predicts no time."""
+        predicted soonest, counting what is ahead of it there, meets the SLO. (Not a fair chance, as a
+        decision with room allows: a wait without one ends in a refusal at the deadline, where one on
+        arrival says the same at once.) True when the policy predicts no time."""
         policy, slo = self.policy, features.slo
         if not isinstance(policy, SloAware) or slo is None:
             return True
@@ -138,7 +139,7 @@ class Selector:
             features = self._prefixes.match(features, fleet)
         ttft, nearest = min(((predict_ttft(features, r), r) for r in fleet), key=lambda pair: pair[0])
         self.nearest_s = ttft
-        return policy.worth_trying(slo, ttft, nearest)
+        return policy.meets(slo, ttft, nearest)
 
     def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
         """The decision alone, as a dispatch makes it when a replica has room (for measuring it)."""
