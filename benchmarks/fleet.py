@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -268,3 +268,20 @@ def relative_source_paths(text: str, checkout: Path = CHECKOUT) -> str:
     text = re.sub(path + r"/lib/(python3\.\d+)/", r"\1/", text)
     text = re.sub(path + r"/bin/(python[\d.]*)(?=[\s\\\"])", r"\1", text)
     return text.replace(f"{checkout}{os.sep}", "")
+
+
+async def reset_prefix_caches(session: aiohttp.ClientSession, urls: Iterable[str]) -> None:
+    """Every replica's prefix cache emptied (`POST /reset_prefix_cache`, which vLLM serves with
+    VLLM_SERVER_DEV_MODE=1; a data-parallel server resets all its engines)."""
+    for url in urls:
+        for _ in range(100):
+            try:
+                async with session.post(f"{url}/reset_prefix_cache") as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass  # a kept-alive connection the replica closed as the POST went out: sent again on a new one
+            await asyncio.sleep(0.2)  # a replica still finishing a request refuses the reset
+        else:
+            raise RuntimeError(f"{url}/reset_prefix_cache kept failing (is VLLM_SERVER_DEV_MODE set?)")

@@ -30,7 +30,17 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 
-from benchmarks.fleet import UpPorts, get_text, port_block, progress, router_command, spawn, start_up, wait_ok
+from benchmarks.fleet import (
+    UpPorts,
+    get_text,
+    port_block,
+    progress,
+    reset_prefix_caches,
+    router_command,
+    spawn,
+    start_up,
+    wait_ok,
+)
 from benchmarks.policy_workloads import (
     BenchRequest,
     Workload,
@@ -291,15 +301,7 @@ async def shadow_rates(session: aiohttp.ClientSession, router_url: str) -> dict[
 
 
 async def reset_caches(session: aiohttp.ClientSession, fleet: Fleet) -> None:
-    for url in fleet.urls:
-        for _ in range(50):
-            async with session.post(f"{url}/reset_prefix_cache") as resp:
-                if resp.status == 200:
-                    break
-                await resp.read()
-            await asyncio.sleep(0.2)  # a replica still finishing a request refuses the reset
-        else:
-            raise RuntimeError(f"{url}/reset_prefix_cache kept failing (is VLLM_SERVER_DEV_MODE set?)")
+    await reset_prefix_caches(session, fleet.urls)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from benchmarks.fleet import HOST, get_text, port_block, progress, router_command, spawn, wait_ok
+from benchmarks.fleet import HOST, get_text, port_block, progress, reset_prefix_caches, router_command, spawn, wait_ok
 from benchmarks.policy_workloads import BenchRequest, shared_prefix
 from benchmarks.report import format_table, goals_status, met, shown, write_csv
 from benchmarks.stats import percentile
@@ -328,18 +328,7 @@ async def warm_up(session: aiohttp.ClientSession, fleet: Fleet, max_tokens: int)
 
 
 async def reset_caches(session: aiohttp.ClientSession, fleet: Fleet) -> None:
-    for url in fleet.urls:
-        for _ in range(100):
-            try:
-                async with session.post(f"{url}/reset_prefix_cache") as resp:
-                    await resp.read()
-                    if resp.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass  # a kept-alive connection the replica had closed: try again on a new one
-            await asyncio.sleep(0.2)  # a replica still finishing a request refuses the reset
-        else:
-            raise RuntimeError(f"{url}/reset_prefix_cache kept failing")
+    await reset_prefix_caches(session, fleet.urls)
 
 
 # -- one round -----------------------------------------------------------------------------------------

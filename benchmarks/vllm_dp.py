@@ -47,7 +47,17 @@ import aiohttp
 import orjson
 import psutil
 
-from benchmarks.fleet import UpPorts, cpu_seconds, get_text, port_block, progress, router_command, spawn, wait_ok
+from benchmarks.fleet import (
+    UpPorts,
+    cpu_seconds,
+    get_text,
+    port_block,
+    progress,
+    reset_prefix_caches,
+    router_command,
+    spawn,
+    wait_ok,
+)
 from benchmarks.policies import decision_reasons, drive_threads, pressure_capacity, sum_counts
 from benchmarks.policy_workloads import Workload, multi_turn, shared_prefix
 from benchmarks.report import format_table, shown, write_csv
@@ -290,18 +300,7 @@ async def engine_counters(session: aiohttp.ClientSession, layout: Layout) -> lis
 
 async def reset_caches(session: aiohttp.ClientSession, layout: Layout) -> None:
     """Every engine's prefix cache emptied (vLLM's data-parallel server resets all its engines)."""
-    for url in layout.urls:
-        for _ in range(50):
-            try:
-                async with session.post(f"{url}/reset_prefix_cache") as resp:
-                    await resp.read()
-                    if resp.status == 200:
-                        break
-            except aiohttp.ServerDisconnectedError:
-                pass  # a kept-alive connection the server closed as the POST went out: sent again on a new one
-            await asyncio.sleep(0.2)  # an engine still finishing a request refuses the reset
-        else:
-            raise RuntimeError(f"{url}/reset_prefix_cache kept failing (is VLLM_SERVER_DEV_MODE set?)")
+    await reset_prefix_caches(session, layout.urls)
 
 
 # -- the clients -----------------------------------------------------------------------------------------
