@@ -205,7 +205,11 @@ async def test_dashboard_queries_read_series_the_router_and_vllm_export(fleet: F
             await asyncio.sleep(0.1)
         body: dict[str, Any] = {"model": "dpserve-tiny", "messages": [{"role": "user", "content": "hi"}]}
         for stream in (False, True):
-            response = await client.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 4, "stream": stream})
+            # One with an SLO: its counters (the goodput panel's) exist once one has come.
+            slo = {"x-slo-ttft-ms": "60000"} if stream else {}
+            response = await client.post(
+                f"{url}/v1/chat/completions", json={**body, "max_tokens": 4, "stream": stream}, headers=slo
+            )
             assert response.status_code == 200
         await asyncio.sleep(0.2)
         router_text = (await client.get(f"{url}/metrics")).text

@@ -51,7 +51,8 @@ def check_repeats_follow_the_cache(router_url: str, seeds: range) -> None:
 
 def test_dpserve_up_routes_repeats_to_the_replica_that_cached_them(fleet: Fleet) -> None:
     status = httpx.get(f"{fleet.router_url}/status", timeout=5).json()
-    assert status["policy"] == "kv_aware"  # the default when `dpserve up` passes KV events
+    # The default: slo, choosing as kv_aware when `dpserve up` passes KV events (its cache_hit reasons below).
+    assert status["policy"] == "slo"
     before = metric(fleet.router_url, "dpserve_routing_decision_reasons_total", reason="cache_hit")
     check_repeats_follow_the_cache(fleet.router_url, range(100, 104))
     assert metric(fleet.router_url, "dpserve_routing_decision_reasons_total", reason="cache_hit") - before >= 16
