@@ -462,9 +462,10 @@ class Dispatcher:
         slo = features.slo
         if slo is None or slo.queue or slo.ttft_s is None:
             return
-        if not self._selector.worth_waiting(features, tried):
+        nearest = self._selector.too_late(features, tried)
+        if nearest is not None:
             self._metrics.admission_rejections.labels("slo_unattainable").inc()
-            raise slo_unattainable(slo, self._selector.nearest_s)
+            raise slo_unattainable(slo, nearest)
 
     async def _attempt(
         self,

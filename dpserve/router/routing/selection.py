@@ -55,8 +55,6 @@ class Selector:
         self._sample_size = sample_size
         self._bindings = bindings
         """The session policy's: each keyed request binds its session to where it went."""
-        self.nearest_s = 0.0
-        """The soonest first token `worth_waiting` last predicted (for the refusal's message)."""
 
     def candidates(self, features: RequestFeatures, tried: Sequence[str] = ()) -> list[ReplicaView]:
         """Replicas the policy may choose from now: routable, untried, with room; a sample of them in a
@@ -124,22 +122,21 @@ class Selector:
         engine_block = (chosen.block_size or 0) if chosen is not None else 0
         return Choice(policy.name, decision, features, candidates, engine_block)
 
-    def worth_waiting(self, features: RequestFeatures, tried: Sequence[str] = ()) -> bool:
-        """Whether a request with an SLO, finding no replica with room, may wait for one: the replica
-        predicted soonest, counting what is ahead of it there, meets the SLO. (Not a fair chance, as a
-        decision with room allows: a wait without one ends in a refusal at the deadline, where one on
-        arrival says the same at once.) True when the policy predicts no time."""
+    def too_late(self, features: RequestFeatures, tried: Sequence[str] = ()) -> float | None:
+        """For a request with an SLO that finds no replica with room: the soonest first token predicted,
+        when even that replica, counting what is ahead of it there, misses the SLO (it should not wait for
+        a refusal at its deadline); None when it may wait, or the policy predicts no time. (Not a fair
+        chance, as a decision with room allows: a wait without one ends at the deadline.)"""
         policy, slo = self.policy, features.slo
         if not isinstance(policy, SloAware) or slo is None:
-            return True
+            return None
         fleet = self._registry.available(self._catalog.routable(features.model), tried)
         if not fleet:
-            return True
+            return None
         if self._prefixes is not None:
             features = self._prefixes.match(features, fleet)
         ttft, nearest = min(((predict_ttft(features, r), r) for r in fleet), key=lambda pair: pair[0])
-        self.nearest_s = ttft
-        return policy.meets(slo, ttft, nearest)
+        return None if policy.meets(slo, ttft, nearest) else ttft
 
     def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
         """The decision alone, as a dispatch makes it when a replica has room (for measuring it)."""
