@@ -865,6 +865,12 @@ class SimSettings:
     sim_seed: int = setting(0, "seed for jitter and generated tokens", SIM_MODEL)
     sim_speed: float = setting(1.0, "time scale: 2 = twice as fast, 0 = no waits at all", SIM_MODEL)
     sim_tokenizer: str = setting("tiny", "the tiny model's BPE, or a fast hash", SIM_MODEL, choices=("tiny", "fast"))
+    sim_scheduling_policy: str = setting(
+        "fcfs",
+        "the waiting queue's order, as vLLM's: arrival, or each request's `priority` field first (lower sooner)",
+        SIM_MODEL,
+        choices=("fcfs", "priority"),
+    )
     sim_kv_events: str | None = setting(
         None,
         "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557; engine R on port + R, as vLLM (none: no events)",

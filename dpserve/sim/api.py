@@ -64,6 +64,7 @@ class Prompt:
     finish_reason: str
     stream: bool
     include_usage: bool
+    priority: int = 0
 
 
 class SimApi:
@@ -238,7 +239,10 @@ class SimApi:
                 f"{max_tokens} output tokens and your prompt contains {len(ids)} input tokens.",
                 "max_tokens",
             )
-        return Prompt(ids, max_tokens, finish_reason, stream, bool(options.get("include_usage")))
+        priority = body.get("priority", 0)
+        if not _is_integer(priority):
+            raise SimError(400, f"`priority` must be an integer, got {priority!r:.32}.", "priority")
+        return Prompt(ids, max_tokens, finish_reason, stream, bool(options.get("include_usage")), priority)
 
     # Endpoints that generate.
     async def tokenize(self, body: dict[str, Any], _: Request) -> Response:
@@ -273,7 +277,7 @@ class SimApi:
         return await self._generate(prompt, ChatFormat(self.model.name), header_rank(http.headers.get(RANK_HEADER)))
 
     async def _generate(self, prompt: Prompt, fmt: ResponseFormat, rank: int | None) -> Response:
-        request = GenerationRequest(prompt.ids, prompt.max_tokens, prompt.finish_reason)
+        request = GenerationRequest(prompt.ids, prompt.max_tokens, prompt.finish_reason, prompt.priority)
         try:
             self.engine.check_fits(request)  # every engine's cache is the same size
         except RequestTooLarge as exc:
@@ -321,6 +325,10 @@ async def _error_stream(error: SimError) -> AsyncIterator[bytes]:
 
 def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_token(value: Any) -> bool:

@@ -1,4 +1,5 @@
-"""The simulated engine: a batch of at most `max_num_seqs` running requests, a FIFO waiting queue, the
+"""The simulated engine: a batch of at most `max_num_seqs` running requests, a waiting queue (first come,
+first served; or by each request's `priority`, then arrival, as vLLM's `--scheduling-policy priority`), the
 prefix cache, and a latency model. No model runs: time passes by `asyncio.sleep` alone, so a sim costs
 almost no CPU and many of them share two cores.
 
@@ -11,9 +12,10 @@ Latency, for a request admitted while `b` requests run (itself included):
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import random
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +49,8 @@ class GenerationRequest:
     max_tokens: int
     finish_reason: str
     """"length" when the client set max_tokens; "stop" when the simulated model chose its own length."""
+    priority: int = 0
+    """vLLM's request field: lower waits less, under the priority scheduling policy (ignored otherwise)."""
 
 
 @dataclass(slots=True)
@@ -73,6 +77,9 @@ class EngineObserver:
     def on_finished(self, request: GenerationRequest, stats: RequestStats, reason: str) -> None: ...
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 class SimEngine:
     def __init__(
         self,
@@ -83,12 +90,18 @@ class SimEngine:
         observer: EngineObserver | None = None,
         publish: Callable[[list[KvEvent]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        scheduling_policy: str = "fcfs",
     ) -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy {scheduling_policy!r}: one of {', '.join(SCHEDULING_POLICIES)}")
         self.cache = cache
         self.latency = latency
         self.max_num_seqs = max_num_seqs
         self.running = 0
-        self._waiting: deque[tuple[GenerationRequest, asyncio.Future[Allocation]]] = deque()
+        self._by_priority = scheduling_policy == "priority"
+        # A heap of (priority, arrival number, request, future): arrival order alone under fcfs (priority 0).
+        self._waiting: list[tuple[int, int, GenerationRequest, asyncio.Future[Allocation]]] = []
+        self._arrivals = itertools.count()
         self._rng = random.Random(seed)
         self._observer = observer or EngineObserver()
         self._publish_events = publish
@@ -155,7 +168,8 @@ class SimEngine:
             if allocation is not None:
                 return allocation
         future: asyncio.Future[Allocation] = asyncio.get_running_loop().create_future()
-        self._waiting.append((request, future))
+        priority = request.priority if self._by_priority else 0
+        heapq.heappush(self._waiting, (priority, next(self._arrivals), request, future))
         try:
             return await future
         except asyncio.CancelledError:
@@ -185,22 +199,24 @@ class SimEngine:
         return allocation
 
     def _admit_waiting(self) -> None:
-        """First come, first served: the head waits for room rather than letting smaller ones pass."""
-        while self._waiting and self.running < self.max_num_seqs:
-            request, future = self._waiting[0]
+        """In queue order: the head waits for room rather than letting smaller ones pass."""
+        waiting = self._waiting
+        while waiting and self.running < self.max_num_seqs:
+            _, _, request, future = waiting[0]
             if future.done():
-                self._waiting.popleft()
+                heapq.heappop(waiting)
                 continue
             allocation = self._try_allocate(request)
             if allocation is None:
                 return
-            self._waiting.popleft()
+            heapq.heappop(waiting)
             future.set_result(allocation)
 
     def _remove_waiter(self, future: asyncio.Future[Allocation]) -> None:
-        for index, (_, waiter) in enumerate(self._waiting):
-            if waiter is future:
+        for index, entry in enumerate(self._waiting):
+            if entry[3] is future:
                 del self._waiting[index]
+                heapq.heapify(self._waiting)
                 return
 
     def _publish(self) -> None:

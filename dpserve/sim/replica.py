@@ -89,6 +89,7 @@ def build_simulator(
                 seed=settings.sim_seed + offset,
                 observer=observer,
                 publish=publisher.publish if publisher else None,
+                scheduling_policy=settings.sim_scheduling_policy,
             )
             observer.watch(engine)
             engines.append(engine)

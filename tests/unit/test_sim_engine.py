@@ -51,6 +51,36 @@ async def test_batch_limit_queues_first_come_first_served() -> None:
     assert engine.running == 0 and engine.waiting == 0 and cache.blocks_in_use == 0
 
 
+@pytest.mark.parametrize(
+    ("policy", "order"), [("fcfs", ["batch", "standard", "urgent"]), ("priority", ["urgent", "standard", "batch"])]
+)
+async def test_the_priority_policy_admits_the_most_urgent_waiter_first(policy: str, order: list[str]) -> None:
+    """vLLM's --scheduling-policy priority: lower `priority` first, then arrival; fcfs ignores the field."""
+    engine = SimEngine(PrefixCache(64, 4), LatencyModel(decode_s_per_token=0.001), 1, scheduling_policy=policy)
+    holder = engine.generate(request([1, 2, 3]), [5] * 50, RequestStats(0.0), streamed=True)
+    assert await holder.__anext__() == 5
+    admitted: list[str] = []
+
+    async def wait(name: str, priority: int) -> None:
+        ask = GenerationRequest([7, 8, 9], 1, "length", priority)
+        async for _ in engine.generate(ask, [6], RequestStats(0.0), streamed=True):
+            admitted.append(name)
+
+    tasks = []
+    for name, priority in (("batch", 1), ("standard", 0), ("urgent", -1)):
+        tasks.append(asyncio.create_task(wait(name, priority)))
+        await asyncio.sleep(0.01)  # arrival order: batch, standard, urgent
+    assert engine.waiting == 3
+    await holder.aclose()
+    await asyncio.wait_for(asyncio.gather(*tasks), 2)
+    assert admitted == order
+
+
+def test_an_unknown_scheduling_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="scheduling policy"):
+        SimEngine(PrefixCache(8, 4), LatencyModel(), 1, scheduling_policy="lifo")
+
+
 async def test_speed_zero_answers_without_waiting_and_publishes_events() -> None:
     published: list[KvEvent] = []
     cache = PrefixCache(64, 4)
