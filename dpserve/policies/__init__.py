@@ -39,6 +39,8 @@ class PolicyTuning:
     """What `slo` chooses with among the replicas predicted to meet an SLO: kv_aware where the replicas
     publish KV events, else least_loaded."""
     slo_headroom: float = 1.0
+    slo_first: bool = False
+    """The replicas serve requests with an SLO first (`--vllm-priority`)."""
 
 
 _FACTORIES: dict[str, Callable[[random.Random, PolicyTuning], Policy]] = {
@@ -47,7 +49,9 @@ _FACTORIES: dict[str, Callable[[random.Random, PolicyTuning], Policy]] = {
     "kv_aware": lambda rng, tuning: KvAware(rng, tuning.kv_weights, tuning.guard),
     "prefix": lambda rng, tuning: PrefixAffinity(rng, tuning.prefix_min_match, tuning.guard),
     "session": lambda rng, tuning: SessionAffinity(rng, tuning.session_load_factor),
-    "slo": lambda rng, tuning: SloAware(make_policy(tuning.slo_inner, rng, tuning), tuning.guard, tuning.slo_headroom),
+    "slo": lambda rng, tuning: SloAware(
+        make_policy(tuning.slo_inner, rng, tuning), tuning.guard, tuning.slo_headroom, tuning.slo_first
+    ),
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)

@@ -107,7 +107,17 @@ class OnlineFit:
 class ReplicaLatency:
     """One replica's latency model, and what the router has sent it that has not begun answering."""
 
-    __slots__ = ("errors", "prefill_tokens", "prefilling", "slo_bound", "tpot", "ttft", "ttft_scale")
+    __slots__ = (
+        "errors",
+        "prefill_tokens",
+        "prefilling",
+        "slo_bound",
+        "slo_prefill_tokens",
+        "slo_prefilling",
+        "tpot",
+        "ttft",
+        "ttft_scale",
+    )
 
     def __init__(self) -> None:
         self.ttft = OnlineFit(TTFT_PRIOR, TTFT_TYPICAL)
@@ -122,6 +132,10 @@ class ReplicaLatency:
         """Those requests."""
         self.slo_bound = 0
         """Requests with an SLO sent there and not yet done: what a best-effort request would slow."""
+        self.slo_prefill_tokens = 0
+        self.slo_prefilling = 0
+        """Those of `prefill_tokens` and `prefilling` with an SLO: all that is ahead of one more with an SLO
+        where vLLM serves them first (`--vllm-priority`)."""
         self.errors: deque[float] = deque(maxlen=ERRORS_KEPT)
         """Recent (predicted - realized) / realized TTFT, for `/status`."""
 
@@ -136,16 +150,26 @@ class ReplicaLatency:
         if realized > 0:
             self.errors.append((predicted - realized) / realized)
 
-    def ttft_inputs(self, uncached_tokens: int, load: int, capacity: int) -> tuple[float, float, float, float, float]:
+    def ttft_inputs(
+        self, uncached_tokens: int, load: int, capacity: int, first: bool = False
+    ) -> tuple[float, float, float, float, float]:
         """The TTFT model's inputs for one more request of `uncached_tokens` sent now, on a replica with
-        `load` requests (the router's, its peers' and others') and `capacity` slots (0: not known)."""
+        `load` requests (the router's, its peers' and others') and `capacity` slots (0: not known). `first`:
+        the replica serves it before the best-effort requests waiting there (vLLM's priority scheduling),
+        so only those answering and those with an SLO are ahead of it."""
         busy = load - self.prefilling
-        queued = load + 1 - capacity if capacity > 0 else 0
+        if busy < 0:
+            busy = 0
+        if first:
+            ahead_tokens, ahead = self.slo_prefill_tokens, busy + self.slo_prefilling
+        else:
+            ahead_tokens, ahead = self.prefill_tokens, load
+        queued = ahead + 1 - capacity if capacity > 0 else 0
         return (
             1.0,
             uncached_tokens / 1000.0,
-            self.prefill_tokens / 1000.0,
-            float(busy if busy > 0 else 0),
+            ahead_tokens / 1000.0,
+            float(busy),
             float(queued if queued > 0 else 0),
         )
 
@@ -158,11 +182,16 @@ class ReplicaLatency:
         self.prefilling += 1
         if slo_bound:
             self.slo_bound += 1
+            self.slo_prefill_tokens += uncached_tokens
+            self.slo_prefilling += 1
 
-    def answering(self, uncached_tokens: int) -> None:
+    def answering(self, uncached_tokens: int, slo_bound: bool) -> None:
         """A request sent there began answering (or ended before it did): its prompt is computed."""
         self.prefill_tokens = max(0, self.prefill_tokens - uncached_tokens)
         self.prefilling = max(0, self.prefilling - 1)
+        if slo_bound:
+            self.slo_prefill_tokens = max(0, self.slo_prefill_tokens - uncached_tokens)
+            self.slo_prefilling = max(0, self.slo_prefilling - 1)
 
     def done(self, slo_bound: bool) -> None:
         if slo_bound:

@@ -8,6 +8,11 @@ replica predicted nearest if a fair share of that replica's recent answers, pred
 (`FAIR_CHANCE`); otherwise the decision says so (`meets_slo` False, on the nearest): the router then
 refuses it at once, or sends it anyway where its tenant says to queue.
 
+Where the replicas serve requests with an SLO first (`first`: the router passes vLLM a `priority` one
+ahead of the class's best effort, `--vllm-priority`, and they run `--scheduling-policy priority`), only
+what is answering and the SLO-bound requests waiting there are ahead of one in the prediction, and the
+models learn from SLO-bound answers alone (a best-effort request's wait depends on what overtakes it).
+
 A best-effort request (no SLO) goes where it slows SLO-bound requests least: among the replicas the
 balance guard allows, those with the fewest SLO-bound requests in flight, so a fast replica that the
 promised requests need is not filled with work that could wait; then the inner policy's pick. With no
@@ -36,13 +41,17 @@ cost the policy goodput that kv_aware got)."""
 class SloAware(Policy):
     name = "slo"
 
-    def __init__(self, inner: Policy, guard: BalanceGuard | None = None, headroom: float = 1.0) -> None:
-        """`headroom`: the share of an SLO a prediction must fit within (below 1 leaves room for error)."""
+    def __init__(
+        self, inner: Policy, guard: BalanceGuard | None = None, headroom: float = 1.0, first: bool = False
+    ) -> None:
+        """`headroom`: the share of an SLO a prediction must fit within (below 1 leaves room for error);
+        `first`: the replicas serve requests with an SLO before best effort."""
         self.inner = inner
         self.needs = inner.needs
         self.sampling = inner.sampling
         self.guard = guard or BalanceGuard()
         self.headroom = headroom
+        self.first = first
 
     def preferred(self, features: RequestFeatures, fleet: tuple[str, ...]) -> tuple[str, ...]:
         return self.inner.preferred(features, fleet)
@@ -54,7 +63,7 @@ class SloAware(Policy):
         meeting: list[ReplicaView] = []
         nearest: tuple[float, ReplicaView] | None = None
         for candidate in candidates:
-            ttft = predict_ttft(features, candidate)
+            ttft = self.predict_ttft(features, candidate)
             if self.meets(slo, ttft, candidate):
                 meeting.append(candidate)
             elif nearest is None or ttft < nearest[0]:
@@ -63,7 +72,7 @@ class SloAware(Policy):
             return self._predicted(features, self.inner.choose(features, meeting), meeting)
         assert nearest is not None  # candidates are never empty
         ttft, replica = nearest
-        inputs, uncached = ttft_inputs(features, replica)
+        inputs, uncached = self.ttft_inputs(features, replica)
         if self.worth_trying(slo, ttft, replica):
             return Decision(replica.id, SLO_CHANCE, ttft, inputs, uncached)
         return Decision(replica.id, SLO_UNMET, ttft, inputs, uncached, meets_slo=False)
@@ -97,20 +106,20 @@ class SloAware(Policy):
     def _predicted(self, features: RequestFeatures, inner: Decision, seen: Sequence[ReplicaView]) -> Decision:
         """The inner policy's decision, with the prediction at the replica it chose."""
         chosen = next(c for c in seen if c.id == inner.id)
-        inputs, uncached = ttft_inputs(features, chosen)
-        return Decision(inner.id, inner.reason, chosen.latency.predict_ttft(inputs), inputs, uncached)
+        inputs, uncached = self.ttft_inputs(features, chosen)
+        learns = features.slo is not None or not self.first
+        return Decision(inner.id, inner.reason, chosen.latency.predict_ttft(inputs), inputs, uncached, learns=learns)
 
+    def ttft_inputs(self, features: RequestFeatures, replica: ReplicaView) -> tuple[tuple[float, ...], int]:
+        """The TTFT model's inputs for this request on `replica`, and its uncached prompt tokens there."""
+        uncached = features.uncached_tokens(replica.id)
+        first = self.first and features.slo is not None
+        return replica.latency.ttft_inputs(uncached, replica.load, replica.capacity, first), uncached
 
-def ttft_inputs(features: RequestFeatures, replica: ReplicaView) -> tuple[tuple[float, ...], int]:
-    """The TTFT model's inputs for this request on `replica`, and its uncached prompt tokens there."""
-    uncached = features.uncached_tokens(replica.id)
-    return replica.latency.ttft_inputs(uncached, replica.load, replica.capacity), uncached
-
-
-def predict_ttft(features: RequestFeatures, replica: ReplicaView) -> float:
-    """Seconds to this request's first token were it sent to `replica` now."""
-    inputs, _ = ttft_inputs(features, replica)
-    return replica.latency.predict_ttft(inputs)
+    def predict_ttft(self, features: RequestFeatures, replica: ReplicaView) -> float:
+        """Seconds to this request's first token were it sent to `replica` now."""
+        inputs, _ = self.ttft_inputs(features, replica)
+        return replica.latency.predict_ttft(inputs)
 
 
 def predict_tpot(replica: ReplicaView) -> float:

@@ -65,6 +65,7 @@ def policy_tuning(settings: RouterSettings) -> PolicyTuning:
         session_load_factor=settings.session_load_factor,
         slo_inner=settings.slo_inner_policy,
         slo_headroom=settings.slo_headroom,
+        slo_first=settings.vllm_priority,
     )
 
 

@@ -235,16 +235,19 @@ async def test_ready_turns_503_when_a_shutdown_begins() -> None:
 @pytest.mark.parametrize("passed", [True, False])
 async def test_each_request_s_class_reaches_the_replica_as_its_priority_field(passed: bool) -> None:
     """With --vllm-priority, the body the replica receives carries vLLM's `priority` for the request's class
-    (critical -1, standard 0, batch 1); without it, the body goes as the client sent it."""
+    (critical -2, standard 0, batch 2), one lower for a request with an SLO (served ahead of its class's best
+    effort); without it, the body goes as the client sent it."""
     replica = ScriptedReplica()
-    async with running([replica], vllm_priority=passed) as url, httpx.AsyncClient(timeout=10) as client:
-        for asked in ("critical", None, "batch"):
+    async with running([replica], policy="slo", vllm_priority=passed) as url, httpx.AsyncClient(timeout=10) as client:
+        for asked, slo in (("critical", False), (None, False), ("batch", False), (None, True), ("critical", True)):
             headers = {"x-dpserve-priority": asked} if asked else {}
+            if slo:
+                headers["x-slo-ttft-ms"] = "60000"
             body = {"model": "m", "prompt": "hi", "max_tokens": 1}
             response = await client.post(f"{url}/v1/completions", json=body, headers=headers)
             assert response.status_code == 200, response.text
     forwarded = [body.get("priority") for body in replica.bodies]
-    assert forwarded == ([-1, 0, 1] if passed else [None, None, None])
+    assert forwarded == ([-2, 0, 2, -1, -3] if passed else [None] * 5)
     assert all(body["prompt"] == "hi" and body["max_tokens"] == 1 for body in replica.bodies)
 
 

@@ -448,6 +448,9 @@ def test_the_class_goes_to_vllm_only_when_asked() -> None:
     tenants = Tenants({}, open_access=True)
     batch = Tenant("t", TenantRules(), Priority.BATCH)
     passing = Flow(tenants, QuotaBook(), UsageBook(), Admission(0, 1, 1.0), pass_priority=True)
-    assert passing.upstream_fields(batch) == {"priority": 1}
-    assert passing.upstream_fields(Tenant("t", TenantRules(), Priority.CRITICAL)) == {"priority": -1}
+    assert passing.upstream_fields(batch) == {"priority": 2}
+    assert passing.upstream_fields(batch, slo_bound=True) == {"priority": 1}
+    critical = Tenant("t", TenantRules(), Priority.CRITICAL)
+    assert passing.upstream_fields(critical) == {"priority": -2}
+    assert passing.upstream_fields(critical, slo_bound=True) == {"priority": -3}
     assert Flow(tenants, QuotaBook(), UsageBook(), Admission(0, 1, 1.0)).upstream_fields(batch) == {}

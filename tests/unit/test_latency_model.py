@@ -77,13 +77,30 @@ def test_what_was_sent_counts_as_work_ahead_until_it_answers() -> None:
     assert (latency.prefill_tokens, latency.prefilling, latency.slo_bound) == (1000, 2, 1)
     # One more request of 500 uncached tokens on a replica with 5 requests and 4 slots:
     assert latency.ttft_inputs(500, 5, 4) == (1.0, 0.5, 1.0, 3.0, 2.0)
-    latency.answering(800)
+    latency.answering(800, slo_bound=True)
     latency.done(slo_bound=True)
     assert (latency.prefill_tokens, latency.prefilling, latency.slo_bound) == (200, 1, 0)
-    latency.answering(200)
-    latency.answering(200)  # never below nothing
+    latency.answering(200, slo_bound=False)
+    latency.answering(200, slo_bound=False)  # never below nothing
     assert (latency.prefill_tokens, latency.prefilling) == (0, 0)
     assert latency.ttft_inputs(0, 0, 0) == (1.0, 0.0, 0.0, 0.0, 0.0)  # capacity unknown: nothing counted queued
+
+
+def test_served_first_only_what_answers_and_the_slo_bound_waiting_are_ahead() -> None:
+    """Where vLLM serves requests with an SLO first, one more with an SLO waits behind those answering and
+    the SLO-bound ones not answering yet, not the best effort queued there."""
+    latency = ReplicaLatency()
+    for _ in range(4):
+        latency.sent(100, slo_bound=False)
+        latency.answering(100, slo_bound=False)  # 4 answering: the slots are full
+    latency.sent(300, slo_bound=True)
+    for _ in range(3):
+        latency.sent(500, slo_bound=False)  # waiting, best effort
+    # 8 requests on 4 slots: behind everything, 5 queued ahead of a ninth; served first, 1 (the SLO one).
+    assert latency.ttft_inputs(200, 8, 4) == (1.0, 0.2, 1.8, 4.0, 5.0)
+    assert latency.ttft_inputs(200, 8, 4, first=True) == (1.0, 0.2, 0.3, 4.0, 2.0)
+    latency.answering(300, slo_bound=True)
+    assert (latency.slo_prefill_tokens, latency.slo_prefilling) == (0, 0)
 
 
 def test_the_median_error_is_of_the_recent_answers() -> None:

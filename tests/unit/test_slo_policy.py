@@ -11,7 +11,7 @@ from dpserve.policies import PrefixMatch, PrefixSource, ReplicaSnapshot, Request
 from dpserve.policies.kv_aware import KvAware
 from dpserve.policies.latency import ReplicaLatency
 from dpserve.policies.least_loaded import LeastLoaded
-from dpserve.policies.slo import SLO_CHANCE, SLO_UNMET, SloAware, predict_ttft
+from dpserve.policies.slo import SLO_CHANCE, SLO_UNMET, SloAware
 from dpserve.router.flow.slo import slo_of, slo_unattainable
 from dpserve.router.flow.tenants import TenantRules, parse_tenant_rules
 from dpserve.router.http.errors import OpenAIError
@@ -41,8 +41,8 @@ def test_a_request_with_an_slo_goes_to_a_replica_predicted_to_meet_it_over_a_cac
     fast, slow = ReplicaSnapshot("fast", latency=FAST), ReplicaSnapshot("slow", latency=SLOW)
     # The slow replica holds half the prompt: 1000 uncached there, 0.52 s; the fast one computes all, 0.22 s.
     request = features(Slo(0.3, None), cached={"slow": 62})
-    assert predict_ttft(request, slow) == pytest.approx(0.52, abs=0.02)
-    assert predict_ttft(request, fast) == pytest.approx(0.22, abs=0.02)
+    assert policy.predict_ttft(request, slow) == pytest.approx(0.52, abs=0.02)
+    assert policy.predict_ttft(request, fast) == pytest.approx(0.22, abs=0.02)
     decision = policy.choose(request, [slow, fast])
     assert (decision.id, decision.meets_slo) == ("fast", True)
     assert decision.ttft_s == pytest.approx(0.22, abs=0.02)
@@ -95,6 +95,23 @@ def test_load_ahead_on_a_replica_counts_against_it() -> None:
     busy_latency.sent(6000, slo_bound=False)  # 6000 tokens sent there, not yet answering: 0.6 s more
     busy, slow = ReplicaSnapshot("busy", in_flight=1, latency=busy_latency), ReplicaSnapshot("slow", latency=SLOW)
     assert policy.choose(features(Slo(1.1, None)), [busy, slow]).id == "slow"
+
+
+def test_served_first_best_effort_queued_ahead_does_not_count_and_its_answers_teach_nothing() -> None:
+    """Where the replicas serve SLO requests first (--vllm-priority), best effort waiting there is no reason
+    to go elsewhere; a best-effort decision is not learned from (SLO requests overtake it)."""
+    queued = trained(0.1)
+    for _ in range(6):
+        queued.sent(1000, slo_bound=False)  # 6000 best-effort tokens waiting, 6 queued past 2 slots
+    crowded = ReplicaSnapshot("crowded", in_flight=6, capacity=2, latency=queued)
+    request = features(Slo(0.5, None))
+    assert SloAware(LeastLoaded(random.Random(0))).predict_ttft(request, crowded) > 1.0
+    first = SloAware(LeastLoaded(random.Random(0)), first=True)
+    assert first.predict_ttft(request, crowded) == pytest.approx(0.22, abs=0.02)
+    decision = first.choose(request, [crowded])
+    assert decision.meets_slo and decision.learns
+    assert not first.choose(features(None), [crowded]).learns
+    assert SloAware(LeastLoaded(random.Random(0))).choose(features(None), [crowded]).learns
 
 
 def test_a_tpot_slo_filters_by_the_predicted_time_per_token() -> None:

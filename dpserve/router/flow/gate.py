@@ -26,8 +26,9 @@ EXPECTED_COMPLETION_TOKENS = 128
 """What an answer is taken to cost before it is known, when the request's `max_tokens` is larger or unset."""
 BYTES_PER_TOKEN = 4
 """A prompt's size in tokens, roughly, when it was not tokenized."""
-VLLM_PRIORITY = {Priority.CRITICAL: -1, Priority.STANDARD: 0, Priority.BATCH: 1}
-"""vLLM's `priority` request field (lower is scheduled first; 0 is its default)."""
+VLLM_PRIORITY = {Priority.CRITICAL: -2, Priority.STANDARD: 0, Priority.BATCH: 2}
+"""vLLM's `priority` request field (lower is scheduled first; 0 is its default). A request with an SLO goes
+one lower, ahead of its class's best effort: in vLLM's queue it waits behind those promised a time only."""
 
 
 class Pass(Watch):
@@ -115,10 +116,11 @@ class Flow:
             "tenants": sorted(self.tenants.named),
         }
 
-    def upstream_fields(self, tenant: Tenant) -> dict[str, Any]:
-        """Fields the router adds to the body it forwards for this tenant's request."""
+    def upstream_fields(self, tenant: Tenant, slo_bound: bool = False) -> dict[str, Any]:
+        """Fields the router adds to the body it forwards for this tenant's request (`slo_bound`: it carries
+        an SLO)."""
         if self.pass_priority:
-            return {"priority": VLLM_PRIORITY[tenant.priority]}
+            return {"priority": VLLM_PRIORITY[tenant.priority] - slo_bound}
         return {}
 
 

@@ -153,8 +153,8 @@ class LatencyWatch(Watch):
         if latency is None or decision is None or not self._waiting_first:
             return
         self._waiting_first = False
-        latency.answering(decision.uncached_tokens)
-        if not self._life.stream or not decision.ttft_inputs:
+        latency.answering(decision.uncached_tokens, self._slo is not None)
+        if not self._life.stream or not decision.ttft_inputs or not decision.learns:
             return
         realized = at - self._dispatched_at
         predicted = decision.ttft_s
@@ -180,7 +180,7 @@ class LatencyWatch(Watch):
         if latency is None:
             return
         if self._waiting_first and self._decision is not None:
-            latency.answering(self._decision.uncached_tokens)
+            latency.answering(self._decision.uncached_tokens, self._slo is not None)
         latency.done(self._slo is not None)
         self._latency, self._waiting_first = None, False
 

@@ -344,7 +344,7 @@ class _Exchange:
             features = features.with_slo(slo_of(headers, tenant.rules), len(raw))
         body, strip_usage = raw, False
         if endpoint.body is BodyKind.JSON:
-            fields = state.flow.upstream_fields(tenant)
+            fields = state.flow.upstream_fields(tenant, features.slo is not None)
             if parsed.model != model:  # the client left `model` out and the router chose it
                 fields["model"] = model
             if parsed.stream and endpoint.name in _USAGE_ON_REQUEST:

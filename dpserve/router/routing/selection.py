@@ -14,7 +14,7 @@ from dpserve.policies.adapters import AdapterSlots, Placement, place
 from dpserve.policies.balance import BalanceGuard
 from dpserve.policies.base import Decision, Policy, PrefixSource, ReplicaView, RequestFeatures, Sampling
 from dpserve.policies.bindings import SessionBindings
-from dpserve.policies.slo import SloAware, predict_ttft
+from dpserve.policies.slo import SloAware
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import Replica, ReplicaRegistry
 from dpserve.router.flow.admission import Admission
@@ -135,7 +135,7 @@ class Selector:
             return None
         if self._prefixes is not None:
             features = self._prefixes.match(features, fleet)
-        ttft, nearest = min(((predict_ttft(features, r), r) for r in fleet), key=lambda pair: pair[0])
+        ttft, nearest = min(((policy.predict_ttft(features, r), r) for r in fleet), key=lambda pair: pair[0])
         return None if policy.meets(slo, ttft, nearest) else ttft
 
     def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
