@@ -88,6 +88,18 @@ def test_classes_go_strictly_first_and_fifo_within_a_tenant() -> None:
     assert drain(queue, {}) == ["C-0", "B-0", "B-1", "A-0"]
 
 
+def test_within_a_tenant_and_class_requests_with_an_slo_go_before_best_effort() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push("best-0", STANDARD, "A")
+    queue.push("slo-0", STANDARD, "A", promised=True)
+    queue.push("best-1", STANDARD, "A")
+    queue.push("slo-1", STANDARD, "A", promised=True)
+    queue.push("batch-slo", BATCH, "A", promised=True)  # a promise does not cross classes
+    queue.remove("slo-0")
+    queue.push("slo-2", STANDARD, "A", promised=True)
+    assert drain(queue, {}) == ["slo-1", "slo-2", "best-0", "best-1", "batch-slo"]
+
+
 def test_an_idle_tenant_cannot_bank_credit() -> None:
     queue: FairQueue[str] = FairQueue()
     # A is served a lot while nobody waits; B was served little long ago.

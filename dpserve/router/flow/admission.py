@@ -176,15 +176,17 @@ class Admission:
         weight: float = 1.0,
         cost: float = 0.0,
         within_s: float | None = None,
+        promised: bool = False,
     ) -> float:
         """Returns once `has_room()` holds and no request that goes first is still waiting; the seconds
         waited. `cost`: the tokens the request is expected to take, charged to its tenant on admission
         (`settle` corrects it). `within_s`: the request's own deadline (its TTFT SLO), when sooner than the
         queue's timeout: refused then, not sent late. Raises `Rejected` when the queue is full, the wait
-        outlasts the timeout or the deadline, or the request is shed for a more urgent one."""
+        outlasts the timeout or the deadline, or the request is shed for a more urgent one. `promised`:
+        the request carries an SLO, released before its tenant's best effort of its class."""
         queue = self._queue
         if not self.flow_control:
-            priority, tenant, cost = STANDARD, "", 0.0  # one class, one tenant: arrival order
+            priority, tenant, cost, promised = STANDARD, "", 0.0, False  # one class, one tenant: arrival order
         elif priority < BATCH:
             self._urgent_until = self._clock() + URGENT_MEMORY_S
         if (not queue or queue.goes_first(priority, tenant)) and has_room():
@@ -211,7 +213,7 @@ class Admission:
         promised = within_s is not None and within_s < self.timeout_s
         deadline = started + (within_s if promised and within_s is not None else self.timeout_s)
         waiter = _Waiter(asyncio.get_running_loop(), started)
-        queue.push(waiter, priority, tenant)
+        queue.push(waiter, priority, tenant, promised)
         try:
             while True:
                 if waiter.refused is not None:

@@ -1,6 +1,7 @@
 """The order in which held requests are released: strict priority between classes, and within a class a
 weighted fair share between tenants by tokens served (a virtual token counter, after Sheng et al.,
-"Fairness in Serving Large Language Models", OSDI 2024), first come first served within a tenant.
+"Fairness in Serving Large Language Models", OSDI 2024), first come first served within a tenant, those
+promised a time (an SLO) before its best effort.
 
 Each tenant's counter grows by the tokens it is served (prompt + completion) divided by its weight; the
 waiting tenant with the lowest counter goes next. A tenant that starts waiting again after a pause has
@@ -25,6 +26,7 @@ class FairQueue(Generic[T]):
         them forgetting and raising on return are the same)."""
         self._classes: list[dict[str, deque[T]]] = [{} for _ in range(classes)]
         self._where: dict[T, tuple[int, str]] = {}
+        self._promised: set[T] = set()
         self._counters: dict[str, float] = {}
         self._waiting_per_tenant: dict[str, int] = {}
         self._floor = 0.0
@@ -48,7 +50,8 @@ class FairQueue(Generic[T]):
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, self._floor)
 
-    def push(self, item: T, priority: int, tenant: str) -> None:
+    def push(self, item: T, priority: int, tenant: str, promised: bool = False) -> None:
+        """`promised`: the request carries an SLO; it goes before its tenant's best effort of its class."""
         priority = min(max(priority, 0), len(self._classes) - 1)
         if not self._waiting_per_tenant.get(tenant):
             self._counters[tenant] = max(self._counters.get(tenant, 0.0), self._reference())
@@ -56,7 +59,13 @@ class FairQueue(Generic[T]):
         backlog = self._classes[priority].get(tenant)
         if backlog is None:
             backlog = self._classes[priority][tenant] = deque()
-        backlog.append(item)
+        if promised:
+            self._promised.add(item)
+            # After the promised ones already waiting, before the first that was not.
+            at = next((i for i, waiting in enumerate(backlog) if waiting not in self._promised), len(backlog))
+            backlog.insert(at, item)
+        else:
+            backlog.append(item)
         self._where[item] = (priority, tenant)
         self._waiting_per_tenant[tenant] = self._waiting_per_tenant.get(tenant, 0) + 1
 
@@ -65,6 +74,7 @@ class FairQueue(Generic[T]):
         place = self._where.pop(item, None)
         if place is None:
             return
+        self._promised.discard(item)
         priority, tenant = place
         backlogs = self._classes[priority]
         backlog = backlogs[tenant]

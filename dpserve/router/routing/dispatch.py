@@ -448,7 +448,8 @@ class Dispatcher:
             slo = features.slo  # a promised first token is refused at its deadline, never sent after it
             within = slo.ttft_s if slo is not None and not slo.queue else None
             try:
-                waited = await admission.wait_for_room(has_room, priority, tenant, weight, cost, within)
+                promised = slo is not None
+                waited = await admission.wait_for_room(has_room, priority, tenant, weight, cost, within, promised)
             except OpenAIError as rejected:
                 self._metrics.admission_rejections.labels(rejected.code or "rejected").inc()
                 raise
