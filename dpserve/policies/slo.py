@@ -110,15 +110,18 @@ class SloAware(Policy):
         learns = features.slo is not None or not self.first
         return Decision(inner.id, inner.reason, chosen.latency.predict_ttft(inputs), inputs, uncached, learns=learns)
 
-    def ttft_inputs(self, features: RequestFeatures, replica: ReplicaView) -> tuple[tuple[float, ...], int]:
-        """The TTFT model's inputs for this request on `replica`, and its uncached prompt tokens there."""
+    def ttft_inputs(
+        self, features: RequestFeatures, replica: ReplicaView, before: float = 0.0
+    ) -> tuple[tuple[float, ...], int]:
+        """The TTFT model's inputs for this request on `replica`, and its uncached prompt tokens there
+        (`before`: requests of the router's queue that replica takes before this one)."""
         uncached = features.uncached_tokens(replica.id)
         first = self.first and features.slo is not None
-        return replica.latency.ttft_inputs(uncached, replica.load, replica.capacity, first), uncached
+        return replica.latency.ttft_inputs(uncached, replica.load, replica.capacity, first, before), uncached
 
-    def predict_ttft(self, features: RequestFeatures, replica: ReplicaView) -> float:
-        """Seconds to this request's first token were it sent to `replica` now."""
-        inputs, _ = self.ttft_inputs(features, replica)
+    def predict_ttft(self, features: RequestFeatures, replica: ReplicaView, before: float = 0.0) -> float:
+        """Seconds to this request's first token were it sent to `replica` now (`before`: as above)."""
+        inputs, _ = self.ttft_inputs(features, replica, before)
         return replica.latency.predict_ttft(inputs)
 
 

@@ -97,6 +97,9 @@ def test_within_a_tenant_and_class_requests_with_an_slo_go_before_best_effort() 
     queue.push("batch-slo", BATCH, "A", promised=True)  # a promise does not cross classes
     queue.remove("slo-0")
     queue.push("slo-2", STANDARD, "A", promised=True)
+    assert queue.promised_before(STANDARD) == 2  # slo-1, slo-2: the best effort waits behind a newcomer
+    assert queue.promised_before(BATCH) == 5  # every standard one, and its class's promised one
+    assert queue.promised_before(CRITICAL) == 0
     assert drain(queue, {}) == ["slo-1", "slo-2", "best-0", "best-1", "batch-slo"]
 
 

@@ -131,6 +131,10 @@ class Admission:
     def depth_by_priority(self) -> dict[str, int]:
         return dict(zip(("critical", "standard", "batch"), self._queue.depths(), strict=True))
 
+    def promised_before(self, priority: int) -> int:
+        """Waiting requests with an SLO that a newcomer with one, of this class, would be released after."""
+        return self._queue.promised_before(priority) if self.flow_control else len(self._queue)
+
     def open(self, candidates: Sequence[ReplicaView], priority: int = STANDARD) -> list[ReplicaView]:
         """The candidates with room for one more request of this class."""
         if not self.holds:

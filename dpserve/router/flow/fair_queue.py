@@ -99,6 +99,13 @@ class FairQueue(Generic[T]):
                 return backlogs[tenant][0]
         return None
 
+    def promised_before(self, priority: int) -> int:
+        """Waiting requests that a promised newcomer of this class would go after: every one of a more
+        urgent class, and the promised ones of its own (across tenants: a bound, not the fair order)."""
+        priority = min(max(priority, 0), len(self._classes) - 1)
+        ahead = sum(self.depths()[:priority])
+        return ahead + sum(1 for item in self._promised if self._where[item][0] == priority)
+
     def goes_first(self, priority: int, tenant: str) -> bool:
         """Would a newcomer of this class and tenant be released before everything now waiting?"""
         priority = min(max(priority, 0), len(self._classes) - 1)
