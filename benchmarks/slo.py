@@ -253,13 +253,20 @@ def sim_command(args: argparse.Namespace, port: int, kv_port: int, speed: float,
     command = [sys.executable, "-m", "dpserve", "sim", "--host", HOST, "--port", str(port), "--log-level", "warning"]
     command += ["--kv-events", f"tcp://127.0.0.1:{kv_port}", "--speed", str(speed), "--seed", str(seed)]
     command += ["--prefill-ms-per-token", str(args.sim_prefill_ms), "--decode-ms-per-token", str(args.sim_decode_ms)]
-    return [*command, "--max-num-seqs", str(args.sim_max_num_seqs), "--jitter", "0.05"]
+    command += ["--max-num-seqs", str(args.sim_max_num_seqs), "--jitter", "0.05"]
+    return [*command, *scheduling_flags(args)]
 
 
-def vllm_command(model: Path, port: int, kv_port: int) -> list[str]:
+def vllm_command(args: argparse.Namespace, model: Path, port: int, kv_port: int) -> list[str]:
     command = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", str(model), "--host", HOST, "--port", str(port)]
     # Eager: torch.compile costs each start 20-40 s on 2 cores and changes nothing measured here.
-    return [*command, *vllm_engine_flags(TINY_MODEL_NAME, kv_port, 4096), "--enforce-eager"]
+    command += [*vllm_engine_flags(TINY_MODEL_NAME, kv_port, 4096), "--enforce-eager"]
+    return [*command, *scheduling_flags(args)]
+
+
+def scheduling_flags(args: argparse.Namespace) -> list[str]:
+    """With --priority the replicas order their queues by each request's `priority` field, as vLLM does."""
+    return ["--scheduling-policy", "priority"] if args.priority else []
 
 
 async def start_fleet(session: aiohttp.ClientSession, args: argparse.Namespace, backend: str, work: Path) -> Fleet:
@@ -288,13 +295,14 @@ async def start_fleet(session: aiohttp.ClientSession, args: argparse.Namespace, 
                 "VLLM_CPU_OMP_THREADS_BIND": cores,
             }
             processes.append(
-                spawn(vllm_command(model, base + index, base + 2 + index), work / f"vllm-{index}.log", env)
+                spawn(vllm_command(args, model, base + index, base + 2 + index), work / f"vllm-{index}.log", env)
             )
         described = (
             "2 vLLM CPU replicas of the tiny model, OMP threads bound to cores "
             f"{args.vllm_fast_cores} (fast) and {args.vllm_slow_cores} (slow)"
         )
         timeout = 600.0
+    described += "; queues ordered by priority" if args.priority else "; queues first come, first served"
     fleet = Fleet(backend, ["fast", "slow"], urls, kv_endpoints, processes, described)
     try:
         for url, process in zip(urls, processes, strict=True):
@@ -443,6 +451,8 @@ async def run_round(
     port = port_block(2, random.Random())
     keep = max(1024, 2 * (len(requests) + len(warm)))
     extra = ["--receipts-sample", "1", "--receipts-keep", str(keep), *args.router_args.split()]
+    if args.priority:  # every router the same flag; only slo gives a request with an SLO its own priority
+        extra.append("--vllm-priority")
     command = router_command(
         "dpserve",
         policy,
@@ -819,6 +829,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=0,
         help="bursts of other prompts through each fresh router before a round, not counted (then the caches "
         "are emptied again): its latency model starts from what it learned, not from its prior",
+    )
+    parser.add_argument(
+        "--priority",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replicas run --scheduling-policy priority and every router --vllm-priority: the policy slo has "
+        "requests with an SLO served before best effort in the replicas' queues; the others pass every request "
+        "the same priority, as first come first served",
     )
     parser.add_argument("--gap-s", type=POSITIVE, default=1.0, help="seconds from one burst to the next")
     parser.add_argument("--slo-ttft-ms", type=POSITIVE, default=300.0, help="the SLO half the requests carry")
