@@ -151,13 +151,13 @@ class ReplicaLatency:
             self.errors.append((predicted - realized) / realized)
 
     def ttft_inputs(
-        self, uncached_tokens: int, load: int, capacity: int, first: bool = False, before: float = 0.0
+        self, uncached_tokens: int, load: int, capacity: int, first: bool = False, when_free: bool = False
     ) -> tuple[float, float, float, float, float]:
         """The TTFT model's inputs for one more request of `uncached_tokens` sent now, on a replica with
         `load` requests (the router's, its peers' and others') and `capacity` slots (0: not known). `first`:
         the replica serves it before the best-effort requests waiting there (vLLM's priority scheduling),
-        so only those answering and those with an SLO are ahead of it. `before`: requests still in the
-        router's queue that will be sent before it, this replica's share of them."""
+        so only those answering and those with an SLO are ahead of it. `when_free`: sent once a slot is
+        free (after a wait in the router's queue): none queued there ahead of it."""
         busy = load - self.prefilling
         if busy < 0:
             busy = 0
@@ -165,7 +165,7 @@ class ReplicaLatency:
             ahead_tokens, ahead = self.slo_prefill_tokens, busy + self.slo_prefilling
         else:
             ahead_tokens, ahead = self.prefill_tokens, load
-        queued = ahead + before + 1 - capacity if capacity > 0 else 0.0
+        queued = ahead + 1 - capacity if capacity > 0 and not when_free else 0
         return (
             1.0,
             uncached_tokens / 1000.0,

@@ -111,17 +111,17 @@ class SloAware(Policy):
         return Decision(inner.id, inner.reason, chosen.latency.predict_ttft(inputs), inputs, uncached, learns=learns)
 
     def ttft_inputs(
-        self, features: RequestFeatures, replica: ReplicaView, before: float = 0.0
+        self, features: RequestFeatures, replica: ReplicaView, when_free: bool = False
     ) -> tuple[tuple[float, ...], int]:
         """The TTFT model's inputs for this request on `replica`, and its uncached prompt tokens there
-        (`before`: requests of the router's queue that replica takes before this one)."""
+        (`when_free`: sent once one of its slots is free, none queued there)."""
         uncached = features.uncached_tokens(replica.id)
         first = self.first and features.slo is not None
-        return replica.latency.ttft_inputs(uncached, replica.load, replica.capacity, first, before), uncached
+        return replica.latency.ttft_inputs(uncached, replica.load, replica.capacity, first, when_free), uncached
 
-    def predict_ttft(self, features: RequestFeatures, replica: ReplicaView, before: float = 0.0) -> float:
-        """Seconds to this request's first token were it sent to `replica` now (`before`: as above)."""
-        inputs, _ = self.ttft_inputs(features, replica, before)
+    def predict_ttft(self, features: RequestFeatures, replica: ReplicaView, when_free: bool = False) -> float:
+        """Seconds to this request's first token were it sent to `replica` now (or `when_free`)."""
+        inputs, _ = self.ttft_inputs(features, replica, when_free)
         return replica.latency.predict_ttft(inputs)
 
 

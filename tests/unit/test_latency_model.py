@@ -99,8 +99,8 @@ def test_served_first_only_what_answers_and_the_slo_bound_waiting_are_ahead() ->
     # 8 requests on 4 slots: behind everything, 5 queued ahead of a ninth; served first, 1 (the SLO one).
     assert latency.ttft_inputs(200, 8, 4) == (1.0, 0.2, 1.8, 4.0, 5.0)
     assert latency.ttft_inputs(200, 8, 4, first=True) == (1.0, 0.2, 0.3, 4.0, 2.0)
-    # 3 more released before it from the router's queue, this replica's share 1.5 of them:
-    assert latency.ttft_inputs(200, 8, 4, first=True, before=1.5) == (1.0, 0.2, 0.3, 4.0, 3.5)
+    # Sent once a slot is free (after waiting in the router's queue): none queued ahead there.
+    assert latency.ttft_inputs(200, 8, 4, when_free=True) == (1.0, 0.2, 1.8, 4.0, 0.0)
     latency.answering(300, slo_bound=True)
     assert (latency.slo_prefill_tokens, latency.slo_prefilling) == (0, 0)
 

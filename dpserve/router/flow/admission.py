@@ -40,6 +40,8 @@ URGENT_MEMORY_S = 30.0
 RECHECK_S = 0.05
 """The floor under every wake-up: the first held request looks for room at least this often, whatever
 did or did not tell it that room may have freed."""
+RELEASE_PACE_WEIGHT = 0.2
+"""How far each release moves the queue's pace (seconds between releases) towards its own gap."""
 
 
 class Rejected(OpenAIError):
@@ -117,6 +119,10 @@ class Admission:
         self._urgent_until = -math.inf
         self.timeouts = 0
         """Requests refused after waiting `timeout_s` (429 `queue_timeout`)."""
+        self._release_gap_s: float | None = None
+        """Seconds between releases from the queue while it holds requests (a moving average)."""
+        self._gap_from: float | None = None
+        """When the current gap began: the last release, or the first request held; None while empty."""
 
     @property
     def depth(self) -> int:
@@ -131,9 +137,15 @@ class Admission:
     def depth_by_priority(self) -> dict[str, int]:
         return dict(zip(("critical", "standard", "batch"), self._queue.depths(), strict=True))
 
-    def promised_before(self, priority: int) -> int:
-        """Waiting requests with an SLO that a newcomer with one, of this class, would be released after."""
-        return self._queue.promised_before(priority) if self.flow_control else len(self._queue)
+    def expected_wait_s(self, priority: int) -> float | None:
+        """How long a newcomer with an SLO, of this class, would wait in the queue: one release for each
+        request released before it, and one for itself, at the queue's recent pace; None before that
+        pace is known."""
+        gap = self._release_gap_s
+        if gap is None:
+            return None
+        before = self._queue.promised_before(priority) if self.flow_control else len(self._queue)
+        return (before + 1) * gap
 
     def open(self, candidates: Sequence[ReplicaView], priority: int = STANDARD) -> list[ReplicaView]:
         """The candidates with room for one more request of this class."""
@@ -217,6 +229,8 @@ class Admission:
         promised = within_s is not None and within_s < self.timeout_s
         deadline = started + (within_s if promised and within_s is not None else self.timeout_s)
         waiter = _Waiter(asyncio.get_running_loop(), started)
+        if not queue:
+            self._gap_from = started
         queue.push(waiter, priority, tenant, promised)
         try:
             while True:
@@ -241,7 +255,9 @@ class Admission:
                 if first and self._room_for_first(has_room, priority, tenant):
                     if cost:
                         queue.charge(tenant, cost, weight)
-                    return self._clock() - started
+                    now = self._clock()
+                    self._released(now)
+                    return now - started
                 # The first looks again within RECHECK_S even unwoken: room can come from where nothing
                 # tells (a replica's load from elsewhere, read by a scrape no listener heard).
                 pause = min(remaining, RECHECK_S) if first else remaining
@@ -252,8 +268,19 @@ class Admission:
                 waiter.wake = asyncio.get_running_loop().create_future()
         finally:
             queue.remove(waiter)
+            if not queue:
+                self._gap_from = None
             # The next in line may find room too (several slots freed at once, or this one gave up).
             self.notify()
+
+    def _released(self, now: float) -> None:
+        """A held request goes: the time since the last release (or since the queue began holding) counts
+        towards the pace."""
+        began = self._gap_from
+        if began is not None:
+            gap, pace = now - began, self._release_gap_s
+            self._release_gap_s = gap if pace is None else pace + RELEASE_PACE_WEIGHT * (gap - pace)
+        self._gap_from = now
 
     def _room_for_first(self, has_room: Callable[[], bool], priority: int, tenant: str) -> bool:
         """`has_room()` for the first waiter, counting the engine's queue when only its tenant waits."""

@@ -463,7 +463,7 @@ class Dispatcher:
         slo = features.slo
         if slo is None or slo.queue or slo.ttft_s is None:
             return
-        nearest = self._selector.too_late(features, tried, self._admission.promised_before(features.priority))
+        nearest = self._selector.too_late(features, tried, self._admission.expected_wait_s(features.priority))
         if nearest is not None:
             self._metrics.admission_rejections.labels("slo_unattainable").inc()
             raise slo_unattainable(slo, nearest)

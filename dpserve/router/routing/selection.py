@@ -122,12 +122,14 @@ class Selector:
         engine_block = (chosen.block_size or 0) if chosen is not None else 0
         return Choice(policy.name, decision, features, candidates, engine_block)
 
-    def too_late(self, features: RequestFeatures, tried: Sequence[str] = (), before: int = 0) -> float | None:
+    def too_late(
+        self, features: RequestFeatures, tried: Sequence[str] = (), wait_s: float | None = None
+    ) -> float | None:
         """For a request with an SLO that finds no replica with room: the soonest first token predicted,
-        when even that replica, counting what is ahead of it there and its share of the `before` requests
-        the router's queue releases first, misses the SLO (it should not wait for a refusal at its
-        deadline); None when it may wait, or the policy predicts no time. (Not a fair chance, as a decision
-        with room allows: a wait without one ends at the deadline.)"""
+        when even that replica misses the SLO (it should not wait for a refusal at its deadline); None when
+        it may wait, or the policy predicts no time. `wait_s`: its expected wait in the router's queue, then
+        sent to a free slot; unknown (None), the replicas' queues as they stand count instead. (Not a fair
+        chance, as a decision with room allows: a wait without one ends at the deadline.)"""
         policy, slo = self.policy, features.slo
         if not isinstance(policy, SloAware) or slo is None:
             return None
@@ -136,8 +138,9 @@ class Selector:
             return None
         if self._prefixes is not None:
             features = self._prefixes.match(features, fleet)
-        share = before / len(fleet)
-        ttft, nearest = min(((policy.predict_ttft(features, r, share), r) for r in fleet), key=lambda pair: pair[0])
+        later = wait_s is not None
+        ttft, nearest = min(((policy.predict_ttft(features, r, later), r) for r in fleet), key=lambda pair: pair[0])
+        ttft += wait_s or 0.0
         return None if policy.meets(slo, ttft, nearest) else ttft
 
     def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
