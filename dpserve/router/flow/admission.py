@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dpserve.policies.base import ReplicaView
+from dpserve.policies.latency import OnlineFit
 from dpserve.router.flow.fair_queue import FairQueue
 from dpserve.router.http.errors import OpenAIError
 
@@ -40,8 +41,10 @@ URGENT_MEMORY_S = 30.0
 RECHECK_S = 0.05
 """The floor under every wake-up: the first held request looks for room at least this often, whatever
 did or did not tell it that room may have freed."""
-RELEASE_PACE_WEIGHT = 0.2
-"""How far each release moves the queue's pace (seconds between releases) towards its own gap."""
+WAIT_PRIOR = (0.1, 0.05)
+"""Seconds a request with an SLO waits in the queue: until the first slot frees, and more per request
+released before it. A guess for the first waits; each wait corrects it (`OnlineFit`)."""
+WAIT_TYPICAL = (1.0, 4.0)
 
 
 class Rejected(OpenAIError):
@@ -119,10 +122,8 @@ class Admission:
         self._urgent_until = -math.inf
         self.timeouts = 0
         """Requests refused after waiting `timeout_s` (429 `queue_timeout`)."""
-        self._release_gap_s: float | None = None
-        """Seconds between releases from the queue while it holds requests (a moving average)."""
-        self._gap_from: float | None = None
-        """When the current gap began: the last release, or the first request held; None while empty."""
+        self._promised_wait = OnlineFit(WAIT_PRIOR, WAIT_TYPICAL)
+        """How long requests with an SLO wait here, by how many go before them (learned from each)."""
 
     @property
     def depth(self) -> int:
@@ -137,15 +138,13 @@ class Admission:
     def depth_by_priority(self) -> dict[str, int]:
         return dict(zip(("critical", "standard", "batch"), self._queue.depths(), strict=True))
 
-    def expected_wait_s(self, priority: int) -> float | None:
-        """How long a newcomer with an SLO, of this class, would wait in the queue: one release for each
-        request released before it, and one for itself, at the queue's recent pace; None before that
-        pace is known."""
-        gap = self._release_gap_s
-        if gap is None:
-            return None
-        before = self._queue.promised_before(priority) if self.flow_control else len(self._queue)
-        return (before + 1) * gap
+    def expected_wait_s(self, priority: int) -> float:
+        """How long a newcomer with an SLO, of this class, would wait in the queue (learned from the waits
+        of those before it, by how many went before each)."""
+        return self._promised_wait.predict((1.0, float(self._before(priority))))
+
+    def _before(self, priority: int) -> int:
+        return self._queue.promised_before(priority) if self.flow_control else len(self._queue)
 
     def open(self, candidates: Sequence[ReplicaView], priority: int = STANDARD) -> list[ReplicaView]:
         """The candidates with room for one more request of this class."""
@@ -226,18 +225,18 @@ class Admission:
             if not victim.wake.done():
                 victim.wake.set_result(None)
         started = self._clock()
-        promised = within_s is not None and within_s < self.timeout_s
-        deadline = started + (within_s if promised and within_s is not None else self.timeout_s)
+        bounded = within_s is not None and within_s < self.timeout_s
+        deadline = started + (within_s if bounded and within_s is not None else self.timeout_s)
         waiter = _Waiter(asyncio.get_running_loop(), started)
-        if not queue:
-            self._gap_from = started
+        before = float(self._before(priority)) if promised else -1.0
         queue.push(waiter, priority, tenant, promised)
         try:
             while True:
                 if waiter.refused is not None:
                     raise waiter.refused
                 remaining = deadline - self._clock()
-                if remaining <= 0 and promised:
+                if remaining <= 0 and bounded:
+                    self._waited(before, self._clock() - started)  # at least this long
                     raise Rejected(
                         "slo_unattainable",
                         f"No replica had room for this request within its SLO ({within_s:g} s); retry later.",
@@ -255,9 +254,9 @@ class Admission:
                 if first and self._room_for_first(has_room, priority, tenant):
                     if cost:
                         queue.charge(tenant, cost, weight)
-                    now = self._clock()
-                    self._released(now)
-                    return now - started
+                    waited = self._clock() - started
+                    self._waited(before, waited)
+                    return waited
                 # The first looks again within RECHECK_S even unwoken: room can come from where nothing
                 # tells (a replica's load from elsewhere, read by a scrape no listener heard).
                 pause = min(remaining, RECHECK_S) if first else remaining
@@ -268,19 +267,14 @@ class Admission:
                 waiter.wake = asyncio.get_running_loop().create_future()
         finally:
             queue.remove(waiter)
-            if not queue:
-                self._gap_from = None
+
             # The next in line may find room too (several slots freed at once, or this one gave up).
             self.notify()
 
-    def _released(self, now: float) -> None:
-        """A held request goes: the time since the last release (or since the queue began holding) counts
-        towards the pace."""
-        began = self._gap_from
-        if began is not None:
-            gap, pace = now - began, self._release_gap_s
-            self._release_gap_s = gap if pace is None else pace + RELEASE_PACE_WEIGHT * (gap - pace)
-        self._gap_from = now
+    def _waited(self, before: float, waited_s: float) -> None:
+        """A request with an SLO (`before` >= 0: that many went before it) left the queue after `waited_s`."""
+        if before >= 0:
+            self._promised_wait.learn((1.0, before), waited_s)
 
     def _room_for_first(self, has_room: Callable[[], bool], priority: int, tenant: str) -> bool:
         """`has_room()` for the first waiter, counting the engine's queue when only its tenant waits."""

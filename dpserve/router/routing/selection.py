@@ -127,9 +127,9 @@ class Selector:
     ) -> float | None:
         """For a request with an SLO that finds no replica with room: the soonest first token predicted,
         when even that replica misses the SLO (it should not wait for a refusal at its deadline); None when
-        it may wait, or the policy predicts no time. `wait_s`: its expected wait in the router's queue, then
-        sent to a free slot; unknown (None), the replicas' queues as they stand count instead. (Not a fair
-        chance, as a decision with room allows: a wait without one ends at the deadline.)"""
+        it may wait, or the policy predicts no time. `wait_s`: its expected wait in the router's queue, after
+        which it goes to a free slot (None: the replicas' own queues, as they stand, count instead). (Not a
+        fair chance, as a decision with room allows: a wait without one ends at the deadline.)"""
         policy, slo = self.policy, features.slo
         if not isinstance(policy, SloAware) or slo is None:
             return None
