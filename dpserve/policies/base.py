@@ -292,9 +292,6 @@ class Decision:
     """Prompt tokens the chosen replica must compute, as predicted."""
     meets_slo: bool
     """False: no replica was predicted to meet the request's SLO (this is the one predicted nearest)."""
-    learns: bool
-    """The answer's TTFT teaches the model; not a best-effort request's where requests with an SLO overtake
-    it in the replica's queue (its wait depends on what comes after it)."""
 
     def __init__(
         self,
@@ -304,7 +301,6 @@ class Decision:
         ttft_inputs: tuple[float, ...] = (),
         uncached_tokens: int = 0,
         meets_slo: bool = True,
-        learns: bool = True,
     ) -> None:
         # Written out: dataclass's __init__ is interpreted even when compiled (see RequestFeatures).
         self.id = id
@@ -313,7 +309,6 @@ class Decision:
         self.ttft_inputs = ttft_inputs
         self.uncached_tokens = uncached_tokens
         self.meets_slo = meets_slo
-        self.learns = learns
 
 
 class Sampling(enum.Enum):

@@ -10,8 +10,7 @@ refuses it at once, or sends it anyway where its tenant says to queue.
 
 Where the replicas serve requests with an SLO first (`first`: the router passes vLLM a `priority` one
 ahead of the class's best effort, `--vllm-priority`, and they run `--scheduling-policy priority`), only
-what is answering and the SLO-bound requests waiting there are ahead of one in the prediction, and the
-models learn from SLO-bound answers alone (a best-effort request's wait depends on what overtakes it).
+what is answering and the SLO-bound requests waiting there are ahead of one in the prediction.
 
 A best-effort request (no SLO) goes where it slows SLO-bound requests least: among the replicas the
 balance guard allows, those with the fewest SLO-bound requests in flight, so a fast replica that the
@@ -107,8 +106,7 @@ class SloAware(Policy):
         """The inner policy's decision, with the prediction at the replica it chose."""
         chosen = next(c for c in seen if c.id == inner.id)
         inputs, uncached = self.ttft_inputs(features, chosen)
-        learns = features.slo is not None or not self.first
-        return Decision(inner.id, inner.reason, chosen.latency.predict_ttft(inputs), inputs, uncached, learns=learns)
+        return Decision(inner.id, inner.reason, chosen.latency.predict_ttft(inputs), inputs, uncached)
 
     def ttft_inputs(
         self, features: RequestFeatures, replica: ReplicaView, when_free: bool = False

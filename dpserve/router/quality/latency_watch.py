@@ -154,7 +154,7 @@ class LatencyWatch(Watch):
             return
         self._waiting_first = False
         latency.answering(decision.uncached_tokens, self._slo is not None)
-        if not self._life.stream or not decision.ttft_inputs or not decision.learns:
+        if not self._life.stream or not decision.ttft_inputs:
             return
         realized = at - self._dispatched_at
         predicted = decision.ttft_s
