@@ -455,6 +455,13 @@ class RouterSettings:
         FLOW,
         maximum=1,
     )
+    slo_reserve: float = setting(
+        0.25,
+        "the share of each replica's slots that best-effort requests leave free for requests with an SLO, while "
+        "such requests have come in the last 30 s",
+        FLOW,
+        maximum=1,
+    )
     engine_queue: int = setting(
         1,
         "requests per replica past its capacity that may wait in the engine while one tenant alone fills the "

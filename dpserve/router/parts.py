@@ -93,6 +93,7 @@ def admission_for(settings: RouterSettings) -> Admission:
         settings.queue_timeout_s,
         flow_control=settings.flow_control,
         batch_reserve=settings.batch_reserve,
+        slo_reserve=settings.slo_reserve,
         engine_queue=settings.engine_queue,
     )
 
@@ -115,6 +116,8 @@ def flow_for(settings: RouterSettings, keys: Keys, admission: Admission) -> Flow
         raise ValueError(f"--engine-queue {settings.engine_queue}: 0 or more requests per replica")
     if not 0 <= settings.batch_reserve < 1:
         raise ValueError(f"--batch-reserve {settings.batch_reserve:g}: a share from 0 up to (not including) 1")
+    if not 0 <= settings.slo_reserve < 1:
+        raise ValueError(f"--slo-reserve {settings.slo_reserve:g}: a share from 0 up to (not including) 1")
     tenants = tenants_for(settings, keys)
     usage = UsageBook(named=tenants.named)
     return Flow(tenants, QuotaBook(), usage, admission, pass_priority=settings.vllm_priority)

@@ -318,6 +318,21 @@ async def test_learned_capacity_bounds_a_replica_and_batch_leaves_a_reserve_whil
     assert not off.holds and off.has_room(replica("r0", 8, capacity=8))
 
 
+def test_best_effort_leaves_a_reserve_to_requests_with_an_slo_while_they_come() -> None:
+    clock = Clock()
+    admission = Admission(0, 16, 1.0, clock, flow_control=True, slo_reserve=0.25)
+    full_but_two = [replica("r0", 6, capacity=8)]
+    assert admission.open(full_but_two) == full_but_two  # no SLO seen yet: best effort takes every slot
+    assert admission.open(full_but_two, promised=True) == full_but_two  # one with an SLO comes
+    assert admission.open(full_but_two) == []  # best effort leaves 2 of 8 slots to such requests
+    assert admission.has_room(replica("r0", 5, capacity=8))
+    assert not admission.has_room(replica("r0", 6, capacity=8))
+    assert admission.has_room(replica("r0", 7, capacity=8), promised=True)
+    assert admission.has_room(replica("r0", 0, capacity=1))  # never its last slot
+    clock.now += URGENT_MEMORY_S + 1
+    assert admission.open(full_but_two) == full_but_two  # none for a while: the reserve is released
+
+
 async def test_a_request_with_room_is_admitted_at_once_only_while_nobody_waits() -> None:
     clock = Clock()
     admission = Admission(0, 16, 1.0, clock, flow_control=True, batch_reserve=0.25)

@@ -102,16 +102,20 @@ class Admission:
         flow_control: bool = False,
         batch_reserve: float = 0.1,
         engine_queue: int = 1,
+        slo_reserve: float = 0.0,
     ) -> None:
         """`limit_per_replica` 0: no fixed limit. `flow_control`: hold requests past each replica's learned
         capacity and release them in fair order; `batch_reserve`: the share of a replica's slots `batch`
-        requests leave to the others; `engine_queue`: requests per replica past its capacity that the one tenant
+        requests leave to the others; `slo_reserve`: the share best-effort requests leave to those with an
+        SLO; `engine_queue`: requests per replica past its capacity that the one tenant
         filling the queue may keep waiting in the engine."""
         self.limit = limit_per_replica
         self.queue_size = queue_size
         self.timeout_s = timeout_s
         self.flow_control = flow_control
         self.batch_reserve = batch_reserve
+        self.slo_reserve = slo_reserve
+        self._promised_until = -math.inf
         self.engine_queue = engine_queue
         self._spare = 0
         # `engine_queue` while the first waiter, alone in the queue with its own tenant's, looks for room.
@@ -146,13 +150,27 @@ class Admission:
     def _before(self, priority: int) -> int:
         return self._queue.promised_before(priority) if self.flow_control else len(self._queue)
 
-    def open(self, candidates: Sequence[ReplicaView], priority: int = STANDARD) -> list[ReplicaView]:
-        """The candidates with room for one more request of this class."""
+    def open(
+        self, candidates: Sequence[ReplicaView], priority: int = STANDARD, promised: bool = False
+    ) -> list[ReplicaView]:
+        """The candidates with room for one more request of this class (`promised`: with an SLO)."""
         if not self.holds:
             return list(candidates)
-        return [c for c in candidates if self.has_room(c, priority)]
+        if promised and self.flow_control:
+            self._promised_until = self._clock() + URGENT_MEMORY_S
+        reserving = self._reserving(promised)
+        return [c for c in candidates if self._room(c, priority, reserving)]
 
-    def has_room(self, replica: ReplicaView, priority: int = STANDARD) -> bool:
+    def has_room(self, replica: ReplicaView, priority: int = STANDARD, promised: bool = False) -> bool:
+        """Room on `replica` for one more request of this class (`promised`: with an SLO)."""
+        return self._room(replica, priority, self._reserving(promised))
+
+    def _reserving(self, promised: bool) -> bool:
+        """Whether a request leaves the SLO reserve free: best effort, while requests with an SLO come."""
+        until = self._promised_until
+        return not promised and self.slo_reserve > 0 and until > -math.inf and self._clock() <= until
+
+    def _room(self, replica: ReplicaView, priority: int, reserving: bool) -> bool:
         limit = self.limit
         # The routers' requests together: peers tell theirs within `--peer-interval`.
         if limit and replica.in_flight + replica.peer_in_flight >= limit:
@@ -166,6 +184,11 @@ class Admission:
             # a batch answer to end.
             confirmed = replica.confirmed_capacity or capacity
             return replica.load < confirmed - min(confirmed - 1, math.ceil(confirmed * self.batch_reserve))
+        if reserving:
+            # Likewise best effort leaves requests with an SLO a reserve while they come: one arriving in a
+            # burst beside best effort finds a slot instead of waiting past its SLO for one to free.
+            confirmed = replica.confirmed_capacity or capacity
+            return replica.load < confirmed - min(confirmed - 1, math.ceil(confirmed * self.slo_reserve))
         if self._spare and replica.slow_refill:
             capacity += self._spare
         return replica.load < capacity

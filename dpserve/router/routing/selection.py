@@ -74,12 +74,13 @@ class Selector:
         view = self._catalog.routable(features.model)
         pool = self._sample(view, features)
         if len(pool) < len(view):
-            candidates = admission.open(registry.available(pool, tried, fresh_only=True), features.priority)
+            fresh = registry.available(pool, tried, fresh_only=True)
+            candidates = admission.open(fresh, features.priority, features.slo is not None)
             if degraded:
                 candidates = [c for c in candidates if c.id not in degraded]
             if candidates:
                 return candidates
-        candidates = admission.open(registry.available(view, tried), features.priority)
+        candidates = admission.open(registry.available(view, tried), features.priority, features.slo is not None)
         if degraded:
             fit = [c for c in candidates if c.id not in degraded]
             return fit or candidates
