@@ -49,6 +49,7 @@ from benchmarks.policy_workloads import BenchRequest, shared_prefix
 from benchmarks.report import format_table, goals_status, met, shown, write_csv
 from benchmarks.stats import percentile
 from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE, SHARE, WHOLE, Names, counts
+from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from dpserve.up.plan import VLLM_SERVER_MODULE, vllm_engine_flags
 from dpserve.up.process import terminate
@@ -60,6 +61,7 @@ BACKENDS = ("sim", "vllm")
 DEFAULT_LEVELS = {"sim": "2,4,6,8,12,16,24", "vllm": "1,2,3,4,6"}
 """The loads swept by default, requests a burst: a CPU vLLM's prefill of a cold prompt alone takes most of the SLO."""
 SLO_HEADER = "x-slo-ttft-ms"
+REFUSAL_METRICS = ("dpserve_routing_decision_reasons_total", "dpserve_admission_rejections_total")
 REFUSAL_BOUND_MS = 50.0
 PREDICTION_BOUND = 0.20
 GOODPUT_VS_DEFAULT, GOODPUT_VS_LEAST_LOADED, BEST_EFFORT_VS_DEFAULT = 1.3, 1.5, 0.9
@@ -426,6 +428,10 @@ class RoundResult:
     receipts: list[dict[str, Any]]
     names: dict[str, str]
     """The router's replica ids -> `fast` / `slow`."""
+    refusals: dict[str, float] = field(default_factory=dict)
+    """Where the router refused SLO requests in the measured bursts (its counters): `decided` (no replica
+    predicted to meet it, `slo_unmet`), `queue` (on arrival at its queue, or at the deadline there); and
+    `chance` (sent on a fair chance, `slo_chance`)."""
 
 
 async def replica_names(session: aiohttp.ClientSession, router_url: str, fleet: Fleet) -> dict[str, str]:
@@ -481,13 +487,23 @@ async def run_round(
             warm_ids = {str(r.get("request_id")) for r in await router_receipts(session, router_url, keep)}
             await reset_caches(session, fleet)
             await asyncio.sleep(1.0)  # the caches' clearing reaches the router's index as KV events
+        before = await refusal_counts(session, router_url)
         outcomes, seconds = await drive(router_url, requests, flags, args, level)
+        after = await refusal_counts(session, router_url)
         receipts = [
             r for r in await router_receipts(session, router_url, keep) if str(r.get("request_id")) not in warm_ids
         ]
     finally:
         terminate(process, 30)
-    return RoundResult(outcomes, seconds, receipts, names)
+    return RoundResult(outcomes, seconds, receipts, names, {k: after[k] - before.get(k, 0.0) for k in after})
+
+
+async def refusal_counts(session: aiohttp.ClientSession, router_url: str) -> dict[str, float]:
+    """The router's own counts of SLO refusals by where they happened, and of fair-chance sends."""
+    samples = parse_samples(await get_text(session, f"{router_url}/metrics") or "", REFUSAL_METRICS).by_name
+    reasons = {labels.get("reason"): value for labels, value in samples.get(REFUSAL_METRICS[0], [])}
+    queue = [v for labels, v in samples.get(REFUSAL_METRICS[1], []) if labels.get("reason") == "slo_unattainable"]
+    return {"decided": reasons.get("slo_unmet", 0.0), "queue": sum(queue), "chance": reasons.get("slo_chance", 0.0)}
 
 
 async def router_receipts(session: aiohttp.ClientSession, router_url: str, keep: int) -> list[dict[str, Any]]:
@@ -622,9 +638,10 @@ async def run_backend(args: argparse.Namespace, backend: str, out: Results) -> N
                     result = await run_round(session, args, fleet, policy, level, tokenizer, work)
                     by_policy[policy].append(result)
                     figures = summarize(result.outcomes, result.seconds)
+                    where = ", ".join(f"{k} {v:.0f}" for k, v in result.refusals.items())
                     progress(
                         f"  {policy:12} goodput {figures.goodput:.2f}/s, attainment {figures.attainment:.2f}, "
-                        f"refused {figures.refused}, best effort {figures.best_effort_per_s:.2f}/s"
+                        f"refused {figures.refused} ({where}), best effort {figures.best_effort_per_s:.2f}/s"
                     )
             for policy in policies:
                 row, predictions = pool(backend, "compare", level, policy, by_policy[policy])
