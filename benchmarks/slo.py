@@ -503,7 +503,11 @@ async def refusal_counts(session: aiohttp.ClientSession, router_url: str) -> dic
     samples = parse_samples(await get_text(session, f"{router_url}/metrics") or "", REFUSAL_METRICS).by_name
     reasons = {labels.get("reason"): value for labels, value in samples.get(REFUSAL_METRICS[0], [])}
     queue = [v for labels, v in samples.get(REFUSAL_METRICS[1], []) if labels.get("reason") == "slo_unattainable"]
-    return {"decided": reasons.get("slo_unmet", 0.0), "queue": sum(queue), "chance": reasons.get("slo_chance", 0.0)}
+    counts = {"decided": reasons.get("slo_unmet", 0.0), "queue": sum(queue), "chance": reasons.get("slo_chance", 0.0)}
+    status = orjson.loads(await get_text(session, f"{router_url}/status") or "{}")
+    wait = status.get("flow", {}).get("slo_wait", {})
+    progress(f"    {wait}")
+    return counts
 
 
 async def router_receipts(session: aiohttp.ClientSession, router_url: str, keep: int) -> list[dict[str, Any]]:

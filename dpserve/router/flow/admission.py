@@ -147,6 +147,15 @@ class Admission:
         of those before it, by how many went before each)."""
         return self._promised_wait.predict((1.0, float(self._before(priority))))
 
+    def wait_model(self) -> dict[str, float]:
+        """For /status: the learned wait of a request with an SLO here, fixed and per request before it."""
+        fixed, per_request = self._promised_wait.weights
+        return {
+            "fixed_s": round(fixed, 4),
+            "per_request_s": round(per_request, 4),
+            "waits": self._promised_wait.samples,
+        }
+
     def _before(self, priority: int) -> int:
         return self._queue.promised_before(priority) if self.flow_control else len(self._queue)
 

@@ -113,6 +113,7 @@ class Flow:
             "oldest_queued_s": round(admission.oldest_wait_s(), 3),
             "queue_timeout_s": admission.timeout_s,
             "queue_timeouts": admission.timeouts,
+            "slo_wait": admission.wait_model(),
             "tenants": sorted(self.tenants.named),
         }
 
