@@ -26,11 +26,12 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dpserve.policies.base import ReplicaView
-from dpserve.policies.latency import OnlineFit
+from dpserve.policies.latency import MIN_SECONDS, OnlineFit
 from dpserve.router.flow.fair_queue import FairQueue
 from dpserve.router.http.errors import OpenAIError
 
@@ -45,6 +46,7 @@ WAIT_PRIOR = (0.1, 0.05)
 """Seconds a request with an SLO waits in the queue: until the first slot frees, and more per request
 released before it. A guess for the first waits; each wait corrects it (`OnlineFit`)."""
 WAIT_TYPICAL = (1.0, 4.0)
+WAIT_RATIOS_KEPT = 256
 
 
 class Rejected(OpenAIError):
@@ -128,6 +130,8 @@ class Admission:
         """Requests refused after waiting `timeout_s` (429 `queue_timeout`)."""
         self._promised_wait = OnlineFit(WAIT_PRIOR, WAIT_TYPICAL)
         """How long requests with an SLO wait here, by how many go before them (learned from each)."""
+        self._wait_ratios: deque[float] = deque(maxlen=WAIT_RATIOS_KEPT)
+        """Recent waits of requests with an SLO over their predictions."""
 
     @property
     def depth(self) -> int:
@@ -303,10 +307,20 @@ class Admission:
             # The next in line may find room too (several slots freed at once, or this one gave up).
             self.notify()
 
+    def wait_chance(self, expected_s: float, within_s: float) -> float:
+        """The share of recent waits of requests with an SLO that, predicted `expected_s`, would have ended
+        within `within_s` (0.5 before any was seen)."""
+        ratios = self._wait_ratios
+        if not ratios:
+            return 0.5
+        return sum(1 for ratio in ratios if expected_s * ratio <= within_s) / len(ratios)
+
     def _waited(self, before: float, waited_s: float) -> None:
         """A request with an SLO (`before` >= 0: that many went before it) left the queue after `waited_s`."""
         if before >= 0:
-            self._promised_wait.learn((1.0, before), waited_s)
+            fit = self._promised_wait
+            self._wait_ratios.append(waited_s / max(fit.predict((1.0, before)), MIN_SECONDS))
+            fit.learn((1.0, before), waited_s)
 
     def _room_for_first(self, has_room: Callable[[], bool], priority: int, tenant: str) -> bool:
         """`has_room()` for the first waiter, counting the engine's queue when only its tenant waits."""

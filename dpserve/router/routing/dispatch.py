@@ -14,6 +14,7 @@ import orjson
 from starlette.types import Send
 
 from dpserve.policies.base import ReplicaView, RequestFeatures, pick_least_loaded
+from dpserve.policies.slo import FAIR_CHANCE
 from dpserve.replicas.access import KEY_REFUSED
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.health import Outcome, classify_status
@@ -457,14 +458,18 @@ class Dispatcher:
         return found
 
     def _refuse_late(self, features: RequestFeatures, tried: Sequence[str]) -> None:
-        """A request with a TTFT SLO that would wait in the router's queue is refused at once (429) when even
-        the nearest replica, counting the requests ahead of it there, is predicted past its SLO: it would
-        only be refused at its deadline."""
+        """A request with a TTFT SLO that would wait in the router's queue is refused at once (429) when its
+        expected wait there and then its first token on the nearest replica are predicted past its SLO, and
+        recent waits give it no fair chance: it would only be refused at its deadline."""
         slo = features.slo
         if slo is None or slo.queue or slo.ttft_s is None:
             return
-        nearest = self._selector.too_late(features, tried, self._admission.expected_wait_s(features.priority))
-        if nearest is not None:
+        admission = self._admission
+        wait = admission.expected_wait_s(features.priority)
+        nearest = self._selector.too_late(features, tried, wait)
+        # Predicted late, it may still wait on a fair chance: a share of recent waits that ran as much shorter
+        # than predicted as it needs (past its deadline it is refused there, never sent late).
+        if nearest is not None and admission.wait_chance(wait, slo.ttft_s - (nearest - wait)) < FAIR_CHANCE:
             self._metrics.admission_rejections.labels("slo_unattainable").inc()
             raise slo_unattainable(slo, nearest)
 
