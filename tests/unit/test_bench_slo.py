@@ -41,14 +41,14 @@ def test_goodput_counts_slo_requests_whose_first_token_came_in_time_per_second()
         answered(300),  # on the SLO: met
         answered(301),  # late: not met, but answered
         refused(4),  # refused: not met, costs nothing
-        refused(310),  # refused at its deadline, after waiting for a slot: counted apart
+        Outcome(300.0, 429, answered_s=0.31, retry_after=True, code="slo_unattainable", waited=True),  # apart
         answered(900, None),
         answered(50, None),
         Outcome(None, 0, answered_s=1.0, code="ClientConnectionError"),  # a best-effort request lost
     ]
     f = summarize(outcomes, 2.0)
     assert (f.slo_sent, f.slo_met, f.refused, f.best_effort_sent, f.best_effort_done) == (5, 2, 2, 3, 2)
-    assert f.refused_at_deadline == 1
+    assert f.refused_after_wait == 1
     assert f.goodput == 1.0 and f.attainment == 0.4 and f.best_effort_per_s == 1.0
     assert f.failed == 1 and f.failed_late == 0  # the lost one carried no SLO
     assert f.refusal_p50_ms == f.refusal_p99_ms == pytest.approx(4.0) and f.refusals_without_retry_after == 0
@@ -133,7 +133,9 @@ def test_the_goals_hold_only_when_slo_beats_both_keeps_best_effort_and_refuses_f
     goals = verdicts(Results([slo, default, least]))
     assert all(ok for _, ok in goals), goals
     assert "goodput vs kv_aware 1.30x, goal >= 1.3x: met" in goals[1][0]
-    assert "refusals on arrival within 50 ms at p99 (7 refused, p99 20 ms; 0 more" in "\n".join(g for g, _ in goals)
+    assert "refusals on arrival within 50 ms at p99 (7 refused, p99 20 ms; 0 more after a wait" in "\n".join(
+        g for g, _ in goals
+    )
     # Each missed goal turns its own line false.
     slow_refusals = row("slo", [answered(100)] * 13 + [refused(60)] * 7 + best_effort, error=0.12)
     assert [ok for _, ok in verdicts(Results([slow_refusals, default, least]))].count(False) == 1

@@ -174,6 +174,9 @@ def test_the_refusal_is_a_429_with_retry_after_and_says_why() -> None:
     assert (error.status, error.code, error.type) == (429, "slo_unattainable", "rate_limit_error")
     assert error.headers["retry-after"] == "3"  # 2.3 s late, rounded up
     assert "300 ms" in error.message and "2600 ms" in error.message
+    assert "router's queue" not in error.message
+    waited = slo_unattainable(Slo(0.3, None), 0.5, waited_s=0.12)  # released from the queue, then predicted late
+    assert "after 120 ms waiting in the router's queue" in waited.message
 
 
 def test_tenant_rules_carry_a_default_slo() -> None:

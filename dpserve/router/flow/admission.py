@@ -275,7 +275,8 @@ class Admission:
                     self._waited(before, self._clock() - started)  # at least this long
                     raise Rejected(
                         "slo_unattainable",
-                        f"No replica had room for this request within its SLO ({within_s:g} s); retry later.",
+                        f"No replica had room for this request within its SLO ({within_s:g} s) while it waited in "
+                        "the router's queue; retry later.",
                         self.timeout_s / 4,
                     )
                 if remaining <= 0:

@@ -45,9 +45,9 @@ def _header_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | No
     return None
 
 
-def slo_unattainable(slo: Slo, predicted_s: float) -> OpenAIError:
+def slo_unattainable(slo: Slo, predicted_s: float, waited_s: float = 0.0) -> OpenAIError:
     """429 at once: no replica is predicted to meet the SLO (the nearest predicts `predicted_s` to the first
-    token); Retry-After is how far that is past it."""
+    token, after `waited_s` in the router's queue); Retry-After is how far that is past it."""
     predicted = max(predicted_s, 0.0)
     late = predicted - slo.ttft_s if slo.ttft_s is not None else 0.0
     promised = []
@@ -55,10 +55,11 @@ def slo_unattainable(slo: Slo, predicted_s: float) -> OpenAIError:
         promised.append(f"a first token within {slo.ttft_s * 1000:.0f} ms")
     if slo.tpot_s is not None:
         promised.append(f"{slo.tpot_s * 1000:.0f} ms per token")
+    waited = f" (after {waited_s * 1000:.0f} ms waiting in the router's queue)" if waited_s > 0 else ""
     return OpenAIError(
         429,
         f"No replica is predicted to meet this request's SLO ({' and '.join(promised)}); the nearest predicts a "
-        f"first token in {predicted * 1000:.0f} ms. Retry later, or send it without an SLO as best effort.",
+        f"first token in {predicted * 1000:.0f} ms{waited}. Retry later, or send it without an SLO as best effort.",
         type="rate_limit_error",
         code="slo_unattainable",
         headers={"retry-after": str(max(1, math.ceil(late)))},

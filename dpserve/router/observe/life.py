@@ -114,6 +114,7 @@ class RequestLife:
         "endpoint",
         "is_finished",
         "model",
+        "queued_s",
         "refused",
         "replica_id",
         "request_id",
@@ -142,6 +143,8 @@ class RequestLife:
         self.status = CLIENT_CLOSED
         """The answer's status as the client got it (client gone until one is set)."""
         self.usage: Usage | None = None
+        self.queued_s = 0.0
+        """Seconds it waited in the router's queue, its attempts' waits added."""
         self.refused = False
         """The router answered with its own error (a bad request, no room, no replica), not a replica's answer."""
         self.is_finished = False
@@ -160,6 +163,7 @@ class RequestLife:
             self._watches.append(watch)
 
     def admitted(self, waited_s: float) -> None:
+        self.queued_s += waited_s
         for watch in self._watches:
             watch.admitted(waited_s)
 

@@ -296,7 +296,7 @@ class Dispatcher:
             life.decided(choice)
             slo = features.slo
             if slo is not None and not choice.decision.meets_slo and not slo.queue:
-                raise slo_unattainable(slo, choice.decision.ttft_s)  # at once, not after its deadline
+                raise slo_unattainable(slo, choice.decision.ttft_s, life.queued_s)  # at once, not after its deadline
             replica_id = choice.decision.id
             life.dispatched(replica_id)
             tried.append(replica_id)
