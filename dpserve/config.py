@@ -456,9 +456,9 @@ class RouterSettings:
         maximum=1,
     )
     slo_reserve: float = setting(
-        0.25,
-        "the share of each replica's slots that best-effort requests leave free for requests with an SLO, while "
-        "such requests have come in the last 30 s",
+        0.5,
+        "the most of each replica's slots that best-effort requests leave free for requests with an SLO: their "
+        "share of recent requests, up to this, while such requests have come in the last 30 s",
         FLOW,
         maximum=1,
     )

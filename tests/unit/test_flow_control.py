@@ -323,12 +323,18 @@ def test_best_effort_leaves_a_reserve_to_requests_with_an_slo_while_they_come() 
     admission = Admission(0, 16, 1.0, clock, flow_control=True, slo_reserve=0.25)
     full_but_two = [replica("r0", 6, capacity=8)]
     assert admission.open(full_but_two) == full_but_two  # no SLO seen yet: best effort takes every slot
-    assert admission.open(full_but_two, promised=True) == full_but_two  # one with an SLO comes
+    for _ in range(300):  # half the requests come with an SLO: their share, up to the 0.25 at most
+        admission.arrived(promised=True)
+        admission.arrived(promised=False)
+    assert admission.open(full_but_two, promised=True) == full_but_two
     assert admission.open(full_but_two) == []  # best effort leaves 2 of 8 slots to such requests
     assert admission.has_room(replica("r0", 5, capacity=8))
     assert not admission.has_room(replica("r0", 6, capacity=8))
     assert admission.has_room(replica("r0", 7, capacity=8), promised=True)
     assert admission.has_room(replica("r0", 0, capacity=1))  # never its last slot
+    for _ in range(300):  # then one in 20: a share of 0.05, one slot of 8
+        admission.arrived(promised=_ % 20 == 0)
+    assert admission.has_room(replica("r0", 6, capacity=8)) and not admission.has_room(replica("r0", 7, capacity=8))
     clock.now += URGENT_MEMORY_S + 1
     assert admission.open(full_but_two) == full_but_two  # none for a while: the reserve is released
 

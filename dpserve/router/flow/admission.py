@@ -47,6 +47,7 @@ WAIT_PRIOR = (0.1, 0.05)
 released before it. A guess for the first waits; each wait corrects it (`OnlineFit`)."""
 WAIT_TYPICAL = (1.0, 4.0)
 WAIT_RATIOS_KEPT = 256
+SHARE_WEIGHT = 0.01
 
 
 class Rejected(OpenAIError):
@@ -108,9 +109,9 @@ class Admission:
     ) -> None:
         """`limit_per_replica` 0: no fixed limit. `flow_control`: hold requests past each replica's learned
         capacity and release them in fair order; `batch_reserve`: the share of a replica's slots `batch`
-        requests leave to the others; `slo_reserve`: the share best-effort requests leave to those with an
-        SLO; `engine_queue`: requests per replica past its capacity that the one tenant
-        filling the queue may keep waiting in the engine."""
+        requests leave to the others; `slo_reserve`: the most of a replica's slots best-effort requests leave
+        to those with an SLO (their share of recent requests, up to this); `engine_queue`: requests per
+        replica past its capacity that the one tenant filling the queue may keep waiting in the engine."""
         self.limit = limit_per_replica
         self.queue_size = queue_size
         self.timeout_s = timeout_s
@@ -118,6 +119,8 @@ class Admission:
         self.batch_reserve = batch_reserve
         self.slo_reserve = slo_reserve
         self._promised_until = -math.inf
+        self._promised_share = 0.0
+        """The share of recent requests with an SLO (a moving average over about the last 100)."""
         self.engine_queue = engine_queue
         self._spare = 0
         # `engine_queue` while the first waiter, alone in the queue with its own tenant's, looks for room.
@@ -169,14 +172,20 @@ class Admission:
         """The candidates with room for one more request of this class (`promised`: with an SLO)."""
         if not self.holds:
             return list(candidates)
-        if promised and self.flow_control:
-            self._promised_until = self._clock() + URGENT_MEMORY_S
         reserving = self._reserving(promised)
         return [c for c in candidates if self._room(c, priority, reserving)]
 
     def has_room(self, replica: ReplicaView, priority: int = STANDARD, promised: bool = False) -> bool:
         """Room on `replica` for one more request of this class (`promised`: with an SLO)."""
         return self._room(replica, priority, self._reserving(promised))
+
+    def arrived(self, promised: bool) -> None:
+        """A request reaches admission (`promised`: with an SLO): the share of them with one is followed."""
+        if not self.flow_control:
+            return
+        self._promised_share += SHARE_WEIGHT * ((1.0 if promised else 0.0) - self._promised_share)
+        if promised:
+            self._promised_until = self._clock() + URGENT_MEMORY_S
 
     def _reserving(self, promised: bool) -> bool:
         """Whether a request leaves the SLO reserve free: best effort, while requests with an SLO come."""
@@ -198,10 +207,12 @@ class Admission:
             confirmed = replica.confirmed_capacity or capacity
             return replica.load < confirmed - min(confirmed - 1, math.ceil(confirmed * self.batch_reserve))
         if reserving:
-            # Likewise best effort leaves requests with an SLO a reserve while they come: one arriving in a
-            # burst beside best effort finds a slot instead of waiting past its SLO for one to free.
+            # Likewise best effort leaves requests with an SLO their share of the slots (at most
+            # `slo_reserve`) while they come: one arriving in a burst beside best effort finds a slot instead
+            # of waiting past its SLO for one to free.
             confirmed = replica.confirmed_capacity or capacity
-            return replica.load < confirmed - min(confirmed - 1, math.ceil(confirmed * self.slo_reserve))
+            share = min(self.slo_reserve, self._promised_share)
+            return replica.load < confirmed - min(confirmed - 1, math.ceil(confirmed * share))
         if self._spare and replica.slow_refill:
             capacity += self._spare
         return replica.load < capacity

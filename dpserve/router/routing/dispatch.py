@@ -431,6 +431,7 @@ class Dispatcher:
         candidates = self._selector.candidates
         if not admission.holds:
             return candidates(features, tried)
+        admission.arrived(features.slo is not None)
         found = candidates(features, tried)
         priority = features.priority
         tenant, weight, cost = ("", 1.0, 0.0) if ticket is None else (ticket.tenant, ticket.weight, ticket.cost)
