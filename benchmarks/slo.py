@@ -6,7 +6,9 @@ cores (`--vllm-fast-cores` and `--vllm-slow-cores`, each replica's VLLM_CPU_OMP_
 is bursty (`--bursts` bursts of LEVEL requests sent at once, `--gap-s` apart, without waiting for the last
 burst's answers), the prompts in groups sharing a long system prompt (benchmarks/policy_workloads.py), all
 streamed; half the requests carry `x-slo-ttft-ms: --slo-ttft-ms`, the other half none (best effort). TTFT is
-measured here, at the client, to the first chunk with content.
+measured here, at the client, to the first chunk with content. With `--priority` (the default) the replicas
+order their queues by vLLM's `priority` field and every router passes it (`--vllm-priority`): only slo gives
+a request with an SLO its own, the others give all the same, as first come first served.
 
 First the load sweep: the default policy (kv_aware) one round at each of `--levels` in turn, until its SLO
 attainment falls below `--attainment-bound` (or `--level` names the load outright). At that load every
@@ -16,7 +18,8 @@ with a routing receipt.
 
 Figures per policy: goodput (SLO requests whose first token came within the SLO, per second of the run: from
 the first send to the last answer; a refused one is not met), attainment (met / SLO requests sent), refusals
-(429s) and how fast they came (p99 from send to the 429), best-effort throughput (best-effort requests
+(429s: on arrival, and how fast they came, p99 from send to the 429; after a wait in the router's queue,
+apart), best-effort throughput (best-effort requests
 completed per second), TTFT p50/p99 per class, errors; and from the receipts, where the router predicts
 TTFT (`predicted_ttft_ms`, `realized_ttft_ms`), each replica's predicted and realized TTFT and the p50 of
 |predicted - realized| / realized.
