@@ -276,6 +276,8 @@ def vllm_command(args: argparse.Namespace, model: Path, port: int, kv_port: int)
     command = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", str(model), "--host", HOST, "--port", str(port)]
     # Eager: torch.compile costs each start 20-40 s on 2 cores and changes nothing measured here.
     command += [*vllm_engine_flags(TINY_MODEL_NAME, kv_port, 4096), "--enforce-eager"]
+    if args.vllm_max_num_seqs:
+        command += ["--max-num-seqs", str(args.vllm_max_num_seqs)]
     return [*command, *scheduling_flags(args)]
 
 
@@ -315,6 +317,7 @@ async def start_fleet(session: aiohttp.ClientSession, args: argparse.Namespace, 
         described = (
             "2 vLLM CPU replicas of the tiny model, OMP threads bound to cores "
             f"{args.vllm_fast_cores} (fast) and {args.vllm_slow_cores} (slow)"
+            + (f", at most {args.vllm_max_num_seqs} running each" if args.vllm_max_num_seqs else "")
         )
         timeout = 600.0
     described += "; queues ordered by priority" if args.priority else "; queues first come, first served"
@@ -895,6 +898,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--sim-max-num-seqs", type=COUNT, default=4, help="sims' --max-num-seqs")
     parser.add_argument("--vllm-fast-cores", type=cores, default="0-1", help="the fast vLLM's OMP thread cores")
     parser.add_argument("--vllm-slow-cores", type=cores, default="1", help="the slow vLLM's OMP thread cores")
+    parser.add_argument(
+        "--vllm-max-num-seqs",
+        type=WHOLE,
+        default=0,
+        help="the vLLM replicas' --max-num-seqs, a bounded batch as the sims have (0: vLLM's own, which takes a "
+        "whole burst of this tiny model at once)",
+    )
     parser.add_argument("--router-args", default="", help="extra flags for every router")
     parser.add_argument("--seed", type=WHOLE, default=0)
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dpserve")
