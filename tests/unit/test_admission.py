@@ -67,6 +67,9 @@ async def test_the_expected_wait_is_learned_from_the_waits_of_requests_with_an_s
         admission.notify()
         await asyncio.wait_for(asyncio.gather(*tasks), 1.0)
     assert admission.expected_wait_s(1) == pytest.approx(1.0, rel=0.1)
+    # The chance a wait predicted at 1 s ends sooner: the recent waits' ratios to their predictions say.
+    assert admission.wait_chance(1.0, 1.5) > 0.9 and admission.wait_chance(1.0, 0.5) < 0.1
+    assert Admission(1, 8, 30.0).wait_chance(0.1, 10.0) == 0.0  # no wait seen: no chance claimed
 
 
 async def test_a_newcomer_does_not_jump_the_queue() -> None:

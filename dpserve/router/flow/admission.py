@@ -321,10 +321,10 @@ class Admission:
 
     def wait_chance(self, expected_s: float, within_s: float) -> float:
         """The share of recent waits of requests with an SLO that, predicted `expected_s`, would have ended
-        within `within_s` (0.5 before any was seen)."""
+        within `within_s` (none before any was seen: a chance is what the queue has shown)."""
         ratios = self._wait_ratios
         if not ratios:
-            return 0.5
+            return 0.0
         return sum(1 for ratio in ratios if expected_s * ratio <= within_s) / len(ratios)
 
     def _waited(self, before: float, waited_s: float) -> None:
