@@ -295,7 +295,7 @@ def test_the_priority_field_a_replica_receives_is_the_requests_class() -> None:
     `--vllm-priority` the client's body goes on untouched."""
     sent = [(priority, stream) for priority in ("critical", "standard", "batch") for stream in (False, True)]
     with RawReplica({"/v1/completions": completion_answer}) as replica:
-        for flags, expected in ((("--vllm-priority",), {"critical": -1, "standard": 0, "batch": 1}), ((), None)):
+        for flags, expected in ((("--vllm-priority",), {"critical": -2, "standard": 0, "batch": 2}), ((), None)):
             router = start_router([replica.url], "least_loaded", *flags)
             try:
                 replica.seen.clear()
