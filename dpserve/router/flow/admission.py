@@ -19,7 +19,12 @@ was seen to idle a noticeable share of a replica's slots (`capacity.py`: a CPU r
 answers; not a fast one, where it costs nothing), and while every request in the router's queue is one
 tenant's, of one class, the first of them may go past the capacity by `engine_queue`, so the next slot
 that frees there is filled at once. Another tenant's request, or a more urgent one, never goes past the
-capacity: it takes the next free slot, behind at most that one."""
+capacity: it takes the next free slot, behind at most that one.
+
+Requests with an SLO (`policies/slo.py`) go before their tenant's best effort of their class; while they
+come, best effort leaves them their share of each replica's slots (at most `--slo-reserve`); and the wait
+one would have here is learned from the waits of those before it, so the router can refuse at once the
+request whose wait would end past its SLO (`expected_wait_s`, `wait_chance`)."""
 
 from __future__ import annotations
 
@@ -46,8 +51,11 @@ WAIT_PRIOR = (0.1, 0.05)
 """Seconds a request with an SLO waits in the queue: until the first slot frees, and more per request
 released before it. A guess for the first waits; each wait corrects it (`OnlineFit`)."""
 WAIT_TYPICAL = (1.0, 4.0)
+"""The inputs' usual sizes: the constant, and requests released before one."""
 WAIT_RATIOS_KEPT = 256
+"""Recent waits over their predictions kept, for the chance a predicted-late wait ends in time."""
 SHARE_WEIGHT = 0.01
+"""How far each request moves the share of requests with an SLO: about the last 100 count."""
 
 
 class Rejected(OpenAIError):
@@ -315,7 +323,6 @@ class Admission:
                 waiter.wake = asyncio.get_running_loop().create_future()
         finally:
             queue.remove(waiter)
-
             # The next in line may find room too (several slots freed at once, or this one gave up).
             self.notify()
 
