@@ -123,14 +123,11 @@ class Selector:
         engine_block = (chosen.block_size or 0) if chosen is not None else 0
         return Choice(policy.name, decision, features, candidates, engine_block)
 
-    def too_late(
-        self, features: RequestFeatures, tried: Sequence[str] = (), wait_s: float | None = None
-    ) -> float | None:
-        """For a request with an SLO that finds no replica with room: the soonest first token predicted,
-        when even that replica misses the SLO (it should not wait for a refusal at its deadline); None when
-        it may wait, or the policy predicts no time. `wait_s`: its expected wait in the router's queue, after
-        which it goes to a free slot (None: the replicas' own queues, as they stand, count instead). (Not a
-        fair chance, as a decision with room allows: a wait without one ends at the deadline.)"""
+    def too_late(self, features: RequestFeatures, tried: Sequence[str], wait_s: float) -> float | None:
+        """For a request with an SLO that finds no replica with room, expected to wait `wait_s` in the
+        router's queue and then go to a free slot: its soonest first token predicted, when even the nearest
+        replica misses the SLO so (it should not wait for a refusal at its deadline); None when it may wait,
+        or the policy predicts no time."""
         policy, slo = self.policy, features.slo
         if not isinstance(policy, SloAware) or slo is None:
             return None
@@ -139,9 +136,10 @@ class Selector:
             return None
         if self._prefixes is not None:
             features = self._prefixes.match(features, fleet)
-        later = wait_s is not None
-        ttft, nearest = min(((policy.predict_ttft(features, r, later), r) for r in fleet), key=lambda pair: pair[0])
-        ttft += wait_s or 0.0
+        ttft, nearest = min(
+            ((policy.predict_ttft(features, r, when_free=True), r) for r in fleet), key=lambda pair: pair[0]
+        )
+        ttft += wait_s
         return None if policy.meets(slo, ttft, nearest) else ttft
 
     def decide(self, features: RequestFeatures, tried: Sequence[str] = ()) -> Decision | None:
