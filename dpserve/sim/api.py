@@ -332,7 +332,7 @@ def _is_integer(value: Any) -> bool:
 
 
 def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _is_integer(value) and value >= 0
 
 
 def _is_text_parts(content: Any) -> bool:
