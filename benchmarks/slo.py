@@ -443,6 +443,8 @@ class RoundResult:
     """Where the router refused SLO requests in the measured bursts (its counters): `decided` (no replica
     predicted to meet it, `slo_unmet`), `queue` (on arrival at its queue, or at the deadline there); and
     `chance` (sent on a fair chance, `slo_chance`)."""
+    slo_wait: dict[str, Any] = field(default_factory=dict)
+    """The router's learned wait in its queue at the round's end (`/status` `flow.slo_wait`)."""
 
 
 async def replica_names(session: aiohttp.ClientSession, router_url: str, fleet: Fleet) -> dict[str, str]:
@@ -501,12 +503,14 @@ async def run_round(
         before = await refusal_counts(session, router_url)
         outcomes, seconds = await drive(router_url, requests, flags, args, level)
         after = await refusal_counts(session, router_url)
+        wait = await slo_wait(session, router_url)
         receipts = [
             r for r in await router_receipts(session, router_url, keep) if str(r.get("request_id")) not in warm_ids
         ]
     finally:
         terminate(process, 30)
-    return RoundResult(outcomes, seconds, receipts, names, {k: after[k] - before.get(k, 0.0) for k in after})
+    refusals = {k: after[k] - before.get(k, 0.0) for k in after}
+    return RoundResult(outcomes, seconds, receipts, names, refusals, wait)
 
 
 async def refusal_counts(session: aiohttp.ClientSession, router_url: str) -> dict[str, float]:
@@ -514,11 +518,14 @@ async def refusal_counts(session: aiohttp.ClientSession, router_url: str) -> dic
     samples = parse_samples(await get_text(session, f"{router_url}/metrics") or "", REFUSAL_METRICS).by_name
     reasons = {labels.get("reason"): value for labels, value in samples.get(REFUSAL_METRICS[0], [])}
     queue = [v for labels, v in samples.get(REFUSAL_METRICS[1], []) if labels.get("reason") == "slo_unattainable"]
-    counts = {"decided": reasons.get("slo_unmet", 0.0), "queue": sum(queue), "chance": reasons.get("slo_chance", 0.0)}
+    return {"decided": reasons.get("slo_unmet", 0.0), "queue": sum(queue), "chance": reasons.get("slo_chance", 0.0)}
+
+
+async def slo_wait(session: aiohttp.ClientSession, router_url: str) -> dict[str, Any]:
+    """The router's learned wait of a request with an SLO in its queue (`/status` `flow.slo_wait`)."""
     status = orjson.loads(await get_text(session, f"{router_url}/status") or "{}")
-    wait = status.get("flow", {}).get("slo_wait", {})
-    progress(f"    {wait}")
-    return counts
+    wait: dict[str, Any] = status.get("flow", {}).get("slo_wait", {})
+    return wait
 
 
 async def router_receipts(session: aiohttp.ClientSession, router_url: str, keep: int) -> list[dict[str, Any]]:
@@ -656,7 +663,8 @@ async def run_backend(args: argparse.Namespace, backend: str, out: Results) -> N
                     where = ", ".join(f"{k} {v:.0f}" for k, v in result.refusals.items())
                     progress(
                         f"  {policy:12} goodput {figures.goodput:.2f}/s, attainment {figures.attainment:.2f}, "
-                        f"refused {figures.refused} ({where}), best effort {figures.best_effort_per_s:.2f}/s"
+                        f"refused {figures.refused} ({where}), best effort {figures.best_effort_per_s:.2f}/s, "
+                        f"queue wait learned {result.slo_wait or '-'}"
                     )
             for policy in policies:
                 row, predictions = pool(backend, "compare", level, policy, by_policy[policy])
