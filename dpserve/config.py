@@ -233,6 +233,8 @@ LOGGING = "logging"
 REPLICA_ACCESS = "keys and TLS to replicas"
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""vLLM's `--scheduling-policy` values, as the simulated engine orders its queue."""
 DNS_SOURCE = "dns:NAME:PORT|srv:_service._proto.NAME"
 
 
@@ -876,7 +878,7 @@ class SimSettings:
         "fcfs",
         "the waiting queue's order, as vLLM's: arrival, or each request's `priority` field first (lower sooner)",
         SIM_MODEL,
-        choices=("fcfs", "priority"),
+        choices=SCHEDULING_POLICIES,
     )
     sim_kv_events: str | None = setting(
         None,

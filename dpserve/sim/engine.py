@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from dpserve.config import SCHEDULING_POLICIES
 from dpserve.kvindex.events import KvEvent
 from dpserve.sim.cache import Allocation, NoRoom, PrefixCache, TooLarge
 
@@ -75,9 +76,6 @@ class EngineObserver:
     def on_token(self, stats: RequestStats, gap_s: float | None) -> None: ...
 
     def on_finished(self, request: GenerationRequest, stats: RequestStats, reason: str) -> None: ...
-
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class SimEngine:
