@@ -37,6 +37,7 @@ import psutil
 from benchmarks.fleet import (
     CHECKOUT,
     HOST,
+    cpu_seconds,
     get_text,
     port_block,
     progress,
@@ -174,25 +175,27 @@ async def measure(
         await drive(url, warm, args.concurrency, args.max_tokens)
         await asyncio.sleep(args.settle_s)  # start-up work (first scrapes, subscriptions) out of the window
         tree = psutil.Process(process.pid)
-        before, cpu_before = await replica_counters(session, fleet), tree_times(tree)
+        before, ticks_before, cpu_before = await replica_counters(session, fleet), tree_times(tree), cpu_seconds([tree])
         if counted:
             callgrind_control("-z", process.pid)
         outcomes, seconds = await drive(url, work, args.concurrency, args.max_tokens)
         if counted:
             callgrind_control("-d", process.pid)
-        user, system = (after - was for after, was in zip(tree_times(tree), cpu_before, strict=True))
+        cpu = cpu_seconds([tree]) - cpu_before
+        user, system = (after - was for after, was in zip(tree_times(tree), ticks_before, strict=True))
         hits, queries, _ = counter_deltas(before, await replica_counters(session, fleet))
         sources = await token_sources(session, url) if target.router == "dpserve" else ""
     finally:
         terminate(process, 10)
-    row = row_of(round_index, target, outcomes, seconds, user + system, hits / queries if queries else 0.0)
+    row = row_of(round_index, target, outcomes, seconds, cpu, hits / queries if queries else 0.0)
     row.tokens_from = sources
     row.system_share = round(system / (user + system), 2) if user + system else 0.0
     return row
 
 
 def tree_times(process: psutil.Process) -> tuple[float, float]:
-    """User and system CPU seconds so far of a process and its threads and children (as `fleet.cpu_seconds`)."""
+    """User and system CPU seconds so far of a process and its threads and children, in the kernel's ticks
+    (10 ms: for the share in the kernel; `fleet.cpu_seconds` reads the total to the nanosecond)."""
     user = system = 0.0
     for member in [process, *process.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
