@@ -272,7 +272,7 @@ def process_cpu_seconds(process: psutil.Process) -> float:
             with contextlib.suppress(OSError):  # exited since
                 return time.clock_gettime(clock.value)
     times = process.cpu_times()
-    return times.user + times.system
+    return float(times.user + times.system)
 
 
 def relative_source_paths(text: str, checkout: Path = CHECKOUT) -> str:

@@ -68,7 +68,7 @@ from dpserve.router.parts import (
     tenants_for,
     upstream_deadlines,
 )
-from dpserve.router.peers.board import PeerBoard
+from dpserve.router.peers.board import FALL_SPREAD_S, PeerBoard
 from dpserve.router.peers.links import PeerCollector, SuspectChecks
 from dpserve.router.peers.routes import add_peer_routes
 from dpserve.router.peers.wire import MAX_ROUTES
@@ -211,7 +211,7 @@ class Router:
         # Quotas hold across routers: each counts what its peers report.
         board = PeerBoard(
             self.registry, origin_id(), self.recent, self.bindings, self.kv_index,
-            timeout_s=settings.peer_timeout_s, quotas=self.flow.quotas,
+            timeout_s=settings.peer_timeout_s, quotas=self.flow.quotas, fall_spread_s=FALL_SPREAD_S,
         )  # fmt: skip
         self.peers = peer_links(settings, board, self.resolver, self.keys)
         if self.peers.enabled:  # what this router routes is news for its peers

@@ -4,6 +4,8 @@ nothing a peer sends grows this router's memory past its bounds."""
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 
@@ -117,6 +119,56 @@ def test_peer_in_flight_counts_add_up_and_count_in_load() -> None:
     # Each update replaces its origin's last counts.
     board.apply(PeerUpdate("a", 2, clock.now, in_flight={}), "link-a")
     assert (r0.peer_in_flight, r1.peer_in_flight) == (2, 1)
+
+
+def test_a_fall_in_peers_counts_is_believed_after_a_random_pause_and_a_rise_is_believed_at_once() -> None:
+    """Every router hears of the same freed slots at once; each waits its own random pause before counting
+    them free, so the first to take them can tell the others before their pauses end."""
+    clock = Clock()
+    board, registry, _ = board_for(URLS, clock, fall_spread_s=0.1, rng=random.Random(7))
+    r0 = registry.get("r0")
+    woken = []
+    registry.on_change(lambda: woken.append(clock.now))
+    board.apply(PeerUpdate("a", 1, clock.now, in_flight={URLS[0]: 2}), "link-a")
+    assert r0.peer_in_flight == 2 and board.next_fall_at() is None and not board.contested()
+    board.apply(PeerUpdate("a", 2, clock.now, in_flight={URLS[0]: 1}), "link-a")
+    due = board.next_fall_at()
+    assert due is not None and clock.now <= due <= clock.now + 0.1
+    assert r0.peer_in_flight == 2 and board.contested() and not woken  # still the older count
+    board.apply(PeerUpdate("a", 3, clock.now, in_flight={}), "link-a")
+    assert board.next_fall_at() == due and r0.peer_in_flight == 2  # one pause for the fall, however it goes on
+    clock.now = due - 1e-6
+    board.believe_falls()
+    assert r0.peer_in_flight == 2
+    clock.now = due
+    board.believe_falls()
+    assert r0.peer_in_flight == 0 and board.next_fall_at() is None and woken == [due]  # waiters told of the room
+    assert board.contested()  # other routers' pauses may not have ended: a take now is news to them
+    clock.now += 0.2
+    assert not board.contested()
+
+
+def test_a_rise_during_the_pause_ends_it_and_a_forgotten_peers_count_is_held_alike() -> None:
+    clock = Clock()
+    board, registry, _ = board_for(URLS, clock, fall_spread_s=0.1, rng=random.Random(1))
+    r0 = registry.get("r0")
+    board.apply(PeerUpdate("a", 1, clock.now, in_flight={URLS[0]: 2}), "link-a")
+    board.apply(PeerUpdate("a", 2, clock.now, in_flight={URLS[0]: 1}), "link-a")
+    board.apply(PeerUpdate("b", 1, clock.now, in_flight={URLS[0]: 1}), "link-b")  # another router took it
+    assert r0.peer_in_flight == 2 and board.next_fall_at() is None
+    board.link_lost("link-b")
+    assert r0.peer_in_flight == 2 and board.next_fall_at() is not None
+    clock.now += 0.1
+    board.believe_falls()
+    assert r0.peer_in_flight == 1
+
+
+def test_without_a_spread_falls_count_at_once() -> None:
+    clock = Clock()
+    board, registry, _ = board_for(URLS, clock)
+    board.apply(PeerUpdate("a", 1, clock.now, in_flight={URLS[0]: 2}), "link-a")
+    board.apply(PeerUpdate("a", 2, clock.now, in_flight={}), "link-a")
+    assert registry.get("r0").peer_in_flight == 0 and board.next_fall_at() is None and not board.contested()
 
 
 def test_a_scrape_does_not_count_peers_requests_twice() -> None:

@@ -4,13 +4,17 @@ Each peer (an `origin`: one life of one router process) sends whole in-flight co
 in every update, so the newest update replaces the last and a lost one costs nothing; routes and session
 bindings come as news and go straight into the recent-route map and the binding table. A peer is
 forgotten (its counts stop counting) when it says goodbye, when the link that brought it drops, or when
-it has been silent for `timeout_s`. Updates older than the last one seen from the same origin, or sent
-more than `stale_s` ago by the sender's clock, are dropped. Replica URLs this router does not know are
-skipped: each router keeps its own fleet, found by its own flags or DNS.
+it has been silent for `timeout_s`. A fall in what peers have in flight on a replica is believed after a random
+pause of up to `fall_spread_s`: every router hears of the same freed slots at once, and each taking them
+together ran a replica capped at 2 (`--max-in-flight`) at 4-5 behind 3 routers; the first to take it tells
+the others at once (`contested`), before their pauses end. Updates older than the last one seen from the same
+origin, or sent more than `stale_s` ago by the sender's clock, are dropped. Replica URLs this router does not
+know are skipped: each router keeps its own fleet, found by its own flags or DNS.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +26,10 @@ from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.quotas import QuotaBook
 from dpserve.router.peers.wire import MAX_ROUTES, MAX_USAGE, PeerSnapshot, PeerUpdate
+
+FALL_SPREAD_S = 0.1
+"""A router's pause before it believes a fall in peers' counts, at most: long beside the few milliseconds in which
+the first router to take a freed slot tells the others (at once, while contested), short beside an answer."""
 
 
 @dataclass
@@ -64,8 +72,11 @@ class PeerBoard:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         quotas: QuotaBook | None = None,
+        fall_spread_s: float = 0.0,
+        rng: random.Random | None = None,
     ) -> None:
-        """`quotas`: where peers' usage counts (quotas hold across routers) and this router's own is taken from."""
+        """`quotas`: where peers' usage counts (quotas hold across routers) and this router's own is taken from.
+        `fall_spread_s`: falls in peers' counts are believed after a random pause up to this (0: at once)."""
         self.origin = origin
         self.timeout_s = timeout_s
         self.stale_s = stale_s
@@ -82,6 +93,13 @@ class PeerBoard:
         self._shape: tuple[int, dict[str, str], tuple[str, ...]] = (-1, {}, ())
         """(the registry's reshape count, replica ids by where, the unhealthy): rebuilt when it reshapes."""
         self.quotas = quotas
+        self.fall_spread_s = fall_spread_s
+        self._rng = rng or random.Random()
+        self._believed: dict[str, int] = {}
+        """Replica id -> what the registry was told peers have in flight there (absent: none)."""
+        self._falls: dict[str, float] = {}
+        """Replica id -> when the fall in peers' count there is believed (the older, higher count until then)."""
+        self._contested_until = -1.0
 
     # -- what peers say ------------------------------------------------------------------------------
 
@@ -151,7 +169,44 @@ class PeerBoard:
         for origin in self._origins.values():
             for rid, count in origin.in_flight.items():
                 totals[rid] = totals.get(rid, 0) + count
-        self._registry.set_peer_in_flight(totals)
+        if self.fall_spread_s:
+            self._hold_falls(totals)
+        self._believed = {rid: count for rid, count in totals.items() if count}
+        self._registry.set_peer_in_flight(self._believed)
+
+    def _hold_falls(self, totals: dict[str, int]) -> None:
+        """Keeps the counts that fell at their older value until each fall's pause ends (a rise ends it)."""
+        now = self._clock()
+        falls = {}
+        for rid, held in self._believed.items():
+            if totals.get(rid, 0) >= held:
+                continue
+            due = self._falls.get(rid)
+            if due is None:
+                due = now + self._rng.uniform(0.0, self.fall_spread_s)
+                # Peers heard of this fall too: until their pauses end, this router's takes are news to them.
+                self._contested_until = max(self._contested_until, now + 2 * self.fall_spread_s)
+            if now < due:
+                falls[rid] = due
+                totals[rid] = held
+        self._falls = falls
+
+    def now(self) -> float:
+        return self._clock()
+
+    def next_fall_at(self) -> float | None:
+        """When the next held fall is due (by this board's clock); None when none is held."""
+        return min(self._falls.values(), default=None)
+
+    def believe_falls(self) -> None:
+        """Lets the falls whose pause has ended count (the registry then tells waiters of the room)."""
+        if self._falls:
+            self._recount()
+
+    def contested(self) -> bool:
+        """Whether peers may be about to take slots freed with this router's: its own takes should reach
+        them at once rather than with the next batched update."""
+        return self._clock() < self._contested_until
 
     def _ids_by_url(self) -> dict[str, str]:
         return self._fleet_shape()[1]

@@ -161,6 +161,8 @@ class PeerLinks:
         self.warm_start: dict[str, Any] | None = None
         self.frames_sent = 0
         self.followers_cut = 0
+        self._falls_timer: asyncio.TimerHandle | None = None
+        self._falls_due = 0.0
         self.cpu = CpuMeter()
         """Publishing this router's updates, following the peers' (the streams served to them are requests)."""
 
@@ -240,6 +242,8 @@ class PeerLinks:
         if not self._draining:
             self.drain()
         await asyncio.sleep(0)  # the goodbye frames reach the streams' buffers
+        if self._falls_timer is not None:
+            self._falls_timer.cancel()
         for task in [*self._tasks, *(link.task for link in self._links.values() if link.task is not None)]:
             await cancel_and_wait(task)
 
@@ -249,9 +253,27 @@ class PeerLinks:
         self._news.set()
 
     def counts_changed(self) -> None:
-        """This router's in-flight count of a replica changed: peers hear of it within `interval_s`."""
-        if not self._counts.is_set():
+        """This router's in-flight count of a replica changed: peers hear of it within `interval_s`, or at once
+        while they may be taking the same freed slots (the board's `contested`)."""
+        if self.board.contested():
+            self._news.set()
+        elif not self._counts.is_set():
             self._counts.set()
+
+    def _believe_falls_when_due(self) -> None:
+        """Wakes the board when the next fall it holds is due (the registry then tells waiters of the room)."""
+        due = self.board.next_fall_at()
+        if due is None or (self._falls_timer is not None and self._falls_due <= due):
+            return
+        if self._falls_timer is not None:
+            self._falls_timer.cancel()
+        self._falls_due = due
+        self._falls_timer = asyncio.get_running_loop().call_later(max(0.0, due - self.board.now()), self._falls_due_now)
+
+    def _falls_due_now(self) -> None:
+        self._falls_timer = None
+        self.board.believe_falls()
+        self._believe_falls_when_due()
 
     async def _wake(self) -> None:
         """Until news (at once), a changed count (then `interval_s` more, to batch them) or the heartbeat is
@@ -277,6 +299,7 @@ class PeerLinks:
             self._news.clear()
             self._counts.clear()
             self.board.expire()
+            self._believe_falls_when_due()
             update = self.board.update()
             shape = (update.in_flight, update.unhealthy)
             now = time.monotonic()
@@ -324,6 +347,7 @@ class PeerLinks:
                 if link.state != "self":
                     link.state = "down"
                 self.board.link_lost(link.url)
+                self._believe_falls_when_due()
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
 
@@ -335,6 +359,7 @@ class PeerLinks:
             link.updates += 1
             for replica_id in self.board.apply(update, link.url):
                 self.on_suspect(replica_id)
+            self._believe_falls_when_due()
             if link.sibling:
                 self._send(frame(payload), relayed_from=update.origin)
 
