@@ -28,11 +28,11 @@ def test_router_benchmark_on_sims_writes_tiers_restart_and_workers(tmp_path: Pat
         "--restart-groups",
         "4",
         "--steady",
-        "4",
+        "2",
         "--after",
-        "4",
+        "2",
     ]
-    argv += ["--workers", "1,2", "--worker-seconds", "2", "--worker-connections", "4"]
+    argv += ["--workers", "1,2", "--worker-seconds", "1", "--worker-connections", "4"]
     argv += ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "m")]
     status = main(argv)
     report = (tmp_path / "routers.md").read_text()
