@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 def test_fairness_benchmark_on_sims_writes_noisy_and_priority(tmp_path: Path) -> None:
     argv = ["bench", "fairness", "--experiments", "noisy,priority", "--contenders", "dpserve"]
-    argv += ["--a-streams", "32", "--warmup", "2", "--window", "4"]
+    argv += ["--a-streams", "32", "--warmup", "1", "--window", "3"]
     argv += ["--critical-streams", "8", "--priority-warmup", "2", "--priority-window", "3"]
     argv += ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "m")]
     assert main(argv) == 0
