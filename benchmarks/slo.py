@@ -24,8 +24,9 @@ completed per second), TTFT p50/p99 per class, errors; and from the receipts, wh
 TTFT (`predicted_ttft_ms`, `realized_ttft_ms`), each replica's predicted and realized TTFT and the p50 of
 |predicted - realized| / realized.
 
-Writes `slo.csv` (one row per backend, phase, load and policy), `predictions.csv` (per replica) and
-`slo.txt` (the tables and goal lines) under --out, and prints them; exits 1 when a goal is missed.
+Writes `slo.csv` (one row per backend, phase, load and policy), `predictions.csv` (per replica),
+`slo.txt` (the tables and goal lines) and `receipts/BACKEND-POLICY-LOAD-ROUND.jsonl` (each compared round's
+receipts) under --out, and prints them; exits 1 when a goal is missed.
 """
 
 from __future__ import annotations
@@ -513,6 +514,17 @@ async def run_round(
     return RoundResult(outcomes, seconds, receipts, names, refusals, wait)
 
 
+def keep_receipts(out: Path, name: str, result: RoundResult) -> None:
+    """A compared round's receipts as the router gave them, one JSON object a line, each with its replica's
+    name (`fast`/`slow`): what the prediction error is made of, for a look request by request."""
+    folder = out / "receipts"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{name}.jsonl", "wb") as handle:
+        for receipt in result.receipts:
+            named = {**receipt, "replica_name": result.names.get(str(receipt.get("replica")), "")}
+            handle.write(orjson.dumps(named) + b"\n")
+
+
 async def refusal_counts(session: aiohttp.ClientSession, router_url: str) -> dict[str, float]:
     """The router's own counts of SLO refusals by where they happened, and of fair-chance sends."""
     samples = parse_samples(await get_text(session, f"{router_url}/metrics") or "", REFUSAL_METRICS).by_name
@@ -659,6 +671,7 @@ async def run_backend(args: argparse.Namespace, backend: str, out: Results) -> N
                 for policy in order:
                     result = await run_round(session, args, fleet, policy, level, tokenizer, work)
                     by_policy[policy].append(result)
+                    keep_receipts(args.out, f"{backend}-{policy}-{level}-{len(by_policy[policy])}", result)
                     figures = summarize(result.outcomes, result.seconds)
                     where = ", ".join(f"{k} {v:.0f}" for k, v in result.refusals.items())
                     progress(

@@ -6,6 +6,7 @@ there, and the figures it writes add up. The goals themselves are shown by the r
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 
@@ -63,6 +64,14 @@ def test_slo_benchmark_on_sims_sweeps_then_compares_and_writes_sane_figures(tmp_
     assert sum(int(r["receipts"]) for r in predictions) <= int(compare["slo"]["slo_sent"]) * 2
     assert all(float(r["realized_p50_ms"]) > 0 and float(r["error_p50"]) >= 0 for r in predictions)
     assert 0 <= float(compare["slo"]["prediction_error_p50"]) < 100
+    # Each compared round's receipts are kept as the router gave them, with the replica's name.
+    kept = (tmp_path / "receipts" / f"sim-slo-{level}-1.jsonl").read_text().splitlines()
+    receipts = [json.loads(line) for line in kept]
+    assert len(receipts) == sum(
+        int(n) for n in dict(p.split("=") for p in compare["slo"]["per_replica"].split()).values()
+    )
+    assert {r["replica_name"] for r in receipts} <= {"fast", "slow"}
+    assert all(r["realized_ttft_ms"] is None or r["realized_ttft_ms"] > 0 for r in receipts)
     text = (tmp_path / "slo.txt").read_text()
     assert "every request answered or refused with Retry-After" in text  # the figures' sanity: met
     for goal in (
