@@ -19,14 +19,14 @@ WORKLOADS = ("cache_pressure", "multi_turn", "random")
 
 
 def test_vllm_dp_benchmark_on_sims_runs_all_three_contenders_with_sane_figures(tmp_path: Path) -> None:
-    argv = ["bench", "vllm-dp", "--backend", "sim", "--groups", "4", "--prompts", "3", "--conversations", "2"]
+    argv = ["bench", "vllm-dp", "--backend", "sim", "--groups", "3", "--prompts", "3", "--conversations", "2"]
     argv += ["--turns", "2", "--random-prompts", "8", "--random-input-len", "64", "--sim-speed", "2"]
     argv += ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "m")]
     assert main(argv) == 0  # 1 when a figure makes no sense
     with open(tmp_path / "vllm-dp.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert {(r["workload"], r["contender"]) for r in rows} == {(w, c) for w in WORKLOADS for c in CONTENDERS}
-    sizes = {"cache_pressure": 4 * 3, "multi_turn": 2 * 2, "random": 8}
+    sizes = {"cache_pressure": 3 * 3, "multi_turn": 2 * 2, "random": 8}
     for row in rows:
         assert int(row["requests"]) == sizes[row["workload"]] and int(row["errors"]) == 0, row
         assert 0 <= float(row["hit_rate"]) <= 1 and float(row["req_per_s"]) > 0, row
