@@ -189,6 +189,12 @@ def slo_flags(requests: int, seed: int) -> list[bool]:
     return flags
 
 
+LOAD_BANDS = ((0, 1), (2, 5), (6, 1 << 30))
+"""The replica's load when its request was routed (the receipt's `load`), in bands for the error by load:
+one flat across them is noise the inputs cannot explain (on vLLM CPU on this box, the other replica's
+threads on the same cores); one that grows with load is the model's."""
+
+
 @dataclass
 class ReplicaError:
     """Predicted against realized TTFT on one replica, from the receipts that carry both."""
@@ -199,31 +205,44 @@ class ReplicaError:
     realized_p50_ms: float
     error_p50: float
     """p50 of |predicted - realized| / realized."""
+    error_by_load: str = ""
+    """That p50 per band of `LOAD_BANDS`, `0-1: 34% (206) 2-5: ...` (the receipts in each)."""
 
 
 def prediction_errors(receipts: Sequence[dict[str, Any]], names: dict[str, str]) -> list[ReplicaError]:
     """Per replica (named by `names`, receipt replica id -> name; else the id), over the receipts with a
     predicted and a positive realized TTFT."""
-    by_replica: dict[str, list[tuple[float, float]]] = {}
+    by_replica: dict[str, list[tuple[float, float, int]]] = {}
     for receipt in receipts:
         predicted, realized = receipt.get("predicted_ttft_ms"), receipt.get("realized_ttft_ms")
         if predicted is None or realized is None or realized <= 0:
             continue
         replica = str(receipt.get("replica"))
-        by_replica.setdefault(names.get(replica, replica), []).append((float(predicted), float(realized)))
+        load = int(receipt.get("load") or 0)
+        by_replica.setdefault(names.get(replica, replica), []).append((float(predicted), float(realized), load))
     out = []
     for replica in sorted(by_replica):
-        pairs = by_replica[replica]
+        triples = by_replica[replica]
         out.append(
             ReplicaError(
                 replica,
-                len(pairs),
-                percentile(sorted(p for p, _ in pairs), 50),
-                percentile(sorted(r for _, r in pairs), 50),
-                percentile(sorted(abs(p - r) / r for p, r in pairs), 50),
+                len(triples),
+                percentile(sorted(p for p, _, _ in triples), 50),
+                percentile(sorted(r for _, r, _ in triples), 50),
+                percentile(sorted(abs(p - r) / r for p, r, _ in triples), 50),
+                error_by_load(triples),
             )
         )
     return out
+
+
+def error_by_load(triples: Sequence[tuple[float, float, int]]) -> str:
+    parts = []
+    for low, high in LOAD_BANDS:
+        errors = sorted(abs(p - r) / r for p, r, load in triples if low <= load <= high)
+        band = f"{low}-{high}" if high < 1 << 30 else f"{low}+"
+        parts.append(f"{band}: {percentile(errors, 50):.0%} ({len(errors)})" if errors else f"{band}: - (0)")
+    return " ".join(parts)
 
 
 def spread(receipts: Sequence[dict[str, Any]], names: dict[str, str]) -> str:
@@ -741,7 +760,8 @@ def table_cells(row: Row) -> tuple[str, ...]:
 def prediction_table(predictions: Sequence[Prediction]) -> str:
     if not predictions:
         return "no receipt carried predicted_ttft_ms and realized_ttft_ms\n"
-    header = ("backend", "policy", "replica", "receipts", "predicted p50", "realized p50", "|err|/realized p50")
+    header: tuple[str, ...] = ("backend", "policy", "replica", "receipts", "predicted p50", "realized p50")
+    header += ("|err|/realized p50", "by load at the decision")
     cells = [
         (
             p.backend,
@@ -751,6 +771,7 @@ def prediction_table(predictions: Sequence[Prediction]) -> str:
             f"{p.error.predicted_p50_ms:.0f}ms",
             f"{p.error.realized_p50_ms:.0f}ms",
             f"{p.error.error_p50:.1%}",
+            p.error.error_by_load,
         )
         for p in predictions
     ]
