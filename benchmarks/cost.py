@@ -37,9 +37,9 @@ import psutil
 from benchmarks.fleet import (
     CHECKOUT,
     HOST,
-    cpu_seconds,
     get_text,
     port_block,
+    process_cpu_seconds,
     progress,
     router_command,
     sigterm_unwinds,
@@ -175,14 +175,13 @@ async def measure(
         await drive(url, warm, args.concurrency, args.max_tokens)
         await asyncio.sleep(args.settle_s)  # start-up work (first scrapes, subscriptions) out of the window
         tree = psutil.Process(process.pid)
-        before, ticks_before, cpu_before = await replica_counters(session, fleet), tree_times(tree), cpu_seconds([tree])
+        before, cpu_before = await replica_counters(session, fleet), tree_times(tree)
         if counted:
             callgrind_control("-z", process.pid)
         outcomes, seconds = await drive(url, work, args.concurrency, args.max_tokens)
         if counted:
             callgrind_control("-d", process.pid)
-        cpu = cpu_seconds([tree]) - cpu_before
-        user, system = (after - was for after, was in zip(tree_times(tree), ticks_before, strict=True))
+        cpu, user, system = (after - was for after, was in zip(tree_times(tree), cpu_before, strict=True))
         hits, queries, _ = counter_deltas(before, await replica_counters(session, fleet))
         sources = await token_sources(session, url) if target.router == "dpserve" else ""
     finally:
@@ -193,15 +192,17 @@ async def measure(
     return row
 
 
-def tree_times(process: psutil.Process) -> tuple[float, float]:
-    """User and system CPU seconds so far of a process and its threads and children, in the kernel's ticks
-    (10 ms: for the share in the kernel; `fleet.cpu_seconds` reads the total to the nanosecond)."""
-    user = system = 0.0
+def tree_times(process: psutil.Process) -> tuple[float, float, float]:
+    """CPU seconds so far of a process and its threads and children, to the nanosecond
+    (`fleet.process_cpu_seconds`), and of those the user and system seconds in the kernel's 10 ms ticks
+    (for the share in the kernel only), in one walk of the tree."""
+    total = user = system = 0.0
     for member in [process, *process.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
             times = member.cpu_times()
+            total += process_cpu_seconds(member)
             user, system = user + times.user, system + times.system
-    return user, system
+    return total, user, system
 
 
 async def token_sources(session: aiohttp.ClientSession, url: str) -> str:
