@@ -170,6 +170,12 @@ def default_cache_dir() -> Path:
     return Path(base) / "dpserve"
 
 
+def default_data_dir() -> Path:
+    """Where the router keeps what must outlive it (the batch store), as the XDG base directories say."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "dpserve"
+
+
 DEFAULT_MAX_LORAS = 2
 DEFAULT_MAX_LORA_RANK = 16
 
@@ -231,6 +237,7 @@ GPU_HEALTH = "GPU health"
 PEERS = "peers"
 LOGGING = "logging"
 REPLICA_ACCESS = "keys and TLS to replicas"
+BATCH = "batches (/v1/files, /v1/batches)"
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -701,6 +708,36 @@ class RouterSettings:
         "and the other OTEL_ variables apply",
         LOGGING,
         metavar="URL",
+    )
+
+    batch_store: str = setting(
+        "",
+        "where files and batches are kept: a SQLite file (created), `postgresql://...` for a tier of routers "
+        "sharing one batch queue (each line run by one of them), or `off`; by default "
+        "$XDG_DATA_HOME/dpserve/batches-PORT.sqlite3",
+        BATCH,
+        metavar="PATH|postgresql://...|off",
+    )
+    batch_file_max_bytes: int = setting(
+        200 * 1024 * 1024, "largest file uploaded for a batch (OpenAI's limit)", BATCH, minimum=1
+    )
+    batch_file_max_lines: int = setting(50_000, "most requests in one batch file (OpenAI's limit)", BATCH, minimum=1)
+    batch_slots: int = setting(
+        1,
+        "batch requests per replica while no other request runs there; other requests take those slots back "
+        "(with flow control, a replica's learned capacity less --batch-reserve bounds it too)",
+        BATCH,
+        minimum=0,
+    )
+    batch_lease_s: float = setting(
+        10.0,
+        "seconds a router's claim on batch lines outlives its last heartbeat: a router killed mid-batch has "
+        "its unfinished lines run again, by itself restarted or by a peer, after this",
+        BATCH,
+        minimum=1,
+    )
+    batch_poll_interval_s: float = setting(
+        1.0, "seconds between looks at the store for batches created elsewhere (peers, before a restart)", BATCH
     )
 
     def __post_init__(self) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 
 import pytest
@@ -17,6 +20,11 @@ from dpserve.version import compiled_check, compiled_sources
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Routers keep their batch stores under the data directory: the suite's in a folder of its own.
+    if "XDG_DATA_HOME" not in os.environ:
+        data = tempfile.mkdtemp(prefix="dpserve-test-data-")
+        os.environ["XDG_DATA_HOME"] = data
+        atexit.register(shutil.rmtree, data, ignore_errors=True)
     # A compiled module older than its source would test code the source no longer says.
     built = [p for p in (s.parent for s in compiled_sources()) for p in p.glob("*.so")]
     problem = compiled_check()

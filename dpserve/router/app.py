@@ -31,6 +31,10 @@ from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
 from dpserve.replicas.kv_events import KvEventSubscriber, events_context
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.batch.room import batch_room
+from dpserve.router.batch.routes import add_batch_routes
+from dpserve.router.batch.runner import BatchRunner
+from dpserve.router.batch.store import BatchDb
 from dpserve.router.control.admin import FleetControl, add_admin_routes
 from dpserve.router.control.discovery import Discovery, DiscoveryCollector, SourceState
 from dpserve.router.control.secret_files import Secret, SecretFiles
@@ -53,6 +57,7 @@ from dpserve.router.observe.tracing import Tracing
 from dpserve.router.parts import (
     adapter_folder_watch,
     admission_for,
+    batch_store_for,
     catalog_for,
     flow_for,
     gpu_fleet,
@@ -136,7 +141,9 @@ class Router:
         self._indexes()
         self._peers()
         self.open_streams = OpenStreams()
-        self.shutdown = Shutdown(self.open_streams, on_drain=(self.peers.drain,) if self.peers.enabled else ())
+        self._batches()
+        on_drain = ((self.peers.drain,) if self.peers.enabled else ()) + ((self.batches.drain,) if self.batches else ())
+        self.shutdown = Shutdown(self.open_streams, on_drain=on_drain)
         self.control_cpu = ControlCpu(peers=self.peers.cpu)
         self.state = RouterState(
             registry=registry,
@@ -169,6 +176,30 @@ class Router:
         # A back-off asked for longer than the default cap is honoured (one retry, then the cap).
         cap = max(RetryRules().backoff_cap_s, settings.retry_backoff_s)  # an instance: compiled, the class has a slot
         self.retry = RetryRules(settings.retries, settings.retry_backoff_s, cap)
+
+    def _batches(self) -> None:
+        """`/v1/batches`: the store (a bad path or an unreachable server fails here) and the runner that
+        fills the room other requests leave with its lines."""
+        settings, registry, admission = self.settings, self.registry, self.admission
+        store = batch_store_for(settings)
+        self.batch_db = BatchDb(store) if store is not None else None
+        self.batches: BatchRunner | None = None
+        if self.batch_db is None:
+            return
+
+        def room(running: int) -> int:
+            healthy = registry.healthy()
+            return batch_room(healthy, running, settings.batch_slots, settings.batch_reserve, admission.depth)
+
+        self.batches = BatchRunner(
+            self.batch_db,
+            lambda: self.hot_path,
+            room,
+            origin_id(),
+            settings.batch_lease_s,
+            settings.batch_poll_interval_s,
+        )
+        registry.on_change(self.batches.room_changed)
 
     def _metrics(self) -> RouterMetrics:
         metrics = RouterMetrics(self.registry, self.policy.name)
@@ -284,6 +315,11 @@ class Router:
             await self._watch(stack, monitor, control, fleet)
             self.hot_path.serve(ProxiedEndpoints(relaying, PROXIED_ENDPOINTS))
             stack.callback(self.hot_path.stop)
+            if self.batch_db is not None:
+                stack.push_async_callback(self.batch_db.close)
+            if self.batches is not None:
+                self.batches.start()
+                stack.push_async_callback(self.batches.stop)
             yield
 
     def _token_cache(self, replicas: aiohttp.ClientSession) -> TokenCache | None:
@@ -486,6 +522,15 @@ def create_app(
     _document_proxied(app)
     add_status_routes(app, router.state)
     add_peer_routes(app, router.peers)
+    if router.batch_db is not None and router.batches is not None:
+        add_batch_routes(
+            app,
+            router.batch_db,
+            router.batches,
+            router.flow,
+            settings.batch_file_max_bytes,
+            settings.batch_file_max_lines,
+        )
     return app
 
 

@@ -7,13 +7,14 @@ import os
 import random
 import secrets
 import socket
+import sqlite3
 import ssl
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from dpserve.config import RouterSettings
+from dpserve.config import RouterSettings, default_data_dir
 from dpserve.gpu.health import GpuHealthRules, GpuHealthTracker
 from dpserve.gpu.local_processes import ReplicaProcesses
 from dpserve.gpu.nvml import Nvml
@@ -33,6 +34,7 @@ from dpserve.replicas.discovery import DnsResolver, parse_discovery_source
 from dpserve.replicas.health import HealthRules
 from dpserve.replicas.kv_events import engine_endpoint, parse_kv_event_source
 from dpserve.replicas.registry import ReplicaRegistry, split_engine_count, split_replica_name
+from dpserve.router.batch.store import BatchStore
 from dpserve.router.fleet.agents import GpuAgents
 from dpserve.router.fleet.gpus import GpuFleet
 from dpserve.router.flow.access import Keys
@@ -287,6 +289,20 @@ def check_otlp_endpoint(endpoint: str | None) -> None:
         f"--otlp-traces-endpoint {endpoint!r}: expected a collector's URL, e.g. grpc://10.0.0.5:4317, "
         "http://10.0.0.5:4318/v1/traces or 10.0.0.5:4317"
     )
+
+
+def batch_store_for(settings: RouterSettings) -> BatchStore | None:
+    """`--batch-store`: off, PostgreSQL, a SQLite file, or by default a SQLite file per port under the data
+    directory (the workers of one router share it; another router on this host has its own)."""
+    where = settings.batch_store.strip()
+    if where.lower() == "off":
+        return None
+    if not where:
+        where = str(default_data_dir() / f"batches-{settings.port}.sqlite3")
+    try:
+        return BatchStore(where)
+    except (OSError, sqlite3.Error) as exc:
+        raise ValueError(f"--batch-store {where}: {exc}") from None
 
 
 def origin_id() -> str:
