@@ -27,6 +27,8 @@ DNSMASQ := /usr/sbin/dnsmasq
 HAPROXY := /usr/sbin/haproxy
 # The HTTP load generator of `dpserve bench overhead` (and its test), whose figures the README quotes: Debian's wrk.
 WRK := /usr/bin/wrk
+# A real PostgreSQL server, the batch store a tier of routers shares (its tests start their own cluster): Debian's.
+POSTGRES := /usr/bin/pg_ctlcluster
 # A real Prometheus that runs the Grafana dashboard's queries (Grafana's image cannot be pulled here): Debian's.
 PROMETHEUS := /usr/bin/prometheus
 COMMA := ,
@@ -54,7 +56,7 @@ PURE ?=
 export DPSERVE_PURE_PYTHON := $(if $(PURE),1,)
 export DPSERVE_BUILD := $(if $(PURE),pure,compiled)
 
-test: $(STAMP) $(if $(PURE),,$(COMPILED)) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(WRK) $(PROMETHEUS) $(CHECKOV)
+test: $(STAMP) $(if $(PURE),,$(COMPILED)) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(WRK) $(PROMETHEUS) $(POSTGRES) $(CHECKOV)
 	@# A Linux host is where the README's compose stack runs: an engine that cannot start there fails the run.
 	@tools/docker-engine.sh || { [ "$$(uname -s)" != Linux ] && echo "No Docker engine on $$(uname -s): the container tests will skip."; } || \
 	  { echo "make test: the Docker engine did not start (tools/docker-engine.sh says why above)" >&2; exit 1; }
@@ -126,6 +128,12 @@ $(HAPROXY):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends haproxy >/dev/null
 	-$(SUDO) service haproxy stop >/dev/null 2>&1
+
+# Only the server's binaries: the tests make a cluster of their own; the package's own one is stopped.
+$(POSTGRES):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+	-$(SUDO) service postgresql stop >/dev/null 2>&1
 
 $(WRK):
 	$(SUDO) apt-get update -qq

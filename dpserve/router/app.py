@@ -33,7 +33,7 @@ from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.batch.room import batch_room
 from dpserve.router.batch.routes import add_batch_routes
-from dpserve.router.batch.runner import BatchRunner
+from dpserve.router.batch.runner import BatchCollector, BatchRunner
 from dpserve.router.batch.store import BatchDb
 from dpserve.router.control.admin import FleetControl, add_admin_routes
 from dpserve.router.control.discovery import Discovery, DiscoveryCollector, SourceState
@@ -164,6 +164,7 @@ class Router:
             siblings=settings.peer_siblings,
             key_ring=self.key_ring,
             control_cpu=self.control_cpu,
+            batches=self.batches,
         )
         self._collectors()
         self.hot_path = HotPath()
@@ -260,6 +261,8 @@ class Router:
         if self.slo is not None:
             registry.register(SloCollector(self.slo))
         registry.register(ControlCpuCollector(self.control_cpu))
+        if self.batches is not None:
+            registry.register(BatchCollector(self.batches))
         if self.shadows is not None:
             registry.register(ShadowCollector(self.shadows))
         if self.gpus.enabled:

@@ -60,6 +60,7 @@ ROUTER_ROOMS: tuple[str, ...] = (
     # `app`, `serve` and `shutdown` (the room's own top level) assemble and run it.
     "",  # dpserve/router/*.py: serve, app, parts
     "control",  # the admin API, replica discovery, the status page, engine operations
+    "batch",  # /v1/files and /v1/batches, their store, and the runner that sends lines down the request path
     "peers",  # routers sharing what they know
     "fleet",  # GPU agents and the fleet's GPU view
     "routing",  # the request's path: proxied endpoints, features, selection, dispatch

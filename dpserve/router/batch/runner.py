@@ -10,11 +10,13 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp
 
 from dpserve.router.batch.line_call import LineAnswer, call_line
@@ -231,3 +233,63 @@ def _answer(answer: LineAnswer) -> Answer:
 
 def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def progress_status(runner: BatchRunner) -> dict[str, Any]:
+    """/status's `batches`: every router's active batches (as of the runner's last look), this router's work."""
+    progress = runner.progress
+    return {
+        "active": {
+            batch_id: {
+                "total": counts.total,
+                "queued": counts.queued,
+                "running": counts.running,
+                "completed": counts.completed,
+                "failed": counts.failed,
+            }
+            for batch_id, counts in progress.counts.items()
+        },
+        "this_router": {
+            "running": runner.running,
+            "lines_done": progress.lines_done,
+            "lines_failed": progress.lines_failed,
+            "lines_requeued": progress.lines_requeued,
+            "prompt_tokens": progress.prompt_tokens,
+            "completion_tokens": progress.completion_tokens,
+        },
+    }
+
+
+class BatchCollector(Collector):
+    """dpserve_batch_* series, read at scrape time."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self._runner = runner
+
+    def collect(self) -> Iterator[Metric]:
+        runner, progress = self._runner, self._runner.progress
+        lines = GaugeMetricFamily(
+            "dpserve_batch_lines",
+            "Lines of the active batches (every router's) by state: queued, running, completed, failed.",
+            labels=["state"],
+        )
+        for state in ("queued", "running", "completed", "failed"):
+            lines.add_metric([state], sum(getattr(counts, state) for counts in progress.counts.values()))
+        yield lines
+        yield GaugeMetricFamily(
+            "dpserve_batch_active", "Batches in progress or cancelling.", value=len(progress.counts)
+        )
+        yield GaugeMetricFamily("dpserve_batch_running", "Batch lines this router runs now.", value=runner.running)
+        ended = CounterMetricFamily(
+            "dpserve_batch_lines_ended", "Batch lines this router ran to their end, by outcome.", labels=["outcome"]
+        )
+        ended.add_metric(["completed"], progress.lines_done - progress.lines_failed)
+        ended.add_metric(["failed"], progress.lines_failed)
+        ended.add_metric(["requeued"], progress.lines_requeued)
+        yield ended
+        tokens = CounterMetricFamily(
+            "dpserve_batch_tokens", "Tokens of the batch lines this router ran.", labels=["kind"]
+        )
+        tokens.add_metric(["prompt"], progress.prompt_tokens)
+        tokens.add_metric(["completion"], progress.completion_tokens)
+        yield tokens

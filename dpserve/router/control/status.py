@@ -19,6 +19,7 @@ from dpserve.policies.latency import ReplicaLatency
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.kv_events import KvEventSubscriber
 from dpserve.replicas.registry import Replica, ReplicaRegistry
+from dpserve.router.batch.runner import BatchRunner, progress_status
 from dpserve.router.control.dashboard import dashboard_html
 from dpserve.router.control.discovery import SourceState
 from dpserve.router.control.shutdown import Shutdown
@@ -66,6 +67,8 @@ class RouterState:
     control_cpu: ControlCpu = field(default_factory=ControlCpu)
     key_ring: KeyRing = field(default_factory=lambda: KeyRing(Keys()))
     """The keys in force, one of which the sibling workers are read with."""
+    batches: BatchRunner | None = None
+    """`/v1/batches`' runner (None with `--batch-store off`)."""
 
 
 def add_status_routes(app: FastAPI, state: RouterState) -> None:
@@ -155,6 +158,7 @@ def _status(state: RouterState) -> dict[str, Any]:
         "control_plane_cpu_s": {part: round(s, 3) for part, s in state.control_cpu.seconds().items()},
         **({"shadows": state.shadows.status()} if state.shadows is not None else {}),
         **({"slo": state.slo.summary()} if state.slo is not None else {}),
+        **({"batches": progress_status(state.batches)} if state.batches is not None else {}),
     }
 
 
