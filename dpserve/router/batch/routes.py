@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -55,10 +56,17 @@ def list_limit(limit: int) -> int:
 def add_batch_routes(
     app: FastAPI, db: BatchDb, runner: BatchRunner, flow: Flow, max_file_bytes: int, max_file_lines: int
 ) -> None:
-    store = db.store
-
     def tenant_of(request: Request) -> str:
         return flow.identify(request.scope.get(CALLER_SCOPE_KEY), request.headers).name
+
+    _file_routes(app, db, tenant_of, max_file_bytes, max_file_lines)
+    _batch_routes(app, db, runner, tenant_of)
+
+
+def _file_routes(
+    app: FastAPI, db: BatchDb, tenant_of: Callable[[Request], str], max_file_bytes: int, max_file_lines: int
+) -> None:
+    store = db.store
 
     @app.post("/v1/files")
     async def upload(request: Request) -> JSONResponse:
@@ -127,6 +135,10 @@ def add_batch_routes(
         if not await db.call(store.delete_file, file_id, tenant_of(request)):
             raise not_found("file", file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
+def _batch_routes(app: FastAPI, db: BatchDb, runner: BatchRunner, tenant_of: Callable[[Request], str]) -> None:
+    store = db.store
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> JSONResponse:
