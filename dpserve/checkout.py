@@ -35,6 +35,7 @@ BENCH_MODULES = {
     "lora": "lora",
     "vllm-dp": "vllm_dp",
     "slo": "slo",
+    "batch": "batch",
 }
 
 NO_BENCHMARKS = (

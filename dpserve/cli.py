@@ -227,6 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
         "tune", help="kv_aware's weights for a recorded workload (a receipts log), replayed in a model", add_help=False
     )
     _add_bench_command(commands)
+    batch = commands.add_parser(
+        "batch", help="a router's OpenAI batches, or one batch's progress (--follow: to its end)"
+    )
+    batch.add_argument("batch_id", nargs="?", metavar="BATCH_ID", help="the batch to show (none: list them)")
+    batch.add_argument(
+        "--router",
+        default=os.environ.get("DPSERVE_ROUTER_URL", "http://127.0.0.1:8000"),
+        help="the router's URL (default: $DPSERVE_ROUTER_URL or http://127.0.0.1:8000)",
+    )
+    batch.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="the tenant's key (default: $OPENAI_API_KEY)"
+    )
+    batch.add_argument("--follow", action="store_true", help="poll the batch every second until it ends")
     return parser
 
 
@@ -479,6 +492,7 @@ BENCH_HELP = {
     "lora": "LoRA placement vs adapter-blind routing and vllm-router: loads, TTFT, a hot adapter",
     "vllm-dp": "vLLM's own data parallelism alone vs dpserve over replicas vs dpserve inside it: hit rate, TTFT",
     "slo": "goodput under a TTFT SLO per policy on replicas of two speeds: attainment, refusals, predicted TTFT",
+    "batch": "a 2,000-line OpenAI batch beside an interactive load: interactive TTFT with and without it, idle share",
 }
 
 
@@ -567,6 +581,10 @@ def _run(argv: list[str] | None) -> int:
 
     if args.command == "model":
         return _build_model(args)
+    if args.command == "batch":
+        from dpserve.router.batch.follow import run_batch_command
+
+        return run_batch_command(args.router, args.api_key, args.batch_id, args.follow)
     if args.command == "compose":
         from dpserve.deploy.command import run_compose
 
