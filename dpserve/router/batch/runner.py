@@ -203,8 +203,11 @@ class BatchRunner:
         except asyncio.CancelledError:
             raise
         except Exception:
+            # The store or the router failed, not the line: it runs again (here, or elsewhere once the
+            # claim lapses if the store cannot be told now).
             log.exception("batch line %s#%d failed in the router", line.batch_id, line.line)
-            await self.db.call(self.db.store.release, self.router_id, line.batch_id, line.line)
+            with contextlib.suppress(Exception):
+                await self.db.call(self.db.store.release, self.router_id, line.batch_id, line.line)
         finally:
             if self._running.get(key) is asyncio.current_task():
                 del self._running[key]
