@@ -74,6 +74,9 @@ REPLICA_PORT = 8000
 KV_EVENTS_PORT = 5557
 ROUTER_PORT = 8000
 ROUTER_SERVICE = "router"
+ROUTER_DATA_VOLUME = "router-data"
+ROUTER_DATA_DIR = "/var/lib/dpserve"
+"""The router image's XDG_DATA_HOME (router/Dockerfile): where its batch store is kept."""
 ROUTER_DOCKERFILE = "router/Dockerfile"
 ROUTER_IMAGE = "dpserve-router"
 ROUTER_ENTRYPOINT = ("dpserve", "router")
@@ -616,9 +619,10 @@ def _router_service(options: ComposeOptions, index: int = 0) -> dict[str, Any]:
         **_stop(ROUTER_STOP_S),
         "restart": "unless-stopped",
     }
+    # The batch store (SQLite, the image's XDG_DATA_HOME): one volume for every router of the stack, so they
+    # share one batch queue (SQLite between processes of one host) and a restarted router resumes its batches.
     # The router lists the adapters' folder (one adapter per subfolder) as the replicas see it.
-    volumes = _adapters_volume(options)
-    return {**service, "volumes": volumes} if volumes else service
+    return {**service, "volumes": [f"{ROUTER_DATA_VOLUME}:{ROUTER_DATA_DIR}", *_adapters_volume(options)]}
 
 
 def _agent_service() -> dict[str, Any]:
@@ -800,7 +804,7 @@ def compose_document(options: ComposeOptions) -> dict[str, Any]:
         "name": "dpserve",
         "services": services,
         "networks": {REPLICA_NETWORK: {"internal": True}, EGRESS_NETWORK: {}},
-        "volumes": {"hf-cache": {}, "prometheus-data": {}, "grafana-data": {}},
+        "volumes": {"hf-cache": {}, "prometheus-data": {}, "grafana-data": {}, ROUTER_DATA_VOLUME: {}},
         "configs": {"prometheus": {"content": dump(prometheus_config(options))}},
         "secrets": secrets_document(options),
     }

@@ -38,6 +38,7 @@ from dpserve.deploy.compose import (
     KV_EVENTS_PORT,
     REPLICA_PORT,
     ROUTER_DRAIN_S,
+    ROUTER_DATA_DIR,
     ROUTER_ENTRYPOINT,
 )
 from dpserve.deploy.kube_network import network_policies
@@ -408,6 +409,9 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
         # The root filesystem is read-only; whatever a library spools to a temporary file goes here.
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
+            # The batch store (the image's XDG_DATA_HOME): the pod's, outliving a restart of its container; a tier
+            # of routers shares one PostgreSQL store instead (--batch-store postgresql://..., docs/batches.md).
+            {"name": "data", "mountPath": ROUTER_DATA_DIR},
             {"name": "keys", "mountPath": KEYS_DIR, "readOnly": True},
             {"name": "replica-key", "mountPath": REPLICA_KEY_DIR, "readOnly": True},
             *_adapters_mounts(options),
@@ -448,6 +452,7 @@ def router_deployment(options: KubeOptions) -> dict[str, Any]:
                     "containers": [container],
                     "volumes": [
                         {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+                        {"name": "data", "emptyDir": {"sizeLimit": "1Gi"}},
                         # Bound to 0.0.0.0, the router refuses to start without API keys; routers follow each
                         # other with the admin key; the vLLM pods require theirs: the pod waits for both Secrets.
                         _secret_volume("keys", options.keys_secret, _keys_entries(options)),

@@ -697,7 +697,8 @@ def test_a_lora_dir_is_mounted_read_only_in_every_replica_and_router(scaled: boo
     router_services = _router_services(interpolated)
     assert len(router_services) == routers
     for service in router_services.values():
-        assert service["volumes"] == [LORA_MOUNT]
+        # Beside the batch store's volume, which every router shares.
+        assert service["volumes"] == ["router-data:/var/lib/dpserve", LORA_MOUNT]
         args = build_parser().parse_args(["router", *service["command"]])
         read = load_settings(RouterSettings, _overrides(args), env={})
         assert (read.lora_dir, read.lora, read.lora_affinity) == ("/adapters", (), True)
@@ -713,7 +714,7 @@ def test_lora_adapters_affinity_and_enable_lora_without_a_folder() -> None:
     args = build_parser().parse_args(["router", *services["router"]["command"]])
     read = load_settings(RouterSettings, _overrides(args), env={})
     assert (read.lora_adapters, read.lora_dir, read.lora_affinity) == ({"sql": "/models/sql"}, None, False)
-    assert "volumes" not in services["router"]
+    assert services["router"]["volumes"] == ["router-data:/var/lib/dpserve"]  # no adapters' folder: the store's
     assert "--enable-lora" in services["vllm-0"]["command"]
     enabled = interpolate(compose_document(ComposeOptions(enable_lora=True)), ENV)["services"]
     assert "--enable-lora" in enabled["vllm-0"]["command"] and "--lora-dir" not in enabled["router"]["command"]

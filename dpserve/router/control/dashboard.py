@@ -77,6 +77,8 @@ PAGE = """<!doctype html>
 <div id="quality"></div>
 <h2>SLOs</h2>
 <div id="slo"></div>
+<h2>Batches</h2>
+<div id="batches"></div>
 <script id="initial" type="application/json">__INITIAL__</script>
 <script>
 "use strict";
@@ -219,6 +221,24 @@ function renderSlo(rows, replicas) {
     el("div", {class: "classes"}, "TTFT prediction error (median, predicted vs realized): ", ...errors));
 }
 
+function renderBatches(batches) {
+  // Every router's active batches (as of this router's last look at the store), and this router's work.
+  const box = document.getElementById("batches");
+  if (!batches) {
+    box.replaceChildren(el("div", {class: "none"}, "No batch store (--batch-store off)."));
+    return;
+  }
+  const mine = batches.this_router;
+  const lines = Object.entries(batches.active).map(([id, c]) => el("div", {class: "meta", "data-batch": id},
+    id + ": ", el("b", {}, (c.completed + c.failed) + "/" + c.total), " done (" + c.failed + " failed) · queued " +
+    c.queued + " · running " + c.running));
+  box.replaceChildren(
+    ...(lines.length ? lines : [el("div", {class: "none"}, "No batch in progress.")]),
+    el("div", {class: "classes"}, "this router: running " + mine.running + " · ran " + mine.lines_done +
+       " (" + mine.lines_failed + " failed, " + mine.lines_requeued + " put back) · tokens " +
+       (mine.prompt_tokens + mine.completion_tokens)));
+}
+
 function render(status, stale) {
   const healthy = status.replicas.filter(r => r.healthy).length;
   const meta = [
@@ -231,6 +251,7 @@ function render(status, stale) {
   renderGpus(status.gpus);
   renderQuality(status.routing_quality, status.replicas);
   renderSlo(status.slo, status.replicas);
+  renderBatches(status.batches);
 }
 
 let last = JSON.parse(document.getElementById("initial").textContent);
