@@ -37,8 +37,8 @@ from dpserve.deploy.compose import (
     HF_CACHE_DIR,
     KV_EVENTS_PORT,
     REPLICA_PORT,
-    ROUTER_DRAIN_S,
     ROUTER_DATA_DIR,
+    ROUTER_DRAIN_S,
     ROUTER_ENTRYPOINT,
 )
 from dpserve.deploy.kube_network import network_policies
