@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from dpserve.replicas.prometheus_text import parse_samples
+from dpserve.router.batch.follow import run_batch_command
 from tests.conftest import free_port
 from tests.integration.conftest import (
     Fleet,
@@ -145,6 +146,9 @@ def test_bad_uploads_get_clear_errors(slow_sims: list[str], tmp_path: Path) -> N
         big = jsonl([chat_line(str(index), "m", 0) for index in range(40)])
         answer = httpx.post(files, files={"file": ("b.jsonl", big)}, data={"purpose": "batch"})
         assert answer.status_code == 413 and answer.json()["error"]["code"] == "file_too_large"
+        chunked = iter([b"--x\r\n"])  # no Content-Length: refused before anything is spooled
+        answer = httpx.post(files, content=chunked, headers={"content-type": "multipart/form-data; boundary=x"})
+        assert answer.status_code == 411 and answer.json()["error"]["code"] == "length_required"
         answer = httpx.post(files, files={"file": ("b.jsonl", b"")}, data={"purpose": "batch"})
         assert answer.status_code == 400 and "no requests" in answer.json()["error"]["message"]
         answer = httpx.post(files, files={"file": ("b.jsonl", jsonl([chat_line("a", "m", 0)]))}, data={"purpose": "x"})
@@ -194,6 +198,16 @@ def test_tenants_see_only_their_own_and_cancel_keeps_what_finished(slow_sims: li
         assert status["this_router"]["lines_done"] == len(output)
         metrics = httpx.get(f"{router.url}/metrics", headers=bearer("admin-key-0001")).text
         assert f'dpserve_batch_lines_ended_total{{outcome="completed"}} {float(len(output))}' in metrics
+        # `dpserve batch`: the tenant's batches, and one batch to its end.
+        shown: list[str] = []
+        assert run_batch_command(router.url, "acme-key-0001", None, False, write=shown.append) == 0
+        assert batch.id in shown[0] and "cancelled" in shown[0]
+        assert run_batch_command(router.url, "acme-key-0001", batch.id, True, write=shown.append) == 0
+        assert shown[1].startswith(f"{batch.id}  cancelled") and f"output file: {ended.output_file_id}" in shown[2]
+        assert run_batch_command(router.url, "globex-key-01", batch.id, False, write=shown.append) == 1
+        # The lines ran as acme's requests: its usage (what its quotas count) holds their tokens.
+        usage = httpx.get(f"{router.url}/admin/usage", headers=bearer("admin-key-0001")).json()["tenants"]
+        assert usage["acme"]["total"]["completion_tokens"] == 32 * len(output) and "globex" not in usage
         acme.files.delete(batch.input_file_id)
         with pytest.raises(openai.NotFoundError):
             acme.files.retrieve(batch.input_file_id)
@@ -241,6 +255,7 @@ def test_kill_9_mid_batch_then_restart_completes_each_line_once(slow_sims: list[
         aborted = after.get("abort", 0.0) - before.get("abort", 0.0)
         # Lines running at the kill were aborted at the replicas (the router's connections closed) and run again;
         # one that had just finished there, unrecorded, ran twice: never more than the lines running then.
+        print(f"kill -9 mid-batch: {count} lines, the replicas completed {completed:g} and aborted {aborted:g}")
         assert count <= completed <= count + 4, (completed, aborted)
     finally:
         stop_router(restarted)

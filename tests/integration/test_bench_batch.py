@@ -15,8 +15,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_batch_benchmark_on_sims_fills_idle_replicas(tmp_path: Path) -> None:
-    argv = ["bench", "batch", "--experiments", "sim", "--lines", "150", "--phase-s", "4", "--warmup-s", "2"]
-    argv += ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "m")]
+    argv = ["bench", "batch", "--experiments", "sim", "--lines", "100", "--phase-s", "3", "--warmup-s", "1"]
+    argv += ["--sim-args", "--decode-ms-per-token 2", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "m")]
     assert main(argv) == 0
     with open(tmp_path / "phases.csv") as handle:
         rows = list(csv.DictReader(handle))
@@ -25,9 +25,8 @@ def test_batch_benchmark_on_sims_fills_idle_replicas(tmp_path: Path) -> None:
     ]  # fmt: skip
     for row in rows:
         assert int(row["interactive"]) > 0 and int(row["errors"]) == 0 and float(row["ttft_p50_ms"]) > 0
-        assert int(row["batch_lines"]) == (150 if row["phase"] == "batch" and row["round"] == "0" else 0) or (
-            row["round"] == "-1" and int(row["batch_lines"]) == (300 if row["phase"] == "batch" else 0)
-        )
+        lines = 0 if row["phase"] == "alone" else 100 if row["round"] == "0" else 200
+        assert int(row["batch_lines"]) == lines
     alone, batch = rows[-2], rows[-1]
     assert float(batch["idle_share"]) < float(alone["idle_share"])
     assert float(batch["replica_tokens_per_s"]) > float(alone["replica_tokens_per_s"])

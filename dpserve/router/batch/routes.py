@@ -72,7 +72,10 @@ def _file_routes(
     async def upload(request: Request) -> JSONResponse:
         tenant = tenant_of(request)
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_file_bytes + UPLOAD_OVERHEAD_BYTES:
+        if declared is None or not declared.isdigit():
+            # A body of unknown length would be spooled whole before its size is known.
+            raise OpenAIError(411, "Send the upload with a Content-Length.", code="length_required")
+        if int(declared) > max_file_bytes + UPLOAD_OVERHEAD_BYTES:
             raise OpenAIError(
                 413, f"The file is over this router's limit of {max_file_bytes} bytes.", code="file_too_large"
             )
