@@ -190,7 +190,8 @@ class Router:
 
         def room(running: int) -> int:
             healthy = registry.healthy()
-            return batch_room(healthy, running, settings.batch_slots, settings.batch_reserve, admission.depth)
+            reserve, queued, urgent = settings.batch_reserve, admission.depth, admission.urgent_recently
+            return batch_room(healthy, running, settings.batch_slots, reserve, queued, urgent)
 
         self.batches = BatchRunner(
             self.batch_db,

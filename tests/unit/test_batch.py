@@ -96,6 +96,10 @@ def test_batch_lines_take_only_the_room_other_requests_leave() -> None:
     # A learned capacity less the reserve bounds a replica's slots (4 seen, 1 kept free: 3 of 8 offered).
     small = [ReplicaSnapshot("a", confirmed_capacity=4, capacity=4), ReplicaSnapshot("b")]
     assert batch_room(small, running=0, slots=8, reserve=0.25, queued=0) == 3 + 8
+    # While other requests come, the reserve share of the fleet's slots is theirs too (never the last one).
+    assert batch_room(idle, running=0, slots=1, reserve=0.1, queued=0, urgent=True) == 1
+    assert batch_room(idle * 5, running=0, slots=2, reserve=0.1, queued=0, urgent=True) == 20 - 2
+    assert batch_room(idle[:1], running=0, slots=1, reserve=0.5, queued=0, urgent=True) == 1
     # Lines claimed but not sent yet are not in the load: the others' load never goes below 0.
     assert batch_room(idle, running=3, slots=2, reserve=0.1, queued=0) == 1
 

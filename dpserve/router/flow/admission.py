@@ -148,6 +148,11 @@ class Admission:
     def depth(self) -> int:
         return len(self._queue)
 
+    @property
+    def urgent_recently(self) -> bool:
+        """Requests more urgent than `batch` came in the last `URGENT_MEMORY_S` (seen with flow control)."""
+        return self._clock() <= self._urgent_until
+
     def oldest_wait_s(self) -> float:
         """How long the request held longest has waited so far (0 with none held)."""
         if not self._queue:
