@@ -460,7 +460,8 @@ class RouterSettings:
     )
     batch_reserve: float = setting(
         0.1,
-        "the share of each replica's slots that `batch` requests leave free for more urgent ones",
+        "the share of each replica's slots that `batch` requests leave free for more urgent ones while those come "
+        "(and of the fleet's batch slots, /v1/batches' lines: never the last)",
         FLOW,
         maximum=1,
     )
