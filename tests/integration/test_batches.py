@@ -261,6 +261,34 @@ def test_kill_9_mid_batch_then_restart_completes_each_line_once(slow_sims: list[
         stop_router(restarted)
 
 
+def test_a_router_stopped_mid_batch_hands_its_lines_back_at_once(slow_sims: list[str], tmp_path: Path) -> None:
+    """SIGTERM mid-batch: the router gives its running lines back as it stops (each takes 2.4 s, longer than
+    its drain), so the one started next on the store finishes the batch well within the claims' 60 s lease."""
+    store, port, count = str(tmp_path / "store.sqlite3"), free_port(), 12
+    lease = ("--batch-lease", "60")
+    router = start_router(slow_sims, "least_loaded", "--batch-store", store, *lease, "--batch-slots", "2", port=port)
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    batch = run_batch(client, [chat_line(str(index), "dpserve-tiny", 0, 600) for index in range(count)])
+    try:
+
+        def some_done_more_running() -> bool:
+            mine = router_status(router.url)["batches"]["this_router"]
+            return bool(mine["lines_done"] >= 2 and mine["running"] > 0)
+
+        wait_until(some_done_more_running, 60, 0.05)
+    finally:
+        stop_router(router)
+    restarted = start_router(slow_sims, "least_loaded", "--batch-store", store, *lease, port=port)
+    try:
+        started = time.monotonic()
+        ended = wait_batch(client, batch.id, 40)
+        assert ended.request_counts.completed == count and time.monotonic() - started < 40
+        output = file_lines(client, ended.output_file_id)
+        assert sorted(int(entry["custom_id"]) for entry in output) == list(range(count))
+    finally:
+        stop_router(restarted)
+
+
 def test_two_peered_routers_on_one_postgresql_store_run_every_line_once(slow_sims: list[str]) -> None:
     count = 400
     with running_postgres() as url, contextlib.ExitStack() as stack:

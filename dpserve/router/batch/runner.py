@@ -102,6 +102,8 @@ class BatchRunner:
         self._draining = True
 
     async def stop(self) -> None:
+        # Read first: a cancelled line's task takes itself out of `_running` as it ends.
+        running = list(self._running)
         for task in (self._task, self._heartbeat, *self._running.values()):
             if task is not None:
                 task.cancel()
@@ -110,7 +112,6 @@ class BatchRunner:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         # Handed back now, not when the lease lapses: a peer (or this router restarted) takes them at once.
-        running = list(self._running)
         self._running.clear()
         with contextlib.suppress(Exception):
             await self.db.call(self.db.store.leave, self.router_id, running)
@@ -129,7 +130,14 @@ class BatchRunner:
             await asyncio.sleep(self.lease_s / 4)
 
     async def _loop(self) -> None:
-        await self.db.call(self.db.store.heartbeat, self.router_id, time.time() + self.lease_s, time.time())
+        # Known to the store before the first claim: a claim is held only by a router with a heartbeat.
+        while True:
+            try:
+                await self.db.call(self.db.store.heartbeat, self.router_id, time.time() + self.lease_s, time.time())
+                break
+            except Exception:
+                log.exception("batch store: cannot reach it; trying again in %g s", self.poll_interval_s)
+                await asyncio.sleep(self.poll_interval_s)
         while True:
             try:
                 await self._tick()
