@@ -39,6 +39,7 @@ from benchmarks import streamed
 from benchmarks.fleet import progress, router_command
 from benchmarks.report import shown
 from benchmarks.stats import percentile
+from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE
 from dpserve.replicas.prometheus_text import parse_samples
 from dpserve.tiny_model import TINY_MODEL_NAME
 from dpserve.up.process import terminate
@@ -363,21 +364,19 @@ def write(args: argparse.Namespace, rows: Sequence[PhaseRow]) -> str:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = streamed.bench_parser("batch", __doc__, EXPERIMENTS, 1)
-    parser.add_argument("--lines", type=int, default=2000, help="lines in each batch")
-    parser.add_argument("--rate", type=float, default=4.0, help="interactive requests a second (Poisson)")
-    parser.add_argument("--phase-s", type=float, default=60.0, help="seconds of each phase without a batch")
-    parser.add_argument("--warmup-s", type=float, default=10.0)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--prompt-words", type=int, default=60)
-    parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--batch-slots", type=int, default=1, help="the router's --batch-slots")
-    parser.add_argument("--batch-timeout-s", type=float, default=900.0)
+    parser.add_argument("--lines", type=COUNT, default=2000, help="lines in each batch")
+    parser.add_argument("--rate", type=POSITIVE, default=4.0, help="interactive requests a second (Poisson)")
+    parser.add_argument("--phase-s", type=POSITIVE, default=60.0, help="seconds of each phase without a batch")
+    parser.add_argument("--warmup-s", type=NON_NEGATIVE, default=10.0)
+    parser.add_argument("--max-tokens", type=COUNT, default=16)
+    parser.add_argument("--prompt-words", type=COUNT, default=60)
+    parser.add_argument("--max-num-seqs", type=COUNT, default=8)
+    parser.add_argument("--batch-slots", type=COUNT, default=1, help="the router's --batch-slots")
+    parser.add_argument("--batch-timeout-s", type=POSITIVE, default=900.0)
     parser.add_argument("--sim-args", default="--decode-ms-per-token 5", help="extra flags for every sim")
     parser.add_argument("--vllm-args", default="--enforce-eager", help="extra flags for every vLLM replica")
     args = parser.parse_args(argv)
     args.argv = list(argv)
-    if args.lines < 1 or args.rate <= 0 or args.phase_s <= 0:
-        parser.error("--lines, --rate and --phase-s must be positive")
     return args
 
 

@@ -711,8 +711,8 @@ class RouterSettings:
         metavar="URL",
     )
 
-    batch_store: str = setting(
-        "",
+    batch_store: str | None = setting(
+        None,
         "where files and batches are kept: a SQLite file (created), `postgresql://...` for a tier of routers "
         "sharing one batch queue (each line run by one of them), or `off`; by default "
         "$XDG_DATA_HOME/dpserve/batches-PORT.sqlite3",

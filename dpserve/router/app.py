@@ -201,7 +201,6 @@ class Router:
             settings.batch_lease_s,
             settings.batch_poll_interval_s,
         )
-        registry.on_change(self.batches.room_changed)
 
     def _metrics(self) -> RouterMetrics:
         metrics = RouterMetrics(self.registry, self.policy.name)

@@ -294,7 +294,7 @@ def check_otlp_endpoint(endpoint: str | None) -> None:
 def batch_store_for(settings: RouterSettings) -> BatchStore | None:
     """`--batch-store`: off, PostgreSQL, a SQLite file, or by default a SQLite file per port under the data
     directory (the workers of one router share it; another router on this host has its own)."""
-    where = settings.batch_store.strip()
+    where = (settings.batch_store or "").strip()
     if where.lower() == "off":
         return None
     if not where:

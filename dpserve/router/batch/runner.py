@@ -24,6 +24,9 @@ from dpserve.router.batch.store import Answer, BatchDb, Claimed, Counts, wall_se
 
 log = logging.getLogger("dpserve.router")
 
+ROOM_RECHECK_S = 0.05
+"""While lines wait for room, how often the runner looks again (room other requests leave as they end);
+not a listener on the request path, which stays the same for a router with no batch at all."""
 REFUSED_PAUSE_S = (0.2, 5.0)
 """After the router refused a line for now (its queue full, a quota spent): the pause before claiming
 more, at least and at most (a Retry-After in between is followed)."""
@@ -92,11 +95,6 @@ class BatchRunner:
         self._stale = True
         self._wake.set()
 
-    def room_changed(self) -> None:
-        """A request ended or a replica changed: lines may start, if any wait (cheap when none do)."""
-        if self._claimable and not self._starved:
-            self._wake.set()
-
     def drain(self) -> None:
         """The router is stopping: no more lines claimed (those running may end within the grace)."""
         self._draining = True
@@ -150,6 +148,8 @@ class BatchRunner:
 
     def _next_look_s(self) -> float:
         wait = self._next_refresh - time.monotonic()
+        if self._claimable and not self._starved and not self._draining:
+            wait = min(wait, ROOM_RECHECK_S)
         pause = self._paused_until - time.monotonic()
         if pause > 0:
             wait = min(wait, pause)
