@@ -68,15 +68,24 @@ def router(sims: tuple[SimProcess, SimProcess]) -> Iterator[RouterProcess]:
         stop_router(made)
 
 
+LEARN_ROUNDS = 4
+
+
 def learn_both(router: str) -> None:
-    """Best-effort streams with prompts of different lengths until each replica's model has answers."""
-    with ThreadPoolExecutor(4) as pool:
-        prompts = [f"warm {i} " + "word " * (250 * (i % 8)) for i in range(48)]
-        for answer in pool.map(lambda p: stream(router, p), prompts):
-            assert answer.status_code == 200, answer.text
-    status = httpx.get(f"{router}/status").json()
-    learned = {r["id"]: r["latency"]["ttft_answers"] for r in status["replicas"]}
-    assert all(count >= 5 for count in learned.values()), learned
+    """Rounds of best-effort streams with prompts of different lengths until each replica's model has 5
+    answers. (One round was not always enough: with `--max-in-flight 1` the policy sends best effort to the
+    fast replica's queue while it predicts that sooner, and the slow one got 4 of 48, seen in 4 of 6 runs.)"""
+    learned: dict[str, int] = {}
+    for round_number in range(LEARN_ROUNDS):
+        with ThreadPoolExecutor(4) as pool:
+            prompts = [f"warm {round_number} {i} " + "word " * (250 * (i % 8)) for i in range(48)]
+            for answer in pool.map(lambda p: stream(router, p), prompts):
+                assert answer.status_code == 200, answer.text
+        status = httpx.get(f"{router}/status").json()
+        learned = {r["id"]: r["latency"]["ttft_answers"] for r in status["replicas"]}
+        if all(count >= 5 for count in learned.values()):
+            return
+    raise AssertionError(f"each replica's latency model has fewer than 5 answers: {learned}")
 
 
 def test_an_slo_request_goes_to_the_replica_that_can_meet_it(router: RouterProcess) -> None:
