@@ -13,6 +13,10 @@ samples at 0, averaged over the replicas); the tokens they processed a second (t
 each kind's phases: TTFT p50 and p99 with the batch <= 1.1x alone, the idle share lower with the batch, every
 batch completed with each custom_id once in its output, no interactive request failed.
 
+`--operator` runs the router as an operator would: every replica's KV events, `--tokenizer remote`, a client
+key (the batch and the interactive load use it), and load that does not come through the router: half as
+much again, straight to the first replica (not measured, but seen by the replicas and the room rule).
+
 The client shares this machine's cores with the replicas and the router. Writes batch.md and phases.csv
 under --out, and prints the table.
 """
@@ -36,7 +40,7 @@ import aiohttp
 import orjson
 
 from benchmarks import streamed
-from benchmarks.fleet import progress, router_command
+from benchmarks.fleet import UpPorts, progress, router_command
 from benchmarks.report import shown
 from benchmarks.stats import percentile
 from dpserve.flag_types import COUNT, NON_NEGATIVE, POSITIVE
@@ -47,6 +51,9 @@ from dpserve.up.process import terminate
 EXPERIMENTS = ("sim", "vllm")
 GOAL_RATIO = 1.1
 SAMPLE_S = 0.1
+OPERATOR_KEY = "bench-batch-key-0001"
+OUTSIDE_SHARE = 0.5
+"""`--operator`: a second interactive load sent straight to the first replica, at this share of --rate."""
 SYSTEM_PROMPTS = 8
 """Batch lines share this many system prompts (cache-aware placement groups them)."""
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
@@ -214,6 +221,9 @@ async def phase(
     tokens_before = await replica_tokens(session, replicas)
     started = time.monotonic()
     driving = asyncio.create_task(load.run(session, stop))
+    # `--operator`: load that does not come through the router, straight to the first replica (not measured).
+    outside = Load(replicas[0], args.rate * OUTSIDE_SHARE, args.prompt_words, args.max_tokens, seed=number + 7)
+    beside = asyncio.create_task(outside.run(session, stop)) if args.operator else None
     watching = asyncio.create_task(watch_replicas(session, replicas, stop))
     lines = 0
     try:
@@ -229,6 +239,8 @@ async def phase(
         seconds = time.monotonic() - started
         idle = await watching
         await driving
+        if beside is not None:
+            await beside
     tokens = await replica_tokens(session, replicas) - tokens_before
     records = [record for record in load.records if record.start <= seconds]
     ttfts = sorted(record.ttft * 1000 for record in records if record.ok and not math.isnan(record.ttft))
@@ -245,7 +257,8 @@ async def phase(
 async def run_experiment(args: argparse.Namespace, experiment: str, work: Path) -> list[PhaseRow]:
     timeout = aiohttp.ClientTimeout(total=300)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    key = {"authorization": f"Bearer {OPERATOR_KEY}"} if args.operator else {}  # the replicas take no key
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=key) as session:
         seqs = ["--max-num-seqs", str(args.max_num_seqs)]
         if experiment == "sim":
             flags = ["--sim", "2", "--", *seqs, *args.sim_args.split()]
@@ -255,9 +268,16 @@ async def run_experiment(args: argparse.Namespace, experiment: str, work: Path) 
         fleet, replicas = await streamed.start_fleet(session, 2, work / experiment, flags)
         store = work / experiment / "batches.sqlite3"
         settings = {"batch_store": str(store), "batch_slots": args.batch_slots}
+        # `--operator`: as an operator runs it: every replica's KV events (dpserve up's ports: the replicas',
+        # then their KV ports), the replicas' tokenizer, a client key.
+        events = UpPorts(2, int(replicas[0].rsplit(":", 1)[1])).kv_endpoints if args.operator else []
+        extra = ["--api-key", OPERATOR_KEY] if args.operator else []
 
         def command(port: int) -> list[str]:
-            return router_command("dpserve", "slo", replicas, port, settings=settings)
+            tokenizer = "remote" if args.operator else None
+            return router_command(
+                "dpserve", "slo", replicas, port, kv_events=events, tokenizer=tokenizer, settings=settings, extra=extra
+            )
 
         router_process, router = await streamed.start_router(session, command, "bench-batch", "/ready", 60)
         rows: list[PhaseRow] = []
@@ -373,6 +393,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=COUNT, default=8)
     parser.add_argument("--batch-slots", type=COUNT, default=1, help="the router's --batch-slots")
     parser.add_argument("--batch-timeout-s", type=POSITIVE, default=900.0)
+    parser.add_argument(
+        "--operator",
+        action="store_true",
+        help="as an operator runs it: KV events of every replica, the replicas' tokenizer, a client key, and "
+        "half as much load again sent straight to the first replica",
+    )
     parser.add_argument("--sim-args", default="--decode-ms-per-token 5", help="extra flags for every sim")
     parser.add_argument("--vllm-args", default="--enforce-eager", help="extra flags for every vLLM replica")
     args = parser.parse_args(argv)
