@@ -25,6 +25,9 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 REPLICA = 'replica=~"$replica"'
 MODEL = 'model=~"$model"'
 RATE = "[$__rate_interval]"
+EVENT_SERIES = frozenset({"dpserve_scale_startup_seconds", "dpserve_scale_changes_total"})
+"""Series a router exports only once something happened: a replica started on its signal, the desired count
+changed. A fixed fleet may never have them."""
 GPU_SERIES = "gpu, uuid, replica, host"
 """The router's labels of one GPU's series (router/fleet/gpu_metrics.py): the same GPU, whichever router read it."""
 
@@ -191,6 +194,78 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel(
                 "Generated tokens/s per replica",
                 (Query(f"sum by (replica) (rate(vllm:generation_tokens_total{{{REPLICA}}}{RATE}))", "{{replica}}"),),
+            ),
+        ),
+    ),
+    (
+        "Elastic replicas",
+        (
+            Panel(
+                "Replicas by state",
+                (Query(f"sum by (state) (max by (model, state) (dpserve_scale_replicas{{{MODEL}}}))", "{{state}}"),),
+                description="The models' replicas as the routers see them: ready, starting, draining.",
+            ),
+            Panel(
+                "Desired vs ready replicas",
+                (
+                    Query(f"max by (model) (dpserve_desired_replicas{{{MODEL}}})", "desired {{model}}"),
+                    Query(f'max by (model) (dpserve_scale_replicas{{{MODEL},state="ready"}})', "ready {{model}}"),
+                ),
+                description="What the load needs (the most any router asks for: what KEDA or an HPA scales to, "
+                "and dpserve up), beside what serves.",
+            ),
+            Panel(
+                "Desired-count changes, by direction",
+                (
+                    Query(
+                        f"sum by (direction) (max by (model, direction) "
+                        f"(increase(dpserve_scale_changes_total{{{MODEL}}}{RATE})))",
+                        "{{direction}}",
+                    ),
+                ),
+                description="Ups and downs of the desired count (the busiest router's): frequent ones are flapping.",
+            ),
+            Panel(
+                "Replica start-up",
+                (Query(f"max by (model) (dpserve_scale_startup_seconds{{{MODEL}}})", "{{model}}"),),
+                unit="s",
+                description="From the signal asking for a replica to its serving (median of the last 5): how far "
+                "ahead a rising load is met, and at least half the scale-down delay.",
+            ),
+            Panel(
+                "Load vs capacity (requests)",
+                (
+                    Query(f"max by (model) (dpserve_scale_load_requests{{{MODEL}}})", "load {{model}}"),
+                    Query(
+                        f"max by (model) (dpserve_scale_capacity_requests{{{MODEL}}})"
+                        f' * on (model) max by (model) (dpserve_scale_replicas{{{MODEL},state="ready"}})',
+                        "capacity {{model}}",
+                    ),
+                ),
+                description="Requests running or waiting on the replicas (every client's), against what the ready "
+                "replicas run at once as measured (one replica's capacity times the ready ones).",
+            ),
+            Panel(
+                "Queued in the routers",
+                (Query(f"sum by (model) (dpserve_scale_queue_depth{{{MODEL}}})", "{{model}}"),),
+                description="Requests waiting in the routers (for room, or for a replica to start), all routers.",
+            ),
+            Panel(
+                "Oldest queued request's wait",
+                (Query(f"max by (model) (dpserve_scale_queue_wait_seconds{{{MODEL}}})", "{{model}}"),),
+                unit="s",
+                description="A long wait asks for one more replica, whatever the capacity says.",
+            ),
+            Panel(
+                "KV-cache usage and SLO attainment (scale inputs)",
+                (
+                    Query(f"max by (model) (dpserve_scale_kv_usage_ratio{{{MODEL}}})", "KV usage {{model}}"),
+                    Query(f"min by (model) (dpserve_scale_slo_attainment_ratio{{{MODEL}}})", "SLO met {{model}}"),
+                ),
+                unit="percentunit",
+                description="Mean KV-cache usage of the ready replicas (the highest router's view), and the share "
+                "of requests with an SLO that met it over the last minute (the lowest): either asks for one more "
+                "replica past its bound.",
             ),
         ),
     ),

@@ -10,7 +10,9 @@
 - the DaemonSet `dpserve-agent` on every GPU node: NVML readings for the routers, no GPU taken;
 - NetworkPolicies, ingress and egress (kube_network.py): only the routers (and Prometheus, for /metrics) reach
   the replicas, which reach nothing but DNS unless told;
-- optionally ServiceMonitors for the Prometheus Operator, and cert-manager Certificates for `--tls`.
+- optionally ServiceMonitors for the Prometheus Operator, and cert-manager Certificates for `--tls`;
+- with `--autoscale A:B`, a KEDA ScaledObject or an HPA on the routers' desired-replicas signal
+  (kube_autoscale.py).
 
 Pod Security Standards: the namespace enforces `baseline`; the routers meet `restricted`. The agents need the
 host's process table, which no level short of `privileged` allows: they run in a namespace of their own
@@ -23,7 +25,8 @@ both made by hand with kubectl. With `--tls` the certificates come from Secrets 
 ServiceMonitor sends.
 
 Stops: each pod sleeps in preStop while the routers (or the Service) drop it, then drains what it runs (the
-router's --shutdown-grace, vLLM's --shutdown-timeout) within a grace period longer than both together.
+router's --shutdown-grace, vLLM's --shutdown-timeout) within a grace period longer than both together. An
+autoscaler's scale-down stops vLLM pods the same way, with a longer drain by default (KubeOptions.drain_s).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from dpserve.deploy.compose import (
     ROUTER_DRAIN_S,
     ROUTER_ENTRYPOINT,
 )
+from dpserve.deploy.kube_autoscale import autoscale_header, autoscaler_documents, cold_start_flags
 from dpserve.deploy.kube_network import network_policies
 from dpserve.deploy.kube_options import (
     AGENT_NAME,
@@ -183,7 +187,7 @@ def vllm_command(options: KubeOptions) -> list[str]:
     command = ["vllm", "serve", options.model, "--host", "0.0.0.0", "--port", str(REPLICA_PORT)]
     command += ["--gpu-memory-utilization", f"{options.gpu_memory_utilization:g}"]
     # On SIGTERM (after the preStop sleep), what it runs finishes: vLLM's default, 0, aborts it.
-    command += ["--shutdown-timeout", str(options.shutdown_timeout)]
+    command += ["--shutdown-timeout", str(options.drain_s)]
     command += vllm_tls_flags() if options.tls else []
     # The same engine flags as `dpserve up` and compose: prefix caching, KV events on tcp://*:5557 (which the
     # router subscribes to at each pod's address), cached-token counts; LoRA when asked for. Those given after
@@ -299,7 +303,9 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
         "kind": "StatefulSet",
         "metadata": metadata(options, VLLM_NAME, VLLM_NAME),
         "spec": {
-            "replicas": options.replicas,
+            # Autoscaled: no count here, or each `kubectl apply` would set it back, fighting the autoscaler (a
+            # new StatefulSet starts at 1, and the autoscaler takes it from there).
+            **({} if options.autoscaled else {"replicas": options.replicas}),
             "serviceName": VLLM_NAME,
             # Replicas are independent: start and replace them all at once, not one after another.
             "podManagementPolicy": "Parallel",
@@ -324,7 +330,7 @@ def vllm_statefulset(options: KubeOptions) -> dict[str, Any]:
 def vllm_grace_period_s(options: KubeOptions) -> int:
     """Longer than the preStop sleep, vLLM's drain and its teardown together: the kubelet never kills a
     replica finishing an answer."""
-    return PRE_STOP_S["vllm"] + options.shutdown_timeout + VLLM_TEARDOWN_S
+    return PRE_STOP_S["vllm"] + options.drain_s + VLLM_TEARDOWN_S
 
 
 def router_grace_period_s() -> int:
@@ -379,7 +385,7 @@ def router_command(options: KubeOptions) -> list[str]:
         command += ["--discover-kv-port", str(KV_EVENTS_PORT)]
     # GPUs are read from the agents: the router's pods have none.
     command += ["--discover-agents", f"dns:{options.dns_name(AGENT_NAME, options.agent_namespace)}:{AGENT_PORT}"]
-    return command
+    return command + cold_start_flags(options)
 
 
 def router_deployment(options: KubeOptions) -> dict[str, Any]:
@@ -492,7 +498,9 @@ def router_disruption_budget(options: KubeOptions) -> dict[str, Any]:
 
 
 def vllm_disruption_budget(options: KubeOptions) -> dict[str, Any]:
-    """A node drain takes one replica at a time: the others keep serving (and it cannot block a drain)."""
+    """A node drain takes one replica at a time: the others keep serving (and it cannot block a drain).
+    maxUnavailable, not minAvailable: with `--autoscale 0:B` there may be no pod, or one, which a minAvailable
+    would forbid evicting; an autoscaler's scale-down is not an eviction, so the budget never holds it."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -656,7 +664,7 @@ def documents(options: KubeOptions) -> list[dict[str, Any]]:
         docs += [service_monitor(options, name) for name in (ROUTER_NAME, AGENT_NAME, VLLM_NAME)]
     if options.issuer:
         docs += certificates(options)
-    return docs
+    return docs + autoscaler_documents(options)
 
 
 def _metrics_key_file(options: KubeOptions) -> str:
@@ -712,6 +720,7 @@ def render(options: KubeOptions) -> str:
         + _metrics_header(options)
         + _tls_header(options)
         + _egress_header(options)
+        + autoscale_header(options)
         + "then: kubectl apply -f THIS_FILE\n"
         f"Router and agent run {options.router_image} (router/Dockerfile): push it where the cluster pulls from\n"
         "and pass --router-image REGISTRY/dpserve-router:TAG, or load it into each node (kind load, ctr import)."

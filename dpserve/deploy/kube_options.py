@@ -8,6 +8,7 @@ import re
 import shlex
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from dpserve.config import (
     DEFAULT_MAX_LORA_RANK,
@@ -23,6 +24,11 @@ DEFAULT_ROUTER_REPLICAS = 2
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_KEYS_SECRET = "dpserve-keys"
 DEFAULT_PROMETHEUS_NAMESPACE = "monitoring"
+PROMETHEUS_SERVICE = "prometheus-operated"
+"""The Service the Prometheus Operator puts in front of every Prometheus it runs (port 9090), in its namespace."""
+PROMETHEUS_PORT = 9090
+AUTOSCALERS = ("keda", "hpa")
+"""What --autoscale writes: a KEDA ScaledObject (scales to zero), or a plain HorizontalPodAutoscaler."""
 AGENT_NAMESPACE_SUFFIX = "-gpu-agent"
 
 VLLM_NAME = "vllm"
@@ -42,6 +48,11 @@ VLLM_MEMORY_GIB_PER_GPU = 24
 VLLM_SHUTDOWN_TIMEOUT_S = 30
 """vLLM's --shutdown-timeout: on SIGTERM, what a replica runs gets this long to finish (vLLM's default, 0,
 aborts it), as long as the routers' drain (--shutdown-grace)."""
+AUTOSCALE_SHUTDOWN_TIMEOUT_S = 300
+"""With --autoscale, scale-downs are routine, not a rare node drain: a pod let go finishes streams up to
+5 minutes long (8192 tokens at 30 tokens/s). vLLM exits as soon as what it runs is done, so an idle pod is
+not held, and the grace period stays under the 10 minutes the cluster autoscaler waits for a pod on a
+node it removes."""
 MAX_SHUTDOWN_TIMEOUT_S = 3600
 HF_CACHE_SIZE = "100Gi"
 """The emptyDir a pod downloads weights into (no --model-cache-pvc): room for a 40B model in 16-bit weights."""
@@ -78,6 +89,7 @@ VLLM_FLAGS_REFUSED = {
     "--ssl-ca-certs": "give --tls: the certificates come from a Secret",
     "--ssl-cert-reqs": "the kubelet's HTTPS probes send no client certificate",
 }
+SERVED_MODEL_FLAG = "--served-model-name"
 QUANTITY = re.compile(r"(?:\d+(?:\.\d+)?|\.\d+)(?:m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?")
 LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 LABEL_KEY = re.compile(r"(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
@@ -228,10 +240,19 @@ class KubeOptions:
     metrics_key: bool = False
     """The routers' /metrics wants a key (--metrics-key-file, the keys Secret's `metrics-keys`), which the
     ServiceMonitor sends."""
-    shutdown_timeout: int = VLLM_SHUTDOWN_TIMEOUT_S
-    """vLLM's --shutdown-timeout (seconds): the pods' grace period is set above it."""
+    shutdown_timeout: int | None = None
+    """vLLM's --shutdown-timeout (seconds; none: `drain_s`'s default): the pods' grace period is set above it."""
+    autoscale_min: int | None = None
+    """With a value, an autoscaler keeps between it and `replicas` vLLM pods (`--autoscale A:B`: A, and B is
+    `replicas`, the most pods there may be) on the routers' dpserve_desired_replicas; none: `replicas` pods."""
+    autoscaler: str = AUTOSCALERS[0]
+    """What scales them (AUTOSCALERS): KEDA, or a HorizontalPodAutoscaler on an external-metrics adapter."""
+    prometheus_url: str | None = None
+    """Where KEDA asks Prometheus for dpserve_desired_replicas; none: the Prometheus Operator's Service in
+    `prometheus_namespace`."""
 
     def __post_init__(self) -> None:
+        self._check_autoscale()  # first: its count is named as given (--autoscale A:B), not as --replicas B
         for flag, count, what in (
             ("--replicas", self.replicas, "vLLM replica"),
             ("--router-replicas", self.router_replicas, "router"),
@@ -253,7 +274,7 @@ class KubeOptions:
         ):
             if value is not None and not value.strip():
                 raise ValueError(f"{flag} must not be empty")
-        if not 0 <= self.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT_S:
+        if self.shutdown_timeout is not None and not 0 <= self.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT_S:
             raise ValueError(f"--shutdown-timeout {self.shutdown_timeout}: seconds from 0 to {MAX_SHUTDOWN_TIMEOUT_S}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: a fraction in (0, 1]")
@@ -278,6 +299,62 @@ class KubeOptions:
             for text in given:
                 parse(text)
         _ = self.issuer
+
+    def _check_autoscale(self) -> None:
+        low, high = self.autoscale_min, self.replicas
+        if low is not None and low < 0:
+            raise ValueError(f"--autoscale {low}:{high}: at least 0 replicas")
+        if low is not None and high < max(low, 1):
+            raise ValueError(f"--autoscale {low}:{high}: the most replicas must be at least {max(low, 1)}")
+        if self.autoscaler not in AUTOSCALERS:
+            raise ValueError(f"--autoscaler {self.autoscaler!r}: one of {', '.join(AUTOSCALERS)}")
+        if self.autoscaler != AUTOSCALERS[0] and low is None:
+            raise ValueError(f"--autoscaler {self.autoscaler} chooses what scales the replicas: give --autoscale A:B")
+        if self.prometheus_url is None:
+            return
+        if low is None:
+            raise ValueError("--prometheus-url is where KEDA reads the routers' signal: give --autoscale A:B")
+        if self.autoscaler != "keda":
+            raise ValueError("--prometheus-url is KEDA's: an HPA reads the metrics adapter, which has its own")
+        parts = urlsplit(self.prometheus_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--prometheus-url {self.prometheus_url!r}: expected http(s)://HOST[:PORT][/PATH]")
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.autoscale_min is not None
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """KEDA with `--autoscale 0:B`: no vLLM pod while idle (a plain HPA keeps one at least)."""
+        return self.autoscale_min == 0 and self.autoscaler == "keda"
+
+    @property
+    def drain_s(self) -> int:
+        """vLLM's --shutdown-timeout: as given, else as long as the routers' drain, or longer with --autoscale."""
+        if self.shutdown_timeout is not None:
+            return self.shutdown_timeout
+        return AUTOSCALE_SHUTDOWN_TIMEOUT_S if self.autoscaled else VLLM_SHUTDOWN_TIMEOUT_S
+
+    @property
+    def served_model(self) -> str:
+        """The model's name to clients and in the routers' per-model series: vLLM's --served-model-name if
+        given after `--` (its first name), else the model."""
+        for index, arg in enumerate(self.vllm_args):
+            if _listed(_flag_name(arg), {SERVED_MODEL_FLAG: SERVED_MODEL_FLAG}) is None:
+                continue
+            _, equals, value = arg.partition("=")
+            if equals:
+                return value
+            if index + 1 < len(self.vllm_args):
+                return self.vllm_args[index + 1]
+        return self.model
+
+    @property
+    def prometheus_address(self) -> str:
+        if self.prometheus_url:
+            return self.prometheus_url
+        return f"http://{self.dns_name(PROMETHEUS_SERVICE, self.prometheus_namespace)}:{PROMETHEUS_PORT}"
 
     @property
     def lora_enabled(self) -> bool:
@@ -306,7 +383,10 @@ class KubeOptions:
 
     def flags(self) -> str:
         """The command line that writes these manifests, as their header says (defaults left out but these)."""
-        flags = f"--replicas {self.replicas} --model {self.model}"
+        low, high = self.autoscale_min, self.replicas
+        flags = f"--autoscale {low}:{high}" if low is not None else f"--replicas {high}"
+        flags += f" --model {self.model}"
+        flags += f" --autoscaler {self.autoscaler}" if self.autoscaler != AUTOSCALERS[0] else ""
         size = self.tensor_parallel_size
         flags += f" --tensor-parallel-size {size}" if size != 1 else ""
         flags += " --tls" if self.tls else ""

@@ -355,6 +355,8 @@ def test_grafana_is_provisioned_with_the_dashboard_and_datasource() -> None:
     assert any('model=~"$model"' in expr for expr in expressions)
     for wanted in ("Queue wait (admission)", "Refused by the router/s, by status", "Tokens/s per tenant"):
         assert wanted in titles
+    # The elastic replicas' row (test_kube_autoscale.py checks its series).
+    assert {"Elastic replicas", "Replicas by state", "Desired vs ready replicas"} <= titles
 
 
 def test_loadtest_profile_runs_the_repository_locustfile_against_the_router() -> None:
