@@ -27,7 +27,7 @@ from dpserve.config import (
     split_list,
     unknown_variables,
 )
-from dpserve.deploy.kube_command import add_kube_flags, kube_flag_values
+from dpserve.deploy.kube_command import add_kube_flags, add_replica_count_flags, kube_flag_values
 from dpserve.policies import POLICY_NAMES
 from dpserve.version import package_version
 
@@ -395,9 +395,7 @@ def _add_kube_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         description="Writes one multi-document YAML (to stdout unless -o). API keys are never written: the "
         "router reads them from the Secret dpserve-keys, which the file's header says how to create.",
     )
-    kube.add_argument(
-        "--replicas", type=int, required=True, help="vLLM pods, one GPU each (K with --tensor-parallel-size K)"
-    )
+    add_replica_count_flags(kube.add_mutually_exclusive_group(required=True))
     kube.add_argument("--model", help="model served (default Qwen/Qwen2.5-1.5B-Instruct)")
     kube.add_argument("--namespace", help="namespace for everything (default dpserve)")
     kube.add_argument(
@@ -689,8 +687,11 @@ def _serve(parser: argparse.ArgumentParser, command: str, settings: Any) -> int:
     if command == "router":
         from dpserve.router.serve import serve_router
 
-        if not settings.replicas and not settings.discover:
-            parser.error("router: give replicas, with --replica URL or --discover dns:NAME:PORT")
+        if not settings.replicas and not settings.discover and not settings.cold_start_wait_s:
+            parser.error(
+                "router: give replicas, with --replica URL or --discover dns:NAME:PORT (or --cold-start-wait, "
+                "for replicas added through /admin/replicas as the load needs them)"
+            )
         return serve_router(settings)
     from dpserve.up.launcher import run_launcher
 

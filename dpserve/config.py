@@ -238,6 +238,7 @@ PEERS = "peers"
 LOGGING = "logging"
 REPLICA_ACCESS = "keys and TLS to replicas"
 BATCH = "batches (/v1/files, /v1/batches)"
+SCALE = "elastic replicas (/admin/scale, dpserve_desired_replicas)"
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -741,6 +742,30 @@ class RouterSettings:
         1.0, "seconds between looks at the store for batches created elsewhere (peers, before a restart)", BATCH
     )
 
+    scale_target: float = setting(
+        0.8,
+        "share of its replicas' measured capacity (requests at once) the desired-replicas signal aims the load "
+        "at: one more replica is asked for above it",
+        SCALE,
+        minimum=0.05,
+        maximum=1.0,
+    )
+    scale_down_delay_s: float = setting(
+        30.0,
+        "seconds the load must fit in one replica fewer (at --scale-target less a fifth) before the signal "
+        "lets one go; never less than twice a replica's measured start-up",
+        SCALE,
+        minimum=0,
+    )
+    cold_start_wait_s: float = setting(
+        0.0,
+        "when no replica serves the model, a request waits up to this long for one to start (the signal asks "
+        "for one), else 503 with Retry-After at once when the measured start-up would take longer; 0: 503 at "
+        "once (a fleet that never scales to zero)",
+        SCALE,
+        minimum=0,
+    )
+
     def __post_init__(self) -> None:
         lora_adapters(self.lora)
         if self.lora_slots < 0:
@@ -795,6 +820,17 @@ class UpSettings:
         flag="--replicas",
         env="DPSERVE_NUM_REPLICAS",  # DPSERVE_REPLICAS is the router's list of URLs
         minimum=1,
+    )
+    min_replicas: int | None = setting(
+        None,
+        "elastic: the fewest replicas kept running (0: none while idle, the first request waits for one, see "
+        "--cold-start-wait); with --max-replicas, replicas start and drain as the router's desired-replicas "
+        "signal says. Equal to --max-replicas (or neither given): a fixed fleet",
+        UP,
+        minimum=0,
+    )
+    max_replicas: int | None = setting(
+        None, "elastic: the most replicas started (GPUs or CPU core sets are planned for this many)", UP, minimum=1
     )
     model: str | None = setting(None, "model path or name (none: the built-in tiny model, built on first use)", UP)
     served_model_name: str | None = setting(None, "name clients use for the model", UP)
@@ -861,7 +897,20 @@ class UpSettings:
 
     def __post_init__(self) -> None:
         check_lora_engine(self.max_loras, self.max_lora_rank)
+        low, high = self.min_replicas, self.max_replicas
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"--min-replicas {low} is more than --max-replicas {high}")
         check_tensor_parallel_size(self.tensor_parallel_size)
+
+    @property
+    def elastic(self) -> bool:
+        """Replicas start and stop with the load: a range of replica counts, not one."""
+        return self.max_replicas is not None and self.fewest_replicas < self.max_replicas
+
+    @property
+    def fewest_replicas(self) -> int:
+        """--min-replicas, 1 when only --max-replicas is given."""
+        return self.min_replicas if self.min_replicas is not None else 1
 
     @property
     def lora_enabled(self) -> bool:

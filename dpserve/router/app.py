@@ -68,6 +68,7 @@ from dpserve.router.parts import (
     peer_links,
     policy_tuning,
     replica_access,
+    scale_rules,
     selector_for,
     shadow_scorer,
     tenants_for,
@@ -85,6 +86,9 @@ from dpserve.router.routing.adapter_loader import AdapterLoader
 from dpserve.router.routing.dispatch import Dispatcher, OpenStreams, RetryRules
 from dpserve.router.routing.features import FeatureBuilder
 from dpserve.router.routing.proxied_endpoints import ProxiedEndpoints, Relaying, proxied_openapi_paths
+from dpserve.router.scale.advisor import ScaleAdvisor, ScaleCollector
+from dpserve.router.scale.cold_start import ColdStart
+from dpserve.router.scale.routes import add_scale_routes
 
 log = logging.getLogger("dpserve.router")
 
@@ -112,8 +116,11 @@ class Router:
         # A bad nameserver fails here.
         wants_dns = self.sources or settings.discover_agents or settings.discover_peers
         self.resolver = DnsResolver(settings.discover_nameserver) if wants_dns else None
-        if not settings.replicas and not self.sources:
-            raise ValueError("no replicas: give --replica URL or --discover dns:NAME:PORT")
+        if not settings.replicas and not self.sources and not settings.cold_start_wait_s:
+            raise ValueError(
+                "no replicas: give --replica URL or --discover dns:NAME:PORT (or --cold-start-wait, for replicas "
+                "added through /admin/replicas as the load needs them)"
+            )
         registry = self.registry = ReplicaRegistry(settings.replicas, health_rules(settings))
         self.catalog = catalog_for(settings, registry)
         self.folder_watch = adapter_folder_watch(settings, self.catalog)
@@ -137,6 +144,9 @@ class Router:
         )
         # A policy that predicts time reads requests' SLOs and learns from their answers.
         self.slo = SloBook(self.metrics) if isinstance(self.policy, SloAware) else None
+        self.scale = ScaleAdvisor(registry, self.catalog, self.admission, scale_rules(settings), slo=self.slo)
+        wait_s = settings.cold_start_wait_s
+        self.cold_start = ColdStart(self.catalog, self.scale, wait_s) if wait_s > 0 else None
         self.gpus = gpu_fleet(settings, registry, nvml, self.resolver)
         self._indexes()
         self._peers()
@@ -165,6 +175,8 @@ class Router:
             key_ring=self.key_ring,
             control_cpu=self.control_cpu,
             batches=self.batches,
+            scale=self.scale,
+            cold_start_wait_s=settings.cold_start_wait_s,
         )
         self._collectors()
         self.hot_path = HotPath()
@@ -261,6 +273,7 @@ class Router:
         if self.slo is not None:
             registry.register(SloCollector(self.slo))
         registry.register(ControlCpuCollector(self.control_cpu))
+        registry.register(ScaleCollector(self.scale))
         if self.batches is not None:
             registry.register(BatchCollector(self.batches))
         if self.shadows is not None:
@@ -314,6 +327,9 @@ class Router:
             relaying = self._relaying(hot, replicas, tokens)
             fleet = await self._kv_events(stack, monitor, replicas, tokens)
             add_admin_routes(app, fleet, lambda replica: replica_status(replica, self.state))
+            add_scale_routes(app, self.scale)
+            self.scale.start()
+            stack.push_async_callback(self.scale.stop)
             self.shutdown.serving(asyncio.get_running_loop())
             await self._watch(stack, monitor, control, fleet)
             self.hot_path.serve(ProxiedEndpoints(relaying, PROXIED_ENDPOINTS))
@@ -362,6 +378,7 @@ class Router:
             registry, catalog, features, dispatcher, metrics, ResponseOwners(),
             max_body_bytes=self.settings.max_body_bytes, flow=self.flow, receipts=self.receipts,
             shadows=self.shadows, tracing=self.tracing, access_log=self.settings.access_log, slo=self.slo,
+            cold_start=self.cold_start,
         )  # fmt: skip
 
     def adopt_server_tls(self, context: ssl.SSLContext | None) -> None:

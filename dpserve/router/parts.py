@@ -50,6 +50,7 @@ from dpserve.router.peers.board import PeerBoard
 from dpserve.router.peers.links import PeerLinks, peer_tls
 from dpserve.router.quality.shadows import ShadowScorer
 from dpserve.router.routing.selection import PrefixLookup, Selector
+from dpserve.router.scale.signal import ScaleRules
 
 log = logging.getLogger("dpserve.router")
 
@@ -69,6 +70,10 @@ def policy_tuning(settings: RouterSettings) -> PolicyTuning:
         slo_headroom=settings.slo_headroom,
         slo_first=settings.vllm_priority,
     )
+
+
+def scale_rules(settings: RouterSettings) -> ScaleRules:
+    return ScaleRules(target=settings.scale_target, down_delay_s=settings.scale_down_delay_s)
 
 
 def catalog_for(settings: RouterSettings, registry: ReplicaRegistry) -> ModelCatalog:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -22,6 +24,7 @@ from dpserve.gpu.topology import GpuTopology, read_topology
 from dpserve.replicas.access import ReplicaAccess
 from dpserve.router.flow.access import check_bind, load_keys
 from dpserve.text_table import format_table
+from dpserve.up.elastic import ElasticFleet, Slot
 from dpserve.up.engine_dp import engine_core_sets, pin_engine_processes, plan_dp_server, plan_dp_sim
 from dpserve.up.plan import (
     PlanError,
@@ -38,6 +41,10 @@ from dpserve.up.process import ManagedProcess, log_tail
 
 log = logging.getLogger("dpserve.up")
 STOP_GRACE_S = 30.0
+DEFAULT_COLD_START_WAIT_S = 120.0
+"""--min-replicas 0 without --cold-start-wait: how long the first request waits for a replica to start."""
+ELASTIC_READY_POLL_S = 0.1
+"""A replica started for waiting requests is looked at this often: it serves within this of being ready."""
 
 
 class StartupFailed(RuntimeError):
@@ -63,6 +70,9 @@ class Launcher:
         self._replica_headers = ReplicaAccess(settings.router.replica_api_key).headers
         self.stopping = asyncio.Event()
         self._started = False
+        self.initial = settings.fewest_replicas if settings.elastic else len(plans)
+        """Replicas started at once: all of them, or (elastic) the fewest kept running."""
+        self.elastic: ElasticFleet | None = None
 
     @property
     def policy(self) -> str:
@@ -102,12 +112,14 @@ class Launcher:
     async def _run(self) -> int:
         engines = sum(plan.engines for plan in self.plans)
         of = f" ({engines} data-parallel engines)" if engines > len(self.plans) else ""
-        print(f"dpserve: starting {len(self.plans)} replica(s){of}; logs in {self.run_dir}", flush=True)
-        for proc in self.replicas:
+        first = self.replicas[: self.initial]
+        elastic = f" of at most {len(self.plans)}, as the load needs" if self.settings.elastic else ""
+        print(f"dpserve: starting {len(first)} replica(s){elastic}{of}; logs in {self.run_dir}", flush=True)
+        for proc in first:
             await proc.start()
         async with aiohttp.ClientSession() as session:
             try:
-                waits = [self._wait_ready(session, *self._url_of(proc), proc) for proc in self.replicas]
+                waits = [self._wait_ready(session, *self._url_of(proc), proc) for proc in first]
                 if not await self._unless_stopping(asyncio.gather(*waits)):
                     return 130
                 for router in self.routers:
@@ -122,15 +134,41 @@ class Launcher:
             self._started = True
             print(self.table(), flush=True)
             print(self.ready_message(), flush=True)
-            watchers = [
-                asyncio.create_task(proc.supervise(self.stopping, self._on_exit, self._readiness_reporter(session)))
-                for proc in (*self.replicas, *self.routers)
-            ]
+            watchers = [self._supervise(session, proc) for proc in (*first, *self.routers)]
+            if self.settings.elastic:
+                self.elastic = self._elastic_fleet(session)
+                watchers.append(asyncio.create_task(self.elastic.run(self.stopping)))
             await self.stopping.wait()
             for watcher in watchers:
                 watcher.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
         return 0
+
+    def _supervise(self, session: aiohttp.ClientSession, proc: ManagedProcess) -> asyncio.Task[None]:
+        """Restarts `proc` whenever it exits, until dpserve stops (or, elastic, until the replica is let go)."""
+        return asyncio.create_task(proc.supervise(self.stopping, self._on_exit, self._readiness_reporter(session)))
+
+    def _elastic_fleet(self, session: aiohttp.ClientSession) -> ElasticFleet:
+        slots = [Slot(plan, proc) for plan, proc in zip(self.plans, self.replicas, strict=True)]
+        for slot in slots[: self.initial]:
+            slot.state = "ready"
+        keys = load_keys(self.settings.router)
+        admin = {"Authorization": f"Bearer {keys.admins[0].decode()}"} if keys.admins else {}
+
+        async def wait_ready(proc: ManagedProcess) -> None:
+            await self._wait_ready(session, *self._url_of(proc), proc, poll_s=ELASTIC_READY_POLL_S)
+
+        return ElasticFleet(
+            slots,
+            [plan.url for plan in self.router_plans],
+            admin,
+            self._replica_headers,
+            (self.settings.fewest_replicas, len(self.plans)),
+            wait_ready,
+            lambda proc: self._supervise(session, proc),
+            events_known(self.settings),
+            lambda line: print(line, flush=True),
+        )
 
     def _on_exit(self, proc: ManagedProcess, exit_code: int | None, backoff: float) -> None:
         print(f"dpserve: {proc.name} exited (code {exit_code}); restarting in {backoff:.0f}s", flush=True)
@@ -144,6 +182,8 @@ class Launcher:
                 print(f"dpserve: {exc}", flush=True)  # it exited again: the supervisor restarts it
                 return
             print(f"dpserve: {proc.name} is back (restart #{proc.restarts})", flush=True)
+            if self.elastic is not None and proc in self.routers:
+                await self.elastic.router_back(self.router_plans[self.routers.index(proc)].url)
             print(self.table(), flush=True)
 
         return report
@@ -162,7 +202,9 @@ class Launcher:
             await task
         return False
 
-    async def _wait_ready(self, session: aiohttp.ClientSession, url: str, path: str, proc: ManagedProcess) -> None:
+    async def _wait_ready(
+        self, session: aiohttp.ClientSession, url: str, path: str, proc: ManagedProcess, poll_s: float = 1.0
+    ) -> None:
         deadline = time.monotonic() + self.settings.replica_start_timeout_s
         timeout = aiohttp.ClientTimeout(total=5)
         while time.monotonic() < deadline:
@@ -178,7 +220,7 @@ class Launcher:
                         proc.state = "ready"
                         self._pin_engines(proc)
                         return
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(poll_s)
         raise StartupFailed(f"{proc.name} was not ready after {self.settings.replica_start_timeout_s:.0f}s")
 
     def _pin_engines(self, proc: ManagedProcess) -> None:
@@ -260,6 +302,22 @@ def grouping_line(topology: GpuTopology, plans: Sequence[ReplicaPlan]) -> str:
     return f"dpserve: GPUs grouped by {topology.source} topology: {groups}"
 
 
+def elastic_settings(settings: UpSettings) -> UpSettings:
+    """Elastic: replicas planned for --max-replicas; scaled to zero, requests wait for the first (a default
+    --cold-start-wait); with keys, an admin key for the launcher to follow the signal with, new each run."""
+    if settings.max_replicas is None:
+        return settings
+    if not settings.elastic:  # a range of one: a fixed fleet of that size
+        return dataclasses.replace(settings, num_replicas=settings.max_replicas, min_replicas=None, max_replicas=None)
+    router = settings.router
+    if settings.fewest_replicas == 0 and not router.cold_start_wait_s:
+        router = dataclasses.replace(router, cold_start_wait_s=DEFAULT_COLD_START_WAIT_S)
+    if load_keys(router).enabled and not load_keys(router).admins:
+        router = dataclasses.replace(router, admin_keys=(secrets.token_urlsafe(24),))
+    sims = settings.max_replicas if settings.sim_replicas else 0
+    return dataclasses.replace(settings, router=router, num_replicas=settings.max_replicas, sim_replicas=sims)
+
+
 def run_launcher(settings: UpSettings, routers: int = 1) -> int:
     logging.basicConfig(
         level=settings.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -280,8 +338,10 @@ def run_launcher(settings: UpSettings, routers: int = 1) -> int:
             settings = with_replica_key(settings)
         except ValueError as exc:  # its key file
             raise PlanError(str(exc)) from None
+        settings = elastic_settings(settings)
         plans, tokenizer = _plan(settings)
-        router_plans = plan_routers(settings, routers, plans, tokenizer)
+        initial = settings.fewest_replicas if settings.elastic else len(plans)
+        router_plans = plan_routers(settings, routers, plans, tokenizer, initial)
     except PlanError as exc:
         print(f"dpserve: {exc}", file=sys.stderr)
         return 2

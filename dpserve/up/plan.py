@@ -397,10 +397,16 @@ def reachable_host(host: str) -> str:
 
 
 def plan_routers(
-    settings: UpSettings, count: int, plans: Sequence[ReplicaPlan], tokenizer: str | None = None
+    settings: UpSettings,
+    count: int,
+    plans: Sequence[ReplicaPlan],
+    tokenizer: str | None = None,
+    initial: int | None = None,
 ) -> list[RouterPlan]:
     """`count` routers on `--port`, `--port`+1, ...: each told of every other with `--peer`, so that they share
-    in-flight counts and what they routed where (one router: exactly the command `router_argv` gives)."""
+    in-flight counts and what they routed where (one router: exactly the command `router_argv` gives).
+    `initial`: only the first so many replicas are on their command lines (elastic: the others are added
+    through the admin API as they start)."""
     if count < 1:
         raise PlanError("--routers must be at least 1")
     ports = [settings.router.port + index for index in range(count)]
@@ -416,6 +422,6 @@ def plan_routers(
     for index, (port, url) in enumerate(zip(ports, urls, strict=True)):
         peers = (*settings.router.peers, *(other for other in urls if other != url))
         router = dataclasses.replace(settings.router, port=port, peers=peers)
-        argv = router_argv(dataclasses.replace(settings, router=router), plans, tokenizer)
+        argv = router_argv(dataclasses.replace(settings, router=router), plans[:initial], tokenizer)
         routers.append(RouterPlan(router_name(index), port, url, argv))
     return routers

@@ -64,6 +64,7 @@ ROUTER_ROOMS: tuple[str, ...] = (
     "peers",  # routers sharing what they know
     "fleet",  # GPU agents and the fleet's GPU view
     "routing",  # the request's path: proxied endpoints, features, selection, dispatch
+    "scale",  # the desired-replicas signal, and requests waiting for a replica to start
     "quality",  # receipts, shadow policies, prefill cost
     "flow",  # who may send (access, tenants, quotas), in what order (admission, fair queue), usage
     "observe",  # metrics, prompt-token counting

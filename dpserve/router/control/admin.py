@@ -1,9 +1,9 @@
 """The admin API: list, add, drain, resume and remove replicas while the router serves.
 
 GET    /admin/replicas                 every replica with its state
-POST   /admin/replicas                 {"url": ..., "gpu": "1"?, "kv_events": "tcp://host:port"?} -> 201
+POST   /admin/replicas                 {"url": ..., "name": "r1"?, "gpu": "1"?, "kv_events": "tcp://host:port"?} -> 201
 POST   /admin/replicas/{id}/drain      no new requests; those in flight finish
-POST   /admin/replicas/{id}/resume     back into routing
+POST   /admin/replicas/{id}/resume     back into routing (probed at once: a replica just started serves now)
 DELETE /admin/replicas/{id}            out of the router at once; requests in flight still finish
 GET|POST|DELETE /admin/replicas/{id}/engine/{op}  a vLLM engine operation on one replica (control/engine_ops.py)
 GET|POST|DELETE /admin/engine/{op}                the same on every replica
@@ -28,7 +28,7 @@ from dpserve.background import CpuMeter
 from dpserve.kvindex.index import KvIndex
 from dpserve.replicas.kv_events import KvEventSubscriber, engine_endpoint, parse_kv_event_source
 from dpserve.replicas.monitor import ReplicaMonitor
-from dpserve.replicas.registry import Replica, ReplicaRegistry
+from dpserve.replicas.registry import REPLICA_NAME, Replica, ReplicaRegistry
 from dpserve.router.control.engine_ops import call_engine, engine_op
 from dpserve.router.http.errors import OpenAIError, bad_request
 from dpserve.router.http.request_body import receive_limited
@@ -62,10 +62,10 @@ class FleetControl:
         self.zmq_context = zmq_context
         monitor.on_engines(self.split_engines)
 
-    async def add(self, url: str, gpu: str | None, kv_events: str | None) -> Replica:
+    async def add(self, url: str, gpu: str | None, kv_events: str | None, name: str | None = None) -> Replica:
         check_replica_url(url)
-        if kv_events is not None and self.kv_index is None:
-            raise bad_request("This router's policy does not use KV events.", param="kv_events")
+        if name is not None and not REPLICA_NAME.fullmatch(name):
+            raise bad_request("`name` must be letters, digits and . _ : - (at most 64).", param="name")
         if kv_events is not None:
             try:
                 parse_kv_event_source(f"{url}={kv_events}")  # the same check --kv-events gets
@@ -73,7 +73,8 @@ class FleetControl:
                 message = "`kv_events` must be a ZMQ endpoint like tcp://host:5557."
                 raise bad_request(message, param="kv_events") from None
         try:
-            replica = self.registry.add(url + (f"@gpu={gpu}" if gpu else ""))
+            named = f"{name}={url}" if name else url
+            replica = self.registry.add(named + (f"@gpu={gpu}" if gpu else ""))
         except ValueError as exc:
             raise OpenAIError(409, str(exc), code="replica_exists") from None
         if kv_events is not None:
@@ -82,7 +83,7 @@ class FleetControl:
         return replica
 
     def _subscribe(self, replica: Replica, endpoint: str) -> None:
-        assert self.kv_index is not None
+        """Its KV events: the index's, or (a policy that reads none) its stream's liveness only, as at start."""
         subscriber = KvEventSubscriber(
             self.kv_index, replica.id, endpoint, self.zmq_context, time.monotonic, self.monitor, self.kv_events_cpu
         )
@@ -111,6 +112,12 @@ class FleetControl:
     def drain(self, replica_id: str, draining: bool) -> Replica:
         self.registry.set_draining(self.known(replica_id), draining)
         return self.registry.get(replica_id)
+
+    async def resume(self, replica_id: str) -> Replica:
+        """Back into routing, probed now: one its supervisor just saw start serves without waiting a probe."""
+        replica = self.drain(replica_id, False)
+        await self.monitor.probe_now(replica)
+        return replica
 
     async def remove(self, replica_id: str) -> Replica:
         replica = self.registry.remove(self.known(replica_id))
@@ -160,12 +167,15 @@ def add_admin_routes(app: FastAPI, control: FleetControl, describe: Callable[[Re
             raise bad_request('The body must be a JSON object like {"url": "http://host:port"}.') from None
         if not isinstance(payload, dict) or not isinstance(payload.get("url"), str):
             raise bad_request("The body must be a JSON object with a `url` string.", param="url")
-        unknown = set(payload) - {"url", "gpu", "kv_events"}
+        unknown = set(payload) - {"url", "name", "gpu", "kv_events"}
         if unknown:
             raise bad_request(f"Unknown field(s): {', '.join(sorted(unknown))}.")
-        replica = await control.add(
-            payload["url"].strip().rstrip("/"), _text_field(payload, "gpu"), _text_field(payload, "kv_events")
+        url, gpu, events = (
+            payload["url"].strip().rstrip("/"),
+            _text_field(payload, "gpu"),
+            _text_field(payload, "kv_events"),
         )
+        replica = await control.add(url, gpu, events, _text_field(payload, "name"))
         return JSONResponse(describe(replica), status_code=201)
 
     @app.post("/admin/replicas/{replica_id}/drain")
@@ -174,7 +184,7 @@ def add_admin_routes(app: FastAPI, control: FleetControl, describe: Callable[[Re
 
     @app.post("/admin/replicas/{replica_id}/resume")
     async def resume_replica(replica_id: str) -> JSONResponse:
-        return JSONResponse(describe(control.drain(replica_id, False)))
+        return JSONResponse(describe(await control.resume(replica_id)))
 
     @app.delete("/admin/replicas/{replica_id}")
     async def remove_replica(replica_id: str) -> JSONResponse:

@@ -35,6 +35,7 @@ from dpserve.router.peers.links import PeerLinks
 from dpserve.router.quality.latency_watch import SloBook
 from dpserve.router.quality.receipts import ReceiptBook
 from dpserve.router.quality.shadows import ShadowScorer
+from dpserve.router.scale.advisor import ScaleAdvisor
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ class RouterState:
     """The keys in force, one of which the sibling workers are read with."""
     batches: BatchRunner | None = None
     """`/v1/batches`' runner (None with `--batch-store off`)."""
+    scale: ScaleAdvisor | None = None
+    """The desired-replicas signal (`/admin/scale`)."""
+    cold_start_wait_s: float = 0.0
+    """`--cold-start-wait`: with it, a router with no replica serving is still ready (requests wait for one)."""
 
 
 def add_status_routes(app: FastAPI, state: RouterState) -> None:
@@ -94,7 +99,8 @@ def add_status_routes(app: FastAPI, state: RouterState) -> None:
     async def ready() -> JSONResponse:
         healthy = len(state.registry.healthy())
         draining = state.shutdown.draining
-        ready = healthy > 0 and not draining
+        # Scaled to zero, it still takes requests: they wait for the replica they make the signal ask for.
+        ready = (healthy > 0 or state.cold_start_wait_s > 0) and not draining
         body = {
             "ready": ready,
             "healthy_replicas": healthy,
@@ -159,7 +165,15 @@ def _status(state: RouterState) -> dict[str, Any]:
         **({"shadows": state.shadows.status()} if state.shadows is not None else {}),
         **({"slo": state.slo.summary()} if state.slo is not None else {}),
         **({"batches": progress_status(state.batches)} if state.batches is not None else {}),
+        **({"scale": _scale_status(state)} if state.scale is not None else {}),
     }
+
+
+def _scale_status(state: RouterState) -> dict[str, Any]:
+    assert state.scale is not None
+    status = state.scale.status()
+    status["history"] = status["history"][-10:]
+    return {**status, "cold_start_wait_s": state.cold_start_wait_s}
 
 
 def replica_status(

@@ -75,6 +75,14 @@ class SloBook:
             )
         return rows
 
+    def attainment(self, model: str) -> float | None:
+        """Share of the model's requests with an SLO (every tenant's) that met it over the last minute."""
+        since = time.monotonic() - WINDOW_S
+        seen = [
+            outcome for (_, of), recent in self._recent.items() if of == model for at, outcome in recent if at >= since
+        ]
+        return seen.count(MET) / len(seen) if seen else None
+
     def watch(self, life: RequestLife, slo: Slo | None, registry: ReplicaRegistry) -> LatencyWatch:
         return LatencyWatch(self, life, slo, registry)
 

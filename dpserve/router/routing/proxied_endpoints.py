@@ -69,6 +69,7 @@ from dpserve.router.quality.receipts import Receipt, ReceiptBook
 from dpserve.router.quality.shadows import ShadowScorer
 from dpserve.router.routing.dispatch import Buffered, Dispatcher, Outbound, Streaming
 from dpserve.router.routing.features import SESSION_HEADER, FeatureBuilder
+from dpserve.router.scale.cold_start import ColdStart
 
 log = logging.getLogger("dpserve.router")
 
@@ -127,6 +128,8 @@ class Relaying:
     """`--access-log`: a line per request."""
     slo: SloBook | None = None
     """The policy predicts time (`--policy slo`): requests' SLOs are read, and the latency models fed."""
+    cold_start: ColdStart | None = None
+    """`--cold-start-wait`: a request no replica serves waits for one to start."""
 
 
 class ProxiedEndpoints:
@@ -335,7 +338,13 @@ class _Exchange:
                 raise bad_request(f"Invalid Content-Type header: {exc}.") from None
         else:
             parsed = parse_body(raw, endpoint)
-        model = resolve_model(state.catalog, parsed.model)
+        try:
+            model = resolve_model(state.catalog, parsed.model)
+        except OpenAIError as unserved:
+            if state.cold_start is None or not state.cold_start.covers(unserved):
+                raise
+            await state.cold_start.wait(parsed.model)
+            model = resolve_model(state.catalog, parsed.model)
         self.life.model = model  # one the router serves: a bounded label, whatever clients send
         features = await state.features.build(endpoint, model, parsed.stream, parsed.payload, headers)
         if tenant.priority is not Priority.STANDARD:

@@ -1,0 +1,337 @@
+"""Each router's scale advisor: looks at every model's replicas once a second (and at once when the fleet
+changes or a request waits for a replica), runs the signal (`signal.py`), and keeps what it said: the
+desired count and its inputs per model (`/admin/scale`, the dpserve_desired_replicas and dpserve_scale_*
+series, `/status`), the reason for the last change, and a replica's measured start-up."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import statistics
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dpserve.replicas.catalog import ModelCatalog
+from dpserve.replicas.registry import ReplicaRegistry
+from dpserve.router.flow.admission import Admission
+from dpserve.router.quality.latency_watch import SloBook
+from dpserve.router.scale.signal import ScaleInputs, ScaleRules, ScaleState, decide, first_state
+
+log = logging.getLogger("dpserve.router")
+
+INTERVAL_S = 1.0
+STARTUPS_KEPT = 5
+"""The start-up said is the median of the last few measured."""
+HISTORY_KEPT = 50
+
+
+class ColdWaiters:
+    """Requests waiting for a replica of their model to start (`cold_start.py`), by model."""
+
+    def __init__(self) -> None:
+        self._arrived: dict[str, list[float]] = {}
+
+    def add(self, model: str, at: float) -> None:
+        self._arrived.setdefault(model, []).append(at)
+
+    def remove(self, model: str, at: float) -> None:
+        arrived = self._arrived.get(model)
+        if arrived is not None:
+            arrived.remove(at)
+            if not arrived:
+                del self._arrived[model]
+
+    def models(self) -> list[str]:
+        return list(self._arrived)
+
+    def count(self, model: str) -> int:
+        return len(self._arrived.get(model, ()))
+
+    def oldest_wait_s(self, model: str, now: float) -> float:
+        arrived = self._arrived.get(model)
+        return now - min(arrived) if arrived else 0.0
+
+    @property
+    def total(self) -> int:
+        return sum(len(arrived) for arrived in self._arrived.values())
+
+
+class ScaleAdvisor:
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        catalog: ModelCatalog,
+        admission: Admission,
+        rules: ScaleRules,
+        slo: SloBook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        interval_s: float = INTERVAL_S,
+    ) -> None:
+        self._registry, self._catalog, self._admission, self._slo = registry, catalog, admission, slo
+        self.rules = rules
+        self._clock = clock
+        self._interval_s = interval_s
+        self.cold = ColdWaiters()
+        self.states: dict[str, ScaleState] = {}
+        self.inputs: dict[str, ScaleInputs] = {}
+        self.version = 0
+        """Goes up with every change of a desired count (`/admin/scale?after=` waits for it)."""
+        self.changes: Counter[tuple[str, str]] = Counter()
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_KEPT)
+        self.startups: deque[float] = deque(maxlen=STARTUPS_KEPT)
+        self._raised_at: float | None = None
+        """When the signal last asked for more replicas than serve, not yet answered by one more serving."""
+        self._ready_seen = 0
+        self._poked: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        registry.on_reshape(self.poke)
+
+    @property
+    def startup_s(self) -> float | None:
+        """A replica's start-up as measured here (median of the last few); None: not measured yet."""
+        return statistics.median(self.startups) if self.startups else None
+
+    def eta_s(self) -> float | None:
+        """How long until the next replica asked for serves, as measured; None: not known."""
+        startup = self.startup_s
+        if startup is None:
+            return None
+        if self._raised_at is None:
+            return startup
+        return max(0.0, startup - (self._clock() - self._raised_at))
+
+    def desired(self) -> int:
+        """The most any model needs (a fleet of one model: its count)."""
+        return max((state.desired for state in self.states.values()), default=0)
+
+    def start(self) -> None:
+        self._poked, self._changed = asyncio.Event(), asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="scale-advisor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def poke(self) -> None:
+        """Look again now: the fleet changed, or a request waits for a replica."""
+        if self._poked is not None:
+            self._poked.set()
+
+    async def wait_change(self, after: int, timeout_s: float) -> None:
+        """Returns once `version` is past `after`, or after `timeout_s`."""
+        deadline = self._clock() + timeout_s
+        while self.version <= after and self._changed is not None:
+            left = deadline - self._clock()
+            if left <= 0:
+                return
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+
+    async def _run(self) -> None:
+        assert self._poked is not None
+        while True:
+            try:
+                self.tick()
+            except Exception:  # a bug here must not stop the signal for good
+                log.exception("scale advisor: a look at the fleet failed")
+            self._poked.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poked.wait(), self._interval_s)
+
+    def tick(self) -> None:
+        now = self._clock()
+        for model in self._models():
+            inputs = self.inputs[model] = self.read(model, now)
+            state = self.states.get(model) or first_state(inputs, now)
+            new = self.states[model] = decide(inputs, state, self.rules, now)
+            if new.desired != state.desired:
+                self._changed_to(model, state.desired, new, now)
+        self._measure_startup(now)
+
+    def _models(self) -> list[str]:
+        """Models any replica reported, those requests wait for, and those the signal still holds above 0."""
+        catalog = self._catalog
+        known = [name for name in catalog.known_models() if not catalog.is_adapter(name)]
+        held = [name for name, state in self.states.items() if state.desired > 0 or name in known]
+        for gone in [name for name in self.states if name not in held and name not in self.cold.models()]:
+            del self.states[gone]  # a name only a bad request ever asked for
+            self.inputs.pop(gone, None)
+        return list(dict.fromkeys([*known, *self.cold.models(), *held]))
+
+    def read(self, model: str, now: float) -> ScaleInputs:
+        ready = starting = draining = load = 0
+        capacities: list[int] = []
+        kv: list[float] = []
+        for replica in self._registry:
+            if not replica.health.ever_healthy and not replica.draining and replica.misconfigured is None:
+                starting += 1  # its models are not read yet: it counts for each
+                continue
+            if model not in replica.models:
+                continue
+            if replica.draining:
+                draining += 1
+                load += replica.load
+            elif replica.routable:
+                ready += 1
+                load += replica.load
+                kv.append(replica.kv_usage)
+                if replica.capacity:
+                    capacities.append(replica.capacity)
+        admission = self._admission
+        attainment = self._slo.attainment(model) if self._slo is not None else None
+        return ScaleInputs(
+            ready=ready,
+            starting=starting,
+            draining=draining,
+            load=load,
+            queued=admission.depth + self.cold.count(model),  # the router's queue is shared: each model's
+            queue_wait_s=max(admission.oldest_wait_s(), self.cold.oldest_wait_s(model, now)),
+            capacity=round(statistics.fmean(capacities)) if capacities else 0,
+            kv_usage=statistics.fmean(kv) if kv else 0.0,
+            slo_attainment=attainment,
+            startup_s=self.startup_s,
+        )
+
+    def _changed_to(self, model: str, was: int, state: ScaleState, now: float) -> None:
+        direction = "up" if state.desired > was else "down"
+        self.changes[(model, direction)] += 1
+        self.version += 1
+        self.history.append(
+            {"at": time.time(), "model": model, "from": was, "to": state.desired, "reason": state.reason}
+        )
+        log.info("desired replicas of %s: %d -> %d (%s)", model, was, state.desired, state.reason)
+        if direction == "up" and self._raised_at is None:
+            self._raised_at = now
+        if self._changed is not None:
+            self._changed.set()
+
+    def _measure_startup(self, now: float) -> None:
+        """From the signal asking for more replicas than serve to one more serving: a start-up as those who
+        act on the signal deliver it (their reaction, the process's start, its first probe)."""
+        serving = sum(1 for replica in self._registry if replica.routable)
+        if self._raised_at is not None and serving > self._ready_seen:
+            self.startups.append(now - self._raised_at)
+            log.info("a replica serves %.1f s after the signal asked for it", now - self._raised_at)
+            self._raised_at = now if self.desired() > serving else None
+        elif self.desired() <= serving:
+            self._raised_at = None
+        self._ready_seen = serving
+
+    def status(self) -> dict[str, Any]:
+        """`/admin/scale` and /status's `scale`."""
+        now, wall = self._clock(), time.time()
+        models = []
+        for model, state in self.states.items():
+            inputs = self.inputs.get(model)
+            models.append(
+                {
+                    "model": model,
+                    "desired": state.desired,
+                    "reason": state.reason,
+                    "changed_at": round(wall - (now - state.changed_at), 3),
+                    "scale_down_pending_s": round(now - state.low_since, 1) if state.low_since is not None else None,
+                    "inputs": asdict(inputs) if inputs is not None else None,
+                }
+            )
+        startup = self.startup_s
+        return {
+            "version": self.version,
+            "desired": self.desired(),
+            "models": models,
+            "startup_seconds": round(startup, 2) if startup is not None else None,
+            "startup_samples": [round(sample, 2) for sample in self.startups],
+            "waiting_for_replica": self.cold.total,
+            "rules": asdict(self.rules),
+            "history": list(self.history),
+        }
+
+
+class ScaleCollector(Collector):
+    """dpserve_desired_replicas and its inputs (dpserve_scale_*), per model, read at scrape time."""
+
+    def __init__(self, advisor: ScaleAdvisor) -> None:
+        self._advisor = advisor
+
+    def collect(self) -> Iterator[Metric]:
+        advisor = self._advisor
+        desired = GaugeMetricFamily(
+            "dpserve_desired_replicas",
+            "Replicas the model's load needs, as this router sees it (with hysteresis and cool-down): what "
+            "dpserve up, KEDA or an HPA scale to.",
+            labels=["model"],
+        )
+        replicas = GaugeMetricFamily(
+            "dpserve_scale_replicas",
+            "The model's replicas by state: ready, starting, draining.",
+            labels=["model", "state"],
+        )
+        gauges = {
+            "queued": GaugeMetricFamily(
+                "dpserve_scale_queue_depth",
+                "Requests waiting in this router (for room, or for a replica to start).",
+                labels=["model"],
+            ),
+            "queue_wait_s": GaugeMetricFamily(
+                "dpserve_scale_queue_wait_seconds", "The oldest of them has waited this long.", labels=["model"]
+            ),
+            "load": GaugeMetricFamily(
+                "dpserve_scale_load_requests",
+                "Requests running or waiting on the model's replicas (every client's).",
+                labels=["model"],
+            ),
+            "capacity": GaugeMetricFamily(
+                "dpserve_scale_capacity_requests",
+                "Requests one replica runs at once, as measured (0: not yet).",
+                labels=["model"],
+            ),
+            "kv_usage": GaugeMetricFamily(
+                "dpserve_scale_kv_usage_ratio", "Mean KV-cache usage of its ready replicas.", labels=["model"]
+            ),
+            "slo_attainment": GaugeMetricFamily(
+                "dpserve_scale_slo_attainment_ratio",
+                "Share of its requests with an SLO that met it over the last minute.",
+                labels=["model"],
+            ),
+        }
+        for model, state in advisor.states.items():
+            desired.add_metric([model], state.desired)
+            inputs = advisor.inputs.get(model)
+            if inputs is None:
+                continue
+            for name in ("ready", "starting", "draining"):
+                replicas.add_metric([model, name], getattr(inputs, name))
+            for field, gauge in gauges.items():
+                value = getattr(inputs, field)
+                if value is not None:
+                    gauge.add_metric([model], float(value))
+        yield desired
+        yield replicas
+        yield from gauges.values()
+        startup = GaugeMetricFamily(
+            "dpserve_scale_startup_seconds",
+            "A replica's measured start-up: the signal asking for it to its serving (median of the last 5).",
+            labels=["model"],
+        )
+        if advisor.startup_s is not None:
+            for model in advisor.states:
+                startup.add_metric([model], advisor.startup_s)
+        yield startup
+        changes = CounterMetricFamily(
+            "dpserve_scale_changes",
+            "Changes of the desired count, by model and direction.",
+            labels=["model", "direction"],
+        )
+        for (model, direction), count in sorted(advisor.changes.items()):
+            changes.add_metric([model, direction], count)
+        yield changes

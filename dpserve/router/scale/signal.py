@@ -1,0 +1,141 @@
+"""The desired-replicas signal: how many replicas a model's load needs, a pure function of what the router
+sees (its replicas' load and measured capacity, its queue, KV-cache pressure, SLO attainment) and of the
+signal's own last state, so it is tested without sockets.
+
+Up at once: the load over `target` of the replicas' measured capacity (projected one start-up ahead while it
+rises), or pressure the capacity does not show (requests waiting long in the router, KV caches nearly full,
+SLOs missed, requests waiting with no replica at all). Down only when the load has fit in fewer replicas at
+a lower utilization (`target` less `HYSTERESIS`) for the whole delay (never less than twice a measured
+start-up: a replica let go must not be needed back before it could start), and then to the most any moment
+of that delay needed, as Kubernetes' HPA stabilizes a scale-down. No bounds: whoever acts on it (`dpserve
+up`, KEDA) clamps it to its own minimum and maximum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+HYSTERESIS = 0.2
+"""Scale-down aims at `target` less this share of it: a load just under the target does not flap."""
+TREND_WINDOW_S = 10.0
+"""The load's rise is measured over about this long."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleRules:
+    target: float = 0.8
+    """Share of the replicas' measured capacity the load is aimed at."""
+    down_delay_s: float = 30.0
+    queue_wait_s: float = 1.0
+    """A request waiting this long in the router's queue asks for one more replica."""
+    kv_pressure: float = 0.9
+    """Mean KV-cache usage at which one more replica is asked for."""
+    slo_floor: float = 0.9
+    """SLO attainment below which one more replica is asked for."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleInputs:
+    """What the router sees of one model's replicas at one moment."""
+
+    ready: int = 0
+    """Routable replicas serving it."""
+    starting: int = 0
+    """Replicas added and not yet serving (counted for every model: their models are not known yet)."""
+    draining: int = 0
+    load: int = 0
+    """Requests running or waiting on its routable and draining replicas, the routers' and others'."""
+    queued: int = 0
+    """Requests waiting in the router: for room, or for a replica to start."""
+    queue_wait_s: float = 0.0
+    """The oldest of them, seconds."""
+    capacity: int = 0
+    """Requests one of its replicas runs at once, as measured (mean of those known); 0: not known yet."""
+    kv_usage: float = 0.0
+    """Mean KV-cache usage of its routable replicas."""
+    slo_attainment: float | None = None
+    """Share of its requests with an SLO that met it over the last minute; None: none had one."""
+    startup_s: float | None = None
+    """A replica's measured start-up (the signal rising to the replica serving); None: not measured yet."""
+
+    @property
+    def current(self) -> int:
+        return self.ready + self.starting
+
+    @property
+    def demand(self) -> int:
+        return self.load + self.queued
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleState:
+    desired: int
+    reason: str
+    changed_at: float
+    low_since: float | None = None
+    """When the load began to fit in fewer replicas (None: it does not)."""
+    low_need: int = 0
+    """The most replicas any moment since `low_since` needed: what a scale-down goes to."""
+    trend_at: float = 0.0
+    trend_demand: int = 0
+    """The demand at `trend_at`, at most `TREND_WINDOW_S` ago: the rise is measured against it."""
+
+
+def first_state(inputs: ScaleInputs, now: float) -> ScaleState:
+    """Before the first decision: what runs now is what is desired."""
+    return ScaleState(inputs.current, "started", now, trend_at=now, trend_demand=inputs.demand)
+
+
+def replicas_for(demand: float, capacity: int, target: float) -> int:
+    """Replicas of `capacity` requests each that hold `demand` at `target` utilization."""
+    return math.ceil(demand / (capacity * target) - 1e-9) if demand > 0 else 0
+
+
+def pressure(inputs: ScaleInputs, rules: ScaleRules) -> str | None:
+    """Why the load needs one more replica than runs, whatever the capacity says; None: no such reason."""
+    if inputs.queued and inputs.current == 0:
+        return f"{inputs.queued} request(s) waiting and no replica"
+    if inputs.queued and inputs.queue_wait_s >= rules.queue_wait_s:
+        return f"{inputs.queued} request(s) queued in the router, the oldest {inputs.queue_wait_s:.1f} s"
+    if inputs.ready and inputs.kv_usage >= rules.kv_pressure:
+        return f"KV caches {inputs.kv_usage:.0%} full"
+    if inputs.slo_attainment is not None and inputs.slo_attainment < rules.slo_floor:
+        return f"SLO attainment {inputs.slo_attainment:.0%} under {rules.slo_floor:.0%}"
+    return None
+
+
+def decide(inputs: ScaleInputs, state: ScaleState, rules: ScaleRules, now: float) -> ScaleState:
+    """The signal after one look at `inputs`; `changed_at == now` when `desired` moved."""
+    demand = inputs.demand
+    trend_at, trend_demand = state.trend_at, state.trend_demand
+    if now - trend_at >= TREND_WINDOW_S:
+        trend_at, trend_demand = now, demand
+    rise = max(0.0, (demand - trend_demand) / (now - trend_at)) if now > trend_at else 0.0
+    ahead = rise * (inputs.startup_s or 0.0)  # what it will be once a replica asked for now serves
+    capacity = inputs.capacity
+    why = pressure(inputs, rules)
+    if capacity:
+        need = replicas_for(demand + ahead, capacity, rules.target)
+        said = f"load {demand}" + (f" rising to ~{demand + ahead:.0f}" if ahead >= 1 else "")
+        reason = f"{said} over {capacity} a replica at {rules.target:.0%}"
+        low = replicas_for(demand + ahead, capacity, rules.target * (1 - HYSTERESIS))
+    else:  # not measured yet: only pressure adds one, only no load at all lets them go
+        need, reason = inputs.current, f"load {demand}, capacity not measured yet"
+        low = 0 if demand == 0 else inputs.current
+    if why is not None:  # one more, unless one is already on its way
+        need, reason, low = max(need, inputs.current + (0 if inputs.starting else 1)), why, state.desired
+    if demand > 0:
+        need, low = max(need, 1), max(low, 1)
+    kept = ScaleState(state.desired, state.reason, state.changed_at, None, 0, trend_at, trend_demand)
+    if need > state.desired:
+        return ScaleState(need, reason, now, None, 0, trend_at, trend_demand)
+    if low >= state.desired:
+        return kept
+    low_since = state.low_since if state.low_since is not None else now
+    low_need = max(low, state.low_need) if state.low_since is not None else low
+    delay = max(rules.down_delay_s, 2 * (inputs.startup_s or 0.0))
+    if now - low_since < delay:
+        return ScaleState(state.desired, state.reason, state.changed_at, low_since, low_need, trend_at, trend_demand)
+    held = f"for {delay:.0f} s" if delay else "now"
+    return ScaleState(low_need, f"{reason}: {low_need} enough {held}", now, None, 0, trend_at, trend_demand)
