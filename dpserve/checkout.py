@@ -36,6 +36,7 @@ BENCH_MODULES = {
     "vllm-dp": "vllm_dp",
     "slo": "slo",
     "batch": "batch",
+    "elastic": "elastic",
 }
 
 NO_BENCHMARKS = (

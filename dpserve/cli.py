@@ -491,6 +491,7 @@ BENCH_HELP = {
     "vllm-dp": "vLLM's own data parallelism alone vs dpserve over replicas vs dpserve inside it: hit rate, TTFT",
     "slo": "goodput under a TTFT SLO per policy on replicas of two speeds: attainment, refusals, predicted TTFT",
     "batch": "a 2,000-line OpenAI batch beside an interactive load: interactive TTFT with and without it, idle share",
+    "elastic": "a day's load through an elastic fleet vs one fixed at the peak: replica-minutes, TTFT, from zero",
 }
 
 

@@ -960,6 +960,13 @@ class SimSettings:
     sim_jitter: float = setting(0.0, "relative random spread of every wait (0.1 = ±10%)", SIM_MODEL)
     sim_seed: int = setting(0, "seed for jitter and generated tokens", SIM_MODEL)
     sim_speed: float = setting(1.0, "time scale: 2 = twice as fast, 0 = no waits at all", SIM_MODEL)
+    sim_startup_s: float = setting(
+        0.0,
+        "seconds before it listens, as vLLM loading its model: replicas that take a while to start (elastic "
+        "fleets, `dpserve bench elastic`)",
+        SIM_MODEL,
+        minimum=0,
+    )
     sim_tokenizer: str = setting("tiny", "the tiny model's BPE, or a fast hash", SIM_MODEL, choices=("tiny", "fast"))
     sim_scheduling_policy: str = setting(
         "fcfs",

@@ -20,6 +20,9 @@ log = logging.getLogger("dpserve.sim")
 
 def serve_sim(settings: SimSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.sim_startup_s:
+        log.info("sim: starting for %g s (--startup), as vLLM loading its model", settings.sim_startup_s)
+        time.sleep(settings.sim_startup_s)
     if settings.sim_count > 1:
         serve_fleet(settings)
         return

@@ -39,7 +39,7 @@ class Slot:
     plan: ReplicaPlan
     proc: ManagedProcess
     state: str = "stopped"
-    """stopped, starting, ready, draining."""
+    """stopped, starting, ready, draining, stopping (drained, out of the routers)."""
     task: asyncio.Task[None] | None = None
     """Its start or its drain, while one runs."""
     supervisor: asyncio.Task[None] | None = None
@@ -123,8 +123,7 @@ class ElasticFleet:
 
     def reconcile(self, desired: int) -> None:
         """Starts, resumes or drains replicas until as many are active as `desired` (bounds applied)."""
-        if desired != self.desired:
-            self._report(f"dpserve: the routers ask for {desired} replica(s) (were {self.desired})")
+        self._report_once(desired)
         self.desired = desired
         active = [slot for slot in self.slots if slot.active]
         for _ in range(desired - len(active)):
@@ -139,9 +138,13 @@ class ElasticFleet:
         for slot in extra[: max(0, len(active) - desired)]:
             self._begin(slot, self._drain(slot))
 
+    def _report_once(self, desired: int) -> None:
+        if desired != self.desired:
+            self._report(f"dpserve: the routers ask for {desired} replica(s) (were {self.desired})")
+
     def _begin(self, slot: Slot, work: Awaitable[None]) -> None:
         previous = slot.task
-        if previous is not None:
+        if previous is not None and previous is not asyncio.current_task():  # a drain that just ended asks
             previous.cancel()
 
         async def run() -> None:
@@ -206,7 +209,7 @@ class ElasticFleet:
             await self._admin("DELETE", f"/admin/replicas/{plan.id}")
             await proc.stop(5.0)
             slot.state = "stopped"
-            return
+            return  # not retried at once: the next change of the signal (or its next answer) tries again
         slot.startup_s = time.monotonic() - began
         await self._admin("POST", f"/admin/replicas/{plan.id}/resume")  # probed now: it serves at once
         slot.state = "ready"
@@ -227,6 +230,7 @@ class ElasticFleet:
             began = time.monotonic()
             while not await self._idle(plan) and time.monotonic() - began < DRAIN_LIMIT_S:
                 await asyncio.sleep(DRAIN_CHECK_S)
+        slot.state = "stopping"  # out of the routers from here on: no resuming it, a new start once stopped
         await self._admin("DELETE", f"/admin/replicas/{plan.id}")
         if slot.supervisor is not None:
             slot.supervisor.cancel()
@@ -234,6 +238,7 @@ class ElasticFleet:
         await proc.stop(30.0)
         slot.state = "stopped"
         self._report(f"dpserve: {plan.id} drained and stopped ({self._count()})")
+        self.reconcile(self.desired)  # the signal may have risen while it stopped
 
     async def _idle(self, plan: ReplicaPlan) -> bool:
         """No router has a request on it, and it runs and queues none (from anyone)."""

@@ -33,10 +33,14 @@ HISTORY_KEPT = 50
 
 
 class ColdWaiters:
-    """Requests waiting for a replica of their model to start (`cold_start.py`), by model."""
+    """Requests for a model no replica serves (`cold_start.py`), by model: those waiting for a replica to
+    start, and those refused at once (the start-up would outlast their wait), counted until their Retry-After
+    so that the replica their retry needs is started all the same."""
 
     def __init__(self) -> None:
         self._arrived: dict[str, list[float]] = {}
+        self._refused: dict[str, list[float]] = {}
+        """Model -> until when each refused request counts."""
 
     def add(self, model: str, at: float) -> None:
         self._arrived.setdefault(model, []).append(at)
@@ -48,11 +52,23 @@ class ColdWaiters:
             if not arrived:
                 del self._arrived[model]
 
-    def models(self) -> list[str]:
-        return list(self._arrived)
+    def refused(self, model: str, until: float) -> None:
+        self._refused.setdefault(model, []).append(until)
 
-    def count(self, model: str) -> int:
-        return len(self._arrived.get(model, ()))
+    def _refused_now(self, model: str, now: float) -> int:
+        untils = self._refused.get(model)
+        if not untils:
+            return 0
+        untils[:] = [until for until in untils if until > now]
+        if not untils:
+            del self._refused[model]
+        return len(untils)
+
+    def models(self) -> list[str]:
+        return list(dict.fromkeys([*self._arrived, *self._refused]))
+
+    def count(self, model: str, now: float) -> int:
+        return len(self._arrived.get(model, ())) + self._refused_now(model, now)
 
     def oldest_wait_s(self, model: str, now: float) -> float:
         arrived = self._arrived.get(model)
@@ -151,13 +167,13 @@ class ScaleAdvisor:
 
     def tick(self) -> None:
         now = self._clock()
+        self._measure_startup(now)  # first: a replica that just came up tells how long one takes
         for model in self._models():
             inputs = self.inputs[model] = self.read(model, now)
             state = self.states.get(model) or first_state(inputs, now)
             new = self.states[model] = decide(inputs, state, self.rules, now)
             if new.desired != state.desired:
                 self._changed_to(model, state.desired, new, now)
-        self._measure_startup(now)
 
     def _models(self) -> list[str]:
         """Models any replica reported, those requests wait for, and those the signal still holds above 0."""
@@ -190,13 +206,15 @@ class ScaleAdvisor:
                     capacities.append(replica.capacity)
         admission = self._admission
         attainment = self._slo.attainment(model) if self._slo is not None else None
+        # Requests waiting for a replica of a model one now serves are on their way to it, not a queue.
+        cold, cold_wait = (self.cold.count(model, now), self.cold.oldest_wait_s(model, now)) if not ready else (0, 0.0)
         return ScaleInputs(
             ready=ready,
             starting=starting,
             draining=draining,
             load=load,
-            queued=admission.depth + self.cold.count(model),  # the router's queue is shared: each model's
-            queue_wait_s=max(admission.oldest_wait_s(), self.cold.oldest_wait_s(model, now)),
+            queued=admission.depth + cold,  # the router's queue is shared: each model's
+            queue_wait_s=max(admission.oldest_wait_s(), cold_wait),
             capacity=round(statistics.fmean(capacities)) if capacities else 0,
             kv_usage=statistics.fmean(kv) if kv else 0.0,
             slo_attainment=attainment,
@@ -220,7 +238,9 @@ class ScaleAdvisor:
         """From the signal asking for more replicas than serve to one more serving: a start-up as those who
         act on the signal deliver it (their reaction, the process's start, its first probe)."""
         serving = sum(1 for replica in self._registry if replica.routable)
-        if self._raised_at is not None and serving > self._ready_seen:
+        # Raised on this very look (`_changed_to`): a replica serving more than the last look saw (all of them,
+        # on the first) was not started for it, so no sample of 0 s.
+        if self._raised_at is not None and self._raised_at < now and serving > self._ready_seen:
             self.startups.append(now - self._raised_at)
             log.info("a replica serves %.1f s after the signal asked for it", now - self._raised_at)
             self._raised_at = now if self.desired() > serving else None

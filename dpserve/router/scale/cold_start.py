@@ -55,15 +55,17 @@ class ColdStart:
     async def wait(self, model: str | None) -> None:
         """Returns once a replica serves `model` (None: any model); else 503 with Retry-After."""
         advisor, wait_s = self._advisor, self.wait_s
+        name = model if model is not None else self._model_of_any()
         eta = advisor.eta_s()
         if eta is not None and eta > wait_s:
+            advisor.cold.refused(name, time.monotonic() + eta)  # its retry finds the replica it asks for
+            advisor.poke()
             raise cold_start_refused(
                 f"No replica serves this model now; one is expected to start in {eta:.0f} s, longer than this "
                 f"router waits ({wait_s:g} s). Retry later.",
                 eta,
             )
         arrived = time.monotonic()  # the advisor's clock: the oldest wait is one of its inputs
-        name = model if model is not None else self._model_of_any()
         advisor.cold.add(name, arrived)
         advisor.poke()
         try:

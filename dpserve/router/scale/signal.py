@@ -19,7 +19,8 @@ from dataclasses import dataclass
 HYSTERESIS = 0.2
 """Scale-down aims at `target` less this share of it: a load just under the target does not flap."""
 TREND_WINDOW_S = 10.0
-"""The load's rise is measured over about this long."""
+"""The load's rise is measured over at least this long."""
+SMOOTHING_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +78,30 @@ class ScaleState:
     """When the load began to fit in fewer replicas (None: it does not)."""
     low_need: int = 0
     """The most replicas any moment since `low_since` needed: what a scale-down goes to."""
+    level: float = 0.0
+    """The demand smoothed over about `SMOOTHING_S`: one look's jitter is no trend."""
+    level_at: float = 0.0
     trend_at: float = 0.0
-    trend_demand: int = 0
-    """The demand at `trend_at`, at most `TREND_WINDOW_S` ago: the rise is measured against it."""
+    trend_level: float = 0.0
+    """`level` at `trend_at`, at most twice `TREND_WINDOW_S` ago: the rise is measured against it."""
 
 
 def first_state(inputs: ScaleInputs, now: float) -> ScaleState:
     """Before the first decision: what runs now is what is desired."""
-    return ScaleState(inputs.current, "started", now, trend_at=now, trend_demand=inputs.demand)
+    demand = float(inputs.demand)
+    return ScaleState(inputs.current, "started", now, level=demand, level_at=now, trend_at=now, trend_level=demand)
+
+
+def rising(state: ScaleState, demand: int, now: float) -> tuple[float, float, float, float]:
+    """The smoothed demand, the baseline it is compared with (at, level) and its rise a second (0 when it
+    falls), measured over `TREND_WINDOW_S` at least, so a burst between two close looks is no slope."""
+    weight = 1.0 - math.exp(-(now - state.level_at) / SMOOTHING_S) if now > state.level_at else 0.0
+    level = state.level + weight * (demand - state.level)
+    trend_at, trend_level = state.trend_at, state.trend_level
+    rise = max(0.0, (level - trend_level) / max(now - trend_at, TREND_WINDOW_S))
+    if now - trend_at >= 2 * TREND_WINDOW_S:  # a fresh baseline; the slope from it counts over the window
+        trend_at, trend_level = now, level
+    return level, trend_at, trend_level, rise
 
 
 def replicas_for(demand: float, capacity: int, target: float) -> int:
@@ -108,11 +125,9 @@ def pressure(inputs: ScaleInputs, rules: ScaleRules) -> str | None:
 def decide(inputs: ScaleInputs, state: ScaleState, rules: ScaleRules, now: float) -> ScaleState:
     """The signal after one look at `inputs`; `changed_at == now` when `desired` moved."""
     demand = inputs.demand
-    trend_at, trend_demand = state.trend_at, state.trend_demand
-    if now - trend_at >= TREND_WINDOW_S:
-        trend_at, trend_demand = now, demand
-    rise = max(0.0, (demand - trend_demand) / (now - trend_at)) if now > trend_at else 0.0
-    ahead = rise * (inputs.startup_s or 0.0)  # what it will be once a replica asked for now serves
+    level, trend_at, trend_level, rise = rising(state, demand, now)
+    # What it will be once a replica asked for now serves; at most as much again as now.
+    ahead = min(rise * (inputs.startup_s or 0.0), float(demand))
     capacity = inputs.capacity
     why = pressure(inputs, rules)
     if capacity:
@@ -127,15 +142,17 @@ def decide(inputs: ScaleInputs, state: ScaleState, rules: ScaleRules, now: float
         need, reason, low = max(need, inputs.current + (0 if inputs.starting else 1)), why, state.desired
     if demand > 0:
         need, low = max(need, 1), max(low, 1)
-    kept = ScaleState(state.desired, state.reason, state.changed_at, None, 0, trend_at, trend_demand)
+    kept = ScaleState(state.desired, state.reason, state.changed_at, None, 0, level, now, trend_at, trend_level)
     if need > state.desired:
-        return ScaleState(need, reason, now, None, 0, trend_at, trend_demand)
-    if low >= state.desired:
+        return ScaleState(need, reason, now, None, 0, level, now, trend_at, trend_level)
+    if low >= state.desired or inputs.starting:  # a start under way is let finish, then the whole delay runs
         return kept
     low_since = state.low_since if state.low_since is not None else now
     low_need = max(low, state.low_need) if state.low_since is not None else low
     delay = max(rules.down_delay_s, 2 * (inputs.startup_s or 0.0))
     if now - low_since < delay:
-        return ScaleState(state.desired, state.reason, state.changed_at, low_since, low_need, trend_at, trend_demand)
+        return ScaleState(
+            state.desired, state.reason, state.changed_at, low_since, low_need, level, now, trend_at, trend_level
+        )
     held = f"for {delay:.0f} s" if delay else "now"
-    return ScaleState(low_need, f"{reason}: {low_need} enough {held}", now, None, 0, trend_at, trend_demand)
+    return ScaleState(low_need, f"{reason}: {low_need} enough {held}", now, None, 0, level, now, trend_at, trend_level)
