@@ -101,13 +101,26 @@ def healthy_count(url: str, admin_key: str | None = None, tls: ssl.SSLContext | 
         return 0
 
 
+def router_ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @contextlib.contextmanager
 def running_fleet(
-    work: Path, count: int, up_args: list[str], timeout_s: float, open_replicas: bool = True
+    work: Path,
+    count: int,
+    up_args: list[str],
+    timeout_s: float,
+    open_replicas: bool = True,
+    serving: int | None = None,
 ) -> Iterator[Fleet]:
     """`dpserve up` with `count` replicas on free loopback ports, stopped (SIGTERM) when the block ends.
     `open_replicas`: without a key (`--no-replica-key`), as tests that start their own routers over them and read
-    them directly need; else keyed, for the fleet's own routers only."""
+    them directly need; else keyed, for the fleet's own routers only. `serving`: how many serve when it is
+    ready (elastic fleets: their --min-replicas; 0: once the router is ready); all `count` by default."""
     router_port = free_port()
     base_port = free_port_range(count)
     kv_base_port = free_port_range(count, start=base_port + count + 100)
@@ -130,7 +143,8 @@ def running_fleet(
     )
     try:
         deadline = time.monotonic() + timeout_s
-        while healthy_count(fleet.router_url) < count:
+        wanted = count if serving is None else serving
+        while healthy_count(fleet.router_url) < wanted or (wanted == 0 and not router_ready(fleet.router_url)):
             if process.poll() is not None:
                 pytest.fail(f"dpserve up exited with {process.returncode}:\n{fleet.log_tail()}")
             if time.monotonic() > deadline:

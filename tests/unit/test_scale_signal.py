@@ -318,6 +318,31 @@ def test_replicas_serving_when_the_signal_first_rises_are_no_startup() -> None:
     assert list(advisor.startups) == [pytest.approx(30.0)]
 
 
+def test_a_drained_replica_resumed_is_no_startup() -> None:
+    """A draining replica resumed when the signal rises serves at once: that is no start-up to learn from."""
+    clock = Clock()
+    registry, catalog = fleet(healthy=2)
+    registry.set_draining("r1", True)
+    advisor = advisor_over(registry, catalog, clock)
+    advisor.tick()
+    scrape(registry, "r0", running=8, waiting=12)
+    clock.now += 1.0
+    advisor.tick()
+    assert advisor.states["m"].desired >= 3  # 20 over 6.4 a replica: one resumed is not enough
+    clock.now += 0.2
+    registry.set_draining("r1", False)
+    advisor.tick()
+    assert not advisor.startups
+    clock.now += 20.0
+    registry.add("r2=http://127.0.0.1:3")  # a replica that did start for it
+    advisor.tick()
+    clock.now += 10.0
+    catalog.set_model_cards("r2", (MODEL,))
+    registry.probe_succeeded("r2")
+    advisor.tick()
+    assert list(advisor.startups) == [pytest.approx(30.2)]
+
+
 def test_the_advisor_scales_down_after_the_delay_and_counts_it() -> None:
     clock = Clock()
     registry, catalog = fleet(healthy=3)

@@ -104,7 +104,10 @@ class ScaleAdvisor:
         self.startups: deque[float] = deque(maxlen=STARTUPS_KEPT)
         self._raised_at: float | None = None
         """When the signal last asked for more replicas than serve, not yet answered by one more serving."""
-        self._ready_seen = 0
+        self._seen: set[str] = set()
+        """Every replica of the last look: one found serving and not among them is new."""
+        self._not_serving: set[str] = set()
+        """Those of the last look that had never served (starting)."""
         self._poked: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -186,7 +189,7 @@ class ScaleAdvisor:
         return list(dict.fromkeys([*known, *self.cold.models(), *held]))
 
     def read(self, model: str, now: float) -> ScaleInputs:
-        ready = starting = draining = load = 0
+        ready = starting = draining = load = engine_waiting = 0
         capacities: list[int] = []
         kv: list[float] = []
         for replica in self._registry:
@@ -201,6 +204,7 @@ class ScaleAdvisor:
             elif replica.routable:
                 ready += 1
                 load += replica.load
+                engine_waiting += replica.waiting
                 kv.append(replica.kv_usage)
                 if replica.capacity:
                     capacities.append(replica.capacity)
@@ -216,6 +220,7 @@ class ScaleAdvisor:
             queued=admission.depth + cold,  # the router's queue is shared: each model's
             queue_wait_s=max(admission.oldest_wait_s(), cold_wait),
             capacity=round(statistics.fmean(capacities)) if capacities else 0,
+            engine_waiting=engine_waiting,
             kv_usage=statistics.fmean(kv) if kv else 0.0,
             slo_attainment=attainment,
             startup_s=self.startup_s,
@@ -236,17 +241,25 @@ class ScaleAdvisor:
 
     def _measure_startup(self, now: float) -> None:
         """From the signal asking for more replicas than serve to one more serving: a start-up as those who
-        act on the signal deliver it (their reaction, the process's start, its first probe)."""
-        serving = sum(1 for replica in self._registry if replica.routable)
-        # Raised on this very look (`_changed_to`): a replica serving more than the last look saw (all of them,
-        # on the first) was not started for it, so no sample of 0 s.
-        if self._raised_at is not None and self._raised_at < now and serving > self._ready_seen:
+        act on the signal deliver it (their reaction, the process's start, its first probe). Only a replica
+        new to routing counts (one seen starting, or found serving at once, as DNS finds a ready pod): a
+        drained one resumed is no start-up."""
+        serving, fresh, waiting = 0, False, set()
+        for replica in self._registry:
+            if replica.routable:
+                serving += 1
+                fresh = fresh or replica.id in self._not_serving or replica.id not in self._seen
+            elif not replica.health.ever_healthy:
+                waiting.add(replica.id)
+        self._seen = {replica.id for replica in self._registry}
+        self._not_serving = waiting
+        # Raised on this very look (`_changed_to`): nothing serving now was started for it.
+        if self._raised_at is not None and self._raised_at < now and fresh:
             self.startups.append(now - self._raised_at)
             log.info("a replica serves %.1f s after the signal asked for it", now - self._raised_at)
             self._raised_at = now if self.desired() > serving else None
         elif self.desired() <= serving:
             self._raised_at = None
-        self._ready_seen = serving
 
     def status(self) -> dict[str, Any]:
         """`/admin/scale` and /status's `scale`."""

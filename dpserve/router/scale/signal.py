@@ -53,6 +53,9 @@ class ScaleInputs:
     """The oldest of them, seconds."""
     capacity: int = 0
     """Requests one of its replicas runs at once, as measured (mean of those known); 0: not known yet."""
+    engine_waiting: int = 0
+    """Requests waiting in its replicas' own queues, as their metrics showed (before any capacity is known,
+    the one sign that they are full)."""
     kv_usage: float = 0.0
     """Mean KV-cache usage of its routable replicas."""
     slo_attainment: float | None = None
@@ -115,6 +118,8 @@ def pressure(inputs: ScaleInputs, rules: ScaleRules) -> str | None:
         return f"{inputs.queued} request(s) waiting and no replica"
     if inputs.queued and inputs.queue_wait_s >= rules.queue_wait_s:
         return f"{inputs.queued} request(s) queued in the router, the oldest {inputs.queue_wait_s:.1f} s"
+    if inputs.engine_waiting and not inputs.capacity:
+        return f"{inputs.engine_waiting} request(s) waiting in the replicas' own queues"
     if inputs.ready and inputs.kv_usage >= rules.kv_pressure:
         return f"KV caches {inputs.kv_usage:.0%} full"
     if inputs.slo_attainment is not None and inputs.slo_attainment < rules.slo_floor:
