@@ -6,6 +6,7 @@ its retry needs starts all the same; a scale-down drains the replica and stops i
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -61,8 +62,9 @@ def stream_whole(url: str, max_tokens: int, text: str) -> int:
         for line in resp.iter_lines():
             if line == "data: [DONE]":
                 return events
-            if line.startswith("data: ") and '"content"' in line:
-                events += 1
+            if line.startswith("data: "):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                events += 1 if (choices[0].get("delta") or {}).get("content") else 0  # not the role's empty one
     raise AssertionError(f"the stream from {url} ended without [DONE] after {events} events")
 
 
@@ -99,7 +101,7 @@ def test_from_zero_the_first_request_waits_for_a_replica(tmp_path: Path, slow_si
         assert "waiting and no replica" in seen[-1]["models"][0]["reason"]
         # Idle again, it goes back to none.
         wait_until(lambda: registered(fleet) == {}, 30, 0.2, "the fleet back at zero")
-        assert "r0 drained and stopped" in fleet.log_tail()
+        wait_until(lambda: "r0 drained and stopped" in fleet.log_tail(), 60, 0.2, "the launcher to stop r0")
 
 
 def test_a_wait_past_its_limit_gets_503_with_retry_after(tmp_path: Path, slow_sims: float) -> None:
@@ -136,14 +138,15 @@ def test_a_scale_down_drains_and_waits_for_the_stream_on_the_replica(tmp_path: P
         # replica holds, the signal lets r1 go, and r1 must not stop before that stream has ended.
         states: list[str] = []
         with ThreadPoolExecutor(1) as pool:
-            direct = pool.submit(stream_whole, fleet.replica_urls[1], 400, "outside the router")
+            direct = pool.submit(stream_whole, fleet.replica_urls[1], 1200, "outside the router")
             while not direct.done():
                 states.append(registered(fleet).get("r1", "gone"))
                 time.sleep(0.1)
-            assert direct.result() == 400  # whole
+            assert direct.result() == 1200  # whole (24 s: longer than the smoothed load takes to fall)
         assert "draining" in states, states  # drained while the stream ran...
         assert "gone" not in states, states  # ... and not stopped until it ended
         wait_until(lambda: "r1" not in registered(fleet), 30, 0.2, "r1 stopped after its stream")
-        assert "r1 drained and stopped" in fleet.log_tail()
+        wait_until(lambda: "r1 drained and stopped" in fleet.log_tail(), 60, 0.2, "the launcher to stop r1")
         scale = router_status(fleet.router_url)["scale"]
-        assert [(change["from"], change["to"]) for change in scale["history"]][-2:] == [(1, 2), (2, 1)]
+        history = scale["history"]  # up from 1 for the burst (as far as it needed), down to 1 again
+        assert history[0]["from"] == 1 and history[0]["to"] >= 2 and history[-1]["to"] == 1, history

@@ -166,6 +166,9 @@ def test_dashboard_renders_both_replicas_in_headless_chromium(
     assert re.search(r"receipts <b>4</b>", dom) and '<span data-class="unscored">unscored 4</span>' in dom
     # The batches panel: none in progress on this router's own store, and what this router ran.
     assert "No batch in progress." in dom and "this router: running 0 · ran 0" in dom
+    # The elastic replicas panel: the signal for the model, its inputs, and desired against ready over time.
+    assert re.search(r'<div class="meta" data-scale="dpserve-tiny">dpserve-tiny: desired <b>\d+</b> · ready 2', dom)
+    assert "desired (orange) and ready (blue)" in dom and "<polyline" in dom
     # It refreshed itself (every 2 s, within the 5 s of virtual time) without losing the router.
     refreshes = re.search(r'<body data-refreshes="(\d+)">', dom)
     assert refreshes is not None and int(refreshes.group(1)) >= 1

@@ -115,16 +115,27 @@ def test_no_load_and_no_capacity_known_lets_replicas_go_only_after_the_delay() -
     assert [s.desired for s in run(busy, held(2), [0.0, 100.0, 1000.0])] == [2, 2, 2]
 
 
-def test_a_scale_down_waits_the_delay_and_goes_to_the_most_it_needed() -> None:
-    state = held(4)
+def test_a_scale_down_waits_the_delay_and_goes_to_what_the_smoothed_load_needs() -> None:
+    state = held(4, demand=5)
     looks = [(0.0, 5), (10.0, 12), (20.0, 3)]  # low enough for 1, then 2, then 1 replica
     for now, load in looks:
         state = decide(ScaleInputs(ready=4, load=load, capacity=10), state, RULES, now)
         assert state.desired == 4 and state.low_since == 0.0
-    assert state.low_need == 2
+    assert state.low_need == 2  # the most any look needed, shown
     state = decide(ScaleInputs(ready=4, load=3, capacity=10), state, RULES, 30.0)
-    assert state.desired == 2 and state.changed_at == 30.0 and state.low_since is None
-    assert "2 enough for 30 s" in state.reason
+    assert state.desired == 1 and state.changed_at == 30.0 and state.low_since is None
+    assert "1 enough for 30 s" in state.reason
+
+
+def test_one_burst_in_the_delay_is_no_veto() -> None:
+    """Smoothed: a look that finds a burst (Poisson arrivals at night) does not hold a replica for nothing."""
+    state = held(2, demand=1)
+    night = ScaleInputs(ready=2, load=1, capacity=4)  # 1 a replica of 4 at 0.64: one is enough
+    for now in (0.0, 5.0, 6.0, 10.0, 20.0):
+        burst = dataclasses.replace(night, load=4) if now == 6.0 else night  # 4 would need 2 at 2.56 a replica
+        state = decide(burst, state, RULES, now)
+        assert state.desired == 2 and state.low_since == 0.0, now
+    assert decide(night, state, RULES, 30.0).desired == 1
 
 
 def test_load_coming_back_during_the_delay_cancels_the_scale_down() -> None:
@@ -133,9 +144,9 @@ def test_load_coming_back_during_the_delay_cancels_the_scale_down() -> None:
     assert state.low_since == 0.0
     state = decide(back, state, RULES, 15.0)  # needs all 4 again (30 over 8 a replica)
     assert state.desired == 4 and state.low_since is None and state.low_need == 0
-    state = decide(low, state, RULES, 20.0)  # the delay starts over
-    assert state.low_since == 20.0
-    assert [s.desired for s in run(low, state, [45.0, 49.9, 50.0])] == [4, 4, 1]
+    state = decide(low, state, RULES, 40.0)  # the delay starts over (the smoothed load fell below by then)
+    assert state.low_since == 40.0
+    assert [s.desired for s in run(low, state, [65.0, 69.9, 70.0])] == [4, 4, 1]
 
 
 def test_the_delay_is_at_least_twice_the_measured_startup() -> None:
@@ -152,10 +163,10 @@ def test_a_load_just_under_the_target_of_fewer_replicas_does_not_scale_down() ->
     assert RULES.target * (1 - HYSTERESIS) == pytest.approx(0.64)
     for load in (13, 15, 16):
         inputs = ScaleInputs(ready=3, load=load, capacity=10)
-        states = run(inputs, held(3), [0.0, 100.0, 1000.0])
+        states = run(inputs, held(3, demand=load), [0.0, 100.0, 1000.0])
         assert [s.desired for s in states] == [3, 3, 3] and all(s.low_since is None for s in states)
     below = ScaleInputs(ready=3, load=12, capacity=10)
-    assert [s.desired for s in run(below, held(3), [0.0, 29.0, 30.0])] == [3, 3, 2]
+    assert [s.desired for s in run(below, held(3, demand=12), [0.0, 29.0, 30.0])] == [3, 3, 2]
 
 
 def test_a_rising_load_is_projected_one_startup_ahead() -> None:

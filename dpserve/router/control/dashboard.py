@@ -79,6 +79,8 @@ PAGE = """<!doctype html>
 <div id="slo"></div>
 <h2>Batches</h2>
 <div id="batches"></div>
+<h2>Elastic replicas</h2>
+<div id="scale"></div>
 <script id="initial" type="application/json">__INITIAL__</script>
 <script>
 "use strict";
@@ -239,6 +241,41 @@ function renderBatches(batches) {
        (mine.prompt_tokens + mine.completion_tokens)));
 }
 
+const scaleSeen = [];  // [desired, ready] per refresh, the last 120: replicas over time on this page
+function renderScale(scale) {
+  // The desired-replicas signal per model, its inputs and its last reason; desired against ready over time.
+  const box = document.getElementById("scale");
+  if (!scale || !scale.models.length) {
+    box.replaceChildren(el("div", {class: "none"}, "No model seen yet."));
+    return;
+  }
+  const lines = scale.models.map(m => {
+    const i = m.inputs || {};
+    return el("div", {class: "meta", "data-scale": m.model},
+      m.model + ": desired ", el("b", {}, String(m.desired)), " · ready " + i.ready + ", starting " + i.starting +
+      ", draining " + i.draining + " · load " + i.load + " (capacity " + (i.capacity || DASH) + " a replica)" +
+      " · queued " + i.queued + " (oldest " + (i.queue_wait_s || 0).toFixed(1) + " s) · KV " + pct(i.kv_usage) +
+      " · SLO " + (i.slo_attainment === null || i.slo_attainment === undefined ? DASH : pct(i.slo_attainment)) +
+      " — " + m.reason);
+  });
+  const ready = scale.models.reduce((n, m) => Math.max(n, (m.inputs || {}).ready || 0), 0);
+  scaleSeen.push([scale.desired, ready]);
+  if (scaleSeen.length > 120) scaleSeen.shift();
+  const top = Math.max(1, ...scaleSeen.map(([d, r]) => Math.max(d, r)));
+  const line = k => scaleSeen.map(([d, r], x) => x * 4 + "," + (40 - 38 * [d, r][k] / top)).join(" ");
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.setAttribute("width", "480"); svg.setAttribute("height", "42");
+  for (const [k, color] of [[0, "#c60"], [1, "#06c"]]) {
+    const poly = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+    poly.setAttribute("points", line(k)); poly.setAttribute("fill", "none"); poly.setAttribute("stroke", color);
+    svg.appendChild(poly);
+  }
+  box.replaceChildren(...lines,
+    el("div", {class: "classes"}, "desired (orange) and ready (blue) over the last refreshes, up to " + top +
+       " · start-up " + (scale.startup_seconds === null ? DASH : scale.startup_seconds + " s") +
+       " · waiting for a replica " + scale.waiting_for_replica), svg);
+}
+
 function render(status, stale) {
   const healthy = status.replicas.filter(r => r.healthy).length;
   const meta = [
@@ -252,6 +289,7 @@ function render(status, stale) {
   renderQuality(status.routing_quality, status.replicas);
   renderSlo(status.slo, status.replicas);
   renderBatches(status.batches);
+  renderScale(status.scale);
 }
 
 let last = JSON.parse(document.getElementById("initial").textContent);
