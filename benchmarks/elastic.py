@@ -172,6 +172,14 @@ class Census:
                 return at
         return None
 
+    def let_go(self, replica: str) -> float | None:
+        """When `replica`, once serving, was first seen draining, or gone (drained between two samples)."""
+        served = self.first(replica, "healthy")
+        if served is None:
+            return None
+        draining, gone = self.first(replica, "draining", served), self.first(replica, None, served)
+        return min((at for at in (draining, gone) if at is not None), default=None)
+
 
 async def start_fleet(
     session: aiohttp.ClientSession,
@@ -369,7 +377,7 @@ async def step(args: argparse.Namespace, session: aiohttp.ClientSession, work: P
         await asyncio.sleep(args.vllm_phase_s)
         progress(f"vllm: back to {args.vllm_low_rate:g} req/s; waiting for the scale-down")
         rate["now"] = args.vllm_low_rate
-        await until(lambda: census.first("r1", "draining") is not None, 900)
+        await until(lambda: census.let_go("r1") is not None, 900)
         outside_stop.set()
         await until(lambda: census.count_now() == 1, 900)
         await asyncio.sleep(5)
@@ -382,7 +390,7 @@ async def step(args: argparse.Namespace, session: aiohttp.ClientSession, work: P
         terminate(process, 120)
     assert outside is not None
     requests, failed, p50, p99 = figures(load.replies)
-    drain = census.first("r1", "draining")
+    drain = census.let_go("r1")
     assert drain is not None
     routed = [r for r in load.replies if r.header == "r1" and r.start < drain < r.end]
     direct = [r for r in outside.replies if r.start < drain < r.end]
@@ -497,7 +505,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--vllm-args", default="--enforce-eager --max-num-seqs 4", help="for every vLLM replica")
     parser.add_argument("--vllm-low-rate", type=POSITIVE, default=0.4)
-    parser.add_argument("--vllm-high-rate", type=POSITIVE, default=3.0)
+    parser.add_argument("--vllm-high-rate", type=POSITIVE, default=5.0)
     parser.add_argument("--vllm-max-tokens", type=COUNT, default=96)
     parser.add_argument("--vllm-phase-s", type=POSITIVE, default=30.0)
     parser.add_argument(

@@ -40,6 +40,9 @@ KUBE_VARIANTS = {
         metrics_key=True,
         shutdown_timeout=120,
     ),
+    # `--autoscale 0:4` (KEDA, from zero) and `--autoscale 1:4 --autoscaler hpa`.
+    "kube-keda.yaml": KubeOptions(replicas=4, autoscale_min=0, service_monitor=True),
+    "kube-hpa.yaml": KubeOptions(replicas=4, autoscale_min=1, autoscaler="hpa"),
     # The issue's `dpserve kube --tls --replicas 2 -- --dtype half`, and TLS with everything else.
     "kube-tls.yaml": KubeOptions(replicas=2, tls=True, vllm_args=("--dtype", "half")),
     "kube-tls-everything.yaml": KubeOptions(

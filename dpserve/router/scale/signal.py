@@ -144,7 +144,7 @@ def decide(inputs: ScaleInputs, state: ScaleState, rules: ScaleRules, now: float
         low = replicas_for((level if level >= 0.5 else 0.0) + ahead, capacity, rules.target * (1 - HYSTERESIS))
     else:  # not measured yet: only pressure adds one, only no load at all lets them go
         need, reason = inputs.current, f"load {demand}, capacity not measured yet"
-        low = 0 if demand == 0 else inputs.current
+        low = 0 if demand == 0 and level < 0.5 else inputs.current
     if why is not None:  # one more, unless one is already on its way
         need, reason, low = max(need, inputs.current + (0 if inputs.starting else 1)), why, state.desired
     if demand > 0:
