@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import io
 import itertools
 import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -358,28 +357,7 @@ def check(rows: Sequence[PhaseRow]) -> None:
 
 
 def write(args: argparse.Namespace, rows: Sequence[PhaseRow]) -> str:
-    names = [f.name for f in fields(PhaseRow)]
-    with (args.out / "phases.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=names)
-        writer.writeheader()
-        writer.writerows(asdict(row) for row in rows)
-    columns = [(name.replace("_", " "), name) for name in names]
-    text = "\n".join(
-        [
-            "# dpserve bench batch",
-            "",
-            f"`{' '.join(args.argv) or '(defaults)'}`",
-            "",
-            "```",
-            streamed.table(columns, rows),
-            "```",
-            "",
-            *verdicts(rows),
-            "",
-        ]
-    )
-    (args.out / "batch.md").write_text(text)
-    return text
+    return streamed.write_rows(args, "batch", rows, verdicts(rows), "phases.csv")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

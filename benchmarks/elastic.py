@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import csv
 import itertools
 import math
 import os
@@ -38,7 +37,7 @@ import re
 import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -372,7 +371,7 @@ async def step(args: argparse.Namespace, session: aiohttp.ClientSession, work: P
         progress(f"vllm: load step to {args.vllm_high_rate:g} req/s")
         rate["now"] = args.vllm_high_rate
         await until(lambda: census.first("r1", "healthy") is not None, 600)
-        outside = Load(census.urls["r1"], args.vllm_max_tokens, args.prompt_words, seed=13, began=load.began)
+        outside = Load(census.urls["r1"], args.vllm_outside_max_tokens, args.prompt_words, seed=13, began=load.began)
         outside_load = asyncio.create_task(outside.run(session, lambda _: args.vllm_outside_rate, outside_stop))
         await asyncio.sleep(args.vllm_phase_s)
         progress(f"vllm: back to {args.vllm_low_rate:g} req/s; waiting for the scale-down")
@@ -459,28 +458,7 @@ def check(rows: Sequence[Run]) -> None:
 
 
 def write(args: argparse.Namespace, rows: Sequence[Run]) -> str:
-    names = [f.name for f in fields(Run)]
-    with (args.out / "runs.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=names)
-        writer.writeheader()
-        writer.writerows(asdict(row) for row in rows)
-    columns = [(name.replace("_", " "), name) for name in names if name != "note"]
-    text = "\n".join(
-        [
-            "# dpserve bench elastic",
-            "",
-            f"`{' '.join(args.argv) or '(defaults)'}`",
-            "",
-            "```",
-            streamed.table(columns, rows),
-            "```",
-            "",
-            *verdicts(rows),
-            "",
-        ]
-    )
-    (args.out / "elastic.md").write_text(text)
-    return text
+    return streamed.write_rows(args, "elastic", rows, verdicts(rows), "runs.csv", hidden="note")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -509,7 +487,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--vllm-max-tokens", type=COUNT, default=96)
     parser.add_argument("--vllm-phase-s", type=POSITIVE, default=30.0)
     parser.add_argument(
-        "--vllm-outside-rate", type=POSITIVE, default=0.2, help="streams a second straight to the second replica"
+        "--vllm-outside-rate", type=POSITIVE, default=0.3, help="streams a second straight to the second replica"
+    )
+    parser.add_argument(
+        "--vllm-outside-max-tokens", type=COUNT, default=512, help="theirs: long, so one is likely running at the drain"
     )
     args = parser.parse_args(argv)
     args.argv = list(argv)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import math
 import os
 import statistics
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -280,3 +281,20 @@ def medians(
                 values[f.name] = round(statistics.median(known), 3) if known else math.nan
         out.append(type(runs[0])(**values))
     return out
+
+
+def write_rows(
+    args: argparse.Namespace, name: str, rows: Sequence[Any], verdicts: Sequence[str], csv_name: str, hidden: str = ""
+) -> str:
+    """A benchmark's dataclass rows as `--out/CSV_NAME`, and `--out/NAME.md`: the command line, the rows as a
+    table (less the column `hidden`) and the verdicts. Returns the Markdown."""
+    names = [f.name for f in fields(rows[0])] if rows else []
+    with (args.out / csv_name).open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=names)
+        writer.writeheader()
+        writer.writerows(asdict(row) for row in rows)
+    columns = [(column.replace("_", " "), column) for column in names if column != hidden]
+    lines = [f"# dpserve bench {name}", "", f"`{' '.join(args.argv) or '(defaults)'}`", ""]
+    text = "\n".join([*lines, "```", table(columns, rows), "```", "", *verdicts, ""])
+    (args.out / f"{name}.md").write_text(text)
+    return text
