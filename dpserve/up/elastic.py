@@ -126,23 +126,29 @@ class ElasticFleet:
         self._report_once(desired)
         self.desired = desired
         active = [slot for slot in self.slots if slot.active]
+        # Each slot's new state is set here, before its work runs: the next pick of this loop sees it.
         for _ in range(desired - len(active)):
             draining = [slot for slot in self.slots if slot.state == "draining"]
             stopped = [slot for slot in self.slots if slot.state == "stopped"]
             if draining:  # still warm: back into routing, no start-up to wait for
-                self._begin(draining[0], self._resume(draining[0]))
+                draining[0].state = "ready"
+                self._begin(draining[0], self._resume)
             elif stopped:
-                self._begin(stopped[0], self._start(stopped[0]))
+                stopped[0].state = "starting"
+                self._begin(stopped[0], self._start)
         # The newest go first: the oldest keep their warm caches. A replica still starting is stopped first.
         extra = sorted(active, key=lambda slot: (slot.state == "ready", -self.slots.index(slot)))
         for slot in extra[: max(0, len(active) - desired)]:
-            self._begin(slot, self._drain(slot))
+            serving, slot.state = slot.state == "ready", "draining"
+            self._begin(slot, self._drain if serving else self._stop_start)
 
     def _report_once(self, desired: int) -> None:
         if desired != self.desired:
             self._report(f"dpserve: the routers ask for {desired} replica(s) (were {self.desired})")
 
-    def _begin(self, slot: Slot, work: Awaitable[None]) -> None:
+    def _begin(self, slot: Slot, work: Callable[[Slot], Awaitable[None]]) -> None:
+        """`work(slot)` once the slot's previous work is cancelled (made only then: one cancelled before it
+        ran was never made)."""
         previous = slot.task
         if previous is not None and previous is not asyncio.current_task():  # a drain that just ended asks
             previous.cancel()
@@ -151,7 +157,7 @@ class ElasticFleet:
             if previous is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await previous
-            await work
+            await work(slot)
 
         slot.task = asyncio.get_running_loop().create_task(run(), name=f"elastic-{slot.plan.id}")
 
@@ -198,7 +204,6 @@ class ElasticFleet:
 
     async def _start(self, slot: Slot) -> None:
         plan, proc = slot.plan, slot.proc
-        slot.state = "starting"
         began = time.monotonic()
         await proc.start()
         await self._admin("POST", "/admin/replicas", self._added(plan))  # the routers count it as starting
@@ -218,14 +223,15 @@ class ElasticFleet:
 
     async def _resume(self, slot: Slot) -> None:
         await self._admin("POST", f"/admin/replicas/{slot.plan.id}/resume")
-        slot.state = "ready"
         self._report(f"dpserve: {slot.plan.id} resumed before it stopped ({self._count()})")
 
-    async def _drain(self, slot: Slot) -> None:
+    async def _stop_start(self, slot: Slot) -> None:
+        """A replica let go while it starts: nothing to drain, its start is stopped."""
+        await self._drain(slot, serving=False)
+
+    async def _drain(self, slot: Slot, serving: bool = True) -> None:
         plan, proc = slot.plan, slot.proc
-        was_ready = slot.state == "ready"
-        slot.state = "draining"
-        if was_ready:
+        if serving:
             await self._admin("POST", f"/admin/replicas/{plan.id}/drain")
             began = time.monotonic()
             while not await self._idle(plan) and time.monotonic() - began < DRAIN_LIMIT_S:
