@@ -221,9 +221,12 @@ async def serving(session: aiohttp.ClientSession, router: str) -> int:
     return sum(1 for entry in entries if entry["state"] == "healthy")
 
 
-async def scale_changes(session: aiohttp.ClientSession, router: str) -> tuple[int, int]:
+async def scale_changes(session: aiohttp.ClientSession, router: str, keep: Path | None = None) -> tuple[int, int]:
+    """The signal's changes up and down (`keep`: its last 50, with their reasons, written there)."""
     async with session.get(f"{router}/admin/scale") as resp:
         history = (await resp.json())["history"]
+    if keep is not None:
+        await asyncio.to_thread(keep.write_bytes, orjson.dumps(history, option=orjson.OPT_INDENT_2))
     ups = sum(1 for change in history if change["to"] > change["from"])
     return ups, len(history) - ups
 
@@ -267,7 +270,7 @@ async def day(args: argparse.Namespace, session: aiohttp.ClientSession, work: Pa
         stop.set()
         await replay
         await counting
-        ups, downs = await scale_changes(session, router)
+        ups, downs = await scale_changes(session, router, args.out / f"signal-{fleet}.json")
     finally:
         terminate(process, 60)
     requests, failed, p50, p99 = figures(load.replies)
@@ -473,7 +476,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="each simulator's start-up: 1/30 of the ramp at the default day (a GPU replica's ~90 s start is "
         "~1/80 of a two-hour morning ramp)",
     )
-    parser.add_argument("--scale-down-delay-s", type=NON_NEGATIVE, default=10.0, help="the router's")
+    parser.add_argument(
+        "--scale-down-delay-s",
+        type=NON_NEGATIVE,
+        default=10.0,
+        help="the router's: the day is compressed ~290x, its 30 s default would be 0.1 s",
+    )
     parser.add_argument("--scale-target", type=POSITIVE, default=0.8, help="the router's")
     parser.add_argument("--short-wait-s", type=POSITIVE, default=1.0, help="`zero`: a --cold-start-wait too short")
     parser.add_argument("--max-tokens", type=COUNT, default=16)

@@ -309,6 +309,8 @@ def elastic_settings(settings: UpSettings) -> UpSettings:
         return settings
     if not settings.elastic:  # a range of one: a fixed fleet of that size
         return dataclasses.replace(settings, num_replicas=settings.max_replicas, min_replicas=None, max_replicas=None)
+    if settings.engine_dp:
+        raise PlanError("--min-replicas/--max-replicas start and stop whole replicas; --engine-dp runs one server")
     router = settings.router
     if settings.fewest_replicas == 0 and not router.cold_start_wait_s:
         router = dataclasses.replace(router, cold_start_wait_s=DEFAULT_COLD_START_WAIT_S)

@@ -7,8 +7,12 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
+from dpserve.config import RouterSettings, UpSettings
 from dpserve.up.elastic import ElasticFleet, Slot
-from dpserve.up.plan import ReplicaPlan
+from dpserve.up.launcher import DEFAULT_COLD_START_WAIT_S, elastic_settings
+from dpserve.up.plan import PlanError, ReplicaPlan
 from dpserve.up.process import ManagedProcess
 
 
@@ -107,3 +111,32 @@ async def test_a_replica_still_starting_goes_first_and_without_a_drain() -> None
     assert [slot.state for slot in elastic.slots] == ["ready", "stopped", "stopped"]
     assert ("POST", "/admin/replicas/r1/drain") not in elastic.calls
     assert ("DELETE", "/admin/replicas/r1") in elastic.calls
+
+
+def test_elastic_settings_plan_for_the_most_and_start_from_zero_with_a_wait() -> None:
+    both = elastic_settings(UpSettings(min_replicas=0, max_replicas=3, sim_replicas=1))
+    assert both.elastic and both.num_replicas == 3 and both.sim_replicas == 3
+    assert both.router.cold_start_wait_s == DEFAULT_COLD_START_WAIT_S and not both.router.admin_keys
+    given = elastic_settings(UpSettings(min_replicas=0, max_replicas=3, router=RouterSettings(cold_start_wait_s=9)))
+    assert given.router.cold_start_wait_s == 9
+    only_max = elastic_settings(UpSettings(max_replicas=4))
+    assert only_max.elastic and only_max.fewest_replicas == 1 and only_max.router.cold_start_wait_s == 0
+    fixed = elastic_settings(UpSettings(min_replicas=2, max_replicas=2))
+    assert not fixed.elastic and fixed.num_replicas == 2
+    assert elastic_settings(UpSettings(num_replicas=3)) == UpSettings(num_replicas=3)
+
+
+def test_elastic_settings_give_the_launcher_an_admin_key_where_keys_are_on() -> None:
+    keyed = elastic_settings(UpSettings(max_replicas=2, router=RouterSettings(api_keys=("client-key-123",))))
+    assert len(keyed.router.admin_keys) == 1 and len(keyed.router.admin_keys[0]) >= 24
+    again = elastic_settings(UpSettings(max_replicas=2, router=RouterSettings(api_keys=("client-key-123",))))
+    assert again.router.admin_keys != keyed.router.admin_keys  # new each run
+    own = RouterSettings(api_keys=("client-key-123",), admin_keys=("admin-key-456",))
+    assert elastic_settings(UpSettings(max_replicas=2, router=own)).router.admin_keys == ("admin-key-456",)
+
+
+def test_elastic_settings_refuse_what_cannot_scale() -> None:
+    with pytest.raises(PlanError, match="--engine-dp runs one server"):
+        elastic_settings(UpSettings(max_replicas=2, engine_dp=True))
+    with pytest.raises(ValueError, match="--min-replicas 3 is more than --max-replicas 2"):
+        UpSettings(min_replicas=3, max_replicas=2)
