@@ -25,9 +25,11 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 REPLICA = 'replica=~"$replica"'
 MODEL = 'model=~"$model"'
 RATE = "[$__rate_interval]"
-EVENT_SERIES = frozenset({"dpserve_scale_startup_seconds", "dpserve_scale_changes_total"})
+EVENT_SERIES = frozenset(
+    {"dpserve_scale_startup_seconds", "dpserve_scale_changes_total", "dpserve_scale_slo_attainment_ratio"}
+)
 """Series a router exports only once something happened: a replica started on its signal, the desired count
-changed. A fixed fleet may never have them."""
+changed, a request with an SLO came to a router whose policy reads SLOs. A fixed fleet may never have them."""
 GPU_SERIES = "gpu, uuid, replica, host"
 """The router's labels of one GPU's series (router/fleet/gpu_metrics.py): the same GPU, whichever router read it."""
 
