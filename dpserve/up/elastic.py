@@ -269,9 +269,3 @@ class ElasticFleet:
         states = [slot.state for slot in self.slots]
         shown = {state: states.count(state) for state in ("ready", "starting", "draining") if states.count(state)}
         return ", ".join(f"{count} {state}" for state, count in shown.items()) or "none running"
-
-    def status(self) -> list[dict[str, Any]]:
-        return [
-            {"replica": slot.plan.id, "state": slot.state, "startup_s": slot.startup_s, "pid": slot.proc.pid}
-            for slot in self.slots
-        ]
