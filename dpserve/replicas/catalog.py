@@ -174,6 +174,10 @@ class ModelCatalog:
         """Models any replica has ever reported, healthy now or not."""
         return list(self.model_cards(healthy_only=False))
 
+    def known_base_models(self) -> list[str]:
+        """`known_models` less the LoRA adapters: the models replicas are started for."""
+        return [name for name in self.known_models() if not self.is_adapter(name)]
+
     def model_cards(self, healthy_only: bool) -> dict[str, dict[str, Any]]:
         """Every model, then every adapter the router can load (loaded somewhere or not), as vLLM's cards."""
         cards: dict[str, dict[str, Any]] = {}

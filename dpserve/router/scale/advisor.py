@@ -181,7 +181,7 @@ class ScaleAdvisor:
     def _models(self) -> list[str]:
         """Models any replica reported, those requests wait for, and those the signal still holds above 0."""
         catalog = self._catalog
-        known = [name for name in catalog.known_models() if not catalog.is_adapter(name)]
+        known = catalog.known_base_models()
         held = [name for name, state in self.states.items() if state.desired > 0 or name in known]
         for gone in [name for name in self.states if name not in held and name not in self.cold.models()]:
             del self.states[gone]  # a name only a bad request ever asked for

@@ -49,7 +49,7 @@ class ColdStart:
     def _model_of_any(self) -> str:
         """Whose demand a request naming no model is: the one model replicas reported, else none known."""
         catalog = self._catalog
-        known = [name for name in catalog.known_models() if not catalog.is_adapter(name)]
+        known = catalog.known_base_models()
         return known[0] if known else ""
 
     async def wait(self, model: str | None) -> None:
