@@ -57,6 +57,15 @@ class Capacity:
         return self.idle > SLOW_REFILL
 
     @property
+    def sighted(self) -> int:
+        """Requests it runs at once as the scale signal reads it: the capacity, or before that is learned, the
+        most it ran on a scrape that found requests waiting. One sighting sizes a fleet (a burst the engine
+        has not taken in reads low: a replica more, not a request held), not the router's holding; on the
+        elastic day's ramp, short waits never showed on two scrapes in a row and the signal could only add
+        one replica after each wait (`docs/benchmarks/elastic.md`)."""
+        return self.limit or max(self.full_at, default=0)
+
+    @property
     def confirmed(self) -> int:
         """What it was last seen to run when full, not what is being tried; 0 while not known."""
         return min(self.limit, max(self.full_at)) if self.full_at and self.limit else self.limit

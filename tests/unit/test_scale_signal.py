@@ -313,6 +313,23 @@ def test_the_advisor_scales_with_the_replicas_load_and_measures_a_startup() -> N
     assert sample(prometheus, "dpserve_scale_slo_attainment_ratio", model="m") is None  # no SLO seen
 
 
+def test_one_scrape_with_requests_waiting_sizes_the_fleet_before_the_capacity_is_learned() -> None:
+    """Flow control learns a capacity from two scrapes in a row that find requests waiting; the signal reads
+    one: on a ramp, short waits rarely span two scrapes, and without a capacity only one more replica at a
+    time could be asked for."""
+    clock = Clock()
+    registry, catalog = fleet(healthy=1)
+    advisor = advisor_over(registry, catalog, clock)
+    advisor.tick()
+    scrape(registry, "r0", running=4, waiting=7, times=1)
+    assert registry.get("r0").capacity == 0 and registry.get("r0").learned.sighted == 4
+    clock.now = 1001.0
+    advisor.tick()
+    assert advisor.inputs["m"].capacity == 4
+    # A load of 11 over 4 a replica at 80%: four replicas at once, not one more.
+    assert advisor.states["m"].desired == 4 and "load 11" in advisor.history[-1]["reason"]
+
+
 def test_replicas_serving_when_the_signal_first_rises_are_no_startup() -> None:
     """The first look sees replicas already serving and a load that needs more: none of those started for it."""
     clock = Clock()

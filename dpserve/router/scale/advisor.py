@@ -206,8 +206,8 @@ class ScaleAdvisor:
                 load += replica.load
                 engine_waiting += replica.waiting
                 kv.append(replica.kv_usage)
-                if replica.capacity:
-                    capacities.append(replica.capacity)
+                if replica.learned.sighted:
+                    capacities.append(replica.learned.sighted)
         admission = self._admission
         attainment = self._slo.attainment(model) if self._slo is not None else None
         # Requests waiting for a replica of a model one now serves are on their way to it, not a queue.

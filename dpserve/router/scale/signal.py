@@ -52,7 +52,8 @@ class ScaleInputs:
     queue_wait_s: float = 0.0
     """The oldest of them, seconds."""
     capacity: int = 0
-    """Requests one of its replicas runs at once, as measured (mean of those known); 0: not known yet."""
+    """Requests one of its replicas runs at once, as measured or seen once while requests waited (mean of
+    those known); 0: not known yet."""
     engine_waiting: int = 0
     """Requests waiting in its replicas' own queues, as their metrics showed (before any capacity is known,
     the one sign that they are full)."""
