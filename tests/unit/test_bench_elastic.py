@@ -56,6 +56,14 @@ def test_the_goal_lines_compare_the_elastic_fleet_with_the_fixed_one() -> None:
     assert all("NOT met" in line for line in worse)
 
 
+def test_a_repeated_day_counts_the_days_that_met_every_goal() -> None:
+    good, slow = run("elastic", 12.0, 115.0, ups=3), run("elastic", 12.0, 125.0, ups=3)
+    lines = verdicts([run("fixed", 20.0, 100.0), good, run("fixed", 20.0, 100.0), slow])
+    assert "- sim days meeting every goal: 1 of 2" in lines
+    assert "1.25x (goal <= 1.2x): NOT met" in lines[4]
+    assert not any("meeting every goal" in line for line in verdicts([run("fixed", 20.0, 100.0), good]))
+
+
 def test_nonsense_stops_the_run() -> None:
     check([run("fixed", 20.0, 100.0), run("elastic", 12.0, 110.0, ups=1)])
     with pytest.raises(RuntimeError, match="never scaled up"):
