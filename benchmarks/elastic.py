@@ -4,7 +4,10 @@ well as a fleet sized for its peak, on fewer replica-minutes, and start from zer
 `sim`: a day compressed into `--day-s` seconds (night at a tenth of the peak, a ramp, the peak, the fall, night
 again), replayed open loop (Poisson, streamed chat completions) twice through `dpserve up`'s own router: a
 fleet fixed at `--max-replicas` simulator replicas, then an elastic one (`--min-replicas 1 --max-replicas N`)
-whose simulators take `--sim-startup-s` to start (as vLLM loading its model, compressed like the day). Per
+whose simulators take `--sim-startup-s` to start (as vLLM loading its model, compressed like the day).
+`--operator` runs both as an operator would: a client key and an admin key on the router, and clients past the
+router sending the first replica streams at a tenth of the day's rate (not measured; the signal sees them in
+the replica's own metrics). Per
 fleet: requests, failures, TTFT p50/p99, replica-minutes (the replicas registered with the router, sampled
 every 0.5 s: a replica counts from its start to its stop, starting and draining included), the most replicas
 at once, and the signal's changes. Goals: replica-minutes <= 0.7x the fixed fleet's, TTFT p99 <= 1.2x, 0
@@ -59,6 +62,10 @@ TTFT_GOAL = 1.2
 SAMPLE_S = 0.5
 DAY = ((0.0, 0.1), (0.2, 0.1), (0.4, 1.0), (0.6, 1.0), (0.8, 0.1), (1.0, 0.1))
 """The day's shape: (share of the day, share of the peak rate), linear in between."""
+OPERATOR_KEY = "bench-elastic-key-0001"
+OPERATOR_ADMIN_KEY = "bench-elastic-admin-0001"
+OUTSIDE_SHARE = 0.1
+"""`--operator`: the load sent straight to the first replica, as a share of the day's rate."""
 STARTED = re.compile(r"dpserve: (\S+) started in ([0-9.]+) s")
 
 
@@ -96,6 +103,8 @@ class Load:
     seed: int
     replies: list[streamed.Reply] = field(default_factory=list)
     began: float = field(default_factory=time.monotonic)
+    key: str = ""
+    """A client key it sends (`--operator`); empty: none."""
 
     def clock(self) -> float:
         return time.monotonic() - self.began
@@ -124,7 +133,7 @@ class Load:
             "ignore_eos": True,
             "stream": True,
         }
-        headers = {"content-type": "application/json"}
+        headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {self.key}"} if self.key else {})
         reply = await streamed.request(
             session, self.url + "/v1/chat/completions", orjson.dumps(body), headers, self.clock, header=REPLICA_HEADER
         )
@@ -139,11 +148,13 @@ class Census:
     """(seconds since `began`, replica id -> state) at each sample."""
     urls: dict[str, str] = field(default_factory=dict)
     began: float = field(default_factory=time.monotonic)
+    admin: dict[str, str] = field(default_factory=dict)
+    """The admin API's headers (`--operator`: its key)."""
 
     async def run(self, session: aiohttp.ClientSession, router: str, stop: asyncio.Event, every_s: float) -> None:
         while not stop.is_set():
             try:
-                async with session.get(f"{router}/admin/replicas") as resp:
+                async with session.get(f"{router}/admin/replicas", headers=self.admin) as resp:
                     entries = (await resp.json())["replicas"]
                 self.samples.append((time.monotonic() - self.began, {e["id"]: e["state"] for e in entries}))
                 self.urls.update({e["id"]: e["url"] for e in entries})
@@ -188,6 +199,7 @@ async def start_fleet(
     env: dict[str, str],
     count: int,
     planned: int,
+    admin: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str, Path]:
     """`dpserve up` (its router is the one measured) with `flags`, `planned` replicas at most, ready once its
     router is and `count` replicas serve."""
@@ -202,7 +214,7 @@ async def start_fleet(
     try:
         await wait_ok(session, f"{router}/ready", 900, process)
         deadline = time.monotonic() + 900
-        while await serving(session, router) < count:
+        while await serving(session, router, admin) < count:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{name}: fewer than {count} replicas served; see {log_path}")
             await asyncio.sleep(0.5)
@@ -212,18 +224,20 @@ async def start_fleet(
     return process, router, log_path
 
 
-async def serving(session: aiohttp.ClientSession, router: str) -> int:
+async def serving(session: aiohttp.ClientSession, router: str, admin: dict[str, str] | None = None) -> int:
     try:
-        async with session.get(f"{router}/admin/replicas") as resp:
+        async with session.get(f"{router}/admin/replicas", headers=admin) as resp:
             entries = (await resp.json())["replicas"]
     except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
         return 0
     return sum(1 for entry in entries if entry["state"] == "healthy")
 
 
-async def scale_changes(session: aiohttp.ClientSession, router: str, keep: Path | None = None) -> tuple[int, int]:
+async def scale_changes(
+    session: aiohttp.ClientSession, router: str, keep: Path | None = None, admin: dict[str, str] | None = None
+) -> tuple[int, int]:
     """The signal's changes up and down (`keep`: its last 50, with their reasons, written there)."""
-    async with session.get(f"{router}/admin/scale") as resp:
+    async with session.get(f"{router}/admin/scale", headers=admin) as resp:
         history = (await resp.json())["history"]
     if keep is not None:
         await asyncio.to_thread(keep.write_bytes, orjson.dumps(history, option=orjson.OPT_INDENT_2))
@@ -250,27 +264,35 @@ def figures(replies: Sequence[streamed.Reply]) -> tuple[int, int, float, float]:
 
 
 async def day(args: argparse.Namespace, session: aiohttp.ClientSession, work: Path, fleet: str) -> Run:
-    """One replay of the day through one fleet."""
+    """One replay of the day through one fleet (`--operator`: with keys, and load past the router)."""
     top = args.max_replicas
     sims = ["--sim", str(top)]
     scale = ["--scale-down-delay", str(args.scale_down_delay_s), "--scale-target", str(args.scale_target)]
     bounds = ["--min-replicas", "1", "--max-replicas", str(top)] if fleet == "elastic" else []
-    flags = [*sims, *bounds, *scale, "--", *args.sim_args.split()]
+    keys = ["--api-key", f"bench:{OPERATOR_KEY}", "--admin-key", OPERATOR_ADMIN_KEY] if args.operator else []
+    admin = {"authorization": f"Bearer {OPERATOR_ADMIN_KEY}"} if args.operator else {}
+    flags = [*sims, *bounds, *scale, *keys, "--", *args.sim_args.split()]
     env = {**os.environ, "DPSERVE_SIM_STARTUP": str(args.sim_startup_s)}
     progress(f"sim/{fleet}: starting ...")
-    process, router, _ = await start_fleet(session, work, f"sim-{fleet}", flags, env, 1 if bounds else top, top)
+    name = f"sim-{fleet}"
+    process, router, _ = await start_fleet(session, work, name, flags, env, 1 if bounds else top, top, admin)
     try:
-        load = Load(router, args.max_tokens, args.prompt_words, seed=7)
-        census = Census(began=load.began)
+        load = Load(router, args.max_tokens, args.prompt_words, seed=7, key=OPERATOR_KEY if args.operator else "")
+        census = Census(began=load.began, admin=admin)
         stop = asyncio.Event()
         counting = asyncio.create_task(census.run(session, router, stop, SAMPLE_S))
         progress(f"sim/{fleet}: replaying a {args.day_s:.0f} s day, peak {args.peak_rate:g} req/s")
         replay = asyncio.create_task(load.run(session, lambda t: rate_at(t / args.day_s, args.peak_rate), stop))
+        beside: asyncio.Task[None] | None = None
+        if args.operator:  # clients past the router, on the replica every fleet keeps: not measured
+            await until(lambda: "r0" in census.urls, 30)
+            outside = Load(census.urls["r0"], args.max_tokens, args.prompt_words, seed=17, began=load.began)
+            share = OUTSIDE_SHARE * args.peak_rate
+            beside = asyncio.create_task(outside.run(session, lambda t: rate_at(t / args.day_s, share), stop))
         await asyncio.sleep(args.day_s)
         stop.set()
-        await replay
-        await counting
-        ups, downs = await scale_changes(session, router, args.out / f"signal-{fleet}.json")
+        await asyncio.gather(replay, counting, *([beside] if beside else []))
+        ups, downs = await scale_changes(session, router, args.out / f"signal-{fleet}.json", admin)
     finally:
         terminate(process, 60)
     requests, failed, p50, p99 = figures(load.replies)
@@ -487,6 +509,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="the router's: the day is compressed ~290x, its 30 s default would be 0.1 s",
     )
     parser.add_argument("--scale-target", type=POSITIVE, default=0.8, help="the router's")
+    parser.add_argument(
+        "--operator",
+        action="store_true",
+        help="`sim`: as an operator runs it: a client key and an admin key on the router, and clients past it "
+        f"sending the first replica {OUTSIDE_SHARE:g} of the day's rate (not measured)",
+    )
     parser.add_argument("--short-wait-s", type=POSITIVE, default=1.0, help="`zero`: a --cold-start-wait too short")
     parser.add_argument("--max-tokens", type=COUNT, default=16)
     parser.add_argument("--prompt-words", type=COUNT, default=40)
