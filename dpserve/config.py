@@ -750,10 +750,19 @@ class RouterSettings:
         minimum=0.05,
         maximum=1.0,
     )
+    scale_spread: float = setting(
+        1.0,
+        "headroom the desired-replicas signal adds over the smoothed load, in its standard deviations (the square "
+        "root of the load: requests arriving at random come in bursts that size); replicas that run few requests "
+        "at once queue in every burst without it; 0: --scale-target alone",
+        SCALE,
+        minimum=0,
+    )
     scale_down_delay_s: float = setting(
         30.0,
-        "seconds the load must fit in one replica fewer (at --scale-target less a fifth) before the signal "
-        "lets one go; never less than twice a replica's measured start-up",
+        "seconds every look must find the load fitting in fewer replicas (at --scale-target less a fifth) before "
+        "the signal lets any go, then to the most any look of the last such span needed; never less than twice a "
+        "replica's measured start-up",
         SCALE,
         minimum=0,
     )

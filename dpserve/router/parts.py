@@ -73,7 +73,9 @@ def policy_tuning(settings: RouterSettings) -> PolicyTuning:
 
 
 def scale_rules(settings: RouterSettings) -> ScaleRules:
-    return ScaleRules(target=settings.scale_target, down_delay_s=settings.scale_down_delay_s)
+    return ScaleRules(
+        target=settings.scale_target, spread=settings.scale_spread, down_delay_s=settings.scale_down_delay_s
+    )
 
 
 def catalog_for(settings: RouterSettings, registry: ReplicaRegistry) -> ModelCatalog:

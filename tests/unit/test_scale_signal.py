@@ -31,7 +31,8 @@ from dpserve.router.scale.signal import (
     replicas_for,
 )
 
-RULES = ScaleRules(target=0.8, down_delay_s=30.0)
+RULES = ScaleRules(target=0.8, down_delay_s=30.0, spread=0.0)
+"""The target alone: the arithmetic of most tests below; `spread` has its own."""
 MODEL = {"id": "m", "object": "model"}
 
 
@@ -109,7 +110,7 @@ def test_no_load_and_no_capacity_known_lets_replicas_go_only_after_the_delay() -
     idle = ScaleInputs(ready=1)
     states = run(idle, held(1), [0.0, 10.0, 29.9, 30.0])
     assert [s.desired for s in states] == [1, 1, 1, 0]
-    assert states[0].low_since == 0.0 and states[-1].low_since is None and states[-1].changed_at == 30.0
+    assert states[0].low_since == 0.0 and states[-1].changed_at == 30.0
     # Some load, capacity still unknown: nothing to size a scale-down by, so the replicas stay.
     busy = ScaleInputs(ready=2, load=5)
     assert [s.desired for s in run(busy, held(2), [0.0, 100.0, 1000.0])] == [2, 2, 2]
@@ -117,23 +118,25 @@ def test_no_load_and_no_capacity_known_lets_replicas_go_only_after_the_delay() -
 
 def test_a_scale_down_waits_the_delay_and_goes_to_the_most_it_needed() -> None:
     state = held(4, demand=5)
-    looks = [(0.0, 5), (10.0, 12), (20.0, 3)]  # low enough for 1, then 2, then 1 replica
+    looks = [(0.0, 5), (10.0, 12), (20.0, 3)]  # smoothed: 5, ~11, ~4: enough for 1, then 2, then 1 replica
     for now, load in looks:
         state = decide(ScaleInputs(ready=4, load=load, capacity=10), state, RULES, now)
         assert state.desired == 4 and state.low_since == 0.0
-    assert state.low_need == 2
+    assert state.lows == ((10.0, 2), (20.0, 1))  # the most of the window first
     state = decide(ScaleInputs(ready=4, load=3, capacity=10), state, RULES, 30.0)
-    assert state.desired == 2 and state.changed_at == 30.0 and state.low_since is None
-    assert "2 enough for 30 s" in state.reason
+    assert state.desired == 2 and state.changed_at == 30.0 and "2 enough for 30 s" in state.reason
+    # The window rolls on: once the look that needed 2 is a delay old, the next step down, not a delay later.
+    assert state.low_since == 10.0
+    later = run(ScaleInputs(ready=2, load=3, capacity=10), state, [35.0, 40.0])
+    assert [s.desired for s in later] == [2, 1] and later[-1].changed_at == 40.0
 
 
 def test_one_burst_in_the_delay_starts_it_over() -> None:
-    """Each look's own load: a burst that needs what runs starts the delay over (measured better on the day's
-    trace than a smoothed load, which lagged the fall)."""
+    """A look whose own load needs what runs starts the delay over: going below it flapped down and up."""
     night = ScaleInputs(ready=2, load=1, capacity=4)  # 1 a replica of 4 at 0.64: one is enough
     state = decide(night, held(2, demand=1), RULES, 0.0)
-    assert state.low_since == 0.0 and state.low_need == 1
-    state = decide(dataclasses.replace(night, load=3), state, RULES, 6.0)  # 3 needs 2 at 2.56 a replica
+    assert state.low_since == 0.0 and state.lows == ((0.0, 1),)
+    state = decide(dataclasses.replace(night, load=4), state, RULES, 6.0)  # 4 needs 2 at 3.2 a replica
     assert state.desired == 2 and state.low_since is None
     states = run(night, state, [10.0, 30.0, 39.9, 40.0])
     assert [s.desired for s in states] == [2, 2, 2, 1]
@@ -144,7 +147,7 @@ def test_load_coming_back_during_the_delay_cancels_the_scale_down() -> None:
     state = decide(low, held(4), RULES, 0.0)
     assert state.low_since == 0.0
     state = decide(back, state, RULES, 15.0)  # needs all 4 again (30 over 8 a replica)
-    assert state.desired == 4 and state.low_since is None and state.low_need == 0
+    assert state.desired == 4 and state.low_since is None
     state = decide(low, state, RULES, 40.0)  # the delay starts over (the smoothed load fell below by then)
     assert state.low_since == 40.0
     assert [s.desired for s in run(low, state, [65.0, 69.9, 70.0])] == [4, 4, 1]
@@ -179,9 +182,10 @@ def test_a_rising_load_is_projected_one_startup_ahead() -> None:
     assert "rising to ~24" in state.reason
     assert state.trend_at == 0.0 and state.trend_level == 10.0  # the window goes on
     assert decide(dataclasses.replace(rising, startup_s=None), was, RULES, TREND_WINDOW_S).desired == 2
-    # A falling load projects nothing (and does not scale down early).
-    falling = decide(rising, dataclasses.replace(was, level=30.0, trend_level=30.0), RULES, TREND_WINDOW_S)
-    assert falling.desired == 2 and falling.low_since is None
+    # A falling load projects nothing, and the delay before a scale-down starts.
+    fell = dataclasses.replace(was, desired=4, level=30.0, trend_level=30.0)
+    falling = decide(rising, fell, RULES, TREND_WINDOW_S)
+    assert falling.desired == 4 and falling.low_since == TREND_WINDOW_S and "rising" not in falling.reason
     # Past twice the window the rise is measured afresh, from this look.
     later = decide(rising, was, RULES, 2 * TREND_WINDOW_S)
     assert later.trend_at == 2 * TREND_WINDOW_S and later.trend_level == later.level
@@ -201,6 +205,21 @@ def test_the_projection_is_at_most_as_much_again() -> None:
     steep = ScaleInputs(ready=1, load=8, capacity=8, startup_s=1000.0)
     was = ScaleState(1, "before", -100.0, level=0.0, level_at=0.0, trend_at=0.0, trend_level=0.0)
     assert decide(steep, was, RULES, TREND_WINDOW_S).desired == 3  # (8 + 8) over 6.4
+
+
+def test_the_spread_holds_a_bursty_load_in_replicas_of_few_slots() -> None:
+    """Random arrivals put a load of L at about L +- sqrt(L): replicas of 4 slots at 80% queued in every burst
+    of the elastic day's ramp. The spread sizes the smoothed load; each look's own load goes by the target
+    alone, so a burst is not counted twice."""
+    spread = dataclasses.replace(RULES, spread=1.0)
+    peak = ScaleInputs(ready=3, load=8, capacity=4)
+    assert decide(peak, held(3, demand=8), RULES, 0.0).desired == 3  # 8 over 3.2 a replica
+    assert decide(peak, held(3, demand=8), spread, 0.0).desired == 4  # 8 + sqrt(8) over 3.2
+    # Night: a burst of 2 over a smoothed load of 1 stays on one replica (1 + sqrt(1) over 3.2).
+    night = decide(ScaleInputs(ready=1, load=2, capacity=4), held(1, demand=1), spread, 0.0)
+    assert night.desired == 1
+    # At GPU sizes it is a few percent: 180 of 256 a replica at 80% (204.8) with 13 more still fits one.
+    assert decide(ScaleInputs(ready=1, load=180, capacity=256), held(1, demand=180), spread, 0.0).desired == 1
 
 
 def test_the_first_state_is_what_runs_now() -> None:
@@ -385,12 +404,16 @@ def test_the_advisor_scales_down_after_the_delay_and_counts_it() -> None:
     assert advisor.states["m"].desired == 6
     for replica_id in ("r0", "r1", "r2"):  # the load ends
         scrape(registry, replica_id, running=0, waiting=0, times=1)
-    for step in range(31):
+    desired = []
+    for _ in range(40):
         clock.now += 1.0
         advisor.tick()
-        assert advisor.states["m"].desired == (6 if step < 30 else 0), step
-    assert advisor.changes == {("m", "up"): 1, ("m", "down"): 1} and advisor.version == 2
-    assert advisor.history[-1]["from"] == 6 and advisor.history[-1]["to"] == 0
+        desired.append(advisor.states["m"].desired)
+    # A delay of looks that needed fewer, then down to the most of the window, and on as it rolls: to 0.
+    assert desired[:30] == [6] * 30 and desired[30] < 6 and desired[-1] == 0, desired
+    assert desired == sorted(desired, reverse=True)
+    assert advisor.changes[("m", "up")] == 1 and advisor.changes[("m", "down")] == len(set(desired)) - 1
+    assert advisor.history[-1]["to"] == 0
     assert advisor.eta_s() is None  # nothing was ever seen to start
 
 

@@ -2,19 +2,20 @@
 sees (its replicas' load and measured capacity, its queue, KV-cache pressure, SLO attainment) and of the
 signal's own last state, so it is tested without sockets.
 
-Up at once: the load over `target` of the replicas' measured capacity (projected one start-up ahead while it
-rises), or pressure the capacity does not show (requests waiting long in the router or in the replicas'
-queues, KV caches nearly full, SLOs missed, requests waiting with no replica at all). Down only when the
-load has fit in fewer replicas at a lower utilization (`target` less `HYSTERESIS`) at every look of the
-delay (never less than twice a measured start-up: a replica let go must
-not be needed back before it could start) and none is starting; then to the most any look needed. No
-bounds: whoever acts on it (`dpserve up`, KEDA) clamps it to its own minimum and maximum.
+Up at once: the load and its random spread (`spread` standard deviations) over `target` of the replicas'
+measured capacity (projected one start-up ahead while it rises), or pressure the capacity does not show
+(requests waiting long in the router or in the replicas' queues, KV caches nearly full, SLOs missed,
+requests waiting with no replica at all). Down only when every look of the delay (never less than twice a
+measured start-up: a replica let go must not be needed back before it could start) needed fewer at a lower
+utilization (`target` less `HYSTERESIS`) and none is starting; then to the most any look of the last delay
+needed, a window that rolls on (Kubernetes' HPA stabilization). No bounds: whoever acts on it (`dpserve up`,
+KEDA) clamps it to its own minimum and maximum.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 HYSTERESIS = 0.2
 """Scale-down aims at `target` less this share of it: a load just under the target does not flap."""
@@ -27,6 +28,11 @@ SMOOTHING_S = 5.0
 class ScaleRules:
     target: float = 0.8
     """Share of the replicas' measured capacity the load is aimed at."""
+    spread: float = 1.0
+    """Headroom over the load, in its standard deviations: requests arriving at random put a load of L at about
+    L +- sqrt(L), so replicas that each run a few requests at once queue in every burst at a fixed utilization
+    (4 slots a replica at 80%: the elastic day's ramp queued, docs/benchmarks/elastic.md), where large ones
+    barely notice (sqrt(200) is 7% of 200)."""
     down_delay_s: float = 30.0
     queue_wait_s: float = 1.0
     """A request waiting this long in the router's queue asks for one more replica."""
@@ -79,9 +85,10 @@ class ScaleState:
     reason: str
     changed_at: float
     low_since: float | None = None
-    """When the load began to fit in fewer replicas (None: it does not)."""
-    low_need: int = 0
-    """The most replicas any look since `low_since` needed: what a scale-down goes to."""
+    """Since when every look needed fewer than `desired` (None: the last did not)."""
+    lows: tuple[tuple[float, int], ...] = ()
+    """(at, replicas needed) of the looks of the last delay, each needing more than every later one: the first
+    is the most any look of the delay needed, what a scale-down goes to."""
     level: float = 0.0
     """The demand smoothed over about `SMOOTHING_S`: one look's jitter is no trend."""
     level_at: float = 0.0
@@ -137,13 +144,15 @@ def decide(inputs: ScaleInputs, state: ScaleState, rules: ScaleRules, now: float
     capacity = inputs.capacity
     why = pressure(inputs, rules)
     if capacity:
-        need = replicas_for(demand + ahead, capacity, rules.target)
+        # The load now over the target (a surge), or its smoothed level and spread (the bursts to come); each
+        # look's own load and its spread counted a burst twice: at night a load of 2 asked for a second replica.
+        calm = demand == 0 and level < 0.5  # the smoothed level only tends to 0
+        typical = 0.0 if calm else level + ahead + rules.spread * math.sqrt(level + ahead)
+        need = max(replicas_for(demand + ahead, capacity, rules.target), replicas_for(typical, capacity, rules.target))
         said = f"load {demand}" + (f" rising to ~{demand + ahead:.0f}" if ahead >= 1 else "")
         reason = f"{said} over {capacity} a replica at {rules.target:.0%}"
-        # Each look's own load, the most over the delay: measured on the day's trace, a smoothed load lagged
-        # the fall (0.81x the replica-minutes, not 0.70x) and its latest look let a peak's lull take a
-        # replica (TTFT p99 2.1x, not 0.94x): docs/benchmarks/elastic.md.
-        low = replicas_for(demand + ahead, capacity, rules.target * (1 - HYSTERESIS))
+        # Never below what this look needs: that went down and up again in one second.
+        low = max(need, replicas_for(typical, capacity, rules.target * (1 - HYSTERESIS)))
     else:  # not measured yet: only pressure adds one, only no load at all lets them go
         need, reason = inputs.current, f"load {demand}, capacity not measured yet"
         low = 0 if demand == 0 and level < 0.5 else inputs.current
@@ -151,18 +160,27 @@ def decide(inputs: ScaleInputs, state: ScaleState, rules: ScaleRules, now: float
         need, reason, low = max(need, inputs.current + (0 if inputs.starting else 1)), why, state.desired
     if demand > 0:
         need, low = max(need, 1), max(low, 1)
-    kept = ScaleState(state.desired, state.reason, state.changed_at, None, 0, level, now, trend_at, trend_level)
-    if need > state.desired:
-        return ScaleState(need, reason, now, None, 0, level, now, trend_at, trend_level)
-    if low >= state.desired or inputs.starting:  # a start under way is let finish, then the whole delay runs
-        return kept
-    low_since = state.low_since if state.low_since is not None else now
-    low_need = max(low, state.low_need) if state.low_since is not None else low
     delay = max(rules.down_delay_s, 2 * (inputs.startup_s or 0.0))
+    if inputs.starting:  # a start under way is let finish, then the whole delay runs
+        low = max(low, state.desired)
+    lows = remembered(state.lows, now, low, delay)
+    looked = replace(state, lows=lows, level=level, level_at=now, trend_at=trend_at, trend_level=trend_level)
+    if need > state.desired:
+        return replace(looked, desired=need, reason=reason, changed_at=now, low_since=None)
+    if low >= state.desired:
+        return replace(looked, low_since=None)
+    low_since = state.low_since if state.low_since is not None else now
     if now - low_since < delay:
-        return ScaleState(
-            state.desired, state.reason, state.changed_at, low_since, low_need, level, now, trend_at, trend_level
-        )
+        return replace(looked, low_since=low_since)
+    # To the most any look of the delay needed, as Kubernetes' HPA stabilizes a scale-down; the window rolls on,
+    # so a load that keeps falling is followed a delay behind, not a delay per step.
+    since, to = lows[0]
     held = f"for {delay:.0f} s" if delay else "now"
-    # To the most any look of the delay needed, as Kubernetes' HPA stabilizes a scale-down.
-    return ScaleState(low_need, f"{reason}: {low_need} enough {held}", now, None, 0, level, now, trend_at, trend_level)
+    return replace(looked, desired=to, reason=f"{reason}: {to} enough {held}", changed_at=now, low_since=since)
+
+
+def remembered(
+    lows: tuple[tuple[float, int], ...], now: float, needed: int, delay: float
+) -> tuple[tuple[float, int], ...]:
+    """The looks of the last `delay` that needed more than every later one, this one (`needed`) last."""
+    return (*((at, n) for at, n in lows if at > now - delay and n > needed), (now, needed))
