@@ -126,7 +126,8 @@ def test_a_wait_past_its_limit_gets_503_with_retry_after(tmp_path: Path, slow_si
 
 
 def test_a_scale_down_drains_and_waits_for_the_stream_on_the_replica(tmp_path: Path, slow_sims: float) -> None:
-    bounds = ["--min-replicas", "1", "--max-replicas", "2", "--scale-down-delay", "1"]
+    # The target alone: with its spread (1 + sqrt(1)), the one outside stream would hold both 2-slot replicas.
+    bounds = ["--min-replicas", "1", "--max-replicas", "2", "--scale-down-delay", "1", "--scale-spread", "0"]
     engine = ["--", "--max-num-seqs", "2", "--decode-ms-per-token", "20"]
     with running_fleet(tmp_path, 2, ["--sim", "2", *bounds, *engine], 60, serving=1) as fleet:
         # A burst past one replica's 2 slots: its capacity is learned, the signal asks for a second.
