@@ -215,8 +215,8 @@ class ElasticFleet:
             await proc.stop(5.0)
             slot.state = "stopped"
             return  # not retried at once: the next change of the signal (or its next answer) tries again
-        slot.startup_s = time.monotonic() - began
         await self._admin("POST", f"/admin/replicas/{plan.id}/resume")  # probed now: it serves at once
+        slot.startup_s = time.monotonic() - began  # spawn to serving through the routers
         slot.state = "ready"
         slot.supervisor = self._supervise(proc)
         self._report(f"dpserve: {plan.id} started in {slot.startup_s:.1f} s ({self._count()})")
