@@ -143,10 +143,10 @@ def decide(inputs: ScaleInputs, state: ScaleState, rules: ScaleRules, now: float
     ahead = min(rise * (inputs.startup_s or 0.0), float(demand))
     capacity = inputs.capacity
     why = pressure(inputs, rules)
+    calm = demand == 0 and level < 0.5  # the smoothed level only tends to 0
     if capacity:
         # The load now over the target (a surge), or its smoothed level and spread (the bursts to come); each
         # look's own load and its spread counted a burst twice: at night a load of 2 asked for a second replica.
-        calm = demand == 0 and level < 0.5  # the smoothed level only tends to 0
         typical = 0.0 if calm else level + ahead + rules.spread * math.sqrt(level + ahead)
         need = max(replicas_for(demand + ahead, capacity, rules.target), replicas_for(typical, capacity, rules.target))
         said = f"load {demand}" + (f" rising to ~{demand + ahead:.0f}" if ahead >= 1 else "")
@@ -155,7 +155,7 @@ def decide(inputs: ScaleInputs, state: ScaleState, rules: ScaleRules, now: float
         low = max(need, replicas_for(typical, capacity, rules.target * (1 - HYSTERESIS)))
     else:  # not measured yet: only pressure adds one, only no load at all lets them go
         need, reason = inputs.current, f"load {demand}, capacity not measured yet"
-        low = 0 if demand == 0 and level < 0.5 else inputs.current
+        low = 0 if calm else inputs.current
     if why is not None:  # one more, unless one is already on its way
         need, reason, low = max(need, inputs.current + (0 if inputs.starting else 1)), why, state.desired
     if demand > 0:
