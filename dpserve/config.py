@@ -758,6 +758,15 @@ class RouterSettings:
         SCALE,
         minimum=0,
     )
+    replica_max_num_seqs: int | None = setting(
+        None,
+        "the replicas' vLLM --max-num-seqs: what the desired-replicas signal takes a replica to run at once until "
+        "it sees one full (flow control still waits for that); `dpserve up`, compose and kube pass the one given "
+        "after `--`",
+        SCALE,
+        metavar="N",
+        minimum=1,
+    )
     scale_down_delay_s: float = setting(
         30.0,
         "seconds every look must find the load fitting in fewer replicas (at --scale-target less a fifth) before "

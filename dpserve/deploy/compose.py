@@ -62,7 +62,14 @@ from dpserve.config import (
 )
 from dpserve.deploy.yaml_text import Reset, dump
 from dpserve.replicas.registry import replica_ids
-from dpserve.up.plan import LORA_RUNTIME_ENV, VLLM_SERVER_MODULE, RouterTarget, router_flags, vllm_engine_flags
+from dpserve.up.plan import (
+    LORA_RUNTIME_ENV,
+    VLLM_SERVER_MODULE,
+    RouterTarget,
+    router_flags,
+    told_max_num_seqs,
+    vllm_engine_flags,
+)
 from dpserve.version import package_version
 
 DEFAULT_GPUS = 2
@@ -568,6 +575,7 @@ def router_command(options: ComposeOptions, index: int = 0, agent: bool = True) 
         lora_affinity=options.lora_affinity,
         otlp_traces_endpoint=options.otlp_traces_endpoint,
         replica_api_key_file=Path(secret_path(REPLICA_KEY_SECRET)),
+        replica_max_num_seqs=told_max_num_seqs(options.vllm_args),
     )
     command = list(router_flags(_with_router_tls(options, settings), router_targets(options)))
     if options.scaled:

@@ -77,7 +77,7 @@ from dpserve.deploy.kube_tls import (
     with_router_tls,
 )
 from dpserve.deploy.yaml_text import dump
-from dpserve.up.plan import LORA_RUNTIME_ENV, router_flags, vllm_engine_flags
+from dpserve.up.plan import LORA_RUNTIME_ENV, router_flags, told_max_num_seqs, vllm_engine_flags
 
 __all__ = ["KubeOptions", "documents", "render"]
 
@@ -374,6 +374,7 @@ def router_command(options: KubeOptions) -> list[str]:
         admin_key_file=Path(KEYS_DIR, ADMIN_KEYS_ENTRY),
         replica_api_key_file=Path(REPLICA_KEY_DIR, REPLICA_KEY_ENTRY),
         metrics_key_file=Path(KEYS_DIR, METRICS_KEYS_ENTRY) if options.metrics_key else None,
+        replica_max_num_seqs=told_max_num_seqs(options.vllm_args),
     )
     if options.tls:
         settings = with_router_tls(settings)

@@ -74,7 +74,10 @@ def policy_tuning(settings: RouterSettings) -> PolicyTuning:
 
 def scale_rules(settings: RouterSettings) -> ScaleRules:
     return ScaleRules(
-        target=settings.scale_target, spread=settings.scale_spread, down_delay_s=settings.scale_down_delay_s
+        target=settings.scale_target,
+        spread=settings.scale_spread,
+        told_capacity=settings.replica_max_num_seqs or 0,
+        down_delay_s=settings.scale_down_delay_s,
     )
 
 

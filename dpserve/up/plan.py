@@ -99,6 +99,18 @@ def _has_flag(args: Sequence[str], *names: str) -> bool:
     return any(arg == name or arg.startswith(name + "=") for arg in args for name in names)
 
 
+def told_max_num_seqs(args: Sequence[str]) -> int | None:
+    """The batch limit vLLM (or a sim) is given among `args` (`--max-num-seqs N` or `=N`), for the routers'
+    `--replica-max-num-seqs`; None when not given there (vLLM's default differs by device) or not a count."""
+    value: str | None = None
+    for index, arg in enumerate(args):
+        if arg == "--max-num-seqs" and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith("--max-num-seqs="):
+            value = arg.partition("=")[2]
+    return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
+
+
 def vllm_engine_flags(
     served_name: str | None,
     kv_port: int | str,
@@ -372,6 +384,8 @@ def local_lora_paths(settings: RouterSettings) -> RouterSettings:
 def router_argv(settings: UpSettings, plans: Sequence[ReplicaPlan], tokenizer: str | None = None) -> tuple[str, ...]:
     """The same `dpserve router` command a user (or the router's container) runs by hand."""
     router = local_lora_paths(settings.router)
+    if router.replica_max_num_seqs is None:
+        router = dataclasses.replace(router, replica_max_num_seqs=told_max_num_seqs(settings.vllm_args))
     flags = router_flags(router, [plan.router_target for plan in plans], tokenizer, events_known(settings))
     return (sys.executable, "-m", "dpserve", "router", *flags)
 

@@ -1131,8 +1131,9 @@ def test_vllm_flags_after_a_double_dash_reach_every_vllm_replica(capsys: pytest.
         for name in replicas:
             assert merged["services"][name]["command"][-2:] == ["--dtype", "half"], name
             assert _flag_values(merged["services"][name]["command"], "--model") == [CPU_MODEL_DIR]
-        # No `--` flag reaches anything but vLLM.
+        # No `--` flag reaches anything but vLLM; the batch limit, also the routers' first capacity to scale by.
         assert "--dtype" not in json.dumps({k: v for k, v in document["services"].items() if k not in replicas})
+        assert _flag_values(document["services"]["router"]["command"], "--replica-max-num-seqs") == ["8"]
     # Without `--`, the files as before.
     assert _generated(capsys=capsys) == render(ComposeOptions())
     # What the stack writes itself, or a sim, is refused, saying where to set it.

@@ -325,6 +325,12 @@ def test_from_zero_the_routers_hold_the_first_request_for_the_first_replica() ->
     assert COLD_START_FLAG not in router_command(documents(autoscaled(1, 4)))
 
 
+def test_the_routers_signal_takes_the_pods_batch_limit_until_it_sees_one_full() -> None:
+    told = router_command(documents(autoscaled(0, 4, vllm_args=("--max-num-seqs", "16"))))
+    assert flag(told, "--replica-max-num-seqs") == "16"
+    assert "--replica-max-num-seqs" not in router_command(documents(autoscaled(0, 4)))  # vLLM's default: unknown
+
+
 @pytest.mark.parametrize("given", [None, 45])
 def test_a_scaled_down_pod_drains_what_it_runs_and_the_budget_allows_none_left(given: int | None) -> None:
     docs = documents(autoscaled(0, 4, shutdown_timeout=given))

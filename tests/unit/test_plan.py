@@ -143,6 +143,23 @@ def test_router_argv_leaves_the_policy_default_and_events_to_what_is_known() -> 
     assert RouterSettings(kv_events=("u=tcp://h:1",)).slo_inner_policy == "kv_aware"
 
 
+def test_the_replicas_batch_limit_reaches_the_router_for_its_scale_signal() -> None:
+    """What follows `--` on `dpserve up` is what vLLM (or each sim) runs with: its --max-num-seqs is the
+    capacity the routers' signal takes until they see a replica full; a router flag of its own wins."""
+
+    def told(settings: UpSettings) -> int | None:
+        argv = router_argv(settings, plan_sims(settings, "tiny"))
+        router = load_settings(RouterSettings, _overrides(build_parser().parse_args(list(argv[3:]))), env={})
+        return router.replica_max_num_seqs
+
+    assert told(UpSettings(sim_replicas=1, vllm_args=("--max-num-seqs", "4", "--enforce-eager"))) == 4
+    assert told(UpSettings(sim_replicas=1, vllm_args=("--max-num-seqs=32",))) == 32
+    assert told(UpSettings(sim_replicas=1)) is None  # vLLM's own default differs by device: not guessed
+    assert told(UpSettings(sim_replicas=1, vllm_args=("--max-num-seqs", "many"))) is None
+    own = UpSettings(RouterSettings(replica_max_num_seqs=8), sim_replicas=1, vllm_args=("--max-num-seqs", "4"))
+    assert told(own) == 8
+
+
 def test_busy_ports_finds_a_port_something_listens_on() -> None:
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

@@ -349,6 +349,30 @@ def test_one_scrape_with_requests_waiting_sizes_the_fleet_before_the_capacity_is
     assert advisor.states["m"].desired == 4 and "load 11" in advisor.history[-1]["reason"]
 
 
+def test_a_told_capacity_sizes_the_fleet_until_one_is_seen() -> None:
+    """`--replica-max-num-seqs`: the first burst on a fresh router, before any replica was seen full, is sized by
+    what the operator told vLLM; a capacity seen wins over it."""
+    clock = Clock()
+    registry, catalog = fleet(healthy=1)
+    told = dataclasses.replace(RULES, told_capacity=4)
+    advisor = ScaleAdvisor(registry, catalog, Admission(0, 16, 5.0, clock=clock), told, clock=clock)
+    untold = advisor_over(registry, catalog, clock)
+    advisor.tick()
+    untold.tick()
+    scrape(registry, "r0", running=9, waiting=0, times=1)  # running, none waiting: not seen full
+    assert registry.get("r0").learned.sighted == 0
+    clock.now = 1001.0
+    advisor.tick()
+    untold.tick()
+    # A load of 9 over 4 a replica at 80%: three replicas; untold, with no pressure, it stays at one.
+    assert advisor.inputs["m"].capacity == 4 and advisor.states["m"].desired == 3
+    assert untold.inputs["m"].capacity == 0 and untold.states["m"].desired == 1
+    scrape(registry, "r0", running=8, waiting=3, times=1)
+    clock.now = 1002.0
+    advisor.tick()
+    assert advisor.inputs["m"].capacity == 8  # seen full at 8: the replica's own figure
+
+
 def test_replicas_serving_when_the_signal_first_rises_are_no_startup() -> None:
     """The first look sees replicas already serving and a load that needs more: none of those started for it."""
     clock = Clock()

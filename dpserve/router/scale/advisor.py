@@ -206,8 +206,9 @@ class ScaleAdvisor:
                 load += replica.load
                 engine_waiting += replica.waiting
                 kv.append(replica.kv_usage)
-                if replica.learned.sighted:
-                    capacities.append(replica.learned.sighted)
+                capacity = replica.learned.sighted or self.rules.told_capacity
+                if capacity:
+                    capacities.append(capacity)
         admission = self._admission
         attainment = self._slo.attainment(model) if self._slo is not None else None
         # Requests waiting for a replica of a model one now serves are on their way to it, not a queue.
@@ -325,7 +326,7 @@ class ScaleCollector(Collector):
             ),
             "capacity": GaugeMetricFamily(
                 "dpserve_scale_capacity_requests",
-                "Requests one replica runs at once, as measured (0: not yet).",
+                "Requests one replica runs at once, as measured, else as told (--replica-max-num-seqs); 0: not known.",
                 labels=["model"],
             ),
             "kv_usage": GaugeMetricFamily(
