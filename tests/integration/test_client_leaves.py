@@ -18,7 +18,14 @@ import httpx
 import pytest
 
 from dpserve.replicas.prometheus_text import parse_samples
-from tests.integration.conftest import ONE_SEQ_MODEL, RouterProcess, start_router, stop_router, wait_until
+from tests.integration.conftest import (
+    ONE_SEQ_MODEL,
+    RouterProcess,
+    router_ready,
+    start_router,
+    stop_router,
+    wait_until,
+)
 from tests.integration.raw_replica import RawReplica, json_answer
 
 pytestmark = pytest.mark.integration
@@ -166,3 +173,20 @@ def test_a_client_that_leaves_during_a_retrys_back_off_is_not_sent_again() -> No
             assert sent() == 1
         finally:
             stop_router(router)
+
+
+def test_a_client_that_leaves_while_waiting_for_a_replica_to_start_stops_asking_for_one() -> None:
+    """A fleet at zero (`--cold-start-wait`): a request waits in the router for a replica to start and is counted
+    by the scale signal; its client leaves long before the wait's end, and it is counted gone (queued) and no
+    longer waiting at once, so a replica is not started for no one."""
+    router = start_router([], "least_loaded", "--cold-start-wait", "60", expect_healthy=0)
+    try:
+        wait_until(lambda: router_ready(router.url), 60, what="the router ready (to wait for a replica)")
+        waiting = lambda: httpx.get(f"{router.url}/admin/scale", timeout=5).json()["waiting_for_replica"]  # noqa: E731
+        leaver = Client(router.url, {"model": "m", "prompt": "hi", "max_tokens": 1})
+        wait_until(lambda: waiting() == 1, 10, 0.02, what="waiting for a replica")
+        leaver.leave()
+        wait_until(lambda: gone_by_stage(router.url, "queued") == 1, 5, 0.02, what="counted gone while waiting")
+        assert waiting() == 0
+    finally:
+        stop_router(router)

@@ -29,7 +29,7 @@ NO_HEADERS: Mapping[str, str] = {}
 RECEIVED = "received"
 """Its body being read and checked."""
 QUEUED = "queued"
-"""Checked, not yet sent: deciding, or waiting in the router's admission queue."""
+"""Checked, not yet sent: deciding, waiting in the router's admission queue, or waiting for a replica to start."""
 BACKOFF = "backoff"
 """An attempt failed before its first byte; the retry waits its back-off."""
 AT_REPLICA = "replica"

@@ -15,14 +15,14 @@ import asyncio
 import itertools
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
 from dpserve.config import TRUE_WORDS
-from dpserve.disconnect import ClientGone
+from dpserve.disconnect import ClientGone, until_disconnect
 from dpserve.policies.base import RequestFeatures
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import ReplicaRegistry
@@ -343,7 +343,8 @@ class _Exchange:
         except OpenAIError as unserved:
             if state.cold_start is None or not state.cold_start.covers(unserved):
                 raise
-            await state.cold_start.wait(parsed.model)
+            self.life.checked()  # waiting in the router, for a replica to start
+            await self._unless_gone(state.cold_start.wait(parsed.model))
             model = resolve_model(state.catalog, parsed.model)
         self.life.model = model  # one the router serves: a bounded label, whatever clients send
         features = await state.features.build(endpoint, model, parsed.stream, parsed.payload, headers)
@@ -423,6 +424,29 @@ class _Exchange:
                 state.response_owners.remember(response_id, replica.id)
                 return replica.id
         return None
+
+    async def _unless_gone(self, wait: Coroutine[Any, Any, None]) -> None:
+        """`wait` (the body read, before the exchange watches its client), ended by the client leaving:
+        ClientGone, so a request no one waits for any more stops asking for a replica at once."""
+        left = self.scope.get(CLIENT_LEFT)
+        if not isinstance(left, ClientLeft):  # another ASGI server (tests): read its `http.disconnect`
+            await until_disconnect(self.receive, wait)
+            return
+        waiting = self.loop.create_task(wait)
+
+        def leave() -> None:
+            waiting.cancel()
+
+        left.callback = leave
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            task = asyncio.current_task(self.loop)
+            if not waiting.cancelled() or task is None or task.cancelling():
+                raise  # the router stopping, not the client leaving
+            raise ClientGone from None
+        finally:
+            left.callback = None
 
     async def _watch_disconnect(self, task: asyncio.Task[object] | None) -> None:
         while (await self.receive())["type"] != "http.disconnect":
