@@ -21,7 +21,7 @@ index plus blocks routed in the last seconds), as the Rust routers send a miss t
 By load alone, new groups landed by chance, one replica came to own 5 groups of 8 and, under cache
 pressure, evicted its own prefixes (`dpserve bench policies`: 0.94 of the oracle; see docs/benchmarks/policies.md).
 Warm requests leave it out, so owning a lot never pushes a request away from its own cached prefix. It
-weighs only among replicas within `new_prefix_loads` requests of the lightest: a replica that just joined
+weighs only among replicas within `new_prefix_loads` request(s) of the lightest: a replica that just joined
 owns nothing, and would otherwise take every new prefix until the balance guard stopped it, far past what
 it runs at once.
 
@@ -59,11 +59,12 @@ class KvAwareWeights:
     prefix's hash (rendezvous): peered routers' counts of a replica's load differ by a request or two, and
     by their own counts they split a new prefix. Two is what peers' counts differ by, well inside the
     balance guard's allowance (see docs/benchmarks/routers.md, near-ties 2026-11-29)."""
-    new_prefix_loads: float = 2.0
+    new_prefix_loads: float = 1.0
     """A new prefix has no cached blocks to win anywhere: it settles by ownership only among replicas within this
     many requests of the lightest load. A replica that joins owns nothing, so every new prefix wants it: in
     `dpserve bench elastic` a simulator that started on the ramp took 14 new prefixes in 1.3 s at a capacity of
-    4 (the balance guard allows 8 over the lightest), 10 of them queued in its engine."""
+    4 (the balance guard allows 8 over the lightest), 10 of them queued in its engine. At 2 it still took a
+    fifth request while another replica ran 2 of its 4 (the ramp's tail, docs/benchmarks/elastic.md)."""
     held_tie: float = 0.25
     """For a new prefix, also held costs within this share of the mean held blocks are a tie (added to the
     load's): routers that count the same held blocks would otherwise send every new prefix arriving
