@@ -21,9 +21,9 @@ index plus blocks routed in the last seconds), as the Rust routers send a miss t
 By load alone, new groups landed by chance, one replica came to own 5 groups of 8 and, under cache
 pressure, evicted its own prefixes (`dpserve bench policies`: 0.94 of the oracle; see docs/benchmarks/policies.md).
 Warm requests leave it out, so owning a lot never pushes a request away from its own cached prefix. It
-weighs only among replicas within `new_prefix_loads` request(s) of the lightest: a replica that just joined
-owns nothing, and would otherwise take every new prefix until the balance guard stopped it, far past what
-it runs at once.
+weighs only among replicas within `new_prefix_loads` requests of the lightest, and of those the ones with a
+free slot: a replica that just joined owns nothing, and would otherwise take every new prefix until the
+balance guard stopped it, far past what it runs at once.
 
 Two guards: replicas over the balance limit (see `BalanceGuard`) are not chosen while others are,
 so a popular prefix cannot overload its replica; and an optional softmax temperature spreads choices
@@ -59,12 +59,14 @@ class KvAwareWeights:
     prefix's hash (rendezvous): peered routers' counts of a replica's load differ by a request or two, and
     by their own counts they split a new prefix. Two is what peers' counts differ by, well inside the
     balance guard's allowance (see docs/benchmarks/routers.md, near-ties 2026-11-29)."""
-    new_prefix_loads: float = 1.0
+    new_prefix_loads: float = 2.0
     """A new prefix has no cached blocks to win anywhere: it settles by ownership only among replicas within this
-    many requests of the lightest load. A replica that joins owns nothing, so every new prefix wants it: in
+    many requests of the lightest load, and of those, among the ones with a free slot (under their learned
+    capacity) while any has one. A replica that joins owns nothing, so every new prefix wants it: in
     `dpserve bench elastic` a simulator that started on the ramp took 14 new prefixes in 1.3 s at a capacity of
-    4 (the balance guard allows 8 over the lightest), 10 of them queued in its engine. At 2 it still took a
-    fifth request while another replica ran 2 of its 4 (the ramp's tail, docs/benchmarks/elastic.md)."""
+    4 (the balance guard allows 8 over the lightest), 10 of them queued in its engine; within 2 of the lightest,
+    a full replica still took a fifth while another ran 2 of its 4. Within 1 instead cost the cache-pressure
+    workload of `dpserve bench policies` 0.98 -> 0.94 of the oracle (docs/benchmarks/elastic.md)."""
     held_tie: float = 0.25
     """For a new prefix, also held costs within this share of the mean held blocks are a tie (added to the
     load's): routers that count the same held blocks would otherwise send every new prefix arriving
@@ -111,7 +113,8 @@ class KvAware(Policy):
         if mean_held > 0 and prefix is not None and prefix.best < w.new_prefix_below * prefix.total_blocks:
             margin += w.held_tie * w.held_weight
             lightest = min(c.load for c in allowed)
-            allowed = [c for c in allowed if c.load <= lightest + w.new_prefix_loads]
+            near = [c for c in allowed if c.load <= lightest + w.new_prefix_loads]
+            allowed = [c for c in near if not c.capacity or c.load < c.capacity] or near
         costs = [(self.cost(features, c, mean_held), c) for c in allowed]
         chosen = self._pick(costs, _tie_key(prefix, w.new_prefix_below), margin)
         return Decision(chosen.id, _reason(features, candidates, allowed, chosen))

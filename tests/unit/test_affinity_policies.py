@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 
 import pytest
@@ -58,7 +59,7 @@ def test_kv_aware_settles_a_new_prefix_where_the_least_is_cached() -> None:
 
 
 def test_a_replica_that_just_joined_takes_new_prefixes_only_while_about_as_light_as_the_others() -> None:
-    """It owns nothing cached, so every new prefix prefers it; past one request over the lightest load the
+    """It owns nothing cached, so every new prefix prefers it; past two requests over the lightest load the
     others take them (by ownership among themselves), where the balance guard alone let it take 8 more."""
     policy = KvAware(random.Random(0))
     held = {"r0": 400, "r1": 200, "r2": 400, "r3": 0}
@@ -67,10 +68,15 @@ def test_a_replica_that_just_joined_takes_new_prefixes_only_while_about_as_light
         keys = (key, key + 1, key + 2)
         return RequestFeatures("chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, 10, 16, {}, keys, held))
 
-    assert {policy.choose(new_prefix(k), replicas(2, 2, 2, 3)).id for k in range(100)} == {"r3"}
-    assert {policy.choose(new_prefix(k), replicas(2, 2, 2, 4)).id for k in range(100)} == {"r1"}
+    assert {policy.choose(new_prefix(k), replicas(2, 2, 2, 4)).id for k in range(100)} == {"r3"}
+    assert {policy.choose(new_prefix(k), replicas(2, 2, 2, 5)).id for k in range(100)} == {"r1"}
     # A cached prefix is not a new one: it stays with its blocks at that load.
-    assert policy.choose(kv_features(10, r3=8), replicas(2, 2, 2, 4)).id == "r3"
+    assert policy.choose(kv_features(10, r3=8), replicas(2, 2, 2, 5)).id == "r3"
+    # Known to run 4 at once, it is full at 4: a new prefix goes where a slot is free, while one is.
+    full = [dataclasses.replace(r, capacity=4) for r in replicas(2, 2, 2, 4)]
+    assert {policy.choose(new_prefix(k), full).id for k in range(100)} == {"r1"}
+    every_full = [dataclasses.replace(r, capacity=2) for r in replicas(2, 2, 2, 4)]
+    assert {policy.choose(new_prefix(k), every_full).id for k in range(100)} == {"r3"}
 
 
 def test_kv_aware_counts_kv_usage() -> None:
