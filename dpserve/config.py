@@ -760,9 +760,9 @@ class RouterSettings:
     )
     replica_max_num_seqs: int | None = setting(
         None,
-        "the replicas' vLLM --max-num-seqs: what the desired-replicas signal takes a replica to run at once until "
-        "it sees one full (flow control still waits for that); `dpserve up`, compose and kube pass the one given "
-        "after `--`",
+        "the replicas' vLLM --max-num-seqs: what the desired-replicas signal, and kv_aware placing a new prefix, "
+        "take a replica to run at once until its metrics show it (flow control still waits for those); "
+        "`dpserve up`, compose and kube pass the one given after `--`",
         SCALE,
         metavar="N",
         minimum=1,

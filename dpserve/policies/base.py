@@ -224,6 +224,12 @@ class ReplicaView(Protocol):
         ...
 
     @property
+    def slots(self) -> int:
+        """Requests it runs at once as far as known: the capacity, else the most seen running while requests
+        waited, else as told (`--replica-max-num-seqs`); 0 while none of those. Routing's, not flow control's."""
+        ...
+
+    @property
     def slow_refill(self) -> bool:
         """Its slots were seen idle while requests were on their way to it: one waiting in its engine helps."""
         ...
@@ -274,6 +280,7 @@ class ReplicaSnapshot(LoadFromCounts):
     peer_in_flight: int = 0
     capacity: int = 0
     confirmed_capacity: int = 0
+    slots: int = 0
     slow_refill: bool = False
     latency: ReplicaLatency = field(default_factory=ReplicaLatency, compare=False)
 

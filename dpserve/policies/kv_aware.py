@@ -61,11 +61,12 @@ class KvAwareWeights:
     balance guard's allowance (see docs/benchmarks/routers.md, near-ties 2026-11-29)."""
     new_prefix_loads: float = 2.0
     """A new prefix has no cached blocks to win anywhere: it settles by ownership only among replicas within this
-    many requests of the lightest load, and of those, among the ones with a free slot (under their learned
-    capacity) while any has one. A replica that joins owns nothing, so every new prefix wants it: in
-    `dpserve bench elastic` a simulator that started on the ramp took 14 new prefixes in 1.3 s at a capacity of
-    4 (the balance guard allows 8 over the lightest), 10 of them queued in its engine; within 2 of the lightest,
-    a full replica still took a fifth while another ran 2 of its 4. Within 1 instead cost the cache-pressure
+    many requests of the lightest load, and of those, among the ones with a free slot (under their `slots`:
+    learned, sighted, else told by `--replica-max-num-seqs`) while any has one. A replica that joins owns
+    nothing, so every new prefix wants it: in `dpserve bench elastic` a simulator that started on the ramp took
+    14 new prefixes in 1.3 s at a capacity of 4 (the balance guard allows 8 over the lightest), 10 of them
+    queued in its engine; within 2 of the lightest, a full replica still took a fifth while another ran 2 of
+    its 4. Within 1 instead cost the cache-pressure
     workload of `dpserve bench policies` 0.98 -> 0.94 of the oracle (docs/benchmarks/elastic.md)."""
     held_tie: float = 0.25
     """For a new prefix, also held costs within this share of the mean held blocks are a tie (added to the
@@ -114,7 +115,7 @@ class KvAware(Policy):
             margin += w.held_tie * w.held_weight
             lightest = min(c.load for c in allowed)
             near = [c for c in allowed if c.load <= lightest + w.new_prefix_loads]
-            allowed = [c for c in near if not c.capacity or c.load < c.capacity] or near
+            allowed = [c for c in near if not c.slots or c.load < c.slots] or near
         costs = [(self.cost(features, c, mean_held), c) for c in allowed]
         chosen = self._pick(costs, _tie_key(prefix, w.new_prefix_below), margin)
         return Decision(chosen.id, _reason(features, candidates, allowed, chosen))

@@ -43,6 +43,8 @@ class Replica(LoadFromCounts):
     kv_usage: float = 0.0
     learned: Capacity = field(default_factory=Capacity)
     """How many requests it runs at once, as its metrics showed (`replicas/capacity.py`)."""
+    told_slots: int = 0
+    """Requests it runs at once as the operator told the router (`--replica-max-num-seqs`); 0: not told."""
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
     last_error: str | None = None
@@ -82,6 +84,11 @@ class Replica(LoadFromCounts):
     def capacity(self) -> int:
         """Requests it runs at once (perhaps one more being tried); 0 while not known."""
         return self.learned.limit
+
+    @property
+    def slots(self) -> int:
+        """Requests it runs at once as far as known: learned, else sighted, else told (`capacity.py`)."""
+        return self.learned.sighted or self.told_slots
 
     @property
     def slow_refill(self) -> bool:
@@ -182,10 +189,13 @@ class ReplicaRegistry:
         specs: Sequence[str],
         rules: HealthRules | None = None,
         clock: Callable[[], float] = time.monotonic,
+        told_slots: int = 0,
     ) -> None:
         """`specs`: replica URLs, each optionally followed by `@gpu=N` (see `parse_replica_spec`); none
-        where replicas are all discovered or added later."""
+        where replicas are all discovered or added later. `told_slots`: what each runs at once, as told
+        (`--replica-max-num-seqs`), until its own metrics show it."""
         self._replicas: dict[str, Replica] = {}
+        self._told_slots = told_slots
         self._tracker = HealthTracker(rules or HealthRules())
         self._clock = clock
         self._room_listeners: list[Callable[[], None]] = []
@@ -234,7 +244,7 @@ class ReplicaRegistry:
         rid = name or address_id(url)
         if rid in self._replicas:
             raise ValueError(f"--replica {spec}: another replica is already named {rid}")
-        replica = Replica(id=rid, url=url, gpu_hint=hint)
+        replica = Replica(id=rid, url=url, gpu_hint=hint, told_slots=self._told_slots)
         self._replicas[replica.id] = replica
         if engines > 1:
             return self.split_engines(rid, range(engines))[0]
@@ -259,7 +269,9 @@ class ReplicaRegistry:
         engines = []
         for order, rank in enumerate(ranks):
             hint = server.gpu_hint[order * share : (order + 1) * share] if share else ()
-            engine = Replica(id=engine_id(server.id, rank), url=server.url, gpu_hint=hint, rank=rank)
+            engine = Replica(
+                id=engine_id(server.id, rank), url=server.url, gpu_hint=hint, rank=rank, told_slots=server.told_slots
+            )
             engine.draining = server.draining
             self._replicas[engine.id] = engine
             engines.append(engine)

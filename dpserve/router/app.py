@@ -121,7 +121,9 @@ class Router:
                 "no replicas: give --replica URL or --discover dns:NAME:PORT (or --cold-start-wait, for replicas "
                 "added through /admin/replicas as the load needs them)"
             )
-        registry = self.registry = ReplicaRegistry(settings.replicas, health_rules(settings))
+        registry = self.registry = ReplicaRegistry(
+            settings.replicas, health_rules(settings), told_slots=settings.replica_max_num_seqs or 0
+        )
         self.catalog = catalog_for(settings, registry)
         self.folder_watch = adapter_folder_watch(settings, self.catalog)
         self.policy = policy or make_policy(settings.routing_policy, rng, policy_tuning(settings))

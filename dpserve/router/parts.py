@@ -76,7 +76,6 @@ def scale_rules(settings: RouterSettings) -> ScaleRules:
     return ScaleRules(
         target=settings.scale_target,
         spread=settings.scale_spread,
-        told_capacity=settings.replica_max_num_seqs or 0,
         down_delay_s=settings.scale_down_delay_s,
     )
 

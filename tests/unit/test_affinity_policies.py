@@ -72,10 +72,10 @@ def test_a_replica_that_just_joined_takes_new_prefixes_only_while_about_as_light
     assert {policy.choose(new_prefix(k), replicas(2, 2, 2, 5)).id for k in range(100)} == {"r1"}
     # A cached prefix is not a new one: it stays with its blocks at that load.
     assert policy.choose(kv_features(10, r3=8), replicas(2, 2, 2, 5)).id == "r3"
-    # Known to run 4 at once, it is full at 4: a new prefix goes where a slot is free, while one is.
-    full = [dataclasses.replace(r, capacity=4) for r in replicas(2, 2, 2, 4)]
+    # Known (learned, sighted or told) to run 4 at once, it is full at 4: a new prefix goes where a slot is free.
+    full = [dataclasses.replace(r, slots=4) for r in replicas(2, 2, 2, 4)]
     assert {policy.choose(new_prefix(k), full).id for k in range(100)} == {"r1"}
-    every_full = [dataclasses.replace(r, capacity=2) for r in replicas(2, 2, 2, 4)]
+    every_full = [dataclasses.replace(r, slots=2) for r in replicas(2, 2, 2, 4)]
     assert {policy.choose(new_prefix(k), every_full).id for k in range(100)} == {"r3"}
 
 

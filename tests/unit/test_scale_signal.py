@@ -239,10 +239,10 @@ class Clock:
         return self.now
 
 
-def fleet(healthy: int, starting: int = 0) -> tuple[ReplicaRegistry, ModelCatalog]:
+def fleet(healthy: int, starting: int = 0, told_slots: int = 0) -> tuple[ReplicaRegistry, ModelCatalog]:
     """Replicas r0.. serving "m": the first `healthy` probed healthy, the next `starting` added, not probed."""
     specs = [f"r{index}=http://127.0.0.1:{index + 1}" for index in range(healthy + starting)]
-    registry = ReplicaRegistry(specs, HealthRules(rise_threshold=1))
+    registry = ReplicaRegistry(specs, HealthRules(rise_threshold=1), told_slots=told_slots)
     catalog = ModelCatalog(registry)
     for index, replica in enumerate(registry):
         catalog.set_model_cards(replica.id, (MODEL,))
@@ -353,14 +353,16 @@ def test_a_told_capacity_sizes_the_fleet_until_one_is_seen() -> None:
     """`--replica-max-num-seqs`: the first burst on a fresh router, before any replica was seen full, is sized by
     what the operator told vLLM; a capacity seen wins over it."""
     clock = Clock()
-    registry, catalog = fleet(healthy=1)
-    told = dataclasses.replace(RULES, told_capacity=4)
-    advisor = ScaleAdvisor(registry, catalog, Admission(0, 16, 5.0, clock=clock), told, clock=clock)
-    untold = advisor_over(registry, catalog, clock)
+    registry, catalog = fleet(healthy=1, told_slots=4)
+    untold_registry, untold_catalog = fleet(healthy=1)
+    advisor = advisor_over(registry, catalog, clock)
+    untold = advisor_over(untold_registry, untold_catalog, clock)
     advisor.tick()
     untold.tick()
-    scrape(registry, "r0", running=9, waiting=0, times=1)  # running, none waiting: not seen full
+    for fleet_registry in (registry, untold_registry):
+        scrape(fleet_registry, "r0", running=9, waiting=0, times=1)  # running, none waiting: not seen full
     assert registry.get("r0").learned.sighted == 0
+    assert (registry.get("r0").slots, untold_registry.get("r0").slots) == (4, 0)  # routing reads the same
     clock.now = 1001.0
     advisor.tick()
     untold.tick()
@@ -371,6 +373,7 @@ def test_a_told_capacity_sizes_the_fleet_until_one_is_seen() -> None:
     clock.now = 1002.0
     advisor.tick()
     assert advisor.inputs["m"].capacity == 8  # seen full at 8: the replica's own figure
+    assert registry.get("r0").slots == 8
 
 
 def test_replicas_serving_when_the_signal_first_rises_are_no_startup() -> None:

@@ -104,6 +104,7 @@ class ShadowView:
     kv_usage: float
     capacity: int
     confirmed_capacity: int
+    slots: int
     slow_refill: bool
     latency: ReplicaLatency
     """The live replica's: a shadow's choices do not change what the replica computes."""
@@ -267,6 +268,7 @@ class ShadowScorer:
                     min(1.0, in_use.get(c.id, 0) / capacity) if capacity > 0 else 0.0,
                     c.capacity,
                     c.confirmed_capacity,
+                    c.slots,
                     c.slow_refill,
                     c.latency,
                 )

@@ -206,9 +206,8 @@ class ScaleAdvisor:
                 load += replica.load
                 engine_waiting += replica.waiting
                 kv.append(replica.kv_usage)
-                capacity = replica.learned.sighted or self.rules.told_capacity
-                if capacity:
-                    capacities.append(capacity)
+                if replica.slots:
+                    capacities.append(replica.slots)
         admission = self._admission
         attainment = self._slo.attainment(model) if self._slo is not None else None
         # Requests waiting for a replica of a model one now serves are on their way to it, not a queue.

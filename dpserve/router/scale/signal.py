@@ -33,10 +33,6 @@ class ScaleRules:
     L +- sqrt(L), so replicas that each run a few requests at once queue in every burst at a fixed utilization
     (4 slots a replica at 80%: the elastic day's ramp queued, docs/benchmarks/elastic.md), where large ones
     barely notice (sqrt(200) is 7% of 200)."""
-    told_capacity: int = 0
-    """Requests a replica runs at once as its operator told it (`--replica-max-num-seqs`), taken for one not
-    yet seen full; 0: not told. On the elastic day's ramp the first burst came before a fresh router had seen
-    its one replica full, and pressure alone added one replica at a time (docs/benchmarks/elastic.md)."""
     down_delay_s: float = 30.0
     queue_wait_s: float = 1.0
     """A request waiting this long in the router's queue asks for one more replica."""
