@@ -18,6 +18,7 @@ from dpserve.config import (
     lora_adapters,
 )
 from dpserve.deploy.compose import DEFAULT_MODEL, DEFAULT_VLLM_IMAGE, router_image
+from dpserve.up.vllm_args import flag_name, listed, value_of
 
 DEFAULT_NAMESPACE = "dpserve"
 DEFAULT_ROUTER_REPLICAS = 2
@@ -148,30 +149,13 @@ def parse_egress(text: str) -> Egress:
     return Egress(str(network), int(port) if port else None)
 
 
-def _flag_name(arg: str) -> str:
-    """A vLLM flag's name as vLLM reads it: `--max_model_len=8` is `--max-model-len`."""
-    if not arg.startswith("-"):
-        return ""
-    name = arg.split("=", 1)[0]
-    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
-
-
-def _listed(name: str, flags: dict[str, str]) -> str | None:
-    """The listed flag `name` is, or abbreviates: vLLM's parser takes any unambiguous prefix (`--max-model`)."""
-    if name in flags:
-        return name
-    if name.startswith("--") and len(name) > 3:
-        return next((flag for flag in flags if flag.startswith(name)), None)
-    return None
-
-
 def check_vllm_args(args: tuple[str, ...]) -> None:
     """Flags after `--` go to every vLLM pod, but not those the manifests depend on: a ValueError naming it."""
     for arg in args:
-        name = _flag_name(arg)
-        if (own := _listed(name, VLLM_FLAGS_OF_KUBE)) is not None:
+        name = flag_name(arg)
+        if (own := listed(name, VLLM_FLAGS_OF_KUBE)) is not None:
             raise ValueError(f"-- {arg}: give {VLLM_FLAGS_OF_KUBE[own]} to dpserve kube itself, before `--`")
-        if (refused := _listed(name, VLLM_FLAGS_REFUSED)) is not None:
+        if (refused := listed(name, VLLM_FLAGS_REFUSED)) is not None:
             raise ValueError(f"-- {arg}: not for the vLLM pods ({VLLM_FLAGS_REFUSED[refused]})")
 
 
@@ -340,15 +324,7 @@ class KubeOptions:
     def served_model(self) -> str:
         """The model's name to clients and in the routers' per-model series: vLLM's --served-model-name if
         given after `--` (its first name), else the model."""
-        for index, arg in enumerate(self.vllm_args):
-            if _listed(_flag_name(arg), {SERVED_MODEL_FLAG: SERVED_MODEL_FLAG}) is None:
-                continue
-            _, equals, value = arg.partition("=")
-            if equals:
-                return value
-            if index + 1 < len(self.vllm_args):
-                return self.vllm_args[index + 1]
-        return self.model
+        return value_of(self.vllm_args, SERVED_MODEL_FLAG) or self.model
 
     @property
     def prometheus_address(self) -> str:

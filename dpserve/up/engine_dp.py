@@ -24,12 +24,12 @@ from dpserve.up.plan import (
     LORA_RUNTIME_ENV,
     PlanError,
     ReplicaPlan,
-    _has_flag,
     replica_key_env,
     sim_argv,
     split_cores,
     vllm_argv,
 )
+from dpserve.up.vllm_args import given
 
 DP_FLAGS = ("--data-parallel-size", "--data-parallel-rpc-port", "--data-parallel-size-local")
 
@@ -53,7 +53,7 @@ def rpc_port(settings: UpSettings) -> int:
 def _with_dp_flags(settings: UpSettings, engines: int) -> UpSettings:
     """The settings with the server's data-parallel flags before the user's own (which come last and win,
     except these: the engine count is the router's to know)."""
-    if _has_flag(settings.vllm_args, *DP_FLAGS):
+    if given(settings.vllm_args, *DP_FLAGS):
         raise PlanError(f"--engine-dp sets {', '.join(DP_FLAGS[:2])} itself (from --replicas): leave them out after --")
     flags = ("--data-parallel-size", str(engines), "--data-parallel-rpc-port", str(rpc_port(settings)))
     return dataclasses.replace(settings, vllm_args=(*flags, *settings.vllm_args))

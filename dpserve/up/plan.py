@@ -21,6 +21,7 @@ from dpserve.config import (
 from dpserve.gpu.topology import GpuTopology, GroupingError, group_gpus
 from dpserve.replicas.access import replica_key
 from dpserve.replicas.registry import ENGINES_MARKER, replica_ids
+from dpserve.up.vllm_args import given, value_of
 
 DEFAULT_CPU_REPLICAS = 2
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -95,19 +96,10 @@ def _core_list(cpus: Sequence[int]) -> str:
     return ",".join(str(cpu) for cpu in cpus)
 
 
-def _has_flag(args: Sequence[str], *names: str) -> bool:
-    return any(arg == name or arg.startswith(name + "=") for arg in args for name in names)
-
-
 def told_max_num_seqs(args: Sequence[str]) -> int | None:
-    """The batch limit vLLM (or a sim) is given among `args` (`--max-num-seqs N` or `=N`), for the routers'
-    `--replica-max-num-seqs`; None when not given there (vLLM's default differs by device) or not a count."""
-    value: str | None = None
-    for index, arg in enumerate(args):
-        if arg == "--max-num-seqs" and index + 1 < len(args):
-            value = args[index + 1]
-        elif arg.startswith("--max-num-seqs="):
-            value = arg.partition("=")[2]
+    """The batch limit vLLM (or a sim) is given among `args`, for the routers' `--replica-max-num-seqs`; None
+    when not given there (vLLM's default differs by device) or not a count."""
+    value = value_of(args, "--max-num-seqs")
     return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
 
 
@@ -130,24 +122,24 @@ def vllm_engine_flags(
     these and come last. `otlp_traces_endpoint`: the router's, so vLLM's spans join the router's traces.
     `tensor_parallel_size`: the GPUs (CPU ranks) each replica is given. `max_model_len` None: the model's own."""
     flags: list[str] = []
-    if tensor_parallel_size != 1 and not _has_flag(extra, *TP_FLAGS):
+    if tensor_parallel_size != 1 and not given(extra, *TP_FLAGS):
         flags += [TP_FLAG, str(tensor_parallel_size)]
-    if otlp_traces_endpoint and not _has_flag(extra, "--otlp-traces-endpoint"):
+    if otlp_traces_endpoint and not given(extra, "--otlp-traces-endpoint"):
         flags += ["--otlp-traces-endpoint", otlp_traces_endpoint]
-    if priority_scheduling and not _has_flag(extra, "--scheduling-policy"):
+    if priority_scheduling and not given(extra, "--scheduling-policy"):
         flags += ["--scheduling-policy", "priority"]
     if enable_lora:
-        if not _has_flag(extra, "--enable-lora"):
+        if not given(extra, "--enable-lora"):
             flags.append("--enable-lora")
-        if not _has_flag(extra, "--max-loras"):
+        if not given(extra, "--max-loras"):
             flags += ["--max-loras", str(max_loras)]
-        if not _has_flag(extra, "--max-lora-rank"):
+        if not given(extra, "--max-lora-rank"):
             flags += ["--max-lora-rank", str(max_lora_rank)]
-    if served_name and not _has_flag(extra, "--served-model-name"):
+    if served_name and not given(extra, "--served-model-name"):
         flags += ["--served-model-name", served_name]
-    if not _has_flag(extra, "--enable-prefix-caching", "--no-enable-prefix-caching"):
+    if not given(extra, "--enable-prefix-caching", "--no-enable-prefix-caching"):
         flags.append("--enable-prefix-caching")
-    if not _has_flag(extra, "--kv-events-config"):
+    if not given(extra, "--kv-events-config"):
         config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
@@ -158,10 +150,10 @@ def vllm_engine_flags(
             "topic": "",
         }
         flags += ["--kv-events-config", json.dumps(config)]
-    if max_model_len is not None and not _has_flag(extra, "--max-model-len"):
+    if max_model_len is not None and not given(extra, "--max-model-len"):
         flags += ["--max-model-len", str(max_model_len)]
     # usage.prompt_tokens_details.cached_tokens: what a client (and the policy benchmark) reads per request.
-    if not _has_flag(extra, "--enable-prompt-tokens-details"):
+    if not given(extra, "--enable-prompt-tokens-details"):
         flags.append("--enable-prompt-tokens-details")
     return [*flags, *extra]
 
@@ -194,7 +186,7 @@ def with_replica_key(settings: UpSettings, generate: Callable[[], str] = new_rep
     `-- --api-key` gives vLLM a key of its own (then the router's --replica-api-key must be that key).
     A ValueError for a bad key file."""
     router = settings.router
-    if settings.sim_replicas or not settings.replica_key or _has_flag(settings.vllm_args, "--api-key"):
+    if settings.sim_replicas or not settings.replica_key or given(settings.vllm_args, "--api-key"):
         return settings
     key = replica_key(router.replica_api_key, router.replica_api_key_file) or generate()
     # The key itself from here on, in the routers' environment (`router_env`), not their argv.
@@ -205,7 +197,7 @@ def with_replica_key(settings: UpSettings, generate: Callable[[], str] = new_rep
 def replica_key_env(settings: UpSettings) -> dict[str, str]:
     """The replicas' key in vLLM's environment, once `with_replica_key` chose it."""
     key = settings.router.replica_api_key
-    if not key or not settings.replica_key or _has_flag(settings.vllm_args, "--api-key"):
+    if not key or not settings.replica_key or given(settings.vllm_args, "--api-key"):
         return {}
     return {VLLM_KEY_ENV: key}
 
@@ -241,7 +233,7 @@ def plan_replicas(
     """`gpus`: this host's GPUs (a count: their links not known, so grouped in index order), or none (0): vLLM
     on the CPU, each replica (each of its tensor-parallel ranks) pinned to cores of its own where there are
     enough."""
-    if _has_flag(settings.vllm_args, *TP_FLAGS):
+    if given(settings.vllm_args, *TP_FLAGS):
         raise PlanError(f"give {TP_FLAG} to dpserve up itself, not after `--`: it hands each replica that many GPUs")
     topology = GpuTopology.unknown(gpus, "not read") if isinstance(gpus, int) else gpus
     if topology.count:
@@ -309,7 +301,7 @@ def rank_cores(cores: Sequence[int], replicas: int, size: int) -> list[list[tupl
 def events_known(settings: UpSettings) -> bool:
     """Whether the launcher knows where each replica publishes KV events (then the router defaults to
     kv_aware). A user's own --kv-events-config may publish elsewhere, so then none are assumed."""
-    return not _has_flag(settings.vllm_args, "--kv-events-config")
+    return not given(settings.vllm_args, "--kv-events-config")
 
 
 @dataclass(frozen=True)
