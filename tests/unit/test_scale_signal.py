@@ -12,7 +12,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from dpserve.replicas.catalog import ModelCatalog
+from dpserve.replicas.catalog import ModelCatalog, adapter_card
 from dpserve.replicas.health import HealthRules
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.admission import Admission
@@ -451,7 +451,7 @@ async def test_requests_queued_in_the_router_raise_the_signal_through_admission(
     advisor = ScaleAdvisor(registry, catalog, admission, RULES, clock=clock)
     advisor.tick()
     assert advisor.states["m"].desired == 1
-    held_request = asyncio.create_task(admission.wait_for_room(lambda: False))
+    held_request = asyncio.create_task(admission.wait_for_room(lambda: False, model="m"))
     await asyncio.sleep(0)
     assert admission.depth == 1
     advisor.tick()  # queued, but not for long yet
@@ -462,6 +462,31 @@ async def test_requests_queued_in_the_router_raise_the_signal_through_admission(
     held_request.cancel()
     with pytest.raises(asyncio.CancelledError):
         await held_request
+
+
+async def test_requests_queued_for_one_model_raise_its_signal_alone() -> None:
+    """The router's queue is shared, the signal is per model: a request held for a model (or for an adapter on
+    it) asks for a replica of that model only."""
+    clock = Clock()
+    registry, catalog = fleet(healthy=2)
+    catalog.set_model_cards("r0", (MODEL, adapter_card("sql", "/adapters/sql", "m", MODEL)))
+    catalog.set_model_cards("r1", ({"id": "other", "object": "model"},))
+    admission = Admission(1, 16, 60.0, clock=clock)
+    advisor = ScaleAdvisor(registry, catalog, admission, RULES, clock=clock)
+    advisor.tick()
+    asked = ("other", "other", "sql")
+    held = [asyncio.create_task(admission.wait_for_room(lambda: False, model=name)) for name in asked]
+    await asyncio.sleep(0)
+    clock.now += 2.0
+    advisor.tick()
+    assert (advisor.inputs["other"].queued, advisor.states["other"].desired) == (2, 2)
+    assert (advisor.inputs["m"].queued, advisor.states["m"].desired) == (1, 2)
+    assert advisor.inputs["m"].queue_wait_s == pytest.approx(2.0)
+    for request in held:
+        request.cancel()
+    await asyncio.gather(*held, return_exceptions=True)
+    advisor.tick()
+    assert advisor.inputs["other"].queued == advisor.inputs["m"].queued == 0
 
 
 async def test_wait_change_returns_once_the_signal_moves() -> None:

@@ -94,12 +94,13 @@ class Ticket:
 
 
 class _Waiter:
-    __slots__ = ("refused", "since", "wake")
+    __slots__ = ("model", "refused", "since", "wake")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, since: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, since: float, model: str) -> None:
         self.wake: asyncio.Future[None] = loop.create_future()
         self.refused: Rejected | None = None
         self.since = since
+        self.model = model
 
 
 class Admission:
@@ -158,6 +159,14 @@ class Admission:
         if not self._queue:
             return 0.0
         return self._clock() - min(waiter.since for waiter in self._queue)
+
+    def held_by_model(self) -> dict[str, tuple[int, float]]:
+        """Per model asked for: how many requests are held, and the longest any has waited so far."""
+        now, held = self._clock(), dict[str, tuple[int, float]]()
+        for waiter in self._queue:
+            count, longest = held.get(waiter.model, (0, 0.0))
+            held[waiter.model] = (count + 1, max(longest, now - waiter.since))
+        return held
 
     def depth_by_priority(self) -> dict[str, int]:
         return dict(zip(("critical", "standard", "batch"), self._queue.depths(), strict=True))
@@ -252,13 +261,15 @@ class Admission:
         cost: float = 0.0,
         within_s: float | None = None,
         promised: bool = False,
+        model: str = "",
     ) -> float:
         """Returns once `has_room()` holds and no request that goes first is still waiting; the seconds
         waited. `cost`: the tokens the request is expected to take, charged to its tenant on admission
         (`settle` corrects it). `within_s`: the request's own deadline (its TTFT SLO), when sooner than the
         queue's timeout: refused then, not sent late. Raises `Rejected` when the queue is full, the wait
         outlasts the timeout or the deadline, or the request is shed for a more urgent one. `promised`:
-        the request carries an SLO, released before its tenant's best effort of its class."""
+        the request carries an SLO, released before its tenant's best effort of its class. `model`: the one it
+        asks for, for the scale signal (`held_by_model`)."""
         queue = self._queue
         if not self.flow_control:
             priority, tenant, cost, promised = STANDARD, "", 0.0, False  # one class, one tenant: arrival order
@@ -287,7 +298,7 @@ class Admission:
         started = self._clock()
         bounded = within_s is not None and within_s < self.timeout_s
         deadline = started + (within_s if bounded and within_s is not None else self.timeout_s)
-        waiter = _Waiter(asyncio.get_running_loop(), started)
+        waiter = _Waiter(asyncio.get_running_loop(), started, model)
         before = float(self._before(priority)) if promised else -1.0
         queue.push(waiter, priority, tenant, promised)
         try:

@@ -451,7 +451,9 @@ class Dispatcher:
             within = slo.ttft_s if slo is not None and not slo.queue else None
             try:
                 promised = slo is not None
-                waited = await admission.wait_for_room(has_room, priority, tenant, weight, cost, within, promised)
+                waited = await admission.wait_for_room(
+                    has_room, priority, tenant, weight, cost, within, promised, features.model
+                )
             except OpenAIError as rejected:
                 self._metrics.admission_rejections.labels(rejected.code or "rejected").inc()
                 raise

@@ -208,7 +208,7 @@ class ScaleAdvisor:
                 kv.append(replica.kv_usage)
                 if replica.slots:
                     capacities.append(replica.slots)
-        admission = self._admission
+        held, held_wait = self._held(model)
         attainment = self._slo.attainment(model) if self._slo is not None else None
         # Requests waiting for a replica of a model one now serves are on their way to it, not a queue.
         cold, cold_wait = (self.cold.count(model, now), self.cold.oldest_wait_s(model, now)) if not ready else (0, 0.0)
@@ -217,14 +217,22 @@ class ScaleAdvisor:
             starting=starting,
             draining=draining,
             load=load,
-            queued=admission.depth + cold,  # the router's queue is shared: each model's
-            queue_wait_s=max(admission.oldest_wait_s(), cold_wait),
+            queued=held + cold,
+            queue_wait_s=max(held_wait, cold_wait),
             capacity=round(statistics.fmean(capacities)) if capacities else 0,
             engine_waiting=engine_waiting,
             kv_usage=statistics.fmean(kv) if kv else 0.0,
             slo_attainment=attainment,
             startup_s=self.startup_s,
         )
+
+    def _held(self, model: str) -> tuple[int, float]:
+        """Requests held in the router's queue for the model or one of its adapters, and the longest wait."""
+        catalog, count, longest = self._catalog, 0, 0.0
+        for asked, (held, waited) in self._admission.held_by_model().items():
+            if asked == model or (catalog.is_adapter(asked) and catalog.adapter_parent(asked) == model):
+                count, longest = count + held, max(longest, waited)
+        return count, longest
 
     def _changed_to(self, model: str, was: int, state: ScaleState, now: float) -> None:
         direction = "up" if state.desired > was else "down"
@@ -312,7 +320,7 @@ class ScaleCollector(Collector):
         gauges = {
             "queued": GaugeMetricFamily(
                 "dpserve_scale_queue_depth",
-                "Requests waiting in this router (for room, or for a replica to start).",
+                "Requests for the model waiting in this router (for room, or for a replica to start).",
                 labels=["model"],
             ),
             "queue_wait_s": GaugeMetricFamily(

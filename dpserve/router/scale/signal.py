@@ -54,7 +54,7 @@ class ScaleInputs:
     load: int = 0
     """Requests running or waiting on its routable and draining replicas, the routers' and others'."""
     queued: int = 0
-    """Requests waiting in the router: for room, or for a replica to start."""
+    """Requests for the model (or an adapter on it) waiting in the router: for room, or for a replica to start."""
     queue_wait_s: float = 0.0
     """The oldest of them, seconds."""
     capacity: int = 0
