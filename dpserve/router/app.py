@@ -258,10 +258,12 @@ class Router:
         board = PeerBoard(
             self.registry, origin_id(), self.recent, self.bindings, self.kv_index,
             timeout_s=settings.peer_timeout_s, quotas=self.flow.quotas, fall_spread_s=FALL_SPREAD_S,
+            held=self.scale,
         )  # fmt: skip
         self.peers = peer_links(settings, board, self.resolver, self.keys)
         if self.peers.enabled:  # what this router routes is news for its peers
             self.registry.on_counts(self.peers.counts_changed)
+            self.scale.on_held_change(self.peers.news)
             if self.recent is not None:
                 self.recent.on_news = self.peers.news
             if self.bindings is not None:

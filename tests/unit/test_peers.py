@@ -4,6 +4,7 @@ nothing a peer sends grows this router's memory past its bounds."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import msgspec
@@ -20,6 +21,7 @@ from dpserve.router.peers.board import PeerBoard
 from dpserve.router.peers.wire import (
     LENGTH,
     MAX_FRAME_BYTES,
+    MAX_MODELS,
     MAX_ROUTES,
     MAX_USAGE,
     PeerUpdate,
@@ -346,6 +348,47 @@ def test_tenants_usage_travels_to_peers_and_counts_in_their_quotas() -> None:
 def test_malformed_usage_reports_are_refused(usage: list[list[object]]) -> None:
     with pytest.raises(PeerWireError):
         decode_update(msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": 1.0, "q": usage}))
+
+
+class HeldBook:
+    """A scale advisor's side of the board: what this router holds, and what it heard each peer holds."""
+
+    def __init__(self, own: dict[str, tuple[int, float]]) -> None:
+        self.own = own
+        self.peers: dict[str, dict[str, tuple[int, float]]] = {}
+
+    def own_held(self) -> dict[str, tuple[int, float]]:
+        return self.own
+
+    def peer_held(self, origin: str, held: dict[str, tuple[int, float]]) -> None:
+        self.peers[origin] = held
+
+
+def test_requests_held_in_a_router_travel_to_its_peers_on_their_own_clocks() -> None:
+    """The scale signal's queue is every router's: a peer's held requests, their oldest wait read on this
+    router's clock (the wire carries the sender's wall clock)."""
+    sender_clock, receiver_clock = Clock(), Clock()
+    sender_share, receiver_share = HeldBook({"m": (2, 990.0), "": (1, 999.0)}), HeldBook({})
+    sender_wall, receiver_wall = (lambda: sender_clock.now + 5000.0), (lambda: receiver_clock.now + 5950.0)
+    sender = PeerBoard(healthy_registry(URLS), "peer-a", clock=sender_clock, wall=sender_wall, held=sender_share)
+    receiver = PeerBoard(healthy_registry(URLS), "me", clock=receiver_clock, wall=receiver_wall, held=receiver_share)
+    update = decode_update(payload(encode_update(sender.update())))
+    assert update.held == (("m", 2, 5990.0), ("", 1, 5999.0))  # waiting for 10 s and 1 s, on the sender's wall
+    receiver_clock.now = 50.0  # the same wall time (6000), another monotonic clock
+    receiver.apply(update, "link")
+    assert receiver_share.peers["peer-a"] == {"m": (2, 40.0), "": (1, 49.0)}  # waiting for 10 s and 1 s here too
+    receiver.apply(dataclasses.replace(update, seq=update.seq + 1, leaving=True), "link")
+    assert receiver_share.peers["peer-a"] == {}  # gone: its requests no longer count
+
+
+@pytest.mark.parametrize(
+    "held",
+    [[["m", 1]], [["m", -1, 1.0]], [["m", 1, float("inf")]], [["m", 1, float("nan")]], [[5, 1, 1.0]],
+     [["m", 1, 1.0]] * (MAX_MODELS + 1)],
+)  # fmt: skip
+def test_malformed_held_counts_are_refused(held: list[list[object]]) -> None:
+    with pytest.raises(PeerWireError):
+        decode_update(msgspec.msgpack.encode({"v": 1, "o": "a", "s": 1, "t": 1.0, "h": held}))
 
 
 def test_peers_tell_a_data_parallel_servers_engines_apart_by_url_and_rank() -> None:

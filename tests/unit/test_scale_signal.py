@@ -489,6 +489,39 @@ async def test_requests_queued_for_one_model_raise_its_signal_alone() -> None:
     assert advisor.inputs["other"].queued == advisor.inputs["m"].queued == 0
 
 
+async def test_requests_held_in_peer_routers_count_as_this_routers_own() -> None:
+    """Each router (or `--workers` sibling) holds its share of the queue; the signal counts every router's, so
+    whichever router the supervisor or the autoscaler asks says the same. From zero too: a request waiting in
+    a peer for a replica of a model no replica serves asks this router's signal for one."""
+    clock = Clock()
+    registry, catalog = fleet(healthy=0)
+    admission = Admission(1, 16, 60.0, clock=clock)
+    advisor = ScaleAdvisor(registry, catalog, admission, RULES, clock=clock)
+    advisor.tick()
+    assert advisor.desired() == 0
+    advisor.peer_held("worker-1", {"m": (1, clock.now - 0.5)})  # a cold start in a sibling worker
+    advisor.tick()
+    assert advisor.states["m"].desired == 1 and advisor.inputs["m"].queue_wait_s == pytest.approx(0.5)
+    # Its own and two peers' add up; the oldest wait is the oldest anywhere.
+    registry.add("r0=http://127.0.0.1:1")
+    catalog.set_model_cards("r0", (MODEL,))
+    registry.probe_succeeded("r0")
+    own = asyncio.create_task(admission.wait_for_room(lambda: False, model="m"))
+    await asyncio.sleep(0)
+    advisor.peer_held("worker-1", {"m": (2, clock.now - 3.0)})
+    advisor.peer_held("other-router", {"m": (1, clock.now - 1.0), "z": (4, clock.now)})
+    assert advisor.own_held() == {"m": (1, clock.now)}
+    advisor.tick()
+    assert advisor.inputs["m"].queued == 4 and advisor.inputs["m"].queue_wait_s == pytest.approx(3.0)
+    assert advisor.inputs["z"].queued == 4  # a model only a peer's requests ask for
+    advisor.peer_held("worker-1", {})
+    advisor.peer_held("other-router", {})
+    advisor.tick()
+    assert advisor.inputs["m"].queued == 1 and advisor.inputs["z"].queued == 0
+    own.cancel()
+    await asyncio.gather(own, return_exceptions=True)
+
+
 async def test_wait_change_returns_once_the_signal_moves() -> None:
     registry, catalog = fleet(healthy=1)
     advisor = ScaleAdvisor(registry, catalog, Admission(0, 16, 5.0), RULES, interval_s=60.0)

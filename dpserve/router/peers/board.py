@@ -18,18 +18,30 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
 from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.quotas import QuotaBook
-from dpserve.router.peers.wire import MAX_ROUTES, MAX_USAGE, PeerSnapshot, PeerUpdate
+from dpserve.router.peers.wire import MAX_MODELS, MAX_ROUTES, MAX_USAGE, PeerSnapshot, PeerUpdate
 
 FALL_SPREAD_S = 0.1
 """A router's pause before it believes a fall in peers' counts, at most: long beside the few milliseconds in which
 the first router to take a freed slot tells the others (at once, while contested), short beside an answer."""
+
+
+class HeldShare(Protocol):
+    """Where requests held in the routers are counted per model: the scale signal's queue (`scale/advisor.py`)."""
+
+    def own_held(self) -> dict[str, tuple[int, float]]:
+        """Model -> (requests this router holds for it, when the oldest began waiting: the board's clock)."""
+        ...
+
+    def peer_held(self, origin: str, held: dict[str, tuple[int, float]]) -> None:
+        """What one peer holds now, in the same form (empty: nothing, or the peer is gone)."""
+        ...
 
 
 @dataclass
@@ -74,9 +86,11 @@ class PeerBoard:
         quotas: QuotaBook | None = None,
         fall_spread_s: float = 0.0,
         rng: random.Random | None = None,
+        held: HeldShare | None = None,
     ) -> None:
         """`quotas`: where peers' usage counts (quotas hold across routers) and this router's own is taken from.
-        `fall_spread_s`: falls in peers' counts are believed after a random pause up to this (0: at once)."""
+        `fall_spread_s`: falls in peers' counts are believed after a random pause up to this (0: at once).
+        `held`: where peers' held requests count and this router's own are taken from."""
         self.origin = origin
         self.timeout_s = timeout_s
         self.stale_s = stale_s
@@ -93,6 +107,7 @@ class PeerBoard:
         self._shape: tuple[int, dict[str, str], tuple[str, ...]] = (-1, {}, ())
         """(the registry's reshape count, replica ids by where, the unhealthy): rebuilt when it reshapes."""
         self.quotas = quotas
+        self.held = held
         self.fall_spread_s = fall_spread_s
         self._rng = rng or random.Random()
         self._believed: dict[str, int] = {}
@@ -140,6 +155,10 @@ class PeerBoard:
         if self.quotas is not None:
             for tenant, requests, tokens in update.usage:
                 self.quotas.add_remote(update.origin, tenant, requests, tokens)
+        if self.held is not None:
+            # Their wall clock to this board's: a wait is read here as it grows.
+            offset = self._clock() - self._wall()
+            self.held.peer_held(update.origin, {model: (n, since + offset) for model, n, since in update.held})
         before = known.unhealthy if known is not None else frozenset()
         if known is None and len(self._origins) >= self.max_origins:
             oldest = min(self._origins.values(), key=lambda o: o.heard_at)
@@ -163,6 +182,8 @@ class PeerBoard:
         if self._origins.pop(origin, None) is not None:
             self.stats.forgotten[why] = self.stats.forgotten.get(why, 0) + 1
             self._recount()
+            if self.held is not None:
+                self.held.peer_held(origin, {})
 
     def _recount(self) -> None:
         totals: dict[str, int] = {}
@@ -244,6 +265,12 @@ class PeerBoard:
         usage = []
         if self.quotas is not None and news:
             usage = [(tenant, requests, tokens) for tenant, (requests, tokens) in self.quotas.take_news().items()]
+        held: tuple[tuple[str, int, float], ...] = ()
+        if self.held is not None:
+            # To the wall clock, rounded: the same queue is the same update (`links.py` sends on a change).
+            offset = self._wall() - self._clock()
+            own = self.held.own_held().items()
+            held = tuple((model, n, round(since + offset, 2)) for model, (n, since) in own)[:MAX_MODELS]
         return PeerUpdate(
             origin=self.origin,
             seq=self._seq,
@@ -253,6 +280,7 @@ class PeerBoard:
             routes=routes,
             bindings=bindings,
             usage=usage[:MAX_USAGE],
+            held=held,
             leaving=leaving,
         )
 

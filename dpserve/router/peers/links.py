@@ -288,7 +288,7 @@ class PeerLinks:
             await asyncio.sleep(self._interval_s)
 
     async def _publish(self) -> None:
-        last: tuple[dict[str, int], tuple[str, ...]] | None = None
+        last: tuple[dict[str, int], tuple[str, ...], tuple[tuple[str, int, float], ...]] | None = None
         last_sent = 0.0
         while True:
             await self._wake()
@@ -301,7 +301,7 @@ class PeerLinks:
             self.board.expire()
             self._believe_falls_when_due()
             update = self.board.update()
-            shape = (update.in_flight, update.unhealthy)
+            shape = (update.in_flight, update.unhealthy, update.held)
             now = time.monotonic()
             news = update.routes or update.bindings or update.usage or shape != last
             if self._draining or not self._followers or (not news and now - last_sent < self._heartbeat_s):

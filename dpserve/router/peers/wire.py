@@ -5,6 +5,7 @@ bounded, so no peer can make this router hold unbounded memory."""
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ MAX_KEYS_PER_ROUTE = 65536
 MAX_BINDINGS = 8192
 MAX_USAGE = 4096
 """Tenants in one update's usage report."""
+MAX_MODELS = 1024
+"""Models in one update's count of requests held."""
 MAX_TEXT = 512
 MAX_COUNT = 1_000_000
 KEY_LIMIT = 1 << 64
@@ -54,6 +57,9 @@ class PeerUpdate:
     """(session key, replica URL): where a session's requests now go."""
     usage: list[tuple[str, int, int]] = field(default_factory=list)
     """(tenant, requests started, tokens answered) since the sender's last update: its share of quotas."""
+    held: tuple[tuple[str, int, float], ...] = ()
+    """(model, requests the sender holds for it, when the oldest began waiting: the sender's wall clock):
+    whole, like the counts; the scale signal's queue is every router's (`scale/advisor.py`)."""
     leaving: bool = False
     """The sender is shutting down: forget it at once."""
 
@@ -89,6 +95,8 @@ def encode_update(update: PeerUpdate) -> bytes:
         body["b"] = [list(pair) for pair in update.bindings]
     if update.usage:
         body["q"] = [list(entry) for entry in update.usage]
+    if update.held:
+        body["h"] = [list(entry) for entry in update.held]
     if update.leaving:
         body["x"] = True
     return frame(msgspec.msgpack.encode(body))
@@ -111,6 +119,7 @@ def decode_update(payload: bytes) -> PeerUpdate:
     routes = _list(body.get("r", []), "r", MAX_ROUTES)
     bindings = _list(body.get("b", []), "b", MAX_BINDINGS)
     usage = _list(body.get("q", []), "q", MAX_USAGE)
+    held = _list(body.get("h", []), "h", MAX_MODELS)
     leaving = body.get("x", False)
     if not isinstance(leaving, bool):
         raise PeerWireError("x: not a boolean")
@@ -123,6 +132,7 @@ def decode_update(payload: bytes) -> PeerUpdate:
         routes=[_route(route) for route in routes],
         bindings=[_binding(pair) for pair in bindings],
         usage=[_usage(entry) for entry in usage],
+        held=tuple(_held(entry) for entry in held),
         leaving=leaving,
     )
 
@@ -221,6 +231,17 @@ def _usage(value: Any) -> tuple[str, int, int]:
     if not isinstance(value, list) or len(value) != 3:
         raise PeerWireError("q: not [tenant, requests, tokens]")
     return _text(value[0], "q"), _count(value[1], "q requests", MAX_COUNT), _count(value[2], "q tokens", 1 << 40)
+
+
+def _held(value: Any) -> tuple[str, int, float]:
+    if not isinstance(value, list) or len(value) != 3:
+        raise PeerWireError("h: not [model, requests, since]")
+    model, since = value[0], _number(value[2], "h since")
+    if not isinstance(model, str) or len(model) > MAX_TEXT:  # "": a request that named no model, none known
+        raise PeerWireError("h: not a short text")
+    if not math.isfinite(since):
+        raise PeerWireError("h since: not finite")
+    return model, _count(value[1], "h requests", MAX_COUNT), since
 
 
 def _kv_entry(value: Any) -> tuple[int | bytes, int, int]:

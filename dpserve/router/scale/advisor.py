@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import statistics
 import time
 from collections import Counter, deque
@@ -79,6 +80,10 @@ class ColdWaiters:
         return sum(len(arrived) for arrived in self._arrived.values())
 
 
+def _joined(held: tuple[int, float] | None, count: int, since: float) -> tuple[int, float]:
+    return (count, since) if held is None else (held[0] + count, min(held[1], since))
+
+
 class ScaleAdvisor:
     def __init__(
         self,
@@ -95,6 +100,9 @@ class ScaleAdvisor:
         self._clock = clock
         self._interval_s = interval_s
         self.cold = ColdWaiters()
+        self._peers_held: dict[str, dict[str, tuple[int, float]]] = {}
+        """Peer origin -> what it holds per model (`peer_held`)."""
+        self._held_listeners: list[Callable[[], None]] = []
         self.states: dict[str, ScaleState] = {}
         self.inputs: dict[str, ScaleInputs] = {}
         self.version = 0
@@ -146,6 +154,16 @@ class ScaleAdvisor:
         if self._poked is not None:
             self._poked.set()
 
+    def on_held_change(self, listener: Callable[[], None]) -> None:
+        """`listener` hears when requests start or stop waiting for a replica (peers hear of them at once)."""
+        self._held_listeners.append(listener)
+
+    def held_changed(self) -> None:
+        """A request began or stopped waiting for a replica to start: look again, and tell the listeners."""
+        self.poke()
+        for listener in self._held_listeners:
+            listener()
+
     async def wait_change(self, after: int, timeout_s: float) -> None:
         """Returns once `version` is past `after`, or after `timeout_s`."""
         deadline = self._clock() + timeout_s
@@ -182,11 +200,12 @@ class ScaleAdvisor:
         """Models any replica reported, those requests wait for, and those the signal still holds above 0."""
         catalog = self._catalog
         known = catalog.known_base_models()
-        held = [name for name, state in self.states.items() if state.desired > 0 or name in known]
-        for gone in [name for name in self.states if name not in held and name not in self.cold.models()]:
+        asked = [*self.cold.models(), *(model for held in self._peers_held.values() for model in held)]
+        kept = [name for name, state in self.states.items() if state.desired > 0 or name in known]
+        for gone in [name for name in self.states if name not in kept and name not in asked]:
             del self.states[gone]  # a name only a bad request ever asked for
             self.inputs.pop(gone, None)
-        return list(dict.fromkeys([*known, *self.cold.models(), *held]))
+        return list(dict.fromkeys([*known, *asked, *kept]))
 
     def read(self, model: str, now: float) -> ScaleInputs:
         ready = starting = draining = load = engine_waiting = 0
@@ -208,17 +227,15 @@ class ScaleAdvisor:
                 kv.append(replica.kv_usage)
                 if replica.slots:
                     capacities.append(replica.slots)
-        held, held_wait = self._held(model)
+        held, since = self._held(model)
         attainment = self._slo.attainment(model) if self._slo is not None else None
-        # Requests waiting for a replica of a model one now serves are on their way to it, not a queue.
-        cold, cold_wait = (self.cold.count(model, now), self.cold.oldest_wait_s(model, now)) if not ready else (0, 0.0)
         return ScaleInputs(
             ready=ready,
             starting=starting,
             draining=draining,
             load=load,
-            queued=held + cold,
-            queue_wait_s=max(held_wait, cold_wait),
+            queued=held,
+            queue_wait_s=max(0.0, now - since) if held else 0.0,
             capacity=round(statistics.fmean(capacities)) if capacities else 0,
             engine_waiting=engine_waiting,
             kv_usage=statistics.fmean(kv) if kv else 0.0,
@@ -226,13 +243,37 @@ class ScaleAdvisor:
             startup_s=self.startup_s,
         )
 
+    def own_held(self) -> dict[str, tuple[int, float]]:
+        """Model -> (requests this router holds for it, when the oldest began waiting): in its queue for room
+        (an adapter's for its base model), and waiting for a replica to start while none serves the model
+        (once one does, they are on their way to it, not a queue). Its peers add it to theirs."""
+        now, catalog, held = self._clock(), self._catalog, dict[str, tuple[int, float]]()
+        for asked, (count, waited) in self._admission.held_by_model().items():
+            model = (catalog.adapter_parent(asked) or asked) if catalog.is_adapter(asked) else asked
+            held[model] = _joined(held.get(model), count, now - waited)
+        for model in self.cold.models():
+            if not catalog.serves(model) and (count := self.cold.count(model, now)):
+                held[model] = _joined(held.get(model), count, now - self.cold.oldest_wait_s(model, now))
+        return held
+
+    def peer_held(self, origin: str, held: dict[str, tuple[int, float]]) -> None:
+        """What a peer router (or a sibling worker) holds now; each router's share of the queue asks for
+        replicas in every router, as the replicas' load does (`peers/board.py`)."""
+        if self._peers_held.get(origin, {}) == held:
+            return
+        if held:
+            self._peers_held[origin] = held
+        else:
+            self._peers_held.pop(origin, None)
+        self.poke()
+
     def _held(self, model: str) -> tuple[int, float]:
-        """Requests held in the router's queue for the model or one of its adapters, and the longest wait."""
-        catalog, count, longest = self._catalog, 0, 0.0
-        for asked, (held, waited) in self._admission.held_by_model().items():
-            if asked == model or (catalog.is_adapter(asked) and catalog.adapter_parent(asked) == model):
-                count, longest = count + held, max(longest, waited)
-        return count, longest
+        """Requests held for the model in this router and its peers, and when the oldest began waiting."""
+        count, since = self.own_held().get(model, (0, math.inf))
+        for held in self._peers_held.values():
+            theirs, their_since = held.get(model, (0, math.inf))
+            count, since = count + theirs, min(since, their_since)
+        return count, since
 
     def _changed_to(self, model: str, was: int, state: ScaleState, now: float) -> None:
         direction = "up" if state.desired > was else "down"

@@ -59,7 +59,7 @@ class ColdStart:
         eta = advisor.eta_s()
         if eta is not None and eta > wait_s:
             advisor.cold.refused(name, time.monotonic() + eta)  # its retry finds the replica it asks for
-            advisor.poke()
+            advisor.held_changed()
             raise cold_start_refused(
                 f"No replica serves this model now; one is expected to start in {eta:.0f} s, longer than this "
                 f"router waits ({wait_s:g} s). Retry later.",
@@ -67,7 +67,7 @@ class ColdStart:
             )
         arrived = time.monotonic()  # the advisor's clock: the oldest wait is one of its inputs
         advisor.cold.add(name, arrived)
-        advisor.poke()
+        advisor.held_changed()
         try:
             while not self._served(model):
                 if time.monotonic() - arrived >= wait_s:
@@ -79,3 +79,4 @@ class ColdStart:
                 await asyncio.sleep(RECHECK_S)
         finally:
             advisor.cold.remove(name, arrived)
+            advisor.held_changed()
