@@ -39,6 +39,7 @@ from dpserve.router.control.admin import FleetControl, add_admin_routes
 from dpserve.router.control.discovery import Discovery, DiscoveryCollector, SourceState
 from dpserve.router.control.secret_files import Secret, SecretFiles
 from dpserve.router.control.shutdown import Shutdown
+from dpserve.router.control.sibling_relay import SiblingRelay, sibling_headers
 from dpserve.router.control.status import RouterState, add_status_routes, replica_status
 from dpserve.router.fleet.gpu_metrics import GpuCollector
 from dpserve.router.flow.access import Guard, KeyRing, Keys, load_keys
@@ -330,7 +331,8 @@ class Router:
             tokens = self._token_cache(replicas)
             relaying = self._relaying(hot, replicas, tokens)
             fleet = await self._kv_events(stack, monitor, replicas, tokens)
-            add_admin_routes(app, fleet, lambda replica: replica_status(replica, self.state))
+            relay = SiblingRelay(self.settings.peer_siblings, lambda: sibling_headers(self.key_ring))
+            add_admin_routes(app, fleet, lambda replica: replica_status(replica, self.state), relay)
             add_scale_routes(app, self.scale)
             self.scale.start()
             stack.push_async_callback(self.scale.stop)

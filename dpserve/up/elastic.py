@@ -100,7 +100,7 @@ class ElasticFleet:
                     await asyncio.wait_for(stopping.wait(), RETRY_S)
                 continue
             versions = [answer["version"] if answer else -1 for answer in answers]
-            # Each router sees its share of the queue; the fleet is sized for the one that needs most.
+            # Peered routers count each other's held requests; the fleet is sized for the one that needs most.
             wanted = max(int(answer["desired"]) for answer in said)
             self.reconcile(min(self.high, max(self.low, wanted)))
 

@@ -151,3 +151,23 @@ def test_a_scale_down_drains_and_waits_for_the_stream_on_the_replica(tmp_path: P
         scale = router_status(fleet.router_url)["scale"]
         history = scale["history"]  # up from 1 for the burst (as far as it needed), down to 1 again
         assert history[0]["from"] == 1 and history[0]["to"] >= 2 and history[-1]["to"] == 1, history
+
+
+def test_with_workers_one_signal_starts_a_replica_that_every_worker_routes_to(tmp_path: Path, slow_sims: float) -> None:
+    """`--workers 2`: the supervisor follows the signal through one worker and tells one worker of each replica it
+    starts. A request that reached the other worker still asks for a replica (workers share what they hold),
+    and every worker routes to it (a change through the admin API is made on every worker)."""
+    bounds = ["--min-replicas", "0", "--max-replicas", "1", "--cold-start-wait", "20", "--scale-down-delay", "60"]
+    with running_fleet(tmp_path, 1, ["--sim", "1", "--workers", "2", *bounds], 60, serving=0) as fleet:
+        url = f"{fleet.router_url}/v1/chat/completions"
+        body = {**chat(4), "stream": False}
+        took = []
+        for _ in range(12):  # each on a new connection: the kernel hands them to either worker
+            began = time.monotonic()
+            answer = httpx.post(url, json=body, timeout=30)
+            took.append(round(time.monotonic() - began, 2))
+            assert answer.status_code == 200, (answer.text, took, fleet.log_tail())
+        assert took[0] <= startups(fleet)[0] + 1.0 and max(took[1:]) < 1.0, (took, fleet.log_tail())
+        assert len(startups(fleet)) == 1  # one replica, whichever worker a request reached
+        scale = httpx.get(f"{fleet.router_url}/admin/scale", timeout=5).json()
+        assert scale["desired"] == 1, scale

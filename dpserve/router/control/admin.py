@@ -30,6 +30,7 @@ from dpserve.replicas.kv_events import KvEventSubscriber, engine_endpoint, parse
 from dpserve.replicas.monitor import ReplicaMonitor
 from dpserve.replicas.registry import REPLICA_NAME, Replica, ReplicaRegistry
 from dpserve.router.control.engine_ops import call_engine, engine_op
+from dpserve.router.control.sibling_relay import SiblingRelay
 from dpserve.router.http.errors import OpenAIError, bad_request
 from dpserve.router.http.request_body import receive_limited
 
@@ -151,8 +152,18 @@ def _text_field(payload: dict[str, Any], name: str) -> str | None:
     return value.strip()
 
 
-def add_admin_routes(app: FastAPI, control: FleetControl, describe: Callable[[Replica], dict[str, Any]]) -> None:
-    """Added as the app starts, with the fleet its lifespan built; `describe` is /status's replica entry."""
+def add_admin_routes(
+    app: FastAPI,
+    control: FleetControl,
+    describe: Callable[[Replica], dict[str, Any]],
+    siblings: SiblingRelay | None = None,
+) -> None:
+    """Added as the app starts, with the fleet its lifespan built; `describe` is /status's replica entry;
+    `siblings`: with `--workers`, where a change to the fleet is made too (`sibling_relay.py`)."""
+
+    async def relayed(request: Request, body: bytes = b"") -> None:
+        if siblings is not None and siblings.relays(request.query_params.get("scope")):
+            await siblings.relay(request.method, request.url.path, body)
 
     @app.get("/admin/replicas")
     async def list_replicas() -> JSONResponse:
@@ -176,19 +187,25 @@ def add_admin_routes(app: FastAPI, control: FleetControl, describe: Callable[[Re
             _text_field(payload, "kv_events"),
         )
         replica = await control.add(url, gpu, events, _text_field(payload, "name"))
+        await relayed(request, raw)
         return JSONResponse(describe(replica), status_code=201)
 
     @app.post("/admin/replicas/{replica_id}/drain")
-    async def drain_replica(replica_id: str) -> JSONResponse:
-        return JSONResponse(describe(control.drain(replica_id, True)))
+    async def drain_replica(replica_id: str, request: Request) -> JSONResponse:
+        replica = control.drain(replica_id, True)
+        await relayed(request)
+        return JSONResponse(describe(replica))
 
     @app.post("/admin/replicas/{replica_id}/resume")
-    async def resume_replica(replica_id: str) -> JSONResponse:
-        return JSONResponse(describe(await control.resume(replica_id)))
+    async def resume_replica(replica_id: str, request: Request) -> JSONResponse:
+        replica = await control.resume(replica_id)
+        await relayed(request)
+        return JSONResponse(describe(replica))
 
     @app.delete("/admin/replicas/{replica_id}")
-    async def remove_replica(replica_id: str) -> JSONResponse:
+    async def remove_replica(replica_id: str, request: Request) -> JSONResponse:
         replica = await control.remove(replica_id)
+        await relayed(request)
         return JSONResponse({**describe(replica), "removed": True})
 
     async def engine(request: Request, replicas: list[Replica], op_name: str) -> JSONResponse:

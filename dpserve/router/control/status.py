@@ -23,6 +23,7 @@ from dpserve.router.batch.runner import BatchRunner, progress_status
 from dpserve.router.control.dashboard import dashboard_html
 from dpserve.router.control.discovery import SourceState
 from dpserve.router.control.shutdown import Shutdown
+from dpserve.router.control.sibling_relay import sibling_headers
 from dpserve.router.control.worker_status import WorkerStatus
 from dpserve.router.fleet.gpus import GpuFleet
 from dpserve.router.flow.access import KeyRing, Keys
@@ -78,9 +79,7 @@ class RouterState:
 
 def add_status_routes(app: FastAPI, state: RouterState) -> None:
     def sibling_key() -> dict[str, str]:
-        keys = state.key_ring.keys
-        key = (keys.admins or keys.metrics or (None,))[0]
-        return {"authorization": f"Bearer {key.decode()}"} if key is not None else {}
+        return sibling_headers(state.key_ring)
 
     workers = WorkerMetrics(state.metrics.registry, state.siblings, sibling_key)
     statuses = WorkerStatus(state.siblings, sibling_key)
