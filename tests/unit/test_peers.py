@@ -24,6 +24,7 @@ from dpserve.router.peers.wire import (
     MAX_MODELS,
     MAX_ROUTES,
     MAX_USAGE,
+    Held,
     PeerUpdate,
     PeerWireError,
     decode_snapshot,
@@ -353,14 +354,14 @@ def test_malformed_usage_reports_are_refused(usage: list[list[object]]) -> None:
 class HeldBook:
     """A scale advisor's side of the board: what this router holds, and what it heard each peer holds."""
 
-    def __init__(self, own: dict[str, tuple[int, float]]) -> None:
+    def __init__(self, own: dict[str, Held]) -> None:
         self.own = own
-        self.peers: dict[str, dict[str, tuple[int, float]]] = {}
+        self.peers: dict[str, dict[str, Held]] = {}
 
-    def own_held(self) -> dict[str, tuple[int, float]]:
+    def own_held(self) -> dict[str, Held]:
         return self.own
 
-    def peer_held(self, origin: str, held: dict[str, tuple[int, float]]) -> None:
+    def peer_held(self, origin: str, held: dict[str, Held]) -> None:
         self.peers[origin] = held
 
 
@@ -368,23 +369,25 @@ def test_requests_held_in_a_router_travel_to_its_peers_on_their_own_clocks() -> 
     """The scale signal's queue is every router's: a peer's held requests, their oldest wait read on this
     router's clock (the wire carries the sender's wall clock)."""
     sender_clock, receiver_clock = Clock(), Clock()
-    sender_share, receiver_share = HeldBook({"m": (2, 990.0), "": (1, 999.0)}), HeldBook({})
+    own = {"m": Held(queued=2, queued_since=990.0), "": Held(cold=1, cold_since=999.0)}
+    sender_share, receiver_share = HeldBook(own), HeldBook({})
     sender_wall, receiver_wall = (lambda: sender_clock.now + 5000.0), (lambda: receiver_clock.now + 5950.0)
     sender = PeerBoard(healthy_registry(URLS), "peer-a", clock=sender_clock, wall=sender_wall, held=sender_share)
     receiver = PeerBoard(healthy_registry(URLS), "me", clock=receiver_clock, wall=receiver_wall, held=receiver_share)
     update = decode_update(payload(encode_update(sender.update())))
-    assert update.held == (("m", 2, 5990.0), ("", 1, 5999.0))  # waiting for 10 s and 1 s, on the sender's wall
+    # Waiting for 10 s and 1 s, on the sender's wall clock:
+    assert update.held == (("m", Held(2, 5990.0, 0, 0.0)), ("", Held(0, 0.0, 1, 5999.0)))
     receiver_clock.now = 50.0  # the same wall time (6000), another monotonic clock
     receiver.apply(update, "link")
-    assert receiver_share.peers["peer-a"] == {"m": (2, 40.0), "": (1, 49.0)}  # waiting for 10 s and 1 s here too
+    assert receiver_share.peers["peer-a"] == {"m": Held(2, 40.0), "": Held(cold=1, cold_since=49.0)}  # the same
     receiver.apply(dataclasses.replace(update, seq=update.seq + 1, leaving=True), "link")
     assert receiver_share.peers["peer-a"] == {}  # gone: its requests no longer count
 
 
 @pytest.mark.parametrize(
     "held",
-    [[["m", 1]], [["m", -1, 1.0]], [["m", 1, float("inf")]], [["m", 1, float("nan")]], [[5, 1, 1.0]],
-     [["m", 1, 1.0]] * (MAX_MODELS + 1)],
+    [[["m", 1, 1.0]], [["m", -1, 1.0, 0, 0.0]], [["m", 1, float("inf"), 0, 0.0]], [["m", 1, 1.0, 1, float("nan")]],
+     [[5, 1, 1.0, 0, 0.0]], [["m", 1, 1.0, 0, 0.0]] * (MAX_MODELS + 1)],
 )  # fmt: skip
 def test_malformed_held_counts_are_refused(held: list[list[object]]) -> None:
     with pytest.raises(PeerWireError):

@@ -17,6 +17,7 @@ from dpserve.replicas.health import HealthRules
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.admission import Admission
 from dpserve.router.http.errors import OpenAIError
+from dpserve.router.peers.wire import Held
 from dpserve.router.scale.advisor import ScaleAdvisor, ScaleCollector
 from dpserve.router.scale.cold_start import ColdStart
 from dpserve.router.scale.signal import (
@@ -499,21 +500,26 @@ async def test_requests_held_in_peer_routers_count_as_this_routers_own() -> None
     advisor = ScaleAdvisor(registry, catalog, admission, RULES, clock=clock)
     advisor.tick()
     assert advisor.desired() == 0
-    advisor.peer_held("worker-1", {"m": (1, clock.now - 0.5)})  # a cold start in a sibling worker
+    cold = Held(cold=1, cold_since=clock.now - 0.5)
+    advisor.peer_held("worker-1", {"m": cold})  # a cold start in a sibling worker
     advisor.tick()
     assert advisor.states["m"].desired == 1 and advisor.inputs["m"].queue_wait_s == pytest.approx(0.5)
-    # Its own and two peers' add up; the oldest wait is the oldest anywhere.
     registry.add("r0=http://127.0.0.1:1")
     catalog.set_model_cards("r0", (MODEL,))
     registry.probe_succeeded("r0")
+    clock.now += 3.0
+    advisor.tick()
+    # Ready here, the replica it waited for serves: its wait is no queue (the sibling has not yet seen it).
+    assert advisor.inputs["m"].queued == 0 and advisor.states["m"].desired == 1
+    # Its own and two peers' queues add up; the oldest wait is the oldest anywhere.
     own = asyncio.create_task(admission.wait_for_room(lambda: False, model="m"))
     await asyncio.sleep(0)
-    advisor.peer_held("worker-1", {"m": (2, clock.now - 3.0)})
-    advisor.peer_held("other-router", {"m": (1, clock.now - 1.0), "z": (4, clock.now)})
-    assert advisor.own_held() == {"m": (1, clock.now)}
+    advisor.peer_held("worker-1", {"m": Held(2, clock.now - 3.0)})
+    advisor.peer_held("other-router", {"m": Held(1, clock.now - 1.0), "z": Held(cold=4, cold_since=clock.now)})
+    assert advisor.own_held() == {"m": Held(1, clock.now)}
     advisor.tick()
     assert advisor.inputs["m"].queued == 4 and advisor.inputs["m"].queue_wait_s == pytest.approx(3.0)
-    assert advisor.inputs["z"].queued == 4  # a model only a peer's requests ask for
+    assert advisor.inputs["z"].queued == 4  # a model only a peer's requests ask for, no replica serving it
     advisor.peer_held("worker-1", {})
     advisor.peer_held("other-router", {})
     advisor.tick()

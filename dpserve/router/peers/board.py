@@ -25,7 +25,7 @@ from dpserve.kvindex.recent import RecentRoutes
 from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.quotas import QuotaBook
-from dpserve.router.peers.wire import MAX_MODELS, MAX_ROUTES, MAX_USAGE, PeerSnapshot, PeerUpdate
+from dpserve.router.peers.wire import MAX_MODELS, MAX_ROUTES, MAX_USAGE, Held, PeerSnapshot, PeerUpdate
 
 FALL_SPREAD_S = 0.1
 """A router's pause before it believes a fall in peers' counts, at most: long beside the few milliseconds in which
@@ -35,11 +35,11 @@ the first router to take a freed slot tells the others (at once, while contested
 class HeldShare(Protocol):
     """Where requests held in the routers are counted per model: the scale signal's queue (`scale/advisor.py`)."""
 
-    def own_held(self) -> dict[str, tuple[int, float]]:
-        """Model -> (requests this router holds for it, when the oldest began waiting: the board's clock)."""
+    def own_held(self) -> dict[str, Held]:
+        """Model -> the requests this router holds for it (on the board's clock)."""
         ...
 
-    def peer_held(self, origin: str, held: dict[str, tuple[int, float]]) -> None:
+    def peer_held(self, origin: str, held: dict[str, Held]) -> None:
         """What one peer holds now, in the same form (empty: nothing, or the peer is gone)."""
         ...
 
@@ -158,7 +158,7 @@ class PeerBoard:
         if self.held is not None:
             # Their wall clock to this board's: a wait is read here as it grows.
             offset = self._clock() - self._wall()
-            self.held.peer_held(update.origin, {model: (n, since + offset) for model, n, since in update.held})
+            self.held.peer_held(update.origin, {model: held.moved(offset) for model, held in update.held})
         before = known.unhealthy if known is not None else frozenset()
         if known is None and len(self._origins) >= self.max_origins:
             oldest = min(self._origins.values(), key=lambda o: o.heard_at)
@@ -265,12 +265,11 @@ class PeerBoard:
         usage = []
         if self.quotas is not None and news:
             usage = [(tenant, requests, tokens) for tenant, (requests, tokens) in self.quotas.take_news().items()]
-        held: tuple[tuple[str, int, float], ...] = ()
+        held: tuple[tuple[str, Held], ...] = ()
         if self.held is not None:
             # To the wall clock, rounded: the same queue is the same update (`links.py` sends on a change).
             offset = self._wall() - self._clock()
-            own = self.held.own_held().items()
-            held = tuple((model, n, round(since + offset, 2)) for model, (n, since) in own)[:MAX_MODELS]
+            held = tuple((model, counts.moved(offset)) for model, counts in self.held.own_held().items())[:MAX_MODELS]
         return PeerUpdate(
             origin=self.origin,
             seq=self._seq,

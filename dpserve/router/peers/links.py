@@ -45,6 +45,7 @@ from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.peers.board import PeerBoard
 from dpserve.router.peers.wire import (
     SNAPSHOT_MAX_BYTES,
+    Held,
     PeerWireError,
     decode_snapshot,
     decode_update,
@@ -288,7 +289,7 @@ class PeerLinks:
             await asyncio.sleep(self._interval_s)
 
     async def _publish(self) -> None:
-        last: tuple[dict[str, int], tuple[str, ...], tuple[tuple[str, int, float], ...]] | None = None
+        last: tuple[dict[str, int], tuple[str, ...], tuple[tuple[str, Held], ...]] | None = None
         last_sent = 0.0
         while True:
             await self._wake()

@@ -9,7 +9,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -37,6 +37,22 @@ class PeerWireError(ValueError):
     """A peer sent something that is not a well-formed update or snapshot."""
 
 
+class Held(NamedTuple):
+    """Requests one router holds for a model: for room in its queue, and for a replica to start (cold: on their
+    way once a replica serves the model), each with when its oldest began waiting (0 with none)."""
+
+    queued: int = 0
+    queued_since: float = 0.0
+    cold: int = 0
+    cold_since: float = 0.0
+
+    def moved(self, offset: float) -> Held:
+        """The same on a clock `offset` seconds ahead (the wire carries the sender's wall clock)."""
+        queued_since = round(self.queued_since + offset, 3) if self.queued else 0.0
+        cold_since = round(self.cold_since + offset, 3) if self.cold else 0.0
+        return Held(self.queued, queued_since, self.cold, cold_since)
+
+
 @dataclass(frozen=True)
 class PeerUpdate:
     """One router's news since its last update. `in_flight` and `unhealthy` are whole (each update
@@ -57,9 +73,9 @@ class PeerUpdate:
     """(session key, replica URL): where a session's requests now go."""
     usage: list[tuple[str, int, int]] = field(default_factory=list)
     """(tenant, requests started, tokens answered) since the sender's last update: its share of quotas."""
-    held: tuple[tuple[str, int, float], ...] = ()
-    """(model, requests the sender holds for it, when the oldest began waiting: the sender's wall clock):
-    whole, like the counts; the scale signal's queue is every router's (`scale/advisor.py`)."""
+    held: tuple[tuple[str, Held], ...] = ()
+    """(model, the requests the sender holds for it, on its wall clock): whole, like the counts; the scale
+    signal's queue is every router's (`scale/advisor.py`)."""
     leaving: bool = False
     """The sender is shutting down: forget it at once."""
 
@@ -96,7 +112,7 @@ def encode_update(update: PeerUpdate) -> bytes:
     if update.usage:
         body["q"] = [list(entry) for entry in update.usage]
     if update.held:
-        body["h"] = [list(entry) for entry in update.held]
+        body["h"] = [[model, *held] for model, held in update.held]
     if update.leaving:
         body["x"] = True
     return frame(msgspec.msgpack.encode(body))
@@ -233,15 +249,18 @@ def _usage(value: Any) -> tuple[str, int, int]:
     return _text(value[0], "q"), _count(value[1], "q requests", MAX_COUNT), _count(value[2], "q tokens", 1 << 40)
 
 
-def _held(value: Any) -> tuple[str, int, float]:
-    if not isinstance(value, list) or len(value) != 3:
-        raise PeerWireError("h: not [model, requests, since]")
-    model, since = value[0], _number(value[2], "h since")
+def _held(value: Any) -> tuple[str, Held]:
+    if not isinstance(value, list) or len(value) != 5:
+        raise PeerWireError("h: not [model, queued, since, cold, since]")
+    model = value[0]
     if not isinstance(model, str) or len(model) > MAX_TEXT:  # "": a request that named no model, none known
         raise PeerWireError("h: not a short text")
-    if not math.isfinite(since):
+    sinces = [_number(value[index], "h since") for index in (2, 4)]
+    if not all(math.isfinite(since) for since in sinces):
         raise PeerWireError("h since: not finite")
-    return model, _count(value[1], "h requests", MAX_COUNT), since
+    return model, Held(
+        _count(value[1], "h queued", MAX_COUNT), sinces[0], _count(value[3], "h cold", MAX_COUNT), sinces[1]
+    )
 
 
 def _kv_entry(value: Any) -> tuple[int | bytes, int, int]:

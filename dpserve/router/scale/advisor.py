@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.admission import Admission
+from dpserve.router.peers.wire import Held
 from dpserve.router.quality.latency_watch import SloBook
 from dpserve.router.scale.signal import ScaleInputs, ScaleRules, ScaleState, decide, first_state
 
@@ -80,10 +81,6 @@ class ColdWaiters:
         return sum(len(arrived) for arrived in self._arrived.values())
 
 
-def _joined(held: tuple[int, float] | None, count: int, since: float) -> tuple[int, float]:
-    return (count, since) if held is None else (held[0] + count, min(held[1], since))
-
-
 class ScaleAdvisor:
     def __init__(
         self,
@@ -100,7 +97,7 @@ class ScaleAdvisor:
         self._clock = clock
         self._interval_s = interval_s
         self.cold = ColdWaiters()
-        self._peers_held: dict[str, dict[str, tuple[int, float]]] = {}
+        self._peers_held: dict[str, dict[str, Held]] = {}
         """Peer origin -> what it holds per model (`peer_held`)."""
         self._held_listeners: list[Callable[[], None]] = []
         self.states: dict[str, ScaleState] = {}
@@ -227,7 +224,7 @@ class ScaleAdvisor:
                 kv.append(replica.kv_usage)
                 if replica.slots:
                     capacities.append(replica.slots)
-        held, since = self._held(model)
+        held, since = self._held(model, ready > 0)
         attainment = self._slo.attainment(model) if self._slo is not None else None
         return ScaleInputs(
             ready=ready,
@@ -243,20 +240,22 @@ class ScaleAdvisor:
             startup_s=self.startup_s,
         )
 
-    def own_held(self) -> dict[str, tuple[int, float]]:
-        """Model -> (requests this router holds for it, when the oldest began waiting): in its queue for room
-        (an adapter's for its base model), and waiting for a replica to start while none serves the model
-        (once one does, they are on their way to it, not a queue). Its peers add it to theirs."""
-        now, catalog, held = self._clock(), self._catalog, dict[str, tuple[int, float]]()
+    def own_held(self) -> dict[str, Held]:
+        """Model -> the requests this router holds for it: in its queue for room (an adapter's for its base
+        model), and waiting for a replica to start while none serves the model. Its peers add it to theirs."""
+        now, catalog, held = self._clock(), self._catalog, dict[str, Held]()
         for asked, (count, waited) in self._admission.held_by_model().items():
             model = (catalog.adapter_parent(asked) or asked) if catalog.is_adapter(asked) else asked
-            held[model] = _joined(held.get(model), count, now - waited)
+            was = held.get(model, Held())
+            since = min(was.queued_since, now - waited) if was.queued else now - waited
+            held[model] = was._replace(queued=was.queued + count, queued_since=since)
         for model in self.cold.models():
             if not catalog.serves(model) and (count := self.cold.count(model, now)):
-                held[model] = _joined(held.get(model), count, now - self.cold.oldest_wait_s(model, now))
+                since = now - self.cold.oldest_wait_s(model, now)
+                held[model] = held.get(model, Held())._replace(cold=count, cold_since=since)
         return held
 
-    def peer_held(self, origin: str, held: dict[str, tuple[int, float]]) -> None:
+    def peer_held(self, origin: str, held: dict[str, Held]) -> None:
         """What a peer router (or a sibling worker) holds now; each router's share of the queue asks for
         replicas in every router, as the replicas' load does (`peers/board.py`)."""
         if self._peers_held.get(origin, {}) == held:
@@ -267,12 +266,18 @@ class ScaleAdvisor:
             self._peers_held.pop(origin, None)
         self.poke()
 
-    def _held(self, model: str) -> tuple[int, float]:
-        """Requests held for the model in this router and its peers, and when the oldest began waiting."""
-        count, since = self.own_held().get(model, (0, math.inf))
-        for held in self._peers_held.values():
-            theirs, their_since = held.get(model, (0, math.inf))
-            count, since = count + theirs, min(since, their_since)
+    def _held(self, model: str, ready: bool) -> tuple[int, float]:
+        """Requests held for the model in this router and its peers, and when the oldest began waiting. Those
+        waiting for a replica to start count while none is ready here: once one is, they are on their way
+        to it (a peer may not have seen it serve yet)."""
+        count, since = 0, math.inf
+        for held in (self.own_held().get(model), *(peer.get(model) for peer in self._peers_held.values())):
+            if held is None:
+                continue
+            if held.queued:
+                count, since = count + held.queued, min(since, held.queued_since)
+            if held.cold and not ready:
+                count, since = count + held.cold, min(since, held.cold_since)
         return count, since
 
     def _changed_to(self, model: str, was: int, state: ScaleState, now: float) -> None:
