@@ -7,7 +7,10 @@ from typing import Any
 
 import pytest
 
+from dpserve.router.control.sibling_relay import SiblingRelay, sibling_headers
 from dpserve.router.control.worker_status import combine
+from dpserve.router.flow.access import KeyRing, Keys
+from dpserve.router.observe.worker_metrics import WORKER_SCOPE
 from dpserve.router.quality.receipts import ReceiptBook
 from dpserve.router.quality.shadows import ShadowTally
 
@@ -69,3 +72,15 @@ def test_shadow_tallies_add_up_and_their_shares_are_over_the_sums() -> None:
     assert merged["by_replica"] == {"r0": 4, "r1": 4}
     # Each worker alone sent everything to one replica (share 2.0); together they spread evenly.
     assert one.to_dict(2)["max_share"] == 2.0 and merged["max_share"] == pytest.approx(1.0)
+
+
+def test_a_fleet_change_goes_to_the_siblings_once_with_the_key_in_force() -> None:
+    """The worker a change reached tells its siblings (`?scope=worker`); a sibling told does not tell again."""
+    relay = SiblingRelay(("http://127.0.0.1:9",))
+    assert relay.relays(None) and not relay.relays(WORKER_SCOPE)
+    assert not SiblingRelay(()).relays(None)  # one worker: nobody to tell
+    ring = KeyRing(Keys(admins=(b"admin-1",), metrics=(b"metrics-1",)))
+    assert sibling_headers(ring) == {"authorization": "Bearer admin-1"}
+    ring.keys = Keys(metrics=(b"metrics-2",))  # a key file changed
+    assert sibling_headers(ring) == {"authorization": "Bearer metrics-2"}
+    assert sibling_headers(KeyRing(Keys())) == {}
