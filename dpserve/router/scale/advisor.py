@@ -366,7 +366,7 @@ class ScaleCollector(Collector):
         gauges = {
             "queued": GaugeMetricFamily(
                 "dpserve_scale_queue_depth",
-                "Requests for the model waiting in this router (for room, or for a replica to start).",
+                "Requests for the model waiting in this router and its peers (for room, or for a replica to start).",
                 labels=["model"],
             ),
             "queue_wait_s": GaugeMetricFamily(
