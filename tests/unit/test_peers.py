@@ -24,7 +24,6 @@ from dpserve.router.peers.wire import (
     MAX_MODELS,
     MAX_ROUTES,
     MAX_USAGE,
-    Held,
     PeerUpdate,
     PeerWireError,
     decode_snapshot,
@@ -33,6 +32,7 @@ from dpserve.router.peers.wire import (
     encode_update,
     frame_length,
 )
+from dpserve.router.scale.held import Held
 
 URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 

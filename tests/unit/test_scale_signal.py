@@ -17,9 +17,9 @@ from dpserve.replicas.health import HealthRules
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.admission import Admission
 from dpserve.router.http.errors import OpenAIError
-from dpserve.router.peers.wire import Held
 from dpserve.router.scale.advisor import ScaleAdvisor, ScaleCollector
 from dpserve.router.scale.cold_start import ColdStart
+from dpserve.router.scale.held import Held
 from dpserve.router.scale.signal import (
     HYSTERESIS,
     TREND_WINDOW_S,

@@ -25,7 +25,8 @@ from dpserve.kvindex.recent import RecentRoutes
 from dpserve.policies.bindings import SessionBindings
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.quotas import QuotaBook
-from dpserve.router.peers.wire import MAX_MODELS, MAX_ROUTES, MAX_USAGE, Held, PeerSnapshot, PeerUpdate
+from dpserve.router.peers.wire import MAX_MODELS, MAX_ROUTES, MAX_USAGE, PeerSnapshot, PeerUpdate
+from dpserve.router.scale.held import Held
 
 FALL_SPREAD_S = 0.1
 """A router's pause before it believes a fall in peers' counts, at most: long beside the few milliseconds in which

@@ -45,7 +45,6 @@ from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.peers.board import PeerBoard
 from dpserve.router.peers.wire import (
     SNAPSHOT_MAX_BYTES,
-    Held,
     PeerWireError,
     decode_snapshot,
     decode_update,
@@ -54,6 +53,7 @@ from dpserve.router.peers.wire import (
     frame,
     frame_length,
 )
+from dpserve.router.scale.held import Held
 
 log = logging.getLogger("dpserve.peers")
 

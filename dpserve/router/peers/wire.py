@@ -9,9 +9,11 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
+
+from dpserve.router.scale.held import Held
 
 VERSION = 1
 LENGTH = struct.Struct(">I")
@@ -35,22 +37,6 @@ _DECODER = msgspec.msgpack.Decoder()
 
 class PeerWireError(ValueError):
     """A peer sent something that is not a well-formed update or snapshot."""
-
-
-class Held(NamedTuple):
-    """Requests one router holds for a model: for room in its queue, and for a replica to start (cold: on their
-    way once a replica serves the model), each with when its oldest began waiting (0 with none)."""
-
-    queued: int = 0
-    queued_since: float = 0.0
-    cold: int = 0
-    cold_since: float = 0.0
-
-    def moved(self, offset: float) -> Held:
-        """The same on a clock `offset` seconds ahead (the wire carries the sender's wall clock)."""
-        queued_since = round(self.queued_since + offset, 3) if self.queued else 0.0
-        cold_since = round(self.cold_since + offset, 3) if self.cold else 0.0
-        return Held(self.queued, queued_since, self.cold, cold_since)
 
 
 @dataclass(frozen=True)

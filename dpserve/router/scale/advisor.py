@@ -22,8 +22,8 @@ from prometheus_client.registry import Collector
 from dpserve.replicas.catalog import ModelCatalog
 from dpserve.replicas.registry import ReplicaRegistry
 from dpserve.router.flow.admission import Admission
-from dpserve.router.peers.wire import Held
 from dpserve.router.quality.latency_watch import SloBook
+from dpserve.router.scale.held import Held
 from dpserve.router.scale.signal import ScaleInputs, ScaleRules, ScaleState, decide, first_state
 
 log = logging.getLogger("dpserve.router")
