@@ -70,6 +70,7 @@ from dpserve.up.plan import (
     told_max_num_seqs,
     vllm_engine_flags,
 )
+from dpserve.up.vllm_args import flag_name, listed
 from dpserve.version import package_version
 
 DEFAULT_GPUS = 2
@@ -232,18 +233,13 @@ def var(name: str, default: object) -> str:
     return f"${{{name}:-{default}}}"
 
 
-def _vllm_flag_name(arg: str) -> str:
-    """A flag's name as vLLM reads it: `--max_model_len=8` is `--max-model-len`."""
-    name = arg.split("=", 1)[0]
-    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
-
-
 def check_vllm_args(args: tuple[str, ...], tls: bool = False) -> None:
     """Flags after `--` go to every vLLM replica, but not those the stack writes itself: a ValueError naming
     the flag and where it is set."""
     written = {**VLLM_FLAGS_OF_COMPOSE, **(VLLM_TLS_FLAGS if tls else {})}
     for arg in args:
-        where = written.get(_vllm_flag_name(arg)) if arg.startswith("-") else None
+        own = listed(flag_name(arg), written)
+        where = written[own] if own is not None else None
         if where:
             raise ValueError(f"-- {arg}: set by {where}, not after `--`")
 

@@ -1241,6 +1241,8 @@ def test_tls_refuses_the_scaled_stack_and_vllm_tls_flags_after_a_double_dash(
         ComposeOptions(tls=True, scaled=True)
     with pytest.raises(ValueError, match="--ssl-keyfile=x: set by dpserve compose --tls"):
         ComposeOptions(tls=True, vllm_args=("--ssl-keyfile=x",))
+    with pytest.raises(ValueError, match="--ssl_key: set by dpserve compose --tls"):  # any spelling vLLM reads
+        ComposeOptions(tls=True, vllm_args=("--ssl_key", "x"))
     assert ComposeOptions(vllm_args=("--ssl-keyfile", "x")).vllm_args  # without --tls, vLLM's own to set
     assert main(["compose", "--env-file", "/nonexistent", "--tls", "--scaled"]) == 2
     assert "--tls with --scaled" in capsys.readouterr().err
