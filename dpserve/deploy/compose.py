@@ -238,10 +238,8 @@ def check_vllm_args(args: tuple[str, ...], tls: bool = False) -> None:
     the flag and where it is set."""
     written = {**VLLM_FLAGS_OF_COMPOSE, **(VLLM_TLS_FLAGS if tls else {})}
     for arg in args:
-        own = listed(flag_name(arg), written)
-        where = written[own] if own is not None else None
-        if where:
-            raise ValueError(f"-- {arg}: set by {where}, not after `--`")
+        if (own := listed(flag_name(arg), written)) is not None:
+            raise ValueError(f"-- {arg}: set by {written[own]}, not after `--`")
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,8 @@ class KvAwareWeights:
     nothing, so every new prefix wants it: in `dpserve bench elastic` a simulator that started on the ramp took
     14 new prefixes in 1.3 s at a capacity of 4 (the balance guard allows 8 over the lightest), 10 of them
     queued in its engine; within 2 of the lightest, a full replica still took a fifth while another ran 2 of
-    its 4. Within 1 instead cost the cache-pressure
-    workload of `dpserve bench policies` 0.98 -> 0.94 of the oracle (docs/benchmarks/elastic.md)."""
+    its 4. Within 1 instead cost the cache-pressure workload of `dpserve bench policies` 0.98 -> 0.94 of the
+    oracle (docs/benchmarks/elastic.md)."""
     held_tie: float = 0.25
     """For a new prefix, also held costs within this share of the mean held blocks are a tie (added to the
     load's): routers that count the same held blocks would otherwise send every new prefix arriving
