@@ -40,7 +40,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CHECKOV_VERSION := 3.3.30
 CHECKOV := $(VENV)/checkov/bin/checkov
 
-.PHONY: run test install compiled pure wheel lint format clean docker-engine compose-up compose-down
+.PHONY: run test floors install compiled pure wheel lint format clean docker-engine compose-up compose-down
 
 run: $(if $(wildcard $(STAMP)),$(STAMP),$(RUN_STAMP))
 	$(VENV)/bin/dpserve up $(ARGS)
@@ -63,6 +63,11 @@ test: $(STAMP) $(if $(PURE),,$(COMPILED)) $(BROWSER) $(DNSMASQ) $(HAPROXY) $(WRK
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# Every lower bound in pyproject.toml, tested together in .venv/floors (tools/floors.sh says how); run it when a
+# bound changes. Not part of `make test`: it installs a second environment.
+floors:
+	PYTHON=$(PYTHON) tools/floors.sh
 
 install: $(STAMP)
 

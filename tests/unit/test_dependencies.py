@@ -30,6 +30,8 @@ FLOORS = {
     "python-multipart": ("0.0.18", "imported as python_multipart (0.0.13's name); 0.0.18 fixes CVE-2024-53981"),
     "starlette": ("0.36.3", "the oldest fastapi 0.110 (the fastapi floor) installs with"),
     "fastapi": ("0.110", "0.110 is the oldest release tested"),
+    "uvicorn": ("0.50", "the router's protocol keeps 0.50's connection state; on 0.49 every request got a 400"),
+    "httptools": ("0.8", "what uvicorn[standard] 0.50 installs with"),
 }
 
 
@@ -168,6 +170,7 @@ def floors_broken(project: dict[str, Any]) -> list[str]:
     return wrong
 
 
+@pytest.mark.engine
 def test_every_library_dpserve_imports_is_declared() -> None:
     found = third_party_imports()
     assert {i.module for i in found if not i.deferred} >= {"starlette", "fastapi", "python_multipart"}
@@ -194,6 +197,7 @@ def test_imports_are_told_apart_by_where_they_run() -> None:
     ]
 
 
+@pytest.mark.engine
 def test_a_library_only_brought_in_by_another_is_caught() -> None:
     # As pyproject.toml stood before starlette was declared: fastapi brings it, dpserve imports it itself.
     without = {**PROJECT, "dependencies": [t for t in PROJECT["dependencies"] if not t.startswith("starlette")]}

@@ -384,6 +384,7 @@ def test_the_router_reads_its_keys_from_files_of_the_secret_the_header_says_to_c
     assert keys.admins == (b"admin-key-1234",) and "team-a" in keys.user_names
 
 
+@pytest.mark.engine
 def test_vllm_requires_the_replica_key_the_header_says_to_create_and_every_router_sends_it() -> None:
     options = KubeOptions(replicas=2, namespace="llm")
     text = render(options)

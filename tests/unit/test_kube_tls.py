@@ -302,6 +302,7 @@ def test_no_tls_unless_asked() -> None:
     assert "ssl" not in text and "https" not in text.lower() and "tls" not in text.lower()
 
 
+@pytest.mark.engine
 def test_the_vllm_flags_written_are_vllms_own() -> None:
     """vLLM's own argument classes declare the flags the pods are given (its text, not an import of seconds)."""
     spec = importlib.util.find_spec("vllm")

@@ -16,6 +16,8 @@ from dpserve.router.observe.model_tokenizers import ModelTokenizers, find_model_
 from dpserve.router.observe.prompt_tokens import LocalTokenizer, TokenIds
 from dpserve.router.observe.token_pieces import token_ids
 
+pytestmark = pytest.mark.engine  # the tiny model is built with transformers, the engine's
+
 CHAT = {"messages": [{"role": "system", "content": "Route well. " * 40}, {"role": "user", "content": "Hi"}]}
 
 

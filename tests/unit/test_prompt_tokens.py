@@ -32,6 +32,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny.build_tiny_model(tmp_path_factory.mktemp("tiny-tokens"))
 
 
+@pytest.mark.engine
 def test_local_tokenizer_matches_the_replicas_ids(model_dir: Path) -> None:
     local = LocalTokenizer(model_dir)
     reference = TinyTokenizer()
@@ -48,6 +49,7 @@ def test_local_tokenizer_matches_the_replicas_ids(model_dir: Path) -> None:
     assert ids(local.tokens_now("chat", {"messages": MESSAGES})) == expected
 
 
+@pytest.mark.engine
 async def test_long_prompts_are_tokenized_off_the_event_loop_with_the_same_ids(model_dir: Path) -> None:
     local = LocalTokenizer(model_dir)
     long_text = "route every prompt to its cache " * 200

@@ -151,6 +151,7 @@ AUTH_CASES: list[tuple[str, str, dict[str, str]]] = [
 ]
 
 
+@pytest.mark.engine
 def test_the_sims_api_key_guards_exactly_the_paths_vllms_does() -> None:
     """The same requests through vLLM's own middleware and the sim's, around the same app: the same answers."""
     from starlette.applications import Starlette

@@ -28,6 +28,7 @@ def random_text(rng: random.Random, words: int) -> str:
     return "".join(rng.choice(WORDS) for _ in range(words))
 
 
+@pytest.mark.engine
 def test_pieces_give_the_tokenizers_own_ids(tokenizer: Tokenizer) -> None:
     """Texts with added tokens anywhere (at the ends, doubled, inside words) and odd spacing: by pieces,
     after the checks stop, the ids are exactly the whole encode's, with and without special tokens."""
@@ -42,6 +43,7 @@ def test_pieces_give_the_tokenizers_own_ids(tokenizer: Tokenizer) -> None:
     assert encoder.hits > 0
 
 
+@pytest.mark.engine
 def test_a_shared_prefix_is_encoded_once(tokenizer: Tokenizer) -> None:
     encoder = PieceEncoder(tokenizer)
     system = "You are the router's assistant. " * 20
@@ -55,6 +57,7 @@ def test_a_shared_prefix_is_encoded_once(tokenizer: Tokenizer) -> None:
     assert encoder.hits == 2  # the system prompt's piece and the generation prompt's
 
 
+@pytest.mark.engine
 def test_the_piece_cache_is_bounded(tokenizer: Tokenizer) -> None:
     encoder = PieceEncoder(tokenizer, max_pieces=3)
     texts = [f"{i} " + "long piece of a prompt " * 5 for i in range(5)]
@@ -91,6 +94,7 @@ def test_added_tokens_that_strip_spaces_are_never_cut_around() -> None:
     assert PieceEncoder(tokenizer).whole_only
 
 
+@pytest.mark.engine
 def test_checks_run_first_then_sampled(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> None:
     """The whole encode runs for the first prompts and then one in CHECK_EVERY: a difference that shows
     late is still caught."""
@@ -135,6 +139,7 @@ def test_prefix_keys_are_block_keys_and_reuse_shared_beginnings() -> None:
         assert memo.reused_blocks >= reuse * memo.hashed_blocks
 
 
+@pytest.mark.engine
 def test_encodes_from_several_threads_share_the_cache_safely(tokenizer: Tokenizer) -> None:
     """The event loop and worker threads encode side by side (long new prompts go to a thread): with a cache
     small enough to evict all the time, every thread still gets the tokenizer's own ids."""
