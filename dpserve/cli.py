@@ -231,16 +231,31 @@ def build_parser() -> argparse.ArgumentParser:
         "batch", help="a router's OpenAI batches, or one batch's progress (--follow: to its end)"
     )
     batch.add_argument("batch_id", nargs="?", metavar="BATCH_ID", help="the batch to show (none: list them)")
-    batch.add_argument(
-        "--router",
-        default=os.environ.get("DPSERVE_ROUTER_URL", "http://127.0.0.1:8000"),
-        help="the router's URL (default: $DPSERVE_ROUTER_URL or http://127.0.0.1:8000)",
-    )
+    batch.add_argument("--router", help=f"the router's URL (default: $DPSERVE_ROUTER_URL or {BATCH_ROUTER})")
     batch.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="the tenant's key (default: $OPENAI_API_KEY)"
     )
     batch.add_argument("--follow", action="store_true", help="poll the batch every second until it ends")
     return parser
+
+
+BATCH_ROUTER = "http://127.0.0.1:8000"
+
+
+def _batch_router(parser: argparse.ArgumentParser, flag: str | None) -> str:
+    """`dpserve batch`'s router: --router, else DPSERVE_ROUTER_URL, else the local one; refused, naming where it
+    came from, unless it is a base URL (a path or no scheme was a traceback from urllib)."""
+    from dpserve.router.parts import check_base_url
+
+    variable = os.environ.get("DPSERVE_ROUTER_URL")
+    url, named = (
+        (flag, "--router") if flag is not None else (variable, "DPSERVE_ROUTER_URL") if variable else (BATCH_ROUTER, "")
+    )
+    try:
+        check_base_url(url, named, f"the router's base URL, e.g. {BATCH_ROUTER}")
+    except ValueError as refused:
+        parser.error(f"batch: {refused}")
+    return url
 
 
 def _add_router_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -583,7 +598,7 @@ def _run(argv: list[str] | None) -> int:
     if args.command == "batch":
         from dpserve.router.batch.follow import run_batch_command
 
-        return run_batch_command(args.router, args.api_key, args.batch_id, args.follow)
+        return run_batch_command(_batch_router(parser, args.router), args.api_key, args.batch_id, args.follow)
     if args.command == "compose":
         from dpserve.deploy.command import run_compose
 

@@ -179,6 +179,10 @@ def other_commands() -> Iterator[Case]:
         yield Case("model", ("tiny-lora", "/tmp/unused", "--count", "1", flag, text), named=flag)
     yield Case("model", ("tiny", "/tmp/unused", "--seed", "x"), named="--seed")
     yield Case("gpus", ("--jsn",), named="--jsn")
+    for url in ("notaurl", "http://", "127.0.0.1:8000", "http://x:1/v1", "ftp://x:1"):
+        yield Case("batch", ("--router", url), named="--router")
+        yield Case("batch", (), env=(("DPSERVE_ROUTER_URL", url),), named="DPSERVE_ROUTER_URL")
+    yield Case("batch", ("--folow",), named="--folow")
     yield Case("nosuchcommand", (), named="nosuchcommand")
 
 
@@ -308,7 +312,7 @@ def checked_only(
 def test_the_fuzz_has_at_least_200_cases_from_every_command() -> None:
     assert len(CASES) >= 200
     commands = {case.command for case in CASES}
-    assert commands >= {"router", "up", "sim", "agent", "compose", "kube", "model", "gpus", "bench", "tune"}
+    assert commands >= {"router", "up", "sim", "agent", "compose", "kube", "model", "gpus", "bench", "tune", "batch"}
     assert {case.argv[0] for case in CASES if case.command == "bench"} == set(BENCH_MODULES)
     assert sum(case.file is not None for case in CASES) >= 200
     assert sum(bool(case.env) for case in CASES) >= 200

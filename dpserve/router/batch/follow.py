@@ -6,6 +6,7 @@ import json
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,10 @@ def get_json(url: str, api_key: str | None, timeout_s: float = 10.0) -> Any:
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.load(response)
+    except json.JSONDecodeError:
+        raise BatchClientError(f"{url}: the answer is not JSON") from None
+    except ValueError:  # http.client's, for a header it cannot send; its message would show the key
+        raise BatchClientError(f"{url}: the key cannot be sent (a line break or control character in it)") from None
     except urllib.error.HTTPError as exc:
         try:
             message = json.load(exc)["error"]["message"]
@@ -65,6 +70,7 @@ def run_batch_command(
     write: Callable[[str], object] = print,
 ) -> int:
     base = router.rstrip("/")
+    batch_id = None if batch_id is None else urllib.parse.quote(batch_id, safe="")  # an id is one path segment
     try:
         if batch_id is None:
             listed = get_json(f"{base}/v1/batches?limit=100", api_key)
@@ -80,5 +86,8 @@ def run_batch_command(
             write(f"output file: {batch.get('output_file_id') or '-'}; error file: {batch.get('error_file_id') or '-'}")
     except BatchClientError as exc:
         print(f"dpserve batch: {exc}", file=sys.stderr)
+        return 1
+    except (KeyError, TypeError, AttributeError) as exc:  # a server that is no OpenAI batches API
+        print(f"dpserve batch: {base}: not an OpenAI batch answer (no {exc})", file=sys.stderr)
         return 1
     return 0
