@@ -4,6 +4,8 @@ never a framework page; an unexpected error logged with its trace, the client to
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,10 +40,19 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return bad_request(f"Invalid request: {exc.errors()[:1]}").to_response()
+        return validation_refusal(exc.errors()).to_response()
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         # Logged here with its trace; the client gets no internals.
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return OpenAIError(500, "Internal router error.", type="server_error").to_response()
+
+
+def validation_refusal(errors: Sequence[Any]) -> OpenAIError:
+    """FastAPI's first validation error as a sentence naming the parameter (`limit`), not pydantic's dump."""
+    first = errors[0] if errors else {}
+    names = [part for part in first.get("loc", ()) if isinstance(part, str) and part not in ("query", "path", "body")]
+    param = names[-1] if names else None
+    reason = str(first.get("msg", "not valid")).rstrip(".")
+    return bad_request(f"`{param}`: {reason}." if param else f"Invalid request: {reason}.", param=param)
