@@ -22,6 +22,7 @@ from dpserve.replicas.prometheus_text import parse_samples
 from tests.integration.conftest import (
     ONE_SEQ_MODEL,
     RouterProcess,
+    bearer,
     router_ready,
     start_router,
     stop_router,
@@ -32,6 +33,9 @@ from tests.integration.raw_replica import RawReplica, json_answer
 pytestmark = pytest.mark.integration
 
 LONG_PROMPT = "word " * 800
+KEY, ADMIN_KEY = "leaver-key-0001", "leaver-admin-01"
+"""The router over the one-slot replica is keyed, as an operator's is; each request here carries the client key
+(the replica, which has none, ignores it)."""
 HOLDER_TOKENS = 4000
 """Long enough to hold vLLM's one slot for the whole case (1500 took 12 s here, and may take 4 s on a faster
 machine: a holder that finishes early lets the leaver through); its client leaves once the case is decided."""
@@ -69,7 +73,8 @@ class Client:
     def __init__(self, base: str, body: dict[str, object], path: str = "/v1/completions") -> None:
         parts = urlsplit(base)
         self.connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=300)
-        self.connection.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+        headers = {"content-type": "application/json", **bearer(KEY)}
+        self.connection.request("POST", path, json.dumps(body), headers)
 
     def leave(self) -> None:
         sock = self.connection.sock
@@ -99,7 +104,8 @@ def settled_prompt_tokens(replica: str) -> float:
 @pytest.fixture(scope="module")
 def router(one_seq_replica: str) -> Iterator[RouterProcess]:
     # One request per replica at a time past which the router holds the rest in its own queue.
-    made = start_router([one_seq_replica], "kv_aware", "--max-in-flight", "1")
+    keys = ("--api-key", KEY, "--admin-key", ADMIN_KEY)
+    made = start_router([one_seq_replica], "kv_aware", "--max-in-flight", "1", *keys, admin_key=ADMIN_KEY)
     try:
         yield made
     finally:
@@ -114,7 +120,7 @@ def leaves_while_held(replica: str, router: str, holder_at: str, stage: str, str
 
     def held() -> float:
         if stage == "queued":
-            return float(httpx.get(f"{router}/status").json()["flow"]["queued"])
+            return float(httpx.get(f"{router}/status", headers=bearer(ADMIN_KEY)).json()["flow"]["queued"])
         return replica_counts(replica)[1]  # waiting in vLLM
 
     before = settled_prompt_tokens(replica)
