@@ -45,7 +45,7 @@ def server() -> Iterator[str]:
     ("batch_id", "key", "says"),
     [
         (None, None, "the answer is not JSON"),
-        ("shapeless", None, "not an OpenAI batch answer (no 'status')"),
+        ("shapeless", None, "not an OpenAI batch answer (no 'status' field)"),
         ("../files", None, "404 no such batch"),  # quoted: the server saw one segment, not /v1/files
         (None, "a\nb", "the key cannot be sent"),
     ],

@@ -88,6 +88,7 @@ def run_batch_command(
         print(f"dpserve batch: {exc}", file=sys.stderr)
         return 1
     except (KeyError, TypeError, AttributeError) as exc:  # a server that is no OpenAI batches API
-        print(f"dpserve batch: {base}: not an OpenAI batch answer (no {exc})", file=sys.stderr)
+        missing = f"no {exc} field" if isinstance(exc, KeyError) else "not the shape of one"
+        print(f"dpserve batch: {base}: not an OpenAI batch answer ({missing})", file=sys.stderr)
         return 1
     return 0
