@@ -5,7 +5,7 @@ a time (`--max-num-seqs 1`); what it computed is read from its own `vllm:prompt_
 counts each client gone by where its request was (`dpserve_client_disconnects_total{stage}`).
 
 What the replica computed beyond the holder's and the marker's prompts (counted by its own /tokenize) is what
-the leaver cost it: 0 tokens, where a leaver prefilled for nobody would cost its ~800."""
+the leaver cost it: 0 tokens, where a leaver prefilled for nobody would cost its whole prompt (1,603)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ from tests.integration.raw_replica import RawReplica, json_answer
 pytestmark = pytest.mark.integration
 
 LONG_PROMPT = "word " * 800
+HOLD_PROMPT, MARKER_PROMPT = "hold", "marker"
+"""The prompts whose tokens the replica computes besides a leaver's (subtracted from what it computed)."""
 KEY, ADMIN_KEY = "leaver-key-0001", "leaver-admin-01"
 """The router over the one-slot replica is keyed, as an operator's is; each request here carries the client key
 (the replica, which has none, ignores it)."""
@@ -96,7 +98,7 @@ def prompt_tokens(replica: str, prompt: str) -> int:
 def settled_prompt_tokens(replica: str) -> float:
     """The replica's prompt tokens once everything before a marker request has run: with one slot and first
     come first served, a leaver still in its queue would be computed before the marker's answer comes."""
-    answer = httpx.post(f"{replica}/v1/completions", json=completion("marker", 1, False), timeout=120)
+    answer = httpx.post(f"{replica}/v1/completions", json=completion(MARKER_PROMPT, 1, False), timeout=120)
     assert answer.status_code == 200, answer.text
     return replica_counts(replica)[0]
 
@@ -125,7 +127,7 @@ def leaves_while_held(replica: str, router: str, holder_at: str, stage: str, str
 
     before = settled_prompt_tokens(replica)
     gone_before = gone_by_stage(router, stage)
-    holder = Client(holder_at, completion("hold", HOLDER_TOKENS, True))
+    holder = Client(holder_at, completion(HOLD_PROMPT, HOLDER_TOKENS, True))
     leaver: Client | None = None
     try:
         wait_until(lambda: replica_counts(replica)[2] == 1, 60, 0.02, what="the holder running")
@@ -146,7 +148,7 @@ def leaves_while_held(replica: str, router: str, holder_at: str, stage: str, str
             leaver.leave()
     wait_until(lambda: replica_counts(replica)[2] == 0, 30, 0.02, what="the holder aborted")
     computed = settled_prompt_tokens(replica) - before
-    others = prompt_tokens(replica, "hold") + prompt_tokens(replica, "marker")
+    others = prompt_tokens(replica, HOLD_PROMPT) + prompt_tokens(replica, MARKER_PROMPT)
     leaver = prompt_tokens(replica, LONG_PROMPT)
     print(
         f"left while {stage}, stream={stream}: the replica computed {computed:.0f} prompt tokens, {others} the "
