@@ -6,8 +6,9 @@ For each backend (real vLLM CPU replicas, or `dpserve sim` replicas) it starts t
 (the ids vLLM sees) to compute the oracle hit rates, then for each workload and contender: resets every
 replica's prefix cache, starts the contender's router, runs the workload through it, and reads the hit
 rate from the replicas' own `vllm:prefix_cache_hits_total / queries_total` and the request spread from
-their `vllm:request_success_total`. The cache-pressure workload runs on replicas restarted with a small
-KV cache (sized from the workload: the groups' prefixes exceed one replica's cache but fit the fleet's).
+their `vllm:request_success_total`. The cache-pressure workloads (the groups, and the conversations) run on
+replicas restarted with a small KV cache (sized from the groups unless `--pressure-blocks` says: their
+prefixes exceed one replica's cache but fit the fleet's), against the partitioned oracle.
 
 Writes `policies.csv`, `tokenize.csv` and one PNG per backend under --out, and prints the tables.
 """
@@ -58,11 +59,13 @@ from dpserve.router.observe.prompt_tokens import LocalTokenizer, RemoteTokenizer
 from dpserve.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from dpserve.up.process import terminate
 
-DPSERVE_POLICIES = ("kv_aware", "prefix", "session", "least_loaded", "round_robin")
+DPSERVE_POLICIES = ("kv_aware", "slo", "prefix", "session", "least_loaded", "round_robin")
 SHADOWED = ("round_robin", "least_loaded")
 """Run as shadows of dpserve:kv_aware (`--shadow-policy`), each estimate held against that policy's own run."""
 VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
-WORKLOADS = ("shared_prefix", "cache_pressure", "multi_turn")
+WORKLOADS = ("shared_prefix", "cache_pressure", "multi_turn", "multi_turn_pressure")
+PRESSURE_WORKLOADS = ("cache_pressure", "multi_turn_pressure")
+"""Run on the small-cache replicas, against the partitioned oracle."""
 HITS, QUERIES, SUCCESS = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total"
 CACHE_CONFIG = "vllm:cache_config_info"
 T = TypeVar("T")
@@ -120,6 +123,10 @@ class Row:
     choices through the same cache model)."""
     round_hit_rates: str = ""
     """Each round's hit rate (the row's is their mean)."""
+    round_vs_oracle: str = ""
+    """Each round's hit rate over the oracle."""
+    round_max_shares: str = ""
+    """Each round's requests on its busiest replica over the fair share."""
 
 
 # -- processes ---------------------------------------------------------------------------------------
@@ -147,6 +154,8 @@ async def start_fleet(
         command += ["--replicas", str(count), "--cache-dir", str(args.cache_dir)]
         # Scale-out endpoints: vllm-router's kv_aware reads token ids from /render (403 without them).
         command += ["--", "--enable-scale-out"]
+        if args.vllm_block_size:
+            command += ["--block-size", str(args.vllm_block_size)]
         if num_blocks:
             command += ["--num-gpu-blocks-override", str(num_blocks)]
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -321,6 +330,11 @@ class RoundResult:
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
+    @property
+    def max_share(self) -> float:
+        fair = sum(self.served) / len(self.served) if self.served else 0.0
+        return max(self.served) / fair if fair else math.nan
+
 
 async def run_round(
     session: aiohttp.ClientSession,
@@ -362,15 +376,17 @@ async def run_contender(
     session: aiohttp.ClientSession,
     args: argparse.Namespace,
     fleet: Fleet,
-    workload: Workload,
+    workloads: list[Workload],
     name: str,
     contender: Contender,
-    oracle: float,
+    oracles: list[float],
     tokenizer: Path | None,
 ) -> Row:
-    """`args.rounds` rounds, pooled: every round sends the same prompts, so the pooled hit rate is the mean
-    of the rounds'; their spread is kept beside it."""
-    rounds = [await run_round(session, args, fleet, workload, contender, tokenizer) for _ in range(args.rounds)]
+    """One round per draw of the workload, pooled (the draws are alike in size, so the pooled hit rate is about
+    the mean of the rounds', and the oracle the mean of theirs); each round's rate against its own oracle is
+    kept beside it."""
+    rounds = [await run_round(session, args, fleet, workload, contender, tokenizer) for workload in workloads]
+    oracle = sum(oracles) / len(oracles)
     outcomes = [o for r in rounds for o in r.outcomes]
     hits, queries = sum(r.hits for r in rounds), sum(r.queries for r in rounds)
     served = [sum(column) for column in zip(*(r.served for r in rounds), strict=True)]
@@ -399,6 +415,8 @@ async def run_contender(
         receipt_hit_error_blocks=_rounded(receipts.get("hit_mean_error_blocks")),
         shadows=" ".join(f"{name}={rate:.4f}" for name, rate in mean_rates([r.shadows for r in rounds]).items()),
         round_hit_rates=" ".join(f"{r.hit_rate:.3f}" for r in rounds),
+        round_vs_oracle=" ".join(f"{r.hit_rate / o:.3f}" if o else "nan" for r, o in zip(rounds, oracles, strict=True)),
+        round_max_shares=" ".join(f"{r.max_share:.2f}" for r in rounds),
     )
 
 
@@ -490,13 +508,26 @@ def _cell(value: float, digits: int = 3) -> str:
 # -- workloads, oracles, sizes -----------------------------------------------------------------------
 
 
-def build_workloads(args: argparse.Namespace, backend: str, replicas: int) -> dict[str, Workload]:
+def build_workloads(args: argparse.Namespace, backend: str, replicas: int, round_: int = 0) -> dict[str, Workload]:
+    """The workloads of one round: round k draws its prompts with `--seed` + 2k (and + 1 for the conversations),
+    so the rounds are different groups and conversations, in a different order, not one draw repeated."""
     groups = args.groups or (4 * replicas)
-    prefix = shared_prefix(groups, args.prompts, args.prefix_words, args.question_words, args.seed)
-    turns = multi_turn(
-        args.conversations or (4 * replicas), args.turns, args.prefix_words, args.question_words, args.seed + 1
-    )
-    return {"shared_prefix": prefix, "cache_pressure": prefix, "multi_turn": turns}
+    seed = args.seed + 2 * round_
+    prefix = shared_prefix(groups, args.prompts, args.prefix_words, args.question_words, seed)
+    conversations = args.conversations or (4 * replicas)
+    turns = multi_turn(conversations, args.turns, args.prefix_words, args.question_words, seed + 1)
+    return {"shared_prefix": prefix, "cache_pressure": prefix, "multi_turn": turns, "multi_turn_pressure": turns}
+
+
+def tokenize_locally(workloads: Sequence[Workload], model_dir: Path) -> None:
+    local = LocalTokenizer(model_dir)
+    for workload in workloads:
+        for request in workload.requests:
+            if not request.token_ids:
+                ids = local.tokens_now("chat", {"messages": request.messages})
+                if ids is None:
+                    raise RuntimeError("the tiny model's tokenizer could not tokenize a benchmark request")
+                request.token_ids = tuple(ids)
 
 
 async def tokenize_all(session: aiohttp.ClientSession, fleet: Fleet, workloads: Sequence[Workload]) -> None:
@@ -533,7 +564,7 @@ def pressure_capacity(workload: Workload, block_size: int, replicas: int, concur
 
 
 def oracle_for(name: str, workload: Workload, fleet: Fleet, max_tokens: int) -> float:
-    if name == "cache_pressure":
+    if name in PRESSURE_WORKLOADS:
         return oracle_partitioned(
             workload.requests, fleet.block_size, len(fleet.urls), fleet.capacity_blocks, max_tokens
         )
@@ -680,8 +711,41 @@ def verdicts(rows: Sequence[Row]) -> list[tuple[str, bool]]:
             if workload == "shared_prefix":
                 checks.append((f"max share {ours.max_share:.2f}", "<=", "1.5", ours.max_share <= 1.5))
             text = "; ".join(f"{what} {goal if ok else 'NOT ' + goal} {bound}" for what, goal, bound, ok in checks)
-            out.append((f"{backend:5} {workload:15} {text}", all(ok for *_, ok in checks)))
+            out.append((f"{backend:5} {workload:19} {text}", all(ok for *_, ok in checks)))
+            if workload in PRESSURE_WORKLOADS:
+                out += [pressure_verdict(r) for r in subset if r.contender in PRESSURE_GOAL_CONTENDERS]
     return out
+
+
+PRESSURE_GOAL_CONTENDERS = ("dpserve:kv_aware", "dpserve:slo")
+PRESSURE_FLOOR = 0.95
+"""Each round under cache pressure at this share of the partitioned oracle or more..."""
+PRESSURE_MAX_SHARE = 1.1
+"""...with its busiest replica at most this over the fair share: a group or conversation more on one replica
+than a partition gives it is what the cache cannot keep."""
+
+
+def pressure_verdict(row: Row) -> tuple[str, bool]:
+    """Under cache pressure the goal holds round by round, not on the mean: one bad placement costs a whole
+    round's hits."""
+    ratios = [float(x) for x in row.round_vs_oracle.split()]
+    shares = [float(x) for x in row.round_max_shares.split()]
+    ok = bool(ratios) and min(ratios) >= PRESSURE_FLOOR and max(shares) <= PRESSURE_MAX_SHARE and row.errors == 0
+    text = (
+        f"{row.backend:5} {row.workload:19} {row.contender} round by round: of oracle {row.round_vs_oracle} "
+        f"(goal >= {PRESSURE_FLOOR}), max share {row.round_max_shares} (goal <= {PRESSURE_MAX_SHARE}), "
+        f"{row.errors} errors"
+    )
+    return text, ok
+
+
+def rounds_table(rows: Sequence[Row]) -> str:
+    """Each row's rounds: hit rate over the oracle and the busiest replica's share, run by run."""
+    lines = ["| backend | workload | contender | of oracle, round by round | max share, round by round |"]
+    lines.append("|---|---|---|---|---|")
+    for r in rows:
+        lines.append(f"| {r.backend} | {r.workload} | {r.contender} | {r.round_vs_oracle} | {r.round_max_shares} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows: Sequence[Row], path: Path, backend: str) -> None:
@@ -750,6 +814,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=COUNT, default=8)
     parser.add_argument("--concurrency", type=COUNT, help="requests in flight (default: 4 vLLM, 16 sims)")
     parser.add_argument("--sim-block-size", type=COUNT, default=16)
+    parser.add_argument("--vllm-block-size", type=COUNT, help="vLLM's --block-size (default: vLLM's, 128 on CPU)")
+    parser.add_argument(
+        "--pressure-blocks",
+        type=COUNT,
+        help="KV blocks per replica for the cache-pressure workloads (default: sized from the groups)",
+    )
     parser.add_argument("--sim-speed", type=NON_NEGATIVE, default=1.0)
     parser.add_argument("--seed", type=WHOLE, default=0)
     parser.add_argument(
@@ -766,29 +836,45 @@ async def run_backend(
 ) -> None:
     replicas = args.replicas or (2 if backend == "vllm" else 8)
     concurrency = args.concurrency or (4 if backend == "vllm" else 16)
-    workloads = build_workloads(args, backend, replicas)
+    by_round = [build_workloads(args, backend, replicas, k) for k in range(args.rounds)]
+    workloads = by_round[0]
     wanted = [w for w in args.workloads.split(",") if w]
     model_dir = ensure_tiny_model(args.cache_dir)
     work = Path(tempfile.mkdtemp(prefix="dpserve-bench-policies-"))  # replica logs
+    every = list({id(w): w for round_ in by_round for w in round_.values()}.values())
     async with aiohttp.ClientSession() as session:
-        large = [w for w in wanted if w != "cache_pressure"]
-        fleet = await start_fleet(session, args, backend, work, None, None)
-        try:
-            await tokenize_all(session, fleet, list({id(w): w for w in workloads.values()}.values()))
-            costs.append(await tokenizer_cost(session, fleet, workloads["shared_prefix"], model_dir))
-            progress(f"tokenizer cost: {costs[-1]}")
-            for name in large:
-                await _run_workload(session, args, fleet, name, workloads[name], contenders, rows, model_dir)
-        finally:
-            terminate(fleet.process, 60)
-        if "cache_pressure" in wanted:
-            workload = workloads["cache_pressure"]
-            blocks = pressure_capacity(workload, fleet.block_size, replicas, concurrency, args.max_tokens)
-            longest = max(len(r.token_ids) for r in workload.requests) + args.max_tokens
-            max_len = min(blocks * fleet.block_size, 4096, math.ceil(longest / fleet.block_size + 1) * fleet.block_size)
+        large = [w for w in wanted if w not in PRESSURE_WORKLOADS]
+        block_size = args.sim_block_size if backend == "sim" else args.vllm_block_size
+        if large:
+            fleet = await start_fleet(session, args, backend, work, None, None)
+            block_size = fleet.block_size
+            try:
+                await tokenize_all(session, fleet, every)
+                costs.append(await tokenizer_cost(session, fleet, workloads["shared_prefix"], model_dir))
+                progress(f"tokenizer cost: {costs[-1]}")
+                for name in large:
+                    rounds = [r[name] for r in by_round]
+                    await _run_workload(session, args, fleet, name, rounds, contenders, rows, model_dir)
+            finally:
+                terminate(fleet.process, 60)
+        else:
+            tokenize_locally(every, model_dir)  # the replica's own ids (tokenizer_cost checks they agree)
+        pressured = [w for w in wanted if w in PRESSURE_WORKLOADS]
+        if pressured:
+            if not block_size:
+                raise SystemExit("--vllm-block-size is needed when only cache-pressure workloads run on vLLM")
+            sized = workloads["cache_pressure"]  # the groups: a partition of them fits, one replica does not
+            blocks = args.pressure_blocks or pressure_capacity(
+                sized, block_size, replicas, concurrency, args.max_tokens
+            )
+            drawn = [round_[name] for round_ in by_round for name in pressured]
+            longest = max(len(r.token_ids) for workload in drawn for r in workload.requests) + args.max_tokens
+            max_len = min(blocks * block_size, 4096, math.ceil(longest / block_size + 1) * block_size)
             small = await start_fleet(session, args, backend, work, blocks, max_len)
             try:
-                await _run_workload(session, args, small, "cache_pressure", workload, contenders, rows, model_dir)
+                for name in pressured:
+                    rounds = [r[name] for r in by_round]
+                    await _run_workload(session, args, small, name, rounds, contenders, rows, model_dir)
             finally:
                 terminate(small.process, 60)
 
@@ -798,15 +884,20 @@ async def _run_workload(
     args: argparse.Namespace,
     fleet: Fleet,
     name: str,
-    workload: Workload,
+    rounds: list[Workload],
     contenders: list[Contender],
     rows: list[Row],
     model_dir: Path,
 ) -> None:
-    oracle = oracle_for(name, workload, fleet, args.max_tokens)
-    progress(f"{fleet.backend} {name}: {workload.description}; {len(workload.requests)} requests, oracle {oracle:.3f}")
+    """`rounds`: each round's draw of the workload (every contender runs the same draws)."""
+    oracles = [oracle_for(name, workload, fleet, args.max_tokens) for workload in rounds]
+    first = rounds[0]
+    progress(
+        f"{fleet.backend} {name}: {first.description}; {len(first.requests)} requests a round, oracle "
+        + " ".join(f"{oracle:.3f}" for oracle in oracles)
+    )
     for contender in contenders:
-        row = await run_contender(session, args, fleet, workload, name, contender, oracle, model_dir)
+        row = await run_contender(session, args, fleet, rounds, name, contender, oracles, model_dir)
         rows.append(row)
         progress(
             f"  {contender.label:26} hit {row.hit_rate:.3f} ({row.vs_oracle:.2f} of oracle), "
@@ -828,13 +919,22 @@ def main(argv: Sequence[str]) -> int:
     write_csv(args.out / "policies.csv", [asdict(r) for r in rows], [f.name for f in fields(Row)])
     write_csv(args.out / "tokenize.csv", costs)
     (args.out / "policies.md").write_text(
-        summary_table(rows) + "\n" + markdown_table(rows) + "\n" + receipts_table(rows) + "\n" + shadow_table(rows)
+        summary_table(rows)
+        + "\n"
+        + markdown_table(rows)
+        + "\n"
+        + rounds_table(rows)
+        + "\n"
+        + receipts_table(rows)
+        + "\n"
+        + shadow_table(rows)
     )
     for backend in backends:
         plot(rows, args.out / f"policies-{backend}.png", backend)
     print()
     print(format_table(TABLE_HEADER, [table_cells(r) for r in rows]))
     print()
+    print(rounds_table(rows))
     for cost in costs:
         print(
             f"tokens for kv_aware ({cost['backend']}, {cost['mean_prompt_tokens']} tokens/prompt): "

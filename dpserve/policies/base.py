@@ -39,6 +39,9 @@ class PrefixMatch:
     already owns, so a new prefix can go where there is least."""
     prompt_tokens: int
     """Tokens in the prompt (0 where not counted: routed text)."""
+    peers: int
+    """Other routers whose routes count in `held` (peers and sibling workers heard lately): each sees the
+    others' routes a moment late, so their `held` counts differ and new prefixes may reach them together."""
 
     def __init__(
         self,
@@ -49,6 +52,7 @@ class PrefixMatch:
         keys: tuple[int, ...] = (),
         held: Mapping[str, int] | None = None,
         prompt_tokens: int = 0,
+        peers: int = 0,
     ) -> None:
         # Written out: dataclass's __init__ is interpreted even when compiled (see RequestFeatures).
         self.source = source
@@ -58,12 +62,16 @@ class PrefixMatch:
         self.keys = keys
         self.held = {} if held is None else held
         self.prompt_tokens = prompt_tokens
+        self.peers = peers
 
-    def with_matches(self, matched: Mapping[str, int], held: Mapping[str, int] | None = None) -> PrefixMatch:
-        """A copy with these matches (and holdings, where given): `dataclasses.replace`, compiled."""
+    def with_matches(
+        self, matched: Mapping[str, int], held: Mapping[str, int] | None = None, peers: int | None = None
+    ) -> PrefixMatch:
+        """A copy with these matches (and holdings and peers, where given): `dataclasses.replace`, compiled."""
         held = self.held if held is None else held
+        peers = self.peers if peers is None else peers
         return PrefixMatch(
-            self.source, self.total_blocks, self.tokens_per_block, matched, self.keys, held, self.prompt_tokens
+            self.source, self.total_blocks, self.tokens_per_block, matched, self.keys, held, self.prompt_tokens, peers
         )
 
     def blocks(self, replica_id: str) -> int:

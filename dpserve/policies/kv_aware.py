@@ -23,7 +23,10 @@ pressure, evicted its own prefixes (`dpserve bench policies`: 0.94 of the oracle
 Warm requests leave it out, so owning a lot never pushes a request away from its own cached prefix. It
 weighs only among replicas within `new_prefix_loads` requests of the lightest, and of those the ones with a
 free slot: a replica that just joined owns nothing, and would otherwise take every new prefix until the
-balance guard stopped it, far past what it runs at once.
+balance guard stopped it, far past what it runs at once. A router alone puts it on the least-held of those
+(near-equal loads aside); routers with peers also tie held counts within `held_tie` of the mean, so new
+prefixes reaching several routers at once spread by their own hash instead of all going to one replica,
+and each is placed alike everywhere.
 
 Two guards: replicas over the balance limit (see `BalanceGuard`) are not chosen while others are,
 so a popular prefix cannot overload its replica; and an optional softmax temperature spreads choices
@@ -69,10 +72,15 @@ class KvAwareWeights:
     its 4. Within 1 instead cost the cache-pressure workload of `dpserve bench policies` 0.98 -> 0.94 of the
     oracle (docs/benchmarks/elastic.md)."""
     held_tie: float = 0.25
-    """For a new prefix, also held costs within this share of the mean held blocks are a tie (added to the
-    load's): routers that count the same held blocks would otherwise send every new prefix arriving
-    together to the one least-held replica; within this they spread by each prefix's own hash, and every
-    router agrees on each (see docs/benchmarks/routers.md, near-ties 2026-11-29)."""
+    """For a new prefix at a router with peers (`PrefixMatch.peers`), also held costs within this share of the
+    mean held blocks are a tie (added to the load's): routers that count the same held blocks would otherwise
+    send every new prefix arriving together to the one least-held replica; within this they spread by each
+    prefix's own hash, and every router agrees on each (docs/benchmarks/routers.md, near-ties). A router
+    alone has no one to herd with or disagree with: the least-held replica takes the prefix. Tied alone too,
+    with two replicas a quarter of the mean was nearly always inside the margin, so a new group went where
+    its hash pointed, one replica came to own more groups than its cache keeps, and one router's hit rate
+    on 2 vLLM replicas under cache pressure fell from 0.97 to 0.84-0.87 of a perfect partition
+    (docs/benchmarks/policies.md)."""
 
 
 class KvAware(Policy):
@@ -112,7 +120,8 @@ class KvAware(Policy):
         margin = w.tie_loads * w.load_weight
         prefix = features.prefix
         if mean_held > 0 and prefix is not None and prefix.best < w.new_prefix_below * prefix.total_blocks:
-            margin += w.held_tie * w.held_weight
+            if prefix.peers:
+                margin += w.held_tie * w.held_weight
             lightest = min(c.load for c in allowed)
             near = [c for c in allowed if c.load <= lightest + w.new_prefix_loads]
             allowed = [c for c in near if not c.slots or c.load < c.slots] or near

@@ -237,17 +237,23 @@ def test_new_prefixes_opening_alike_spread_and_one_prefix_keeps_one_replica() ->
         assert len(picks) == 1 and picks <= {"r1", "r2"}, picks
 
 
+def _held_features(key: int, held: dict[str, int], peers: int, **matched: int) -> RequestFeatures:
+    keys = (key, key + 1, key + 2)
+    match = PrefixMatch(PrefixSource.KV_EVENTS, 10, 16, matched, keys, held, peers=peers)
+    return RequestFeatures("chat", "m", False, match)
+
+
 def test_new_prefixes_spread_over_replicas_holding_near_the_same_and_every_router_agrees() -> None:
     """Routers that count the same held blocks (their peers' routes too) sent every new prefix arriving
-    together to the one least-held replica. Held costs within `held_tie` of the mean are a tie for a new
-    prefix, broken by its own hash: the prefixes spread, the same in every router; a replica holding clearly
-    less still takes them all, and a cached prefix is not moved by the held tie."""
+    together to the one least-held replica. With peers, held costs within `held_tie` of the mean are a tie
+    for a new prefix, broken by its own hash: four routers seeing the same new prefixes at the same moment
+    spread them, the same in every router; a replica holding clearly less still takes them all, and a cached
+    prefix is not moved by the held tie."""
     routers = [KvAware(random.Random(seed)) for seed in range(4)]
     fleet = replicas(2, 2, 2, 2)
 
     def features(key: int, held: dict[str, int], **matched: int) -> RequestFeatures:
-        keys = (key, key + 1, key + 2)
-        return RequestFeatures("chat", "m", False, PrefixMatch(PrefixSource.KV_EVENTS, 10, 16, matched, keys, held))
+        return _held_features(key, held, 3, **matched)
 
     near = {"r0": 100, "r1": 110, "r2": 115, "r3": 120}  # held costs 0.9-1.08 of the mean: within 0.25 + 2 loads
     chosen = collections.Counter()
@@ -260,3 +266,39 @@ def test_new_prefixes_spread_over_replicas_holding_near_the_same_and_every_route
     assert {routers[0].choose(features(key, far), fleet).id for key in range(4000, 4100)} == {"r0"}
     # A prefix cached on r1 (6 of 10 blocks) and less on r2 (4) stays on r1, however the held counts fall.
     assert {routers[0].choose(features(key, near, r1=6, r2=4), fleet).id for key in range(4000, 4100)} == {"r1"}
+
+
+def test_a_router_alone_puts_each_new_prefix_on_the_replica_holding_least() -> None:
+    """Two replicas under cache pressure, one holding a fifth more of the fleet's cache than the other (well
+    inside the peers' quarter-of-the-mean tie): a router alone sends every new prefix to the one holding less,
+    whatever the prefix's hash, so no replica comes to own more groups than its cache keeps. With peers the
+    same counts are a tie, spread by the hash (they may all be placing new prefixes at that moment)."""
+    policy = KvAware(random.Random(0))
+    held = {"r0": 120, "r1": 100}
+    alone = {policy.choose(_held_features(key, held, 0), replicas(1, 1)).id for key in range(5000, 5200)}
+    assert alone == {"r1"}
+    peered = collections.Counter(policy.choose(_held_features(k, held, 3), replicas(1, 1)).id for k in range(200))
+    assert set(peered) == {"r0", "r1"} and min(peered.values()) > 50, peered
+    # Nearly full against nearly empty: the emptier one, alone or not.
+    far = {"r0": 380, "r1": 20}
+    assert {policy.choose(_held_features(k, far, p), replicas(1, 1)).id for k in range(100) for p in (0, 3)} == {"r1"}
+    # Equal holdings: the prefix's own hash decides, alike in every router (alone or not).
+    even = {"r0": 100, "r1": 100}
+    other = KvAware(random.Random(9))
+    picks = [policy.choose(_held_features(k, even, 0), replicas(1, 1)).id for k in range(200)]
+    assert picks == [other.choose(_held_features(k, even, 0), replicas(1, 1)).id for k in range(200)]
+    assert min(collections.Counter(picks).values()) > 50
+
+
+def test_a_fresh_replica_is_not_flooded_by_a_router_alone() -> None:
+    """A replica that just joined holds nothing, so a router alone (no held tie) would send it every new
+    prefix: it takes them while it has a free slot and is within two requests of the lightest load, and no
+    more, as with peers."""
+    policy = KvAware(random.Random(0))
+    held = {"r0": 400, "r1": 300, "r2": 0}
+    fleet = [dataclasses.replace(r, slots=4) for r in replicas(2, 2, 1)]
+    assert {policy.choose(_held_features(k, held, 0), fleet).id for k in range(100)} == {"r2"}
+    at_its_slots = [dataclasses.replace(r, slots=4) for r in replicas(2, 2, 4)]
+    assert {policy.choose(_held_features(k, held, 0), at_its_slots).id for k in range(100)} == {"r1"}
+    three_over = [dataclasses.replace(r, slots=8) for r in replicas(1, 1, 4)]
+    assert {policy.choose(_held_features(k, held, 0), three_over).id for k in range(100)} == {"r1"}

@@ -317,6 +317,11 @@ class PeerBoard:
                     routes += 1
         return blocks, routes
 
+    def heard(self) -> int:
+        """Peers heard within `timeout_s` (sibling workers included): the routers placing requests on this
+        fleet besides this one, whose routes reach this router's held blocks a moment late."""
+        return len(self._origins)
+
     # -- what /status shows --------------------------------------------------------------------------
 
     @property
