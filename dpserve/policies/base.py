@@ -220,6 +220,11 @@ class ReplicaView(Protocol):
     @property
     def kv_usage(self) -> float: ...
     @property
+    def kv_blocks(self) -> int:
+        """Its KV cache in blocks (`num_gpu_blocks` from its metrics); 0 while not read."""
+        ...
+
+    @property
     def load(self) -> int: ...
     @property
     def capacity(self) -> int:
@@ -285,6 +290,7 @@ class ReplicaSnapshot(LoadFromCounts):
     waiting: int = 0
     in_flight_at_scrape: int = 0
     kv_usage: float = 0.0
+    kv_blocks: int = 0
     peer_in_flight: int = 0
     capacity: int = 0
     confirmed_capacity: int = 0

@@ -5,8 +5,9 @@ Cost of sending the request to replica r (lowest wins):
     cost(r) = (1 - cached_blocks(r) / prompt_blocks)      # share of the prompt r must prefill
             + load_weight * load(r)                       # requests in flight or queued on r
             + kv_weight * kv_usage(r)                     # how full r's KV cache is (0..1)
-            + held_weight * held(r) / mean(held)          # only for a new prefix (below): r's share
-                                                          # of the fleet's cached blocks (1 = average)
+            + held_weight * held(r)                       # only for a new prefix (below): what r holds
+                          / max(mean(held), kv_blocks(r)) # of the fleet's cached blocks (1 = average), or
+                                                          # of its own cache where that is larger
 
 `cached_blocks` comes from the KV index (the replicas' own events), `load` is the router's fresh
 in-flight count plus what the replica reports for other clients. With the default load_weight 0.05,
@@ -17,7 +18,9 @@ has nothing to reuse and goes by load alone.
 
 The `held` term decides where a new prefix (a new group, a new conversation: no replica holds half of
 the prompt) settles: on the replica that owns the least of what the fleet has cached (blocks from the
-index plus blocks routed in the last seconds), as the Rust routers send a miss to their smallest tree.
+index plus blocks routed in the last seconds), as the Rust routers send a miss to their smallest tree;
+against its own cache's size (`num_gpu_blocks`) where that is larger than the mean holding, so that while
+every cache has room the load decides.
 By load alone, new groups landed by chance, one replica came to own 5 groups of 8 and, under cache
 pressure, evicted its own prefixes (`dpserve bench policies`: 0.94 of the oracle; see docs/benchmarks/policies.md).
 Warm requests leave it out, so owning a lot never pushes a request away from its own cached prefix. It
@@ -108,7 +111,11 @@ class KvAware(Policy):
                 uncached = 1.0 - prefix.blocks(replica.id) / prefix.total_blocks
             new_prefix = prefix.best < w.new_prefix_below * prefix.total_blocks
             if new_prefix and mean_held > 0:
-                held_cost = w.held_weight * prefix.held.get(replica.id, 0) / mean_held
+                # Against its own cache where that is larger: holdings far below every cache's size leave
+                # room everywhere, and the load decides (a replica that joined owns little and is not the
+                # only one with room).
+                room = max(mean_held, replica.kv_blocks)
+                held_cost = w.held_weight * prefix.held.get(replica.id, 0) / room
         return uncached + w.load_weight * replica.load + w.kv_weight * replica.kv_usage + held_cost
 
     def choose(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> Decision:

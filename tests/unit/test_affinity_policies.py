@@ -302,3 +302,23 @@ def test_a_fresh_replica_is_not_flooded_by_a_router_alone() -> None:
     assert {policy.choose(_held_features(k, held, 0), at_its_slots).id for k in range(100)} == {"r1"}
     three_over = [dataclasses.replace(r, slots=8) for r in replicas(1, 1, 4)]
     assert {policy.choose(_held_features(k, held, 0), three_over).id for k in range(100)} == {"r1"}
+
+
+def test_holdings_far_below_every_cache_leave_new_prefixes_to_the_load() -> None:
+    """Held counts are weighed against the replica's own cache where that is larger than the mean holding:
+    while every cache has room, owning less is no reason to take every new prefix (a replica that joined
+    owns nothing), and load and the prefix's hash decide; once holdings reach the caches' size (pressure),
+    the least-held replica takes it, as without a known size."""
+    policy = KvAware(random.Random(0))
+    held = {"r0": 900, "r1": 700, "r2": 100}
+
+    def fleet(blocks: int) -> list[ReplicaSnapshot]:
+        return [dataclasses.replace(r, kv_blocks=blocks) for r in replicas(1, 1, 1)]
+
+    roomy = collections.Counter(policy.choose(_held_features(k, held, 0), fleet(8192)).id for k in range(300))
+    assert set(roomy) == {"r0", "r1", "r2"} and min(roomy.values()) > 60, roomy
+    assert {policy.choose(_held_features(k, held, 0), fleet(512)).id for k in range(100)} == {"r2"}
+    assert {policy.choose(_held_features(k, held, 0), fleet(0)).id for k in range(100)} == {"r2"}
+    # With room everywhere the load still counts: the lighter replica, over the two requests' tie.
+    busy = [dataclasses.replace(r, kv_blocks=8192) for r in replicas(4, 1, 4)]
+    assert {policy.choose(_held_features(k, held, 0), busy).id for k in range(100)} == {"r1"}
