@@ -110,6 +110,8 @@ class ShadowView:
     """The live replica's: a shadow's choices do not change what the replica computes."""
     peer_in_flight: int = 0
     """Peers' requests are in `load` already: a shadow never asks admission for room."""
+    kv_blocks: int = 0
+    """The live replica's cache size (kv_aware weighs its holdings against it)."""
 
 
 class ShadowHold:
@@ -271,6 +273,7 @@ class ShadowScorer:
                     c.slots,
                     c.slow_refill,
                     c.latency,
+                    kv_blocks=c.kv_blocks,
                 )
             )
         return views
