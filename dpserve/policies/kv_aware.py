@@ -27,9 +27,9 @@ Warm requests leave it out, so owning a lot never pushes a request away from its
 weighs only among replicas within `new_prefix_loads` requests of the lightest, and of those the ones with a
 free slot: a replica that just joined owns nothing, and would otherwise take every new prefix until the
 balance guard stopped it, far past what it runs at once. A router alone puts it on the least-held of those
-(near-equal loads aside); routers with peers also tie held counts within `held_tie` of the mean, so new
-prefixes reaching several routers at once spread by their own hash instead of all going to one replica,
-and each is placed alike everywhere.
+(near-equal loads aside); a router with peers draws it by its own hash in proportion to
+exp(-(cost - lowest) / `peer_spread`), so new prefixes reaching several routers at once spread, most to the
+cheapest replica, instead of all going to one, and each is placed alike everywhere.
 
 Two guards: replicas over the balance limit (see `BalanceGuard`) are not chosen while others are,
 so a popular prefix cannot overload its replica; and an optional softmax temperature spreads choices
@@ -74,16 +74,15 @@ class KvAwareWeights:
     queued in its engine; within 2 of the lightest, a full replica still took a fifth while another ran 2 of
     its 4. Within 1 instead cost the cache-pressure workload of `dpserve bench policies` 0.98 -> 0.94 of the
     oracle (docs/benchmarks/elastic.md)."""
-    held_tie: float = 0.25
-    """For a new prefix at a router with peers (`PrefixMatch.peers`), also held costs within this share of the
-    mean held blocks are a tie (added to the load's): routers that count the same held blocks would otherwise
-    send every new prefix arriving together to the one least-held replica; within this they spread by each
-    prefix's own hash, and every router agrees on each (docs/benchmarks/routers.md, near-ties). A router
-    alone has no one to herd with or disagree with: the least-held replica takes the prefix. Tied alone too,
-    with two replicas a quarter of the mean was nearly always inside the margin, so a new group went where
-    its hash pointed, one replica came to own more groups than its cache keeps, and one router's hit rate
-    on 2 vLLM replicas under cache pressure fell from 0.97 to 0.84-0.87 of a perfect partition
-    (docs/benchmarks/policies.md)."""
+    peer_spread: float = 0.1
+    """A router with peers (`PrefixMatch.peers`) draws a new prefix's replica by the prefix's own hash, each
+    replica weighed exp(-(cost - lowest) / peer_spread) (`drawn_by_hash`): new prefixes reaching several
+    routers at once spread in proportion, most to the cheapest, where the lowest cost in every router sent
+    them all to one replica; and one prefix seen by routers whose costs differ a little is drawn alike. The
+    tie this replaced (held costs within a quarter of the mean, broken by the hash) placed new prefixes by
+    hash nearly always: 4 peered routers under cache pressure then lost 5-10% of one router's hits in 1 run
+    of 5, and one router alone on 2 vLLM replicas 12-38% in some draws (docs/benchmarks/routers.md). A
+    router alone draws nothing: the cheapest replica takes the prefix."""
 
 
 class KvAware(Policy):
@@ -124,16 +123,18 @@ class KvAware(Policy):
         if features.prefix is not None and features.prefix.held:
             mean_held = sum(features.prefix.held.get(c.id, 0) for c in candidates) / len(candidates)
         w = self.weights
-        margin = w.tie_loads * w.load_weight
         prefix = features.prefix
-        if mean_held > 0 and prefix is not None and prefix.best < w.new_prefix_below * prefix.total_blocks:
-            if prefix.peers:
-                margin += w.held_tie * w.held_weight
+        new_prefix = prefix is not None and mean_held > 0 and prefix.best < w.new_prefix_below * prefix.total_blocks
+        if new_prefix:
             lightest = min(c.load for c in allowed)
             near = [c for c in allowed if c.load <= lightest + w.new_prefix_loads]
             allowed = [c for c in near if not c.slots or c.load < c.slots] or near
         costs = [(self.cost(features, c, mean_held), c) for c in allowed]
-        chosen = self._pick(costs, _tie_key(prefix, w.new_prefix_below), margin)
+        key = _tie_key(prefix, w.new_prefix_below)
+        if new_prefix and prefix is not None and prefix.peers and key is not None and w.temperature == 0:
+            chosen = drawn_by_hash(costs, key, w.peer_spread)
+        else:
+            chosen = self._pick(costs, key, w.tie_loads * w.load_weight)
         return Decision(chosen.id, _reason(features, candidates, allowed, chosen))
 
     def _pick(self, costs: list[tuple[float, ReplicaView]], first_key: int | None, margin: float) -> ReplicaView:
@@ -164,6 +165,25 @@ def _tie_key(prefix: PrefixMatch | None, new_prefix_below: float) -> int | None:
     best = prefix.best
     at = best if best < new_prefix_below * prefix.total_blocks else best - 1
     return prefix.keys[min(at, len(prefix.keys) - 1)]
+
+
+def drawn_by_hash(costs: Sequence[tuple[float, ReplicaView]], key: int, spread: float) -> ReplicaView:
+    """Weighted rendezvous: each replica's weight exp(-(cost - lowest) / spread), and the prefix's hash with
+    it a uniform draw u in (0, 1); the highest weight / -ln(u) wins, so a replica wins with probability
+    proportional to its weight over the prefixes, and routers whose weights differ a little still agree on
+    nearly every one (a winner changes only where two scores were that close)."""
+    lowest = min(cost for cost, _ in costs)
+
+    def score(item: tuple[float, ReplicaView]) -> float:
+        cost, replica = item
+        draw = (rendezvous(key, replica.id) + 1) / (HASH_RANGE + 1)  # in (0, 1]; rounded up to 1, it wins
+        return math.inf if draw >= 1.0 else math.exp(-(cost - lowest) / spread) / -math.log(draw)
+
+    return max(costs, key=score)[1]
+
+
+HASH_RANGE = 2**64
+"""`rendezvous` weights run over 0 .. HASH_RANGE - 1."""
 
 
 def rendezvous(key: int, replica_id: str) -> int:

@@ -245,23 +245,24 @@ def _held_features(key: int, held: dict[str, int], peers: int, **matched: int) -
 
 def test_new_prefixes_spread_over_replicas_holding_near_the_same_and_every_router_agrees() -> None:
     """Routers that count the same held blocks (their peers' routes too) sent every new prefix arriving
-    together to the one least-held replica. With peers, held costs within `held_tie` of the mean are a tie
-    for a new prefix, broken by its own hash: four routers seeing the same new prefixes at the same moment
-    spread them, the same in every router; a replica holding clearly less still takes them all, and a cached
-    prefix is not moved by the held tie."""
+    together to the one least-held replica. With peers, a new prefix is drawn by its own hash in proportion to
+    exp(-(cost - lowest) / peer_spread): four routers seeing the same new prefixes at the same moment spread
+    them, most to the replica holding least, the same in every router; a replica holding clearly less still
+    takes them all, and a cached prefix is not drawn."""
     routers = [KvAware(random.Random(seed)) for seed in range(4)]
     fleet = replicas(2, 2, 2, 2)
 
     def features(key: int, held: dict[str, int], **matched: int) -> RequestFeatures:
         return _held_features(key, held, 3, **matched)
 
-    near = {"r0": 100, "r1": 110, "r2": 115, "r3": 120}  # held costs 0.9-1.08 of the mean: within 0.25 + 2 loads
+    near = {"r0": 100, "r1": 110, "r2": 115, "r3": 120}  # held costs 0.90-1.08 of the mean
     chosen = collections.Counter()
     for key in range(4000, 4200):
         picks = {router.choose(features(key, near), fleet).id for router in routers}
         assert len(picks) == 1, (key, picks)
         chosen[picks.pop()] += 1
-    assert set(chosen) == {"r0", "r1", "r2", "r3"} and min(chosen.values()) > 20, chosen
+    assert set(chosen) == {"r0", "r1", "r2", "r3"} and 50 < chosen["r0"] < 150, chosen
+    assert chosen["r0"] > chosen["r1"] > chosen["r3"], chosen  # in proportion to the weights
     far = {"r0": 100, "r1": 400, "r2": 400, "r3": 400}  # r0 holds 0.9 of the mean less than the others
     assert {routers[0].choose(features(key, far), fleet).id for key in range(4000, 4100)} == {"r0"}
     # A prefix cached on r1 (6 of 10 blocks) and less on r2 (4) stays on r1, however the held counts fall.
@@ -269,16 +270,17 @@ def test_new_prefixes_spread_over_replicas_holding_near_the_same_and_every_route
 
 
 def test_a_router_alone_puts_each_new_prefix_on_the_replica_holding_least() -> None:
-    """Two replicas under cache pressure, one holding a fifth more of the fleet's cache than the other (well
-    inside the peers' quarter-of-the-mean tie): a router alone sends every new prefix to the one holding less,
-    whatever the prefix's hash, so no replica comes to own more groups than its cache keeps. With peers the
-    same counts are a tie, spread by the hash (they may all be placing new prefixes at that moment)."""
+    """Two replicas under cache pressure, one holding a fifth more of the fleet's cache than the other: a router
+    alone sends every new prefix to the one holding less, whatever the prefix's hash, so no replica comes to
+    own more groups than its cache keeps (a tie of a quarter of the mean, as peers had, sent them where their
+    hash pointed). With peers the same counts are drawn by the hash, most to the one holding less (the others
+    may be placing new prefixes at the same moment)."""
     policy = KvAware(random.Random(0))
     held = {"r0": 120, "r1": 100}
     alone = {policy.choose(_held_features(key, held, 0), replicas(1, 1)).id for key in range(5000, 5200)}
     assert alone == {"r1"}
     peered = collections.Counter(policy.choose(_held_features(k, held, 3), replicas(1, 1)).id for k in range(200))
-    assert set(peered) == {"r0", "r1"} and min(peered.values()) > 50, peered
+    assert set(peered) == {"r0", "r1"} and peered["r1"] > 2 * peered["r0"] > 20, peered
     # Nearly full against nearly empty: the emptier one, alone or not.
     far = {"r0": 380, "r1": 20}
     assert {policy.choose(_held_features(k, far, p), replicas(1, 1)).id for k in range(100) for p in (0, 3)} == {"r1"}
@@ -322,3 +324,18 @@ def test_holdings_far_below_every_cache_leave_new_prefixes_to_the_load() -> None
     # With room everywhere the load still counts: the lighter replica, over the two requests' tie.
     busy = [dataclasses.replace(r, kv_blocks=8192) for r in replicas(4, 1, 4)]
     assert {policy.choose(_held_features(k, held, 0), busy).id for k in range(100)} == {"r1"}
+
+
+def test_peered_routers_whose_held_counts_differ_by_their_own_last_routes_draw_a_new_prefix_alike() -> None:
+    """Each of four peered routers has routed one prompt (20 blocks) the others have not heard of yet: their views
+    of the held blocks differ by that much (2% of the mean), and they still draw nearly nine in ten new prefixes
+    alike (444 of 500; a tie of a quarter of the mean, as before, drew all alike and placed by hash alone)."""
+    base = {"r0": 1000, "r1": 1100, "r2": 1200, "r3": 1300}
+    views = [{**base, f"r{i}": base[f"r{i}"] + 20} for i in range(4)]
+    routers = [KvAware(random.Random(seed)) for seed in range(4)]
+    fleet = replicas(2, 2, 2, 2)
+    alike = 0
+    for key in range(6000, 6500):
+        picks = {r.choose(_held_features(key, view, 3), fleet).id for r, view in zip(routers, views, strict=True)}
+        alike += len(picks) == 1
+    assert alike >= 425, alike
