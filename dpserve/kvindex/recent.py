@@ -59,8 +59,9 @@ class RecentRoutes:
     def learn(self, keys: Sequence[int], replica: str, age_s: float, pending: bool = False) -> None:
         """A route made `age_s` ago, by this router or a peer. `pending`: it counts towards `pending_blocks`
         (this router's own routes and, from the peer board, its peers' live ones, so peered routers weigh a
-        replica's held blocks alike and agree where a new prefix goes; kv_aware's held tie keeps them from all
-        sending new prefixes that arrive together to one replica). A warm start's routes do not count."""
+        replica's held blocks alike and agree where a new prefix goes; kv_aware's draw by the prefix's hash keeps
+        them from all sending new prefixes that arrive together to one replica). A warm start's routes do not
+        count."""
         now = self._clock() - age_s
         if pending:
             self._log.append((now, replica, len(keys)))
