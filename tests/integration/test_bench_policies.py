@@ -57,9 +57,10 @@ def test_policy_benchmark_on_sims_writes_rows_plots_and_tables(tmp_path: Path) -
 PRESSURE_ARGV = ["--policies", "kv_aware,slo", "--vllm-router-policies", "", "--rounds", "4"]
 PRESSURE_ARGV += ["--groups", "8", "--prompts", "6"]
 PRESSURE_ARGV += ["--conversations", "6", "--turns", "4", "--prefix-words", "170"]
-GUARD_FLOOR = 0.93
-"""Of the partitioned oracle, every round: 0.95-1.04 now; 0.62-0.88 in some rounds of each run when one router
-tied near-equal held counts as peered routers must (db66630, docs/benchmarks/policies.md)."""
+GUARD_FLOOR = 0.90
+"""Of the partitioned oracle, every round: 0.95-1.04 now; 0.62-0.88 in some round of every run when one router
+tied near-equal held counts as peered routers had to (db66630, docs/benchmarks/policies.md). Room under the
+lowest seen: a round where one request of a group lands on the other replica is placement working."""
 
 
 def _pressure_rounds(out: Path, workloads: tuple[str, ...]) -> list[dict[str, str]]:
