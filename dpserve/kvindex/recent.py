@@ -32,6 +32,9 @@ class RecentRoutes:
         self._outbox: deque[tuple[str, Sequence[int]]] | None = deque(maxlen=max_outbox) if max_outbox > 0 else None
         self.on_news: Callable[[], None] | None = None
         """Called when the outbox gains a route (the peers' publisher wakes)."""
+        self.peers = 0
+        """Other routers whose live routes this map takes (peers and sibling workers heard lately; the peer
+        board keeps it): their routes reach it a moment late, so kv_aware draws new prefixes among them."""
 
     def record(self, keys: Sequence[int], replica: str) -> None:
         """This router sent a prompt with these blocks to `replica`."""

@@ -187,7 +187,7 @@ class Router:
         self.tracing = Tracing(endpoint) if endpoint else None
         self.selector = selector_for(
             settings, registry, self.catalog, self.policy, self.admission, self.metrics,
-            self.kv_index, self.text_index, self.recent, rng, self.bindings, self.peers.board.heard,
+            self.kv_index, self.text_index, self.recent, rng, self.bindings,
         )  # fmt: skip
         # A back-off asked for longer than the default cap is honoured (one retry, then the cap).
         cap = max(RetryRules().backoff_cap_s, settings.retry_backoff_s)  # an instance: compiled, the class has a slot

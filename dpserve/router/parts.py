@@ -146,12 +146,11 @@ def selector_for(
     recent: RecentRoutes | None,
     rng: random.Random | None = None,
     bindings: SessionBindings | None = None,
-    peers: Callable[[], int] | None = None,
 ) -> Selector:
     """How the router chooses replicas (also what `benchmarks/decision_time.py` times); the prefix lookup
-    only for a policy that reads prefixes. `peers`: how many other routers share its routes now."""
+    only for a policy that reads prefixes."""
     reads_prefix = policy.needs & {Need.KV_PREFIX, Need.TEXT_PREFIX}
-    prefixes = PrefixLookup(metrics, kv_index, text_index, recent, peers) if reads_prefix else None
+    prefixes = PrefixLookup(metrics, kv_index, text_index, recent) if reads_prefix else None
     return Selector(
         registry,
         catalog,

@@ -65,8 +65,9 @@ async def test_kv_matches_are_read_at_decision_time() -> None:
     assert later.prefix.peers == 0  # no peers: the router alone places new prefixes
     assert policy.choose(later, candidates).id == "r1"
     # With peers heard, the match says how many share the routes (kv_aware then ties near-equal held counts).
-    peered = PrefixLookup(metrics, kv_index, recent=RecentRoutes(lambda: now[0]), peers=lambda: 3)
-    shared = peered.match(second, candidates).prefix
+    routes = RecentRoutes(lambda: now[0])
+    routes.peers = 3  # as the peer board sets it
+    shared = PrefixLookup(metrics, kv_index, recent=routes).match(second, candidates).prefix
     assert shared is not None and shared.peers == 3
 
 

@@ -209,12 +209,12 @@ def test_own_updates_relayed_back_and_unknown_replicas_are_ignored() -> None:
 
 def test_a_peer_is_forgotten_when_it_leaves_its_link_drops_or_it_goes_silent() -> None:
     clock = Clock()
-    board, registry, _ = board_for(URLS, clock, timeout_s=2.0)
+    board, registry, recent = board_for(URLS, clock, timeout_s=2.0)
     for origin, link in (("a", "la"), ("b", "lb"), ("c", "lc")):
         board.apply(PeerUpdate(origin, 1, clock.now, in_flight={URLS[0]: 1}), link)
-    assert registry.get("r0").peer_in_flight == 3 and board.heard() == 3
+    assert registry.get("r0").peer_in_flight == 3 and recent.peers == 3
     board.apply(PeerUpdate("a", 2, clock.now, leaving=True), "la")
-    assert registry.get("r0").peer_in_flight == 2 and board.heard() == 2
+    assert registry.get("r0").peer_in_flight == 2 and recent.peers == 2
     board.link_lost("lb")
     assert registry.get("r0").peer_in_flight == 1
     clock.now += 1.0
@@ -223,7 +223,7 @@ def test_a_peer_is_forgotten_when_it_leaves_its_link_drops_or_it_goes_silent() -
     clock.now += 1.5
     board.expire()
     # Alone again: kv_aware places new prefixes as a router alone does (PrefixMatch.peers).
-    assert registry.get("r0").peer_in_flight == 0 and board.heard() == 0
+    assert registry.get("r0").peer_in_flight == 0 and recent.peers == 0
     assert board.stats.forgotten == {"left": 1, "link_lost": 1, "silent": 1}
 
 

@@ -195,6 +195,8 @@ class PeerBoard:
             self._hold_falls(totals)
         self._believed = {rid: count for rid, count in totals.items() if count}
         self._registry.set_peer_in_flight(self._believed)
+        if self._recent is not None:
+            self._recent.peers = len(self._origins)  # the routers placing new prefixes beside this one
 
     def _hold_falls(self, totals: dict[str, int]) -> None:
         """Keeps the counts that fell at their older value until each fall's pause ends (a rise ends it)."""
@@ -316,11 +318,6 @@ class PeerBoard:
                     self._recent.learn((key,), rid, age)
                     routes += 1
         return blocks, routes
-
-    def heard(self) -> int:
-        """Peers heard within `timeout_s` (sibling workers included): the routers placing requests on this
-        fleet besides this one, whose routes reach this router's held blocks a moment late."""
-        return len(self._origins)
 
     # -- what /status shows --------------------------------------------------------------------------
 

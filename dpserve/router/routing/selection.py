@@ -5,7 +5,7 @@ benchmark call it directly."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from dpserve.kvindex.index import KvIndex
 from dpserve.kvindex.recent import RecentRoutes
@@ -189,14 +189,11 @@ class PrefixLookup:
         kv_index: KvIndex | None = None,
         text_index: TextPrefixIndex | None = None,
         recent: RecentRoutes | None = None,
-        peers: Callable[[], int] | None = None,
     ) -> None:
-        """`peers`: how many other routers share this one's routes now (`PeerBoard.heard`)."""
         self._metrics = metrics
         self._kv_index = kv_index
         self._text_index = text_index
         self._recent = recent
-        self._peers = peers
 
     def match(self, features: RequestFeatures, candidates: Sequence[ReplicaView]) -> RequestFeatures:
         """The prefix matches and cache ownership as they are now, for these candidates (cheap, sync):
@@ -214,12 +211,14 @@ class PrefixLookup:
             return features
         matched = self._kv_index.match(prefix.keys, ids)
         held = {rid: self._kv_index.blocks(rid) for rid in ids}
+        peers = 0
         if self._recent is not None:
             # What was just sent somewhere counts as cached there: its events are a prefill away.
             pending = self._recent.match(prefix.keys, ids)
             matched = {rid: max(blocks, pending[rid]) for rid, blocks in matched.items()}
             held = {rid: blocks + self._recent.pending_blocks(rid) for rid, blocks in held.items()}
-        return features.with_prefix(prefix.with_matches(matched, held, self._peers() if self._peers is not None else 0))
+            peers = self._recent.peers
+        return features.with_prefix(prefix.with_matches(matched, held, peers))
 
     def likely_best(self, features: RequestFeatures, limit: int) -> list[str]:
         """Replicas likely to hold the longest run of the prompt."""
