@@ -332,8 +332,13 @@ class RoundResult:
 
     @property
     def max_share(self) -> float:
-        fair = sum(self.served) / len(self.served) if self.served else 0.0
-        return max(self.served) / fair if fair else math.nan
+        return max_share(self.served)
+
+
+def max_share(served: Sequence[float]) -> float:
+    """Requests on the busiest replica over the fair share (nan when none were served)."""
+    fair = sum(served) / len(served) if served else 0.0
+    return max(served) / fair if fair else math.nan
 
 
 async def run_round(
@@ -391,7 +396,6 @@ async def run_contender(
     hits, queries = sum(r.hits for r in rounds), sum(r.queries for r in rounds)
     served = [sum(column) for column in zip(*(r.served for r in rounds), strict=True)]
     ttfts = sorted(o.ttft_s * 1000 for o in outcomes if o.ok)
-    fair = sum(served) / len(served) if served else 0
     hit_rate = hits / queries if queries else 0.0
     receipts = pool_receipts([r.receipts for r in rounds])
     return Row(
@@ -406,7 +410,7 @@ async def run_contender(
         ttft_p50_ms=round(percentile(ttfts, 50), 1),
         ttft_p99_ms=round(percentile(ttfts, 99), 1),
         req_per_s=round(len(outcomes) / sum(r.seconds for r in rounds), 2),
-        max_share=round(max(served) / fair, 3) if fair else math.nan,
+        max_share=round(max_share(served), 3),
         per_replica="/".join(str(int(s)) for s in served),
         reasons=" ".join(f"{reason}={count}" for reason, count in sum_counts([r.reasons for r in rounds]).items()),
         receipt_classes=" ".join(f"{name}={count}" for name, count in receipts.get("classes", {}).items() if count),

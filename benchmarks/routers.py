@@ -61,6 +61,7 @@ from benchmarks.policies import (
     build_workloads,
     contender_command,
     counter_deltas,
+    max_share,
     oracle_for,
     pressure_capacity,
     replica_counters,
@@ -235,7 +236,6 @@ async def run_tier(
             terminate(process, 30)
     hits, queries, served = counter_deltas(before, after)
     ttfts = sorted(o.ttft_s * 1000 for o in outcomes if o.ok)
-    fair = sum(served) / len(served) if served else 0
     return TierRow(
         workload=name,
         tier=tier,
@@ -250,7 +250,7 @@ async def run_tier(
         ttft_p99_ms=round(percentile(ttfts, 99), 1),
         ttft_p99_vs_one=math.nan,
         req_per_s=round(len(outcomes) / seconds, 2),
-        max_share=round(max(served) / fair, 3) if fair else math.nan,
+        max_share=round(max_share(served), 3),
         per_replica="/".join(str(int(s)) for s in served),
     )
 

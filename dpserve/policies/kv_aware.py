@@ -29,7 +29,8 @@ free slot: a replica that just joined owns nothing, and would otherwise take eve
 balance guard stopped it, far past what it runs at once. A router alone puts it on the least-held of those
 (near-equal loads aside); a router with peers draws it by its own hash in proportion to
 exp(-(cost - lowest) / `peer_spread`), so new prefixes reaching several routers at once spread, most to the
-cheapest replica, instead of all going to one, and each is placed alike everywhere.
+cheapest replica, instead of all going to one, and routers whose costs differ a little draw each alike
+(nearly always: `drawn_by_hash`).
 
 Two guards: replicas over the balance limit (see `BalanceGuard`) are not chosen while others are,
 so a popular prefix cannot overload its replica; and an optional softmax temperature spreads choices
